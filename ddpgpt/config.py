@@ -1,0 +1,383 @@
+"""Typed configuration: one dataclass per concern, a docstring under every field, validation.
+
+A training config is resolved in layers, later ones winning: a preset (`presets.py`), then a TOML
+file (`--config run.toml`, sections [model] [data] [optim] [run], optional top-level `preset`),
+then per-field command-line flags (`--optim.lr 3e-4`). Every value is checked for its type and
+range before any process group exists; a bad one is a `ConfigError`: one line naming the field,
+the source and the fix. The resolved config is saved as `config.json` in the run directory.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from ddpgpt.errors import UserError
+
+
+class ConfigError(UserError):
+    """A config value that is unknown, of the wrong type, or out of range."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"invalid config: {message}")
+
+
+def _choice(section: str, name: str, value: str, choices: tuple[str, ...]) -> None:
+    _require(value in choices, f"{section}.{name} = {value!r}; choose one of {', '.join(choices)}")
+
+
+@dataclass
+class PrepareConfig:
+    """`ddpgpt prepare`: corpus sources -> tokenizer -> token shards."""
+
+    sources: list[str] = field(default_factory=list)
+    """Corpus sources: `stdlib` (default), files, directories, globs, or hf:NAME[:CONFIG][:SPLIT]."""
+    out: str | None = None
+    """Dataset directory to create (written to a temporary name, renamed when complete)."""
+    tokenizer: str = "bpe"
+    """bpe (trained on the corpus), byte (UTF-8 bytes), or gpt2 (tiktoken; needs the hf extra)."""
+    vocab_size: int = 4096
+    """Vocabulary size of the bpe tokenizer, end-of-text included (at least 257)."""
+    val_fraction: float = 0.01
+    """Fraction of documents, whole and evenly spaced, held out for validation (0 < f < 1)."""
+    shard_tokens: int = 100_000_000
+    """Tokens per shard file at most."""
+    bpe_train_mb: int = 256
+    """The bpe tokenizer is trained on at most this many MB of the corpus (the first documents)."""
+    force: bool = False
+    """Replace a non-empty --out directory (the old one is removed only after the new one is complete)."""
+    verify: str | None = None
+    """Instead of preparing: re-check every shard of this dataset directory (header, size, sha256)."""
+
+    def __post_init__(self):
+        _choice("prepare", "tokenizer", self.tokenizer, ("bpe", "byte", "gpt2"))
+        _require(0 < self.val_fraction < 1, f"--val-fraction {self.val_fraction} must be between 0 and 1")
+        _require(self.shard_tokens >= 1, f"--shard-tokens {self.shard_tokens} must be >= 1")
+        _require(self.bpe_train_mb >= 1, f"--bpe-train-mb {self.bpe_train_mb} must be >= 1")
+
+
+@dataclass
+class ModelConfig:
+    """GPT-2-style decoder shape."""
+
+    n_layer: int = 4
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide n_embd."""
+    n_embd: int = 256
+    """Residual stream width."""
+    block_size: int = 256
+    """Longest context in tokens (size of the learned position embedding)."""
+    vocab_size: int = 0
+    """Output vocabulary; 0 takes the dataset's, rounded up to a multiple of 64 for fast matmuls."""
+    bias: bool = True
+    """Biases in linear layers and LayerNorms (GPT-2 has them)."""
+    dropout: float = 0.0
+    """Dropout probability on attention, residual and embedding outputs (0 for pretraining)."""
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_head", "n_embd", "block_size"):
+            _require(getattr(self, name) >= 1, f"model.{name} = {getattr(self, name)} must be >= 1")
+        _require(self.vocab_size >= 0, f"model.vocab_size = {self.vocab_size} must be >= 0 (0: from the dataset)")
+        _require(self.n_embd % self.n_head == 0, f"model.n_head = {self.n_head} must divide model.n_embd = {self.n_embd}")
+        _require(0 <= self.dropout < 1, f"model.dropout = {self.dropout} must be in [0, 1)")
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from and how they are batched."""
+
+    dir: str = field(default="data/stdlib", metadata={"alias": "--data"})
+    """Dataset directory made by `ddpgpt prepare`."""
+    seq_len: int = 0
+    """Training sequence length T in tokens; 0 uses model.block_size."""
+    micro_batch: int = 8
+    """Sequences per process per micro-step (b): bounded by device memory."""
+    global_batch: int = 32
+    """Sequences per optimizer step (G), fixed whatever the number of processes W; the
+    accumulation steps are G / (W * b)."""
+    seed: int = 1337
+    """Seed of the data order (the per-epoch permutation of windows)."""
+    shuffle: bool = True
+    """Visit windows in a seeded random order each epoch (else in file order)."""
+    eval_windows: int = 256
+    """Validation windows per evaluation, evenly spaced over the val split; 0 uses all."""
+
+    def __post_init__(self):
+        for name in ("micro_batch", "global_batch"):
+            _require(getattr(self, name) >= 1, f"data.{name} = {getattr(self, name)} must be >= 1")
+        _require(self.seq_len >= 0, f"data.seq_len = {self.seq_len} must be >= 0 (0: model.block_size)")
+        _require(self.eval_windows >= 0, f"data.eval_windows = {self.eval_windows} must be >= 0")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay, gradient clipping."""
+
+    lr: float = 1e-3
+    """Peak learning rate, reached after warmup_steps."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay (run.steps)."""
+    warmup_steps: int = 20
+    """Steps of linear warmup from 0 to lr."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices and embeddings only (not biases or norms)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global (all-ranks) gradient norm to this; 0 disables clipping."""
+
+    def __post_init__(self):
+        _require(self.lr > 0, f"optim.lr = {self.lr} must be > 0")
+        _require(0 <= self.min_lr <= self.lr, f"optim.min_lr = {self.min_lr} must be in [0, optim.lr = {self.lr}]")
+        _require(self.warmup_steps >= 0, f"optim.warmup_steps = {self.warmup_steps} must be >= 0")
+        _require(self.weight_decay >= 0, f"optim.weight_decay = {self.weight_decay} must be >= 0")
+        for name in ("beta1", "beta2"):
+            _require(0 <= getattr(self, name) < 1, f"optim.{name} = {getattr(self, name)} must be in [0, 1)")
+        _require(self.eps > 0, f"optim.eps = {self.eps} must be > 0")
+        _require(self.grad_clip >= 0, f"optim.grad_clip = {self.grad_clip} must be >= 0 (0: off)")
+
+
+@dataclass
+class RunConfig:
+    """The run: length, logging, checkpoints, devices and precision."""
+
+    dir: str = field(default="runs/default", metadata={"alias": "--run"})
+    """Run directory: config.json, metrics.jsonl, checkpoints/."""
+    steps: int = 200
+    """Optimizer steps to train for in total (a resumed run continues up to this)."""
+    seed: int = 1337
+    """Seed of the model init, identical on every rank."""
+    log_every: int = 1
+    """Write a metrics.jsonl row every this many steps."""
+    eval_every: int = 100
+    """Evaluate on the validation windows every this many steps (and at the end); 0: end only."""
+    checkpoint_every: int = 100
+    """Save a checkpoint every this many steps (and at the end); 0: end only."""
+    keep_checkpoints: int = 3
+    """Keep the newest this many checkpoints, deleting older ones."""
+    resume: str = field(default="auto", metadata={"alias": "--resume"})
+    """auto: continue from the run dir's latest complete checkpoint if any; never: refuse an existing
+    checkpoint; or the path of a checkpoint directory."""
+    device: str = field(default="auto", metadata={"alias": "--device"})
+    """auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu or cuda."""
+    backend: str = "auto"
+    """Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo."""
+    precision: str = "auto"
+    """auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16 or fp16 (autocast + GradScaler)."""
+    compile: bool = field(default=False, metadata={"alias": "--compile"})
+    """Apply torch.compile to the model."""
+    bucket_mb: float = 25.0
+    """DDP gradient bucket size in MB."""
+    threads: int = 0
+    """torch CPU threads per process; 0 uses the machine's cores divided by the local processes."""
+
+    def __post_init__(self):
+        _require(self.steps >= 1, f"run.steps = {self.steps} must be >= 1")
+        _require(self.log_every >= 1, f"run.log_every = {self.log_every} must be >= 1")
+        for name in ("eval_every", "checkpoint_every", "threads"):
+            _require(getattr(self, name) >= 0, f"run.{name} = {getattr(self, name)} must be >= 0")
+        _require(self.keep_checkpoints >= 1, f"run.keep_checkpoints = {self.keep_checkpoints} must be >= 1")
+        _require(self.bucket_mb > 0, f"run.bucket_mb = {self.bucket_mb} must be > 0")
+        _choice("run", "device", self.device, ("auto", "cpu", "cuda"))
+        _choice("run", "backend", self.backend, ("auto", "nccl", "gloo"))
+        _choice("run", "precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
+
+
+@dataclass
+class TrainConfig:
+    """Everything `ddpgpt train` needs; saved resolved as the run's config.json."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        _require(self.data.seq_len <= self.model.block_size,
+                 f"data.seq_len = {self.data.seq_len} exceeds model.block_size = {self.model.block_size}")
+        _require(self.data.global_batch % self.data.micro_batch == 0,
+                 f"data.global_batch = {self.data.global_batch} is not a multiple of data.micro_batch = {self.data.micro_batch}")
+
+    @property
+    def seq_len(self) -> int:
+        return self.data.seq_len or self.model.block_size
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class SampleConfig:
+    """`ddpgpt sample`: generate text from a run's latest checkpoint."""
+
+    run: str = "runs/default"
+    """Run directory (its latest complete checkpoint is used)."""
+    prompt: str = ""
+    """Text to continue; empty starts a fresh document (from the end-of-text token)."""
+    max_new_tokens: int = 200
+    """Tokens to generate."""
+    temperature: float = 0.8
+    """Softmax temperature; lower is more conservative."""
+    top_k: int = 50
+    """Sample among the k most likely tokens; 0 samples from all."""
+    num_samples: int = 1
+    """Independent samples to print."""
+    seed: int = 1337
+    """Sampling seed."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+
+    def __post_init__(self):
+        _require(self.max_new_tokens >= 1, f"--max-new-tokens {self.max_new_tokens} must be >= 1")
+        _require(self.temperature > 0, f"--temperature {self.temperature} must be > 0")
+        _require(self.top_k >= 0, f"--top-k {self.top_k} must be >= 0 (0: off)")
+        _require(self.num_samples >= 1, f"--num-samples {self.num_samples} must be >= 1")
+        _choice("sample", "device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class EvalConfig:
+    """`ddpgpt eval`: validation loss of a run's latest checkpoint (runs under torchrun too)."""
+
+    run: str = "runs/default"
+    """Run directory (its latest complete checkpoint is used)."""
+    windows: int = -1
+    """Validation windows to evaluate; -1 uses the run's data.eval_windows, 0 all of them."""
+    device: str = "auto"
+    """auto (cuda:LOCAL_RANK when available), cpu or cuda."""
+
+    def __post_init__(self):
+        _require(self.windows >= -1, f"--windows {self.windows} must be >= -1")
+        _choice("eval", "device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class DoctorConfig:
+    """`ddpgpt doctor`: environment report and, with several processes, an all-reduce probe."""
+
+    nproc: int = 0
+    """Start this many local processes for the all-reduce probe (0: just this process, or torchrun's)."""
+    probe_mb: float = 64.0
+    """Size of the all-reduce probe tensor in MB."""
+
+    def __post_init__(self):
+        _require(self.nproc >= 0, f"--nproc {self.nproc} must be >= 0")
+        _require(self.probe_mb > 0, f"--probe-mb {self.probe_mb} must be > 0")
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig}
+
+
+# ---- field metadata: types and docstrings ---------------------------------------------------
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (what `--help` shows)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    hints = get_type_hints(cls, vars(sys.modules[cls.__module__]))
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def base_type(tp: Any) -> Any:
+    """`str | None` -> str; `list[str]` -> list; plain types unchanged."""
+    if get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return base_type(args[0])
+    return get_origin(tp) or tp
+
+
+def coerce(value: Any, tp: Any, where: str) -> Any:
+    """Checks (TOML values) or converts (command-line strings) `value` to the field's type."""
+    kind = base_type(tp)
+    if value is None and type(None) in get_args(tp):
+        return None
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
+    if isinstance(value, str) and kind is not str and kind is not list:
+        try:
+            if kind is bool:
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return value.lower() in ("true", "1", "yes")
+            return kind(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected {names[kind]}, got {value!r}") from None
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise ConfigError(f"{where}: expected {names[kind]}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def apply(cfg: TrainConfig, values: dict, source: str) -> TrainConfig:
+    """A copy of `cfg` with the nested `values` ({section: {field: value}}) applied and validated."""
+    sections = {}
+    for section, fields in values.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{source}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
+        if not isinstance(fields, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table of fields, got {fields!r}")
+        current = getattr(cfg, section)
+        types_ = field_types(type(current))
+        changes = {}
+        for name, value in fields.items():
+            if name not in types_:
+                raise ConfigError(f"{source}: unknown key {section}.{name}; known: {', '.join(types_)}")
+            changes[name] = coerce(value, types_[name], f"{source}: {section}.{name}")
+        sections[section] = dataclasses.replace(current, **changes)
+    return dataclasses.replace(cfg, **sections)
+
+
+def load_toml(path: str | Path) -> dict:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+
+
+def from_dict(values: dict, source: str = "config.json") -> TrainConfig:
+    """Rebuilds a TrainConfig from `to_dict()` output (a checkpoint's or run dir's config)."""
+    return apply(TrainConfig(), values, source)
+
+
+def resolve(preset: str | None, config_file: str | None, overrides: dict) -> TrainConfig:
+    """preset -> TOML file -> command-line overrides, each layer validated."""
+    from ddpgpt.presets import get_preset
+
+    file_values = load_toml(config_file) if config_file else {}
+    preset = preset or file_values.pop("preset", None)
+    file_values.pop("preset", None)
+    cfg = get_preset(preset) if preset else TrainConfig()
+    if file_values:
+        cfg = apply(cfg, file_values, config_file)
+    return apply(cfg, overrides, "command line")

@@ -1,0 +1,1 @@
+"""Dataset preparation (`prepare`), shard files (`shards`), tokenizers and the distributed loader."""

@@ -1,0 +1,181 @@
+"""Distributed token loader: each rank reads its own windows, in an order independent of W.
+
+Ordering guarantee. The split's shards form one token stream. It is cut into windows that start
+T tokens apart and read T+1 tokens (x = the first T, y = the same shifted by one), so there are
+(N - 1) // T windows. Each epoch visits them in a permutation seeded by (seed, epoch) (file order
+with shuffle off). Optimizer step k takes the next G = W·A·b windows of that order; within the
+step, rank r at micro-step m takes positions (m·W + r)·b ... (m·W + r)·b + b. Hence:
+
+- the windows of step k depend only on (dataset, seed, T, G, k), not on W or A;
+- ranks never share a window within a step, and every window is used once per epoch;
+- the last (windows mod G) windows of each epoch's order are dropped, not wrapped: an epoch has
+  windows // G steps (the dropped ones differ from epoch to epoch since the order does);
+- the state is one global cursor (epoch, windows consumed in it), so a run saved at W=4 resumes
+  at W=2 (same G) with exactly the next windows.
+
+Everything is passed in; the loader reads no environment variables and calls no collectives, so a
+single-process test can play rank 3 of 4. Reading is a slice per window out of memory-mapped
+shards: a rank touches only its own windows' pages.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from ddpgpt.data.shards import TokenDataset
+from ddpgpt.errors import DataError
+
+STATE_VERSION = 1
+
+
+class TokenStream:
+    """A split's shards as one indexable token stream, cut into windows of T+1 tokens."""
+
+    def __init__(self, dataset: TokenDataset, split: str, seq_len: int):
+        self.shards = [s for s in dataset.tokens(split) if len(s)]
+        self.starts = np.cumsum([0] + [len(s) for s in self.shards])  # token offset of each shard
+        self.num_tokens = int(self.starts[-1])
+        self.seq_len = seq_len
+        self.num_windows = max(0, (self.num_tokens - 1) // seq_len)
+
+    def read(self, windows: np.ndarray, out: np.ndarray) -> None:
+        """Copies windows into `out`, shape (len(windows), T+1), converting to out's dtype."""
+        span = self.seq_len + 1
+        for row, w in zip(out, windows):
+            pos, filled = int(w) * self.seq_len, 0
+            k = bisect_right(self.starts, pos) - 1
+            while filled < span:  # a window crosses a shard boundary at most a few times
+                local = pos + filled - int(self.starts[k])
+                piece = self.shards[k][local:local + span - filled]
+                row[filled:filled + len(piece)] = piece
+                filled += len(piece)
+                k += 1
+
+
+def _to_device(buf: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, T+1) tokens -> x, y views of shape (b, T) on `device`."""
+    if device.type == "cuda":
+        # buf is pinned; the caching host allocator keeps it alive until the copy has run.
+        buf = buf.to(device, non_blocking=True)
+    return buf[:, :-1], buf[:, 1:]
+
+
+def _new_buffer(rows: int, span: int, device: torch.device) -> torch.Tensor:
+    return torch.empty((rows, span), dtype=torch.int64, pin_memory=device.type == "cuda")
+
+
+class TrainLoader:
+    """Yields each optimizer step's micro-batches for one rank; see the module docstring."""
+
+    def __init__(self, dataset: TokenDataset, *, seq_len: int, micro_batch: int, world_size: int = 1,
+                 rank: int = 0, accum_steps: int = 1, seed: int = 0, shuffle: bool = True,
+                 split: str = "train", device: str | torch.device = "cpu"):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.stream = TokenStream(dataset, split, seq_len)
+        self.seq_len, self.micro_batch = seq_len, micro_batch
+        self.world_size, self.rank, self.accum_steps = world_size, rank, accum_steps
+        self.global_batch = world_size * accum_steps * micro_batch
+        self.seed, self.shuffle = seed, shuffle
+        self.device = torch.device(device)
+        if self.stream.num_windows < self.global_batch:
+            raise DataError(
+                f"dataset {dataset.path} has {self.stream.num_windows} {split} windows of {seq_len + 1} tokens, "
+                f"fewer than one global batch of {self.global_batch} sequences; use a larger dataset "
+                "or a smaller data.global_batch / data.seq_len"
+            )
+        self.epoch, self.consumed = 0, 0
+        self._order_epoch, self._order = -1, None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.stream.num_windows // self.global_batch
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The window ids of `epoch` in visiting order (cached for the current epoch)."""
+        if epoch != self._order_epoch:
+            n = self.stream.num_windows
+            if self.shuffle:
+                self._order = np.random.default_rng([self.seed, epoch]).permutation(n)
+            else:
+                self._order = np.arange(n)
+            self._order_epoch = epoch
+        return self._order
+
+    def next_step(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Advances the cursor by one step (G windows) and returns this rank's A micro-batches,
+        read lazily: an iterator of (x, y), int64, each of shape (b, T)."""
+        if self.consumed + self.global_batch > self.stream.num_windows:
+            self.epoch, self.consumed = self.epoch + 1, 0  # drop the epoch's partial last step
+        step = self.order(self.epoch)[self.consumed:self.consumed + self.global_batch]
+        self.consumed += self.global_batch
+        return self._micro_batches(step)
+
+    def _micro_batches(self, step: np.ndarray) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        b, W = self.micro_batch, self.world_size
+        for m in range(self.accum_steps):
+            start = (m * W + self.rank) * b
+            buf = _new_buffer(b, self.seq_len + 1, self.device)
+            self.stream.read(step[start:start + b], buf.numpy())
+            yield _to_device(buf, self.device)
+
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "epoch": self.epoch, "consumed": self.consumed,
+                "seed": self.seed, "seq_len": self.seq_len, "shuffle": self.shuffle,
+                "num_windows": self.stream.num_windows}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues from a saved cursor; W and A may differ from the saving run's."""
+        for key in ("seed", "seq_len", "shuffle"):
+            if state[key] != getattr(self, key):
+                raise DataError(f"loader state has {key} = {state[key]} but this run has {getattr(self, key)}; "
+                                "resume with the same data settings")
+        if state["num_windows"] != self.stream.num_windows:
+            raise DataError(f"loader state counts {state['num_windows']} windows but the dataset has "
+                            f"{self.stream.num_windows}: the data changed; resume on the same dataset")
+        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+
+
+class EvalLoader:
+    """A fixed, deterministic list of validation windows, split across ranks.
+
+    Windows: all of the split's, or `max_windows` of them evenly spaced. Rank r takes windows
+    r, r+W, r+2W, ...; every rank yields the same number of batches (the last rows of a short
+    rank are padding whose targets are -1, which the loss ignores), so a collective inside the
+    model's forward could never wait on a rank that ran out. Summing (loss · tokens, tokens)
+    over ranks gives exactly the single-process token-weighted mean, up to float rounding.
+    """
+
+    def __init__(self, dataset: TokenDataset, *, seq_len: int, micro_batch: int, world_size: int = 1,
+                 rank: int = 0, max_windows: int = 0, split: str = "val",
+                 device: str | torch.device = "cpu"):
+        self.stream = TokenStream(dataset, split, seq_len)
+        n = self.stream.num_windows
+        if n == 0:
+            raise DataError(f"dataset {dataset.path}: the {split} split has fewer than {seq_len + 1} tokens; "
+                            "re-run ddpgpt prepare with a larger --val-fraction or use a smaller data.seq_len")
+        self.windows = np.arange(n) if not max_windows or max_windows >= n else \
+            np.linspace(0, n - 1, max_windows).round().astype(np.int64)
+        self.micro_batch, self.seq_len = micro_batch, seq_len
+        self.device = torch.device(device)
+        self.mine = self.windows[rank::world_size]
+        per_rank = -(-len(self.windows) // world_size)
+        self.num_batches = -(-per_rank // micro_batch)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        b = self.micro_batch
+        for i in range(self.num_batches):
+            ids = self.mine[i * b:(i + 1) * b]
+            buf = _new_buffer(b, self.seq_len + 1, self.device)
+            arr = buf.numpy()
+            self.stream.read(ids, arr)
+            arr[len(ids):] = 0
+            x, y = _to_device(buf, self.device)
+            if len(ids) < b:  # padding rows: any input, no targets
+                y = y.clone()
+                y[len(ids):] = -1
+            yield x, y

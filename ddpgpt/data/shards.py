@@ -1,0 +1,198 @@
+"""Token shard files and the dataset directory that lists them.
+
+A shard is a fixed 1024-byte header followed by the tokens, little-endian:
+
+    offset  size  field
+    0       8     magic b"DDPGPTTK"
+    8       4     format version (u32), currently 1
+    12      4     dtype code (u32): 1 = uint16, 2 = uint32
+    16      8     token count (u64)
+    24      1000  zero padding
+
+A dataset directory holds `meta.json` (written last, see `prepare.py`), the shards
+`train_NNNNNN.bin` / `val_NNNNNN.bin`, and `tokenizer.json` for the bpe tokenizer. Readers
+memory-map the token payload, so opening a dataset costs nothing however large it is, and a
+reader touches only the pages it slices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ddpgpt.errors import DataError
+
+MAGIC = b"DDPGPTTK"
+FORMAT_VERSION = 1
+HEADER_BYTES = 1024
+META_FORMAT_VERSION = 1
+_HEADER = struct.Struct("<8sIIQ")  # magic, version, dtype code, token count
+DTYPE_CODES = {1: np.dtype(np.uint16), 2: np.dtype(np.uint32)}
+DTYPE_NAMES = {"uint16": 1, "uint32": 2}
+REPREPARE = "re-run ddpgpt prepare"
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+    """The smallest token dtype name that holds ids below `vocab_size`."""
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard as `meta.json` records it."""
+
+    file: str
+    tokens: int
+    sha256: str
+
+
+class ShardWriter:
+    """Streams token arrays into one shard file; `close()` writes the header and returns its info.
+
+    The header is written last (the count is not known before), so a shard that was never closed
+    fails validation with a size or magic error rather than passing as a short shard.
+    """
+
+    def __init__(self, path: str | os.PathLike, dtype: str):
+        self.path = Path(path)
+        self.dtype = np.dtype(dtype)
+        self.count = 0
+        self._f = open(self.path, "wb")
+        self._f.write(bytes(HEADER_BYTES))
+
+    def write(self, tokens: np.ndarray) -> None:
+        self._f.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        self.count += len(tokens)
+
+    def close(self) -> ShardInfo:
+        header = _HEADER.pack(MAGIC, FORMAT_VERSION, DTYPE_NAMES[self.dtype.name], self.count)
+        self._f.seek(0)
+        self._f.write(header)
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        return ShardInfo(self.path.name, self.count, file_sha256(self.path))
+
+
+def read_header(path: Path) -> tuple[np.dtype, int]:
+    """Validates a shard's header and size; returns (dtype, token count)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(_HEADER.size)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read shard ({e.strerror}); {REPREPARE}") from None
+    if len(raw) < _HEADER.size:
+        raise DataError(f"{path}: truncated shard ({size} bytes, shorter than its header); {REPREPARE}")
+    magic, version, code, count = _HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise DataError(f"{path}: not a ddpgpt shard (bad magic {magic!r}); {REPREPARE}")
+    if version > FORMAT_VERSION:
+        raise DataError(
+            f"{path}: shard format version {version} is newer than this ddpgpt reads "
+            f"({FORMAT_VERSION}); upgrade ddpgpt or {REPREPARE}"
+        )
+    if code not in DTYPE_CODES:
+        raise DataError(f"{path}: unknown token dtype code {code} in header; {REPREPARE}")
+    dtype = DTYPE_CODES[code]
+    expected = HEADER_BYTES + count * dtype.itemsize
+    if size != expected:
+        what = "truncated" if size < expected else "has trailing bytes"
+        raise DataError(
+            f"{path}: {what}: header says {count} {dtype.name} tokens ({expected} bytes) "
+            f"but the file has {size} bytes; {REPREPARE}"
+        )
+    return dtype, count
+
+
+def open_shard(path: Path) -> np.ndarray:
+    """A read-only memory map of a validated shard's tokens, shape (count,)."""
+    dtype, count = read_header(path)
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+class TokenDataset:
+    """A prepared dataset directory, checked against its `meta.json` when opened.
+
+    Opening validates every shard's header and size and that they agree with `meta.json`
+    (file present, token count, dtype); `verify()` also re-hashes every shard.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        meta_path = self.path / "meta.json"
+        if not meta_path.is_file():
+            if not self.path.exists():
+                raise DataError(f"dataset {self.path} does not exist; create it with: ddpgpt prepare --out {self.path}")
+            raise DataError(f"dataset {self.path} has no meta.json (not prepared, or prepare did not finish); {REPREPARE} --out {self.path}")
+        self.meta_bytes = meta_path.read_bytes()
+        try:
+            self.meta = json.loads(self.meta_bytes)
+            self.vocab_size = int(self.meta["vocab_size"])
+            self.eot_id = int(self.meta["eot_id"])
+            self.dtype = np.dtype(self.meta["dtype"])
+            self.tokenizer = str(self.meta["tokenizer"])
+            version = int(self.meta["format_version"])
+            listed = {split: [ShardInfo(**s) for s in self.meta["shards"][split]] for split in ("train", "val")}
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{meta_path}: corrupt or incomplete meta.json ({type(e).__name__}: {e}); {REPREPARE}") from None
+        if version > META_FORMAT_VERSION:
+            raise DataError(
+                f"{meta_path}: dataset format version {version} is newer than this ddpgpt reads "
+                f"({META_FORMAT_VERSION}); upgrade ddpgpt or {REPREPARE}"
+            )
+        self.shards = listed
+        self._tokens = {split: [self._open(info) for info in infos] for split, infos in listed.items()}
+
+    def _open(self, info: ShardInfo) -> np.ndarray:
+        path = self.path / info.file
+        if not path.is_file():
+            raise DataError(f"{self.path / 'meta.json'} lists {info.file} but the file is missing; {REPREPARE}")
+        tokens = open_shard(path)
+        if tokens.dtype != self.dtype:
+            raise DataError(f"{path}: header dtype {tokens.dtype.name} but meta.json says {self.dtype.name}; {REPREPARE}")
+        if len(tokens) != info.tokens:
+            raise DataError(f"{path}: holds {len(tokens)} tokens but meta.json says {info.tokens}; {REPREPARE}")
+        return tokens
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of meta.json, which itself holds every shard's sha256: names the exact data."""
+        return hashlib.sha256(self.meta_bytes).hexdigest()
+
+    def tokens(self, split: str) -> list[np.ndarray]:
+        """The split's shards as memory maps, in order; together they are one token stream."""
+        return self._tokens[split]
+
+    def num_tokens(self, split: str) -> int:
+        return sum(info.tokens for info in self.shards[split])
+
+    def verify(self) -> int:
+        """Re-hashes every shard against meta.json; returns the number of shards checked."""
+        count = 0
+        for infos in self.shards.values():
+            for info in infos:
+                actual = file_sha256(self.path / info.file)
+                if actual != info.sha256:
+                    raise DataError(
+                        f"{self.path / info.file}: sha256 mismatch (file {actual[:16]}, meta.json "
+                        f"{info.sha256[:16]}): the shard changed after prepare; {REPREPARE}"
+                    )
+                count += 1
+        return count

@@ -1,0 +1,137 @@
+"""Tokenizers: `bpe` (byte-level BPE trained on the corpus), `byte` (raw UTF-8 bytes), `gpt2`.
+
+All three share one small interface: `vocab_size`, `eot_id`, `encode_batch(texts)` returning one
+uint32 array per text (no end-of-text tokens added; `prepare` places them), and `decode(ids)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from ddpgpt.errors import DataError, UserError
+
+EOT_TEXT = "<|endoftext|>"
+KINDS = ("bpe", "byte", "gpt2")
+MIN_BPE_VOCAB = 257  # 256 byte symbols + the end-of-text token
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, end-of-text 256."""
+
+    kind = "byte"
+    vocab_size = 257
+    eot_id = 256
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        out, pieces = bytearray(), []
+        for i in ids:
+            if i == self.eot_id:
+                pieces += [out.decode("utf-8", "replace"), EOT_TEXT]
+                out = bytearray()
+            else:
+                out.append(i)
+        return "".join(pieces) + out.decode("utf-8", "replace")
+
+    def save(self, out_dir: Path) -> None:
+        pass
+
+
+class BPETokenizer:
+    """Byte-level BPE from HF `tokenizers`; stored as `tokenizer.json` beside the shards."""
+
+    kind = "bpe"
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.vocab_size = tok.get_vocab_size()
+        self.eot_id = tok.token_to_id(EOT_TEXT)
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, show_progress: bool = True) -> BPETokenizer:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        if vocab_size < MIN_BPE_VOCAB:
+            raise UserError(
+                f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least "
+                f"{MIN_BPE_VOCAB} (256 bytes + end-of-text); use e.g. --vocab-size 4096"
+            )
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOT_TEXT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=show_progress,
+        )
+        tok.train_from_iterator(texts, trainer)
+        return cls(tok)
+
+    @classmethod
+    def load(cls, data_dir: Path) -> BPETokenizer:
+        from tokenizers import Tokenizer
+
+        path = Path(data_dir) / "tokenizer.json"
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as e:  # tokenizers raises plain Exception for missing or bad files
+            raise DataError(f"{path}: cannot load the bpe tokenizer ({e}); re-run ddpgpt prepare") from None
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        # encode_batch_fast skips offset tracking; both release the GIL and use every core.
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encode(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def save(self, out_dir: Path) -> None:
+        self._tok.save(str(Path(out_dir) / "tokenizer.json"))
+
+
+class GPT2Tokenizer:
+    """tiktoken's GPT-2 encoding (50257 ids, end-of-text 50256); needs the `hf` extra."""
+
+    kind = "gpt2"
+
+    def __init__(self):
+        try:
+            import tiktoken
+        except ImportError:
+            raise UserError("--tokenizer gpt2 needs tiktoken: pip install 'ddpgpt[hf]'") from None
+        try:
+            self._enc = tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            raise UserError(
+                f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}); it downloads its files "
+                "once: connect to the network, or point TIKTOKEN_CACHE_DIR at a cached copy"
+            ) from None
+        self.vocab_size = self._enc.n_vocab
+        self.eot_id = self._enc.eot_token
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        batch = self._enc.encode_ordinary_batch(texts, num_threads=2)
+        return [np.asarray(ids, dtype=np.uint32) for ids in batch]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._enc.decode(list(ids), errors="replace")
+
+    def save(self, out_dir: Path) -> None:
+        pass
+
+
+def load_tokenizer(data_dir: str | Path, kind: str):
+    """The tokenizer a prepared dataset was made with (`kind` from its meta.json)."""
+    if kind == "bpe":
+        return BPETokenizer.load(Path(data_dir))
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "gpt2":
+        return GPT2Tokenizer()
+    raise DataError(f"{data_dir}/meta.json: unknown tokenizer {kind!r}; re-run ddpgpt prepare")

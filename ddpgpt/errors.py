@@ -1,0 +1,15 @@
+"""The one exception type for bad input: the command line prints its message as one line.
+
+A `UserError` says what is wrong, where (file, field, rank) and what to do about it. It is for
+problems a person can fix; bugs stay ordinary exceptions with a traceback.
+"""
+
+
+class UserError(Exception):
+    """Bad input, reported as one line on stderr with exit code `exit_code`."""
+
+    exit_code = 2
+
+
+class DataError(UserError):
+    """A dataset directory or shard that is missing, malformed or inconsistent."""

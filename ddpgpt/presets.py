@@ -1,0 +1,58 @@
+"""Named training configs. Each is a function returning a fresh TrainConfig; flags and TOML files
+override any field of it.
+
+    tiny       4 layers, 256 wide, T=256 (~4M params): the CPU demo, minutes on 2 cores
+    small      6 layers, 384 wide, T=512 (~12M params): a single small GPU, or patient CPUs
+    gpt2-124m  12 layers, 768 wide, T=1024, GPT-2's vocabulary: GPU runs
+    gpt2-350m  24 layers, 1024 wide, T=1024: GPU runs
+"""
+
+from __future__ import annotations
+
+from ddpgpt.config import ConfigError, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+
+
+def tiny() -> TrainConfig:
+    return TrainConfig(
+        model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=256),
+        data=DataConfig(micro_batch=8, global_batch=16, eval_windows=128),
+        optim=OptimConfig(lr=2e-3, min_lr=2e-4, warmup_steps=20),
+        run=RunConfig(steps=300, eval_every=100, checkpoint_every=100),
+    )
+
+
+def small() -> TrainConfig:
+    return TrainConfig(
+        model=ModelConfig(n_layer=6, n_head=6, n_embd=384, block_size=512),
+        data=DataConfig(micro_batch=16, global_batch=64, eval_windows=256),
+        optim=OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=100),
+        run=RunConfig(steps=2000, eval_every=250, checkpoint_every=500),
+    )
+
+
+def gpt2_124m() -> TrainConfig:
+    """GPT-2 small: ~0.5M tokens per step (480 sequences of 1024 tokens)."""
+    return TrainConfig(
+        model=ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
+        data=DataConfig(micro_batch=16, global_batch=480, eval_windows=512),
+        optim=OptimConfig(lr=6e-4, min_lr=6e-5, warmup_steps=700),
+        run=RunConfig(steps=19000, log_every=10, eval_every=250, checkpoint_every=1000),
+    )
+
+
+def gpt2_350m() -> TrainConfig:
+    return TrainConfig(
+        model=ModelConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304),
+        data=DataConfig(micro_batch=8, global_batch=480, eval_windows=512),
+        optim=OptimConfig(lr=3e-4, min_lr=3e-5, warmup_steps=700),
+        run=RunConfig(steps=19000, log_every=10, eval_every=250, checkpoint_every=1000),
+    )
+
+
+PRESETS = {"tiny": tiny, "small": small, "gpt2-124m": gpt2_124m, "gpt2-350m": gpt2_350m}
+
+
+def get_preset(name: str) -> TrainConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]()
