@@ -78,7 +78,7 @@ def train_overrides(values: dict) -> dict:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from ddpgpt.config import EvalConfig, SampleConfig, DoctorConfig
+    from ddpgpt.config import DoctorConfig, EvalConfig, SampleConfig
 
     parser = _Parser(prog="ddpgpt", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")

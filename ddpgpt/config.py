@@ -155,7 +155,7 @@ class OptimConfig:
 class RunConfig:
     """The run: length, logging, checkpoints, devices and precision."""
 
-    dir: str = field(default="runs/default", metadata={"alias": "--run"})
+    dir: str = field(default="runs/default", metadata={"alias": "--run-dir"})
     """Run directory: config.json, metrics.jsonl, checkpoints/."""
     steps: int = 200
     """Optimizer steps to train for in total (a resumed run continues up to this)."""
@@ -224,8 +224,9 @@ class TrainConfig:
 class SampleConfig:
     """`ddpgpt sample`: generate text from a run's latest checkpoint."""
 
-    run: str = "runs/default"
-    """Run directory (its latest complete checkpoint is used)."""
+    run: str = field(default="runs/default", metadata={"alias": "--run-dir"})
+    """Run directory (its latest complete checkpoint is used). Under torchrun write --run-dir:
+    torchrun's own parser takes --run for an abbreviation of its --run-path."""
     prompt: str = ""
     """Text to continue; empty starts a fresh document (from the end-of-text token)."""
     max_new_tokens: int = 200
@@ -253,8 +254,9 @@ class SampleConfig:
 class EvalConfig:
     """`ddpgpt eval`: validation loss of a run's latest checkpoint (runs under torchrun too)."""
 
-    run: str = "runs/default"
-    """Run directory (its latest complete checkpoint is used)."""
+    run: str = field(default="runs/default", metadata={"alias": "--run-dir"})
+    """Run directory (its latest complete checkpoint is used). Under torchrun write --run-dir:
+    torchrun's own parser takes --run for an abbreviation of its --run-path."""
     windows: int = -1
     """Validation windows to evaluate; -1 uses the run's data.eval_windows, 0 all of them."""
     device: str = "auto"

@@ -34,7 +34,13 @@ from tqdm import tqdm
 
 from ddpgpt import __version__
 from ddpgpt.config import PrepareConfig
-from ddpgpt.data.shards import META_FORMAT_VERSION, ShardInfo, ShardWriter, TokenDataset, dtype_for_vocab
+from ddpgpt.data.shards import (
+    META_FORMAT_VERSION,
+    ShardInfo,
+    ShardWriter,
+    TokenDataset,
+    dtype_for_vocab,
+)
 from ddpgpt.data.tokenizer import BPETokenizer, ByteTokenizer, GPT2Tokenizer
 from ddpgpt.errors import UserError
 

@@ -1,0 +1,230 @@
+"""Processes, devices and collectives: the only module that reads torchrun's environment
+(RANK, LOCAL_RANK, WORLD_SIZE, ...) or touches process groups.
+
+    env = detect()                      # environment only: usable before any group exists
+    with session(device="auto") as env: # group created (W > 1), destroyed on every exit path
+        model = wrap_model(model, env)  # DDP when W > 1, the model itself otherwise
+        all_reduce(env, t)              # no-op at W = 1, so callers never branch on W
+
+A `DistEnv`'s defaults describe world size 1: rank 0 of 1, CPU, no process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpgpt.errors import UserError
+
+
+class DistError(UserError):
+    """A failure every rank agrees on (all raise it together); rank 0 alone prints it."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, rank: int = 0):
+        super().__init__(message)
+        self.quiet = rank != 0
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None  # None: no process group (world size 1)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    try:
+        return default if value is None else int(value)
+    except ValueError:
+        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def detect() -> DistEnv:
+    """Rank and world size from torchrun's environment (defaults: one process); no group, CPU."""
+    world = _env_int("WORLD_SIZE", 1)
+    return DistEnv(rank=_env_int("RANK", 0), local_rank=_env_int("LOCAL_RANK", 0), world_size=world,
+                   local_world_size=_env_int("LOCAL_WORLD_SIZE", world))
+
+
+def resolve_device(kind: str, local_rank: int) -> torch.device:
+    """cuda:LOCAL_RANK (not RANK: ranks count across nodes, devices within one) or cpu."""
+    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError("run.device = cuda but CUDA is not available; use --device cpu or auto")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise UserError(f"local rank {local_rank} has no GPU: only {count} visible "
+                        "(CUDA_VISIBLE_DEVICES); start at most that many processes per node")
+    return torch.device("cuda", local_rank)
+
+
+def init(device: str = "auto", backend: str = "auto", timeout_s: float = 600) -> DistEnv:
+    """Binds this process to its device and, when W > 1, joins the process group.
+
+    `timeout_s` bounds every collective: a rank that dies or stalls ends the others with an error
+    after that long instead of a hang (gloo's default would be 30 minutes)."""
+    env = detect()
+    dev = resolve_device(device, env.local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if env.world_size == 1:
+        return replace(env, device=dev)
+    name = backend if backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
+    dist.init_process_group(name, timeout=timedelta(seconds=timeout_s),
+                            device_id=dev if dev.type == "cuda" else None)
+    return replace(env, device=dev, backend=name)
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def session(device: str = "auto", backend: str = "auto", timeout_s: float = 600):
+    """`init` on entry; `destroy_process_group` on every exit: normal end, exception, Ctrl-C."""
+    env = init(device, backend, timeout_s)
+    try:
+        yield env
+    finally:
+        shutdown()
+
+
+# ---- collectives: no-ops at world size 1 ----------------------------------------------------
+
+def all_reduce(env: DistEnv, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In place; `op` is sum, max or mean (gloo has no native mean: sum, then divide)."""
+    if env.world_size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        if op == "mean":
+            tensor /= env.world_size
+    return tensor
+
+
+def all_gather(env: DistEnv, tensor: torch.Tensor) -> torch.Tensor:
+    """(W, *tensor.shape): every rank's tensor, on every rank."""
+    if env.world_size == 1:
+        return tensor.unsqueeze(0)
+    out = [torch.empty_like(tensor) for _ in range(env.world_size)]
+    dist.all_gather(out, tensor)
+    return torch.stack(out)
+
+
+def barrier(env: DistEnv) -> None:
+    if env.world_size > 1:
+        dist.barrier()
+
+
+def digest(*parts: bytes | str) -> bytes:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode() if isinstance(part, str) else part)
+    return h.digest()
+
+
+def params_digest(model: torch.nn.Module) -> bytes:
+    """sha256 over every parameter's name and exact bytes."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
+def agree(env: DistEnv, items: dict[str, tuple[bytes, str]]) -> None:
+    """Every rank checks that all ranks hold the same digest for each item, in one all_gather.
+
+    items: {what: (digest, how to fix)}. On a difference every rank raises the same DistError,
+    naming the ranks that differ from rank 0, so all stop together (rank 0 prints)."""
+    if env.world_size == 1:
+        return
+    local = torch.tensor([list(d) for d, _ in items.values()], dtype=torch.uint8, device=env.device)
+    gathered = all_gather(env, local).cpu()  # (W, items, 32)
+    for i, (what, (_, fix)) in enumerate(items.items()):
+        differ = [r for r in range(env.world_size) if not torch.equal(gathered[r, i], gathered[0, i])]
+        if differ:
+            ranks = ", ".join(map(str, differ))
+            raise DistError(f"ranks disagree on {what}: rank{'s' if len(differ) > 1 else ''} {ranks} "
+                            f"differ{'' if len(differ) > 1 else 's'} from rank 0; {fix}", env.rank)
+
+
+# ---- data parallelism ---------------------------------------------------------------------
+
+def wrap_model(model: torch.nn.Module, env: DistEnv, bucket_mb: float = 25.0) -> torch.nn.Module:
+    """DDP when W > 1, else the model itself.
+
+    init_sync=False: DDP would otherwise broadcast rank 0's weights and hide a rank that built
+    different ones; ranks instead build identical weights from one seed and `agree` proves it.
+    broadcast_buffers=False: the model has no buffers that change during training."""
+    if env.world_size == 1:
+        return model
+    # torch >= 2.12 renames broadcast_buffers to forward_sync_buffers (and warns on the old name).
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
+    return DistributedDataParallel(
+        model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        init_sync=False, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, **no_buffer_sync,
+    )
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The single-device model inside DDP and/or torch.compile wrappers."""
+    model = getattr(model, "_orig_mod", model)
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
+
+
+def sync_gradients(model: torch.nn.Module, enabled: bool):
+    """Context for one micro-step's forward+backward: with enabled=False, DDP skips its gradient
+    all-reduce (the gradients accumulate locally); the last micro-step of a step syncs them all."""
+    ddp = getattr(model, "_orig_mod", model)
+    if enabled or not isinstance(ddp, DistributedDataParallel):
+        return contextlib.nullcontext()
+    return ddp.no_sync()
+
+
+# ---- launching local processes --------------------------------------------------------------
+
+def launch(nproc: int, module_args: list[str], max_restarts: int = 0) -> int:
+    """Starts `python -m ddpgpt <module_args>` on `nproc` local processes through torch's elastic
+    launcher: the same as `torchrun --standalone --nproc_per_node N -m ddpgpt ...`. Returns the
+    exit code (the first failed worker's)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        raise UserError(f"--nproc {nproc} but only {torch.cuda.device_count()} GPUs are visible; "
+                        "use --nproc <= that, or --device cpu")
+    # Workers set their own thread count (run.threads); this also silences torchrun's banner.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+                       "--monitor-interval=0.5", "-m", "ddpgpt", *module_args])
+    try:
+        run(args)
+    except ChildFailedError as e:
+        first = next(iter(e.failures.values()))
+        code = first.exitcode if first.exitcode > 0 else 1
+        print(f"ddpgpt: a worker failed (local rank {first.local_rank}, exit code {first.exitcode}); "
+              "the group was stopped", file=sys.stderr)
+        return code
+    return 0

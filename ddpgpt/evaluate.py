@@ -1,0 +1,60 @@
+"""Validation loss: token-weighted over the loader's fixed windows, all-reduced across ranks.
+
+    ddpgpt eval --run runs/demo                                  # one process
+    torchrun --standalone --nproc_per_node 8 -m ddpgpt eval --run runs/demo
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ddpgpt import checkpoint, dist
+from ddpgpt.config import EvalConfig
+from ddpgpt.data.loader import EvalLoader
+from ddpgpt.data.shards import TokenDataset
+from ddpgpt.errors import UserError
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader: EvalLoader, env: dist.DistEnv,
+             autocast=contextlib.nullcontext) -> float:
+    """Mean cross-entropy per target token over every rank's windows.
+
+    Each rank sums its losses and counts its targets (padding rows have none); one all-reduce of
+    the two sums makes the result exactly the single-process value up to float rounding. Call it
+    on the unwrapped model: the forward then runs no collectives, and the single all-reduce is
+    the only sync point."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=env.device)  # (loss sum, target count)
+    for x, y in loader:
+        with autocast():
+            _, loss = model(x, y, reduction="sum")
+        totals[0] += loss.double()
+        totals[1] += (y >= 0).sum()
+    dist.all_reduce(env, totals)
+    model.train(was_training)
+    return (totals[0] / totals[1]).item()
+
+
+def run(cfg: EvalConfig) -> None:
+    found = checkpoint.find_latest(cfg.run)
+    if found is None:
+        raise UserError(f"run {cfg.run} has no complete checkpoint; train first (ddpgpt train --run {cfg.run})")
+    path, meta = found
+    from ddpgpt.train import autocast_for, build_model  # the same model and precision as training
+
+    train_cfg = checkpoint.config_of(meta)
+    dataset = TokenDataset(train_cfg.data.dir)
+    with dist.session(cfg.device, "auto") as env:
+        model = build_model(train_cfg, env.device)
+        checkpoint.load_weights(path, model)
+        windows = train_cfg.data.eval_windows if cfg.windows < 0 else cfg.windows
+        loader = EvalLoader(dataset, seq_len=train_cfg.seq_len, micro_batch=train_cfg.data.micro_batch,
+                            world_size=env.world_size, rank=env.rank, max_windows=windows, device=env.device)
+        loss = evaluate(model, loader, env, autocast_for(train_cfg, env.device))
+        if env.is_main:
+            print(f"val_loss {loss:.4f} (step {meta['step']}, {len(loader.windows)} windows of "
+                  f"{train_cfg.seq_len} tokens, {env.world_size} process{'es' if env.world_size > 1 else ''})")

@@ -1,0 +1,123 @@
+"""Rank 0's progress bar and `metrics.jsonl`; throughput and MFU.
+
+metrics.jsonl holds one JSON object per logged step,
+    {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s"}
+and one per evaluation, {"step", "val_loss"}. `step` counts optimizer steps completed (the row
+after the first step says 1); `tokens` is the global count so far; `tokens_per_s` is global, over
+the steps since the previous row; `mfu` is the model FLOPs per second per process divided by one
+device's peak. On resume the file is cut back to the checkpoint's step, so it never holds a step
+twice or skips one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets.
+GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "4090": 165e12}
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
+                         seconds: float = 0.3) -> float:
+    """FLOP/s of an n×n matmul on `device` with the current thread settings: the peak MFU is
+    measured against on CPU."""
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    for _ in range(3):
+        a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * count / (time.perf_counter() - start)
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """One device's peak for MFU: the data-sheet bf16 figure for known GPUs, else measured."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        name = torch.cuda.get_device_name(device)
+        for key, flops in GPU_BF16_PEAK.items():
+            if key in name:
+                return flops
+    return measure_matmul_flops(device, dtype if device.type == "cuda" else torch.float32)
+
+
+def cut_log(path: Path, step: int) -> None:
+    """Drops rows after `step` (written by a run that crashed before its next checkpoint)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line from a crash
+    path.write_text("".join(row + "\n" for row in kept))
+
+
+class Metrics:
+    """On rank 0: a tqdm bar (loss, tokens/s, ETA) and metrics.jsonl. Elsewhere: silent no-ops."""
+
+    def __init__(self, enabled: bool, run_dir: Path, start_step: int, total_steps: int,
+                 tokens_per_step: int, flops_per_token: float, peak: float, world_size: int,
+                 elapsed_s: float = 0.0):
+        self.enabled = enabled
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak_total = peak * world_size
+        self.elapsed_before = elapsed_s
+        self.start = self.mark = time.perf_counter()
+        self.mark_step = start_step
+        if not enabled:
+            return
+        self.path = Path(run_dir) / "metrics.jsonl"
+        cut_log(self.path, start_step)
+        self.file = open(self.path, "a")
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    @property
+    def elapsed_s(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.start
+
+    def _write(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def log_step(self, step: int, loss: float, lr: float, grad_norm: float) -> dict:
+        now = time.perf_counter()
+        tps = (step - self.mark_step) * self.tokens_per_step / max(now - self.mark, 1e-9)
+        self.mark, self.mark_step = now, step
+        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+               "tokens": step * self.tokens_per_step, "tokens_per_s": tps,
+               "mfu": tps * self.flops_per_token / self.peak_total, "elapsed_s": self.elapsed_s}
+        if self.enabled:
+            self._write(row)
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+            self.bar.update(step - self.bar.n)
+        return row
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time inside (evaluation, checkpoints) does not count against tokens_per_s."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.mark += time.perf_counter() - start
+
+    def log_eval(self, step: int, val_loss: float) -> None:
+        if self.enabled:
+            self._write({"step": step, "val_loss": val_loss})
+            self.bar.write(f"step {step}: val_loss {val_loss:.4f}")
+
+    def close(self) -> None:
+        if self.enabled:
+            self.bar.close()
+            self.file.close()

@@ -1,0 +1,142 @@
+"""A GPT-2-style decoder on one device. It knows nothing of processes: parallelism is applied from
+the outside (`dist.wrap_model`).
+
+Token + learned position embeddings, pre-LayerNorm blocks of causal self-attention (through
+`F.scaled_dot_product_attention`, which picks flash/memory-efficient kernels where it can) and a
+GELU MLP, a final LayerNorm, and an output head tied to the token embedding. Initialization is
+GPT-2's (normal 0.02, residual projections scaled by 1/sqrt(2·n_layer)), drawn from a private
+generator seeded by the caller: the same seed gives bit-identical weights on every rank and device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ddpgpt.config import ModelConfig
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.n_embd, self.dropout = cfg.n_head, cfg.n_embd, cfg.dropout
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj.residual = True  # scaled init, see GPT.init_weights
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, D)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj.residual = True
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
+        super().__init__()
+        if cfg.vocab_size < 1:
+            raise ValueError("GPT needs a resolved vocab_size (the dataset's, see train.model_config)")
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """GPT-2 init from a private CPU generator: independent of the global RNG and the device."""
+        gen = torch.Generator().manual_seed(seed)
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if getattr(module, "residual", False) else 0.02
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                if module.bias is not None:
+                    module.bias.zero_()
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx, targets: (B, T) int64. Returns logits (B, T, V) and, with targets, the cross-entropy
+        (`reduction` mean or sum; targets of -1 are ignored)."""
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence of {T} tokens exceeds block_size {self.cfg.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)  # (B, T, V): head tied to the embedding
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=-1, reduction=reduction)
+        return logits, loss
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters; by default without the position embedding, which does no matmul work (the
+        token embedding stays: as the tied output head it does)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward) at sequence length T:
+        6·N for the weight matmuls (2 forward, 4 backward per multiply-add of N parameters), plus
+        12·L·T·C for attention (QKᵀ and AV: 2·T·C each forward per layer, tripled for backward).
+        The attention term counts the full T×T score matrix, as PaLM's MFU does, though causal
+        kernels skip half of it."""
+        L, C = self.cfg.n_layer, self.cfg.n_embd
+        return 6 * self.num_params() + 12 * L * seq_len * C
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Appends `max_new_tokens` sampled tokens to idx (B, T); the context is cropped to
+        block_size. No KV cache: each token re-reads the context, fine for short samples."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.cfg.block_size:]
+            logits = self(context)[0][:, -1, :].float() / temperature  # (B, V)
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = F.softmax(logits, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx

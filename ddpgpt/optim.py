@@ -1,0 +1,44 @@
+"""AdamW with decay / no-decay parameter groups, and the learning-rate schedule.
+
+The schedule is a pure function of the step, so a resumed run needs no scheduler state: linear
+warmup over `warmup_steps` (step 0 already trains, at lr/warmup), then a cosine from `lr` down to
+`min_lr` at the last step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ddpgpt.config import OptimConfig
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Matrices and embeddings (dim >= 2) decay; biases and LayerNorm gains (dim < 2) do not."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    """torch's AdamW; the fused kernel on CUDA (one launch for all parameters)."""
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             eps=cfg.eps, fused=device.type == "cuda")
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Learning rate of optimizer step `step` (0-based) in a run of `total_steps`."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, total_steps - 1 - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
