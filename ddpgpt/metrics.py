@@ -27,7 +27,8 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
                          seconds: float = 0.3) -> float:
     """FLOP/s of an n×n matmul on `device` with the current thread settings: the peak MFU is
     measured against on CPU."""
-    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    gen = torch.Generator(device).manual_seed(0)  # private: the global RNG (dropout) stays untouched
+    a, b = (torch.randn(n, n, dtype=dtype, device=device, generator=gen) for _ in range(2))
     for _ in range(3):
         a @ b
     count, start = 0, time.perf_counter()

@@ -197,9 +197,10 @@ def restore(t: Trainer, path: Path, meta: dict) -> None:
     t.step, t.elapsed_s = int(meta["step"]), float(meta.get("elapsed_s", 0.0))
     rng = state["rng"]
     if meta["world_size"] == t.env.world_size:
-        torch.set_rng_state(rng["cpu"][t.env.rank])
+        # clone(): set_rng_state crashes (torch 2.13) on a row view with a storage offset.
+        torch.set_rng_state(rng["cpu"][t.env.rank].clone())
         if rng.get("cuda") is not None and t.env.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"][t.env.rank], t.env.device)
+            torch.cuda.set_rng_state(rng["cuda"][t.env.rank].clone(), t.env.device)
     else:  # another W: per-rank streams cannot carry over; start fresh ones from (seed, step, rank)
         torch.manual_seed(t.cfg.run.seed + 1 + t.env.rank + 1_000_003 * t.step)
     if t.env.is_main:
@@ -288,6 +289,8 @@ def run(cfg: TrainConfig) -> None:
         peak = peak_flops(env.device, torch.bfloat16 if precision(cfg, env.device) != "fp32" else torch.float32)
         metrics = Metrics(env.is_main, t.run_dir, t.step, cfg.run.steps, tokens_per_step,
                           t.raw.flops_per_token(cfg.seq_len), peak, env.world_size, t.elapsed_s)
+        if env.is_main:
+            print(summary(t), file=sys.stderr)
         try:
             if t.step >= cfg.run.steps and env.is_main:
                 print(f"run {cfg.run.dir} is already at step {t.step} of {cfg.run.steps}; "
@@ -295,6 +298,19 @@ def run(cfg: TrainConfig) -> None:
             loop(t, metrics)
         finally:
             metrics.close()
+
+
+def summary(t: Trainer) -> str:
+    """One line on what runs where: processes, nodes, batch arithmetic, model size."""
+    env, cfg = t.env, t.cfg
+    nodes = env.world_size // env.local_world_size
+    where = f"{env.world_size} process{'es' if env.world_size > 1 else ''}"
+    if env.world_size > 1:
+        where += f" ({nodes} node{'s' if nodes > 1 else ''} × {env.local_world_size}, {env.backend})"
+    return (f"ddpgpt: training on {where}, {env.device.type}, {precision(cfg, env.device)}; "
+            f"G={cfg.data.global_batch} sequences × T={cfg.seq_len} = {cfg.data.global_batch * cfg.seq_len:,} "
+            f"tokens per step = {env.world_size} × A={t.accum} micro-steps × b={cfg.data.micro_batch}; "
+            f"{t.raw.num_params() / 1e6:.2f}M parameters")
 
 
 def main(values: dict, argv: list[str]) -> None:

@@ -44,3 +44,120 @@ def run_cli(*args: str, timeout: float = 60, env: dict | None = None, cwd: Path 
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "ddpgpt", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env=full_env, cwd=cwd)
+
+
+def reference_step(stream: np.ndarray, seed: int, seq_len: int, G: int, k: int) -> np.ndarray:
+    """Step k's G windows, shape (G, T+1), straight from the documented ordering rule."""
+    n = (len(stream) - 1) // seq_len
+    epoch, pos = divmod(k, n // G)
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return np.stack([stream[w * seq_len:w * seq_len + seq_len + 1] for w in order[pos * G:(pos + 1) * G]])
+
+
+class Ranks:
+    """W processes started the way torchrun starts them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*),
+    output to files, all killed if any run past the timeout."""
+
+    def __init__(self, argv_per_rank: list[list[str]], workdir: Path, env: dict | None = None):
+        import subprocess
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        W, port = len(argv_per_rank), free_port()
+        self.procs, self.outs = [], []
+        for r, argv in enumerate(argv_per_rank):
+            e = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(W),
+                 "LOCAL_WORLD_SIZE": str(W), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                 "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+            out, err = open(workdir / f"rank{r}.out", "w"), open(workdir / f"rank{r}.err", "w")
+            self.outs.append((out, err))
+            self.procs.append(subprocess.Popen([sys.executable, *argv], stdout=out, stderr=err, env=e,
+                                               start_new_session=True))
+
+    def wait(self, timeout: float = 120) -> list[SimpleNamespace]:
+        import signal
+        import subprocess
+        import time
+        deadline = time.monotonic() + timeout
+        try:
+            for p in self.procs:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in self.procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            for p in self.procs:
+                p.wait()
+            raise AssertionError(f"ranks still running after {timeout} s:\n{self.report()}") from None
+        finally:
+            for out, err in self.outs:
+                out.close()
+                err.close()
+        return self.results()
+
+    def results(self) -> list[SimpleNamespace]:
+        return [SimpleNamespace(returncode=p.returncode, stdout=(self.workdir / f"rank{r}.out").read_text(),
+                                stderr=(self.workdir / f"rank{r}.err").read_text())
+                for r, p in enumerate(self.procs)]
+
+    def report(self) -> str:
+        return "\n".join(f"--- rank {r} (exit {res.returncode}) ---\n{res.stdout[-3000:]}{res.stderr[-3000:]}"
+                         for r, res in enumerate(self.results()))
+
+
+def run_ranks(argv_per_rank: list[list[str]], workdir: Path, timeout: float = 120, env: dict | None = None,
+              check: bool = True) -> list[SimpleNamespace]:
+    ranks = Ranks(argv_per_rank, workdir, env)
+    results = ranks.wait(timeout)
+    if check and any(r.returncode for r in results):
+        raise AssertionError(f"a rank failed:\n{ranks.report()}")
+    return results
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(train rows, eval rows) of a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
+
+
+def tiny_train_args(data: Path, run_dir: Path, steps: int = 6, **overrides) -> list[str]:
+    """`-m ddpgpt train` with a 2-layer, 32-wide model, T=32, G=8 sequences, b=2."""
+    args = {"--data": data, "--run-dir": run_dir, "--model.n-layer": 2, "--model.n-head": 2, "--model.n-embd": 32,
+            "--model.block-size": 32, "--data.micro-batch": 2, "--data.global-batch": 8,
+            "--data.eval-windows": 16, "--run.steps": steps, "--optim.warmup-steps": 2, "--optim.lr": 1e-2,
+            "--run.eval-every": 0, "--run.checkpoint-every": 3, "--device": "cpu", "--run.threads": 1}
+    args.update({f"--{k.replace('__', '.').replace('_', '-')}": v for k, v in overrides.items()})
+    return ["-m", "ddpgpt", "train"] + [str(x) for kv in args.items() for x in kv]
+
+
+def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32):
+    """The oracle for `tiny_train_args` runs: plain PyTorch, one process, the full global batch of
+    step k (from the documented order) in one forward and one backward. Returns (losses, weights)."""
+    import torch
+
+    from ddpgpt.config import ModelConfig, OptimConfig
+    from ddpgpt.data.shards import TokenDataset
+    from ddpgpt.model import GPT
+    from ddpgpt.optim import lr_at
+
+    torch.set_num_threads(1)
+    ds = TokenDataset(data_dir)
+    stream = np.concatenate(ds.tokens("train")).astype(np.int64)
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=320), seed=1337)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    ocfg = OptimConfig(lr=1e-2, warmup_steps=2)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=ocfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    losses = []
+    for k in range(steps):
+        batch = torch.from_numpy(reference_step(stream, 1337, T, G, k))
+        logits = model(batch[:, :-1])[0]
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(k, ocfg, steps)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}

@@ -12,7 +12,7 @@ import torch
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import DataError
-from tests.helpers import write_dataset
+from tests.helpers import reference_step, write_dataset
 
 T = 16
 SEED = 7
@@ -26,15 +26,6 @@ def ds(tmp_path_factory):
     val = np.arange(1_000_000, 1_000_000 + 533)
     write_dataset(path, train, val, vocab_size=2_000_000, shard_tokens=1111)
     return TokenDataset(path)
-
-
-def reference_step(stream: np.ndarray, seed: int, G: int, k: int) -> list[np.ndarray]:
-    """Step k's windows (as token arrays of T+1), straight from the documented ordering rule."""
-    n = (len(stream) - 1) // T
-    spe = n // G
-    epoch, pos = divmod(k, spe)
-    order = np.random.default_rng([seed, epoch]).permutation(n)
-    return [stream[w * T:w * T + T + 1] for w in order[pos * G:(pos + 1) * G]]
 
 
 def make(ds, W, A, b, r=0, **kw):
@@ -61,7 +52,7 @@ def test_matches_reference_slicer(ds):
     G = W * A * b
     for k in range(3 * loaders[0].steps_per_epoch + 2):  # crosses epoch boundaries
         rows = step_rows(loaders)
-        ref = reference_step(stream, SEED, G, k)
+        ref = list(reference_step(stream, SEED, T, G, k))
         for r in range(W):
             for m in range(A):
                 mine = rows[r][m * b:(m + 1) * b]

@@ -1,0 +1,89 @@
+"""The real command line end to end: prepare, train --nproc 2, resume, eval, sample; and two
+launchers forming one job through c10d rendezvous, as two nodes would."""
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import CORPUS, STDLIB
+from tests.helpers import (
+    REPO,
+    free_port,
+    read_metrics,
+    reference_training,
+    run_cli,
+    tiny_train_args,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def test_prepare_train_resume_eval_sample(tmp_path):
+    data, run = tmp_path / "data", tmp_path / "run"
+    r = run_cli("prepare", *[STDLIB / f for f in CORPUS], "--out", data, "--tokenizer", "byte", "--val-fraction", "0.2")
+    assert r.returncode == 0, r.stderr
+    train = tiny_train_args(data, run, steps=4, run__eval_every=2)[3:]  # drop "-m ddpgpt train"
+
+    r = run_cli("train", "--nproc", "2", *train, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert "ddpgpt: training on 2 processes (1 node × 2, gloo), cpu, fp32; G=8 sequences × T=32" in r.stderr
+    rows, evals = read_metrics(run)
+    assert [x["step"] for x in rows] == [1, 2, 3, 4] and [e["step"] for e in evals] == [2, 4]
+    assert set(rows[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s"}
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000003", "step_0000004"]
+    assert json.loads((run / "config.json").read_text())["model"]["vocab_size"] == 320  # resolved: 257 -> 320
+
+    r = run_cli("train", "--nproc", "2", *train[:-2], "--run.steps", "6", timeout=180)  # continue to step 6
+    assert r.returncode == 0, r.stderr
+    assert f"resuming from {run / 'checkpoints' / 'step_0000004'} (step 4, saved at world size 2)" in r.stderr
+    rows, evals = read_metrics(run)
+    assert [x["step"] for x in rows] == [1, 2, 3, 4, 5, 6] and [e["step"] for e in evals] == [2, 4, 6]
+
+    r = run_cli("eval", "--run", run, "--device", "cpu", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"val_loss {evals[-1]['val_loss']:.4f} (step 6, 16 windows of 32 tokens, 1 process)\n"
+
+    r = run_cli("sample", "--run", run, "--prompt", "def ", "--max-new-tokens", "40", "--device", "cpu")
+    again = run_cli("sample", "--run", run, "--prompt", "def ", "--max-new-tokens", "40", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("def ") and len(r.stdout) > 20
+    assert r.stdout == again.stdout  # seeded
+
+
+def test_train_under_torchrun_two_nodes(tiny_data, tmp_path):
+    """Two launcher processes, --nnodes 2 --nproc-per-node 1, c10d rendezvous on 127.0.0.1: the
+    second node's worker has RANK 1 and LOCAL_RANK 0. Losses equal the one-process oracle, which
+    they would not if a rank sharded the data by LOCAL_RANK."""
+    run, port = tmp_path / "run", free_port()
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+                "--monitor-interval", "0.5"]
+    args = tiny_train_args(tiny_data, run, steps=4, run__checkpoint_every=0)[1:]  # "-m ddpgpt train ..."
+    nodes = [subprocess.Popen(launcher + args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    try:
+        outs = [n.communicate(timeout=150)[0] for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    assert sum("training on 2 processes (2 nodes × 1, gloo)" in o for o in outs) == 1  # rank 0 only
+    rows, _ = read_metrics(run)
+    losses, _ = reference_training(tiny_data, 4)
+    np.testing.assert_allclose([r["loss"] for r in rows], losses, rtol=2e-5)
+
+
+def test_flags_pass_through_torchrun_parser():
+    """torchrun's own parser sees every ddpgpt flag after `-m ddpgpt train`; none may look like an
+    abbreviation of one of its options (as --run would of --run-path)."""
+    from torch.distributed.run import parse_args
+
+    help_text = run_cli("train", "--help").stdout + run_cli("eval", "--help").stdout
+    flags = sorted(set(re.findall(r"(?<![\w-])--[a-z][\w.-]*", help_text)) - {"--help", "--run", "--nproc", "--max-restarts"})
+    assert "--run-dir" in flags and "--optim.lr" in flags
+    args = parse_args(["--standalone", "-m", "ddpgpt", "train", *flags])
+    assert args.training_script_args == ["train", *flags]
