@@ -64,7 +64,7 @@ def add_fields(parser: argparse.ArgumentParser, cls: type, section: str | None =
 def flat_config(cls: type, values: dict):
     """A flat config dataclass from parsed flag values, each coerced and named on error."""
     types_ = field_types(cls)
-    return cls(**{k: coerce(v, types_[k], f"--{k.replace('_', '-')}") for k, v in values.items() if k in types_})
+    return cls(**{k: coerce(v, types_[k], f"--{k.replace('_', '-')}", text=True) for k, v in values.items() if k in types_})
 
 
 def train_overrides(values: dict) -> dict:
@@ -94,7 +94,11 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="TOML file with [model] [data] [optim] [run] sections")
     t.add_argument("--nproc", type=int, help="start N local processes through torch's elastic launcher")
     t.add_argument("--max-restarts", type=int, default=0,
-                   help="with --nproc: restart the whole group up to K times after a worker dies")
+                   help="with --nproc: restart the whole group up to K times after a worker dies; "
+                        "each restart resumes from the latest complete checkpoint")
+    t.add_argument("--reset", action="store_true",
+                   help="set the run dir's checkpoints and metrics aside (into reset-<time>/) and start over; "
+                        "same as --resume reset")
     for section, cls in SECTIONS.items():
         add_fields(t, cls, section)
 
@@ -116,8 +120,13 @@ def dispatch(argv: list[str]) -> None:
         from ddpgpt.data import prepare
         prepare.run(flat_config(PrepareConfig, values))
     elif ns.command == "train":
+        from ddpgpt.config import resolve
+        launch = {k: values.pop(k, None) for k in ("preset", "config", "nproc", "max_restarts", "reset")}
+        if launch["reset"]:
+            values["run.resume"] = "reset"
+        cfg = resolve(launch["preset"], launch["config"], train_overrides(values))  # before torch loads
         from ddpgpt import train
-        train.main(values, argv)
+        train.main(cfg, launch["nproc"], launch["max_restarts"] or 0, argv)
     elif ns.command == "sample":
         from ddpgpt import sample
         from ddpgpt.config import SampleConfig
@@ -140,9 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:
         if debug:
             raise
-        if getattr(e, "quiet", False):  # already reported by rank 0; this rank only exits
-            sys.exit(e.exit_code)
-        print(f"ddpgpt: error: {e}", file=sys.stderr)
+        if not e.quiet:  # a quiet error was reported by another rank; this one only exits
+            print(f"ddpgpt: {e.label}: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("ddpgpt: interrupted", file=sys.stderr)

@@ -111,6 +111,9 @@ class DataConfig:
     """Visit windows in a seeded random order each epoch (else in file order)."""
     eval_windows: int = 256
     """Validation windows per evaluation, evenly spaced over the val split; 0 uses all."""
+    verify: bool = True
+    """Re-hash every shard against meta.json at startup (the ranks share the work); turn off to
+    start faster on very large datasets."""
 
     def __post_init__(self):
         for name in ("micro_batch", "global_batch"):
@@ -170,8 +173,10 @@ class RunConfig:
     keep_checkpoints: int = 3
     """Keep the newest this many checkpoints, deleting older ones."""
     resume: str = field(default="auto", metadata={"alias": "--resume"})
-    """auto: continue from the run dir's latest complete checkpoint if any; never: refuse an existing
-    checkpoint; or the path of a checkpoint directory."""
+    """auto: continue from the run dir's latest complete checkpoint if any; never: refuse a run dir
+    that has checkpoints; reset (or --reset): move its checkpoints and metrics aside into
+    reset-<time>/ and start over (first attempt only, never after an elastic restart); or the path
+    of a checkpoint directory."""
     device: str = field(default="auto", metadata={"alias": "--device"})
     """auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu or cuda."""
     backend: str = "auto"
@@ -184,6 +189,14 @@ class RunConfig:
     """DDP gradient bucket size in MB."""
     threads: int = 0
     """torch CPU threads per process; 0 uses the machine's cores divided by the local processes."""
+    dist_timeout_s: float = field(default=600.0, metadata={"alias": "--dist-timeout"})
+    """Longest wait of any collective, in seconds: a stalled or lost rank ends the job with an error
+    naming the step after this long instead of hanging (gloo's own default is 30 minutes)."""
+    on_nonfinite: str = field(default="stop", metadata={"alias": "--on-nonfinite"})
+    """When any rank sees a non-finite loss or gradient norm: stop (every rank, naming the step; the
+    last checkpoint stays intact) or skip (no update for that step, counted)."""
+    max_skipped: int = 10
+    """With on_nonfinite = skip: stop once this many steps have been skipped in the run."""
 
     def __post_init__(self):
         _require(self.steps >= 1, f"run.steps = {self.steps} must be >= 1")
@@ -195,6 +208,9 @@ class RunConfig:
         _choice("run", "device", self.device, ("auto", "cpu", "cuda"))
         _choice("run", "backend", self.backend, ("auto", "nccl", "gloo"))
         _choice("run", "precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
+        _choice("run", "on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        _require(self.dist_timeout_s > 0, f"run.dist_timeout_s = {self.dist_timeout_s} must be > 0")
+        _require(self.max_skipped >= 0, f"run.max_skipped = {self.max_skipped} must be >= 0")
 
 
 @dataclass
@@ -202,9 +218,13 @@ class TrainConfig:
     """Everything `ddpgpt train` needs; saved resolved as the run's config.json."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The network's shape ([model] in TOML, --model.* flags)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Dataset and batching ([data], --data.*)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule ([optim], --optim.*)."""
     run: RunConfig = field(default_factory=RunConfig)
+    """Length, logging, checkpoints, devices ([run], --run.*)."""
 
     def __post_init__(self):
         _require(self.data.seq_len <= self.model.block_size,
@@ -311,13 +331,14 @@ def base_type(tp: Any) -> Any:
     return get_origin(tp) or tp
 
 
-def coerce(value: Any, tp: Any, where: str) -> Any:
-    """Checks (TOML values) or converts (command-line strings) `value` to the field's type."""
+def coerce(value: Any, tp: Any, where: str, text: bool = False) -> Any:
+    """Converts a command-line string (`text`) to the field's type, or checks a typed value (TOML,
+    config.json): there "4" is a string, not an integer."""
     kind = base_type(tp)
     if value is None and type(None) in get_args(tp):
         return None
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
-    if isinstance(value, str) and kind is not str and kind is not list:
+    if text and isinstance(value, str) and kind is not str and kind is not list:
         try:
             if kind is bool:
                 if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
@@ -334,8 +355,19 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-def apply(cfg: TrainConfig, values: dict, source: str) -> TrainConfig:
-    """A copy of `cfg` with the nested `values` ({section: {field: value}}) applied and validated."""
+def apply(cfg: TrainConfig, values: dict, source: str, text: bool = False) -> TrainConfig:
+    """A copy of `cfg` with the nested `values` ({section: {field: value}}) applied and validated.
+    `text`: the values are command-line strings to convert; otherwise they must have the field's
+    type. Errors name `source` (a file) and the field."""
+    try:
+        return _apply(cfg, values, source, text)
+    except ConfigError as e:
+        if text or str(e).startswith(f"{source}: "):
+            raise
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _apply(cfg: TrainConfig, values: dict, source: str, text: bool) -> TrainConfig:
     sections = {}
     for section, fields in values.items():
         if section not in SECTIONS:
@@ -348,7 +380,7 @@ def apply(cfg: TrainConfig, values: dict, source: str) -> TrainConfig:
         for name, value in fields.items():
             if name not in types_:
                 raise ConfigError(f"{source}: unknown key {section}.{name}; known: {', '.join(types_)}")
-            changes[name] = coerce(value, types_[name], f"{source}: {section}.{name}")
+            changes[name] = coerce(value, types_[name], f"{source}: {section}.{name}", text)
         sections[section] = dataclasses.replace(current, **changes)
     return dataclasses.replace(cfg, **sections)
 
@@ -382,4 +414,4 @@ def resolve(preset: str | None, config_file: str | None, overrides: dict) -> Tra
     cfg = get_preset(preset) if preset else TrainConfig()
     if file_values:
         cfg = apply(cfg, file_values, config_file)
-    return apply(cfg, overrides, "command line")
+    return apply(cfg, overrides, "command line", text=True)

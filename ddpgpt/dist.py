@@ -27,13 +27,10 @@ from ddpgpt.errors import UserError
 
 
 class DistError(UserError):
-    """A failure every rank agrees on (all raise it together); rank 0 alone prints it."""
+    """A distributed failure. When every rank raises it together (`agreed`), rank 0 alone prints
+    it; a failure one rank observed on its own is printed by that rank."""
 
     exit_code = 1
-
-    def __init__(self, message: str, rank: int = 0):
-        super().__init__(message)
-        self.quiet = rank != 0
 
 
 @dataclass(frozen=True)
@@ -44,6 +41,7 @@ class DistEnv:
     local_world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None  # None: no process group (world size 1)
+    restart_count: int = 0      # how many times torchrun has restarted this worker group
 
     @property
     def is_main(self) -> bool:
@@ -62,7 +60,8 @@ def detect() -> DistEnv:
     """Rank and world size from torchrun's environment (defaults: one process); no group, CPU."""
     world = _env_int("WORLD_SIZE", 1)
     return DistEnv(rank=_env_int("RANK", 0), local_rank=_env_int("LOCAL_RANK", 0), world_size=world,
-                   local_world_size=_env_int("LOCAL_WORLD_SIZE", world))
+                   local_world_size=_env_int("LOCAL_WORLD_SIZE", world),
+                   restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
 
 
 def resolve_device(kind: str, local_rank: int) -> torch.device:
@@ -90,9 +89,45 @@ def init(device: str = "auto", backend: str = "auto", timeout_s: float = 600) ->
     if env.world_size == 1:
         return replace(env, device=dev)
     name = backend if backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
-    dist.init_process_group(name, timeout=timedelta(seconds=timeout_s),
-                            device_id=dev if dev.type == "cuda" else None)
+    try:
+        dist.init_process_group(name, timeout=timedelta(seconds=timeout_s),
+                                device_id=dev if dev.type == "cuda" else None)
+    except RuntimeError as e:  # DistNetworkError and friends
+        if "address already in use" not in str(e).lower():
+            raise
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise UserError(f"rank {env.rank}: cannot open the rendezvous port {where}: address already in use; "
+                        "another job holds it: choose another MASTER_PORT / --rdzv-endpoint port") from None
     return replace(env, device=dev, backend=name)
+
+
+COLLECTIVE_FAILURES = ("timed out", "connection closed", "connection reset", "nccl", "gloo", "broken pipe")
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """A lost or stalled peer, as gloo and NCCL report it (plain RuntimeErrors in torch 2.x)."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(error, RuntimeError) and any(k in str(error).lower() for k in COLLECTIVE_FAILURES)
+
+
+def collective_failure(error: BaseException, env: DistEnv, step: int, timeout_s: float) -> DistError:
+    """The one line for a collective that failed during `step`: this rank lost a peer."""
+    first = str(error).strip().splitlines()[0]
+    first = first.split("] ", 1)[-1][:160]  # drop gloo's source-file prefix
+    return DistError(f"step {step}: a collective failed on rank {env.rank} ({first}); another rank stalled "
+                     f"or died (see its log). Collectives wait at most run.dist_timeout_s = {timeout_s:g} s")
+
+
+def fail_together(env: DistEnv, error: Exception | None) -> None:
+    """Every rank learns whether any rank hit an error: the rank that did raises (and prints) its
+    own; the others raise a quiet DistError, so all exit together rather than hang."""
+    failed = all_gather(env, torch.tensor([error is not None], dtype=torch.uint8, device=env.device)).cpu()
+    if error is not None:
+        raise error
+    if failed.any():
+        ranks = ", ".join(str(r) for r in range(env.world_size) if failed[r])
+        raise DistError(f"stopping: rank {ranks} failed (see its message)", quiet=True)
 
 
 def shutdown() -> None:
@@ -165,7 +200,7 @@ def agree(env: DistEnv, items: dict[str, tuple[bytes, str]]) -> None:
         if differ:
             ranks = ", ".join(map(str, differ))
             raise DistError(f"ranks disagree on {what}: rank{'s' if len(differ) > 1 else ''} {ranks} "
-                            f"differ{'' if len(differ) > 1 else 's'} from rank 0; {fix}", env.rank)
+                            f"differ{'' if len(differ) > 1 else 's'} from rank 0; {fix}", quiet=env.rank != 0)
 
 
 # ---- data parallelism ---------------------------------------------------------------------

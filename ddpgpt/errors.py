@@ -6,9 +6,15 @@ problems a person can fix; bugs stay ordinary exceptions with a traceback.
 
 
 class UserError(Exception):
-    """Bad input, reported as one line on stderr with exit code `exit_code`."""
+    """Bad input, reported as one line on stderr ("ddpgpt: <label>: ...") with exit code `exit_code`.
+    `quiet` errors print nothing: another rank reports the same event."""
 
     exit_code = 2
+    label = "error"
+
+    def __init__(self, message: str = "", quiet: bool = False):
+        super().__init__(message)
+        self.quiet = quiet
 
 
 class DataError(UserError):

@@ -91,7 +91,8 @@ class Metrics:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
 
-    def log_step(self, step: int, loss: float, lr: float, grad_norm: float) -> dict:
+    def log_step(self, step: int, loss: float | None, lr: float, grad_norm: float | None) -> dict:
+        """A training row; loss and grad_norm are null for a step skipped as non-finite."""
         now = time.perf_counter()
         tps = (step - self.mark_step) * self.tokens_per_step / max(now - self.mark, 1e-9)
         self.mark, self.mark_step = now, step
@@ -100,7 +101,7 @@ class Metrics:
                "mfu": tps * self.flops_per_token / self.peak_total, "elapsed_s": self.elapsed_s}
         if self.enabled:
             self._write(row)
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+            self.bar.set_postfix(loss="skipped" if loss is None else f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
             self.bar.update(step - self.bar.n)
         return row
 

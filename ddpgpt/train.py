@@ -10,6 +10,10 @@
 The global batch G (data.global_batch sequences) is fixed by the config; with W processes of
 micro-batch b, each optimizer step accumulates A = G / (W·b) micro-steps. The windows of step k
 depend only on (seed, T, G, k), so the optimizer takes the same steps whatever W is.
+
+After every step the ranks exchange one small tensor: their loss, whether it and the gradient
+norm are finite, and whether a stop signal arrived. From it every rank logs the same global loss,
+skips or stops on a non-finite value, and stops for pre-emption, all at the same step.
 """
 
 from __future__ import annotations
@@ -26,15 +30,18 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt import __version__, checkpoint, dist
-from ddpgpt.config import ConfigError, TrainConfig, resolve
-from ddpgpt.data.loader import EvalLoader, TrainLoader
+from ddpgpt import __version__, dist
+from ddpgpt.config import ConfigError, TrainConfig
+from ddpgpt.data.loader import EvalLoader, TokenStream, TrainLoader
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.errors import UserError
+from ddpgpt.errors import DataError, UserError
 from ddpgpt.evaluate import evaluate
+from ddpgpt.faults import Fault
 from ddpgpt.metrics import Metrics, peak_flops
 from ddpgpt.model import GPT
 from ddpgpt.optim import lr_at, make_optimizer, set_lr
+from ddpgpt.preempt import EXIT_PREEMPTED, StopSignal
+from ddpgpt.resume import find_resume, reset_run_dir, restore, save
 
 # ---- checks that need no process group --------------------------------------------------------
 
@@ -56,6 +63,23 @@ def for_dataset(cfg: TrainConfig, dataset: TokenDataset) -> TrainConfig:
     model = dataclasses.replace(cfg.model, vocab_size=vocab)
     data = dataclasses.replace(cfg.data, seq_len=cfg.seq_len)
     return dataclasses.replace(cfg, model=model, data=data)
+
+
+def preflight(cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, TokenDataset, int]:
+    """Every check that needs no process group, so bad input fails before one exists: batch
+    arithmetic, the dataset and its fit to the model and the batch. Returns the resolved config,
+    the dataset and A."""
+    accum = accum_steps(cfg, world_size)
+    dataset = TokenDataset(cfg.data.dir)
+    cfg = for_dataset(cfg, dataset)
+    T, G = cfg.seq_len, cfg.data.global_batch
+    for split, need in (("train", G), ("val", 1)):
+        have = TokenStream(dataset, split, T).num_windows
+        if have < need:
+            raise DataError(f"dataset {dataset.path}: the {split} split has {have} windows of {T + 1} tokens, fewer "
+                            f"than {'one global batch of ' if split == 'train' else ''}{need}; use a larger dataset, "
+                            "or a smaller data.seq_len" + (" / data.global_batch" if split == "train" else ""))
+    return cfg, dataset, accum
 
 
 def precision(cfg: TrainConfig, device: torch.device) -> str:
@@ -97,18 +121,34 @@ class Trainer:
     val: EvalLoader
     accum: int
     autocast: object
-    step: int = 0
-    elapsed_s: float = 0.0
+    fault: Fault
+    step: int = 0             # optimizer steps completed
+    elapsed_s: float = 0.0    # wall time of the run so far, across resumes
+    skipped: int = 0          # steps skipped for non-finite values
+    last_checkpoint: int = -1
 
     @property
     def run_dir(self) -> Path:
         return Path(self.cfg.run.dir)
 
 
-def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, accum: int) -> Trainer:
+def verify_data(dataset: TokenDataset, env: dist.DistEnv) -> None:
+    """Re-hash the shards, each rank a 1/W share; a corrupt shard stops every rank."""
+    error = None
+    try:
+        dataset.verify(part=env.rank, parts=env.world_size)
+    except DataError as e:
+        error = e
+    dist.fail_together(env, error)
+
+
+def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, accum: int,
+          found: tuple[Path, dict] | None) -> Trainer:
     dev = env.device
     torch.set_num_threads(cfg.run.threads or max(1, len(os.sched_getaffinity(0)) // env.local_world_size))
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if cfg.data.verify:
+        verify_data(dataset, env)
     # 1. Model and optimizer, identical on every rank.
     raw = build_model(cfg, dev)
     optimizer = make_optimizer(raw, cfg.optim, dev)
@@ -118,9 +158,9 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, accum: int
                          rank=env.rank, accum_steps=accum, seed=cfg.data.seed, shuffle=cfg.data.shuffle, device=dev)
     val = EvalLoader(dataset, seq_len=cfg.seq_len, micro_batch=cfg.data.micro_batch, world_size=env.world_size,
                      rank=env.rank, max_windows=cfg.data.eval_windows, device=dev)
-    t = Trainer(cfg, env, dataset, raw, raw, optimizer, scaler, loader, val, accum, autocast_for(cfg, dev))
+    t = Trainer(cfg, env, dataset, raw, raw, optimizer, scaler, loader, val, accum, autocast_for(cfg, dev),
+                Fault.from_env(env.rank, env.restart_count))
     # 3. Resume before wrapping, so DDP sees the final weights.
-    found = find_resume(cfg)
     if found:
         restore(t, *found)
     else:
@@ -159,69 +199,14 @@ def write_run_files(cfg: TrainConfig, dataset: TokenDataset) -> None:
         shutil.copyfile(dataset.path / "tokenizer.json", run_dir / "tokenizer.json")
 
 
-# ---- resume ----------------------------------------------------------------------------------
-
-SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
-
-
-def find_resume(cfg: TrainConfig) -> tuple[Path, dict] | None:
-    """The checkpoint to continue from under run.resume (auto, never, or a path), shape-checked."""
-    mode = cfg.run.resume
-    if mode == "never":
-        existing = checkpoint.step_dirs(cfg.run.dir)
-        if existing:
-            raise UserError(f"run dir {cfg.run.dir} already has checkpoints (up to step {existing[-1][0]}) and "
-                            "run.resume = never; use --resume auto to continue, or another --run")
-        return None
-    if mode == "auto":
-        found = checkpoint.find_latest(cfg.run.dir)
-    else:
-        found = Path(mode), checkpoint.read_meta(Path(mode))
-    if found:
-        saved = found[1]["config"]["model"]
-        diff = [f"{k} {saved[k]} -> {getattr(cfg.model, k)}" for k in SHAPE_FIELDS if saved[k] != getattr(cfg.model, k)]
-        if diff:
-            raise UserError(f"run dir {cfg.run.dir}: checkpoint {found[0].name} has another model shape "
-                            f"({', '.join(diff)}); use another --run to start a new model")
-    return found
-
-
-def restore(t: Trainer, path: Path, meta: dict) -> None:
-    """Model, optimizer, loader cursor, step and RNG from checkpoint `path` (on every rank)."""
-    checkpoint.load_weights(path, t.raw)
-    state = checkpoint.load_trainer_state(path)
-    t.optimizer.load_state_dict(state["optimizer"])
-    if t.scaler is not None and state.get("scaler"):
-        t.scaler.load_state_dict(state["scaler"])
-    t.loader.load_state_dict(meta["loader"])
-    t.step, t.elapsed_s = int(meta["step"]), float(meta.get("elapsed_s", 0.0))
-    rng = state["rng"]
-    if meta["world_size"] == t.env.world_size:
-        # clone(): set_rng_state crashes (torch 2.13) on a row view with a storage offset.
-        torch.set_rng_state(rng["cpu"][t.env.rank].clone())
-        if rng.get("cuda") is not None and t.env.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"][t.env.rank].clone(), t.env.device)
-    else:  # another W: per-rank streams cannot carry over; start fresh ones from (seed, step, rank)
-        torch.manual_seed(t.cfg.run.seed + 1 + t.env.rank + 1_000_003 * t.step)
-    if t.env.is_main:
-        print(f"resuming from {path} (step {t.step}, saved at world size {meta['world_size']})", file=sys.stderr)
-
-
-def save(t: Trainer) -> None:
-    """Checkpoint at the current step: all ranks gather RNG states, rank 0 writes, all wait."""
-    rng = {"cpu": dist.all_gather(t.env, torch.get_rng_state().to(t.env.device)).cpu()}
-    if t.env.device.type == "cuda":
-        rng["cuda"] = dist.all_gather(t.env, torch.cuda.get_rng_state(t.env.device).to(t.env.device)).cpu()
-    if t.env.is_main:
-        state = {"optimizer": t.optimizer.state_dict(), "rng": rng,
-                 "scaler": t.scaler.state_dict() if t.scaler is not None else None}
-        meta = {"loader": t.loader.state_dict(), "config": t.cfg.to_dict(), "world_size": t.env.world_size,
-                "elapsed_s": t.elapsed_s, "data_fingerprint": t.dataset.fingerprint}
-        checkpoint.save(t.run_dir, t.step, t.raw, state, meta, t.cfg.run.keep_checkpoints)
-    dist.barrier(t.env)  # no rank runs ahead (or exits) while rank 0 is still writing
-
-
 # ---- the step and the loop -------------------------------------------------------------------
+
+class Preempted(UserError):
+    """The ranks stopped together on a signal after writing a checkpoint."""
+
+    exit_code = EXIT_PREEMPTED
+    label = "stopped"
+
 
 def train_step(t: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward/backward over this rank's A micro-batches, gradients synced once at the last.
@@ -244,6 +229,17 @@ def train_step(t: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
     return loss_sum / t.accum, norm
 
 
+def agree_step(t: Trainer, loss: torch.Tensor, norm: torch.Tensor, stop: bool) -> tuple[float, list[int], bool]:
+    """The one collective after each step. Returns (the global mean loss, the ranks that saw a
+    non-finite loss or gradient norm, whether any rank was asked to stop)."""
+    # With fp16 the GradScaler itself skips steps whose gradients overflow; only the loss counts.
+    finite = torch.isfinite(loss) & (torch.isfinite(norm) | (t.scaler is not None))
+    mine = torch.stack([loss.float(), finite.float(), torch.tensor(float(stop), device=loss.device)])
+    every = dist.all_gather(t.env, mine).cpu()  # (W, 3)
+    bad = [r for r in range(t.env.world_size) if not every[r, 1]]
+    return every[:, 0].mean().item(), bad, bool(every[:, 2].any())
+
+
 def optimizer_step(t: Trainer, lr: float) -> None:
     set_lr(t.optimizer, lr)
     if t.scaler is not None:
@@ -254,37 +250,64 @@ def optimizer_step(t: Trainer, lr: float) -> None:
     t.optimizer.zero_grad(set_to_none=True)
 
 
+def skip_or_stop(t: Trainer, bad: list[int]) -> None:
+    """A non-finite loss or gradient norm on `bad` ranks: every rank takes the same branch."""
+    where = f"step {t.step + 1}: non-finite loss or gradient norm on rank {', '.join(map(str, bad))}"
+    kept = f"step {t.last_checkpoint}" if t.last_checkpoint >= 0 else "none yet"
+    if t.cfg.run.on_nonfinite == "stop" or t.skipped >= t.cfg.run.max_skipped:
+        why = "" if t.cfg.run.on_nonfinite == "stop" else f" after {t.skipped} skipped steps (run.max_skipped)"
+        raise dist.DistError(f"{where}; stopped before the optimizer step{why}. The last checkpoint ({kept}) is "
+                             "intact; lower optim.lr or raise optim.warmup_steps, or use --on-nonfinite skip",
+                             quiet=not t.env.is_main)
+    t.optimizer.zero_grad(set_to_none=True)
+    t.skipped += 1
+    if t.env.is_main:
+        print(f"ddpgpt: warning: {where}; skipped ({t.skipped} of at most {t.cfg.run.max_skipped})",
+              file=sys.stderr)
+
+
 def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def loop(t: Trainer, metrics: Metrics) -> None:
+def loop(t: Trainer, metrics: Metrics, stop: StopSignal) -> None:
     cfg, env, total = t.cfg, t.env, t.cfg.run.steps
     while t.step < total:
+        t.fault.before_step(t.step)
         lr = lr_at(t.step, cfg.optim, total)
         loss, norm = train_step(t)
-        # One small all-reduce per step: the logged loss is the global mean, never rank 0's own.
-        loss = dist.all_reduce(env, loss.detach().clone(), op="mean")
-        optimizer_step(t, lr)
+        loss, bad, stopping = agree_step(t, t.fault.poison(loss, t.step), norm, stop.requested)
+        if bad:
+            skip_or_stop(t, bad)
+        else:
+            optimizer_step(t, lr)
         t.step += 1
         t.elapsed_s = metrics.elapsed_s
         if _due(t.step, cfg.run.log_every, total):
-            metrics.log_step(t.step, loss.item(), lr, norm.item())
+            metrics.log_step(t.step, None if bad else loss, lr, None if bad else norm.item())
         with metrics.paused():
             if _due(t.step, cfg.run.eval_every, total):
                 metrics.log_eval(t.step, evaluate(t.raw, t.val, env, t.autocast))
-            if _due(t.step, cfg.run.checkpoint_every, total):
+            if _due(t.step, cfg.run.checkpoint_every, total) or stopping:
                 save(t)
+        if stopping and t.step < total:
+            raise Preempted(f"stopped at step {t.step} on {stop.name or 'a signal to another rank'}; checkpoint "
+                            f"{t.run_dir / 'checkpoints' / f'step_{t.step:07d}'} is complete: run the same "
+                            "command to resume", quiet=not env.is_main)
 
 
 def run(cfg: TrainConfig) -> None:
-    # 1. Everything that needs no process group is checked first: batch arithmetic, data, shapes.
-    accum = accum_steps(cfg, dist.detect().world_size)
-    dataset = TokenDataset(cfg.data.dir)
-    cfg = for_dataset(cfg, dataset)
+    # 1. Everything that needs no process group is checked first: batch arithmetic, data, resume.
+    env0 = dist.detect()
+    cfg, dataset, accum = preflight(cfg, env0.world_size)
+    found = find_resume(cfg, env0.restart_count)
     # 2. Join the group (W > 1); it is destroyed on every way out of this block.
-    with dist.session(cfg.run.device, cfg.run.backend) as env:
-        t = setup(cfg, env, dataset, accum)
+    with dist.session(cfg.run.device, cfg.run.backend, cfg.run.dist_timeout_s) as env, StopSignal(env.is_main) as stop:
+        if cfg.run.resume == "reset" and env.restart_count == 0:
+            if env.is_main:
+                reset_run_dir(cfg.run.dir)
+            dist.barrier(env)
+        t = setup(cfg, env, dataset, accum, found)
         tokens_per_step = cfg.data.global_batch * cfg.seq_len
         peak = peak_flops(env.device, torch.bfloat16 if precision(cfg, env.device) != "fp32" else torch.float32)
         metrics = Metrics(env.is_main, t.run_dir, t.step, cfg.run.steps, tokens_per_step,
@@ -295,7 +318,11 @@ def run(cfg: TrainConfig) -> None:
             if t.step >= cfg.run.steps and env.is_main:
                 print(f"run {cfg.run.dir} is already at step {t.step} of {cfg.run.steps}; "
                       "raise run.steps to train further", file=sys.stderr)
-            loop(t, metrics)
+            loop(t, metrics, stop)
+        except Exception as e:
+            if dist.is_collective_failure(e):
+                raise dist.collective_failure(e, env, t.step + 1, cfg.run.dist_timeout_s) from None
+            raise
         finally:
             metrics.close()
 
@@ -313,22 +340,18 @@ def summary(t: Trainer) -> str:
             f"{t.raw.num_params() / 1e6:.2f}M parameters")
 
 
-def main(values: dict, argv: list[str]) -> None:
-    """From the command line: resolve and check the config, then train here, or start --nproc
-    local workers that run this same command."""
-    preset, config_file = values.pop("preset", None), values.pop("config", None)
-    nproc, restarts = values.pop("nproc", None), values.pop("max_restarts", 0)
-    from ddpgpt.cli import train_overrides
-    cfg = resolve(preset, config_file, train_overrides(values))
+def main(cfg: TrainConfig, nproc: int | None, max_restarts: int, argv: list[str]) -> None:
+    """From the command line: train here, or start --nproc local workers that run this same
+    command (checked here first, so bad input fails before any worker starts)."""
     if nproc is None:
         return run(cfg)
     if dist.detect().world_size > 1:
         raise UserError("--nproc starts processes itself; under torchrun leave it out")
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} must be >= 1")
-    accum_steps(cfg, nproc)  # fail here, before any worker starts
-    for_dataset(cfg, TokenDataset(cfg.data.dir))
-    sys.exit(dist.launch(nproc, strip_flags(argv, ("--nproc", "--max-restarts")), restarts))
+    cfg, _, _ = preflight(cfg, nproc)
+    find_resume(cfg)
+    sys.exit(dist.launch(nproc, strip_flags(argv, ("--nproc", "--max-restarts")), max_restarts))
 
 
 def strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:

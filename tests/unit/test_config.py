@@ -1,0 +1,345 @@
+"""Config resolution (preset -> TOML -> flags), every error message word for word, the config.json
+round trip, and the batch / dataset arithmetic that `train` checks before any process group."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import sys
+
+import numpy as np
+import pytest
+
+from ddpgpt import cli, config, presets, train
+from ddpgpt.config import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+    field_docs,
+    resolve,
+)
+from ddpgpt.data.shards import TokenDataset
+from tests.helpers import run_cli, write_dataset
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+MODEL_KEYS = "n_layer, n_head, n_embd, block_size, vocab_size, bias, dropout"
+
+
+def _toml(tmp_path, text: str, name: str = "run.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _error(fn, *args) -> str:
+    with pytest.raises(ConfigError) as e:
+        fn(*args)
+    return str(e.value)
+
+
+def _parse_train(argv: list[str]) -> TrainConfig:
+    """The in-process twin of `ddpgpt train ARGV`: argparse -> train_overrides -> resolve."""
+    ns = cli._build_parser().parse_args(["train", *argv])
+    return resolve(ns.preset, ns.config, cli.train_overrides(cli._values(ns)))
+
+
+# ---- layering --------------------------------------------------------------------------------
+
+def test_no_layers_gives_the_defaults():
+    assert resolve(None, None, {}) == TrainConfig()
+
+
+def test_preset_then_file_then_flags(tmp_path):
+    path = _toml(tmp_path, 'preset = "tiny"\n[model]\nn_layer = 2\nn_embd = 128\n'
+                           '[optim]\nlr = 1e-3\n[run]\nsteps = 50\n')
+    cfg = resolve(None, path, {"model": {"n_embd": "64"}, "run": {"seed": "7"}})
+    tiny = presets.tiny()
+    expected = dataclasses.replace(
+        tiny,
+        model=dataclasses.replace(tiny.model, n_layer=2, n_embd=64),  # file, then the flag wins
+        optim=dataclasses.replace(tiny.optim, lr=1e-3),
+        run=dataclasses.replace(tiny.run, steps=50, seed=7),
+    )
+    assert cfg == expected
+
+
+def test_file_preset_loses_to_explicit_preset(tmp_path):
+    path = _toml(tmp_path, 'preset = "small"\n[run]\nsteps = 9\n')
+    cfg = resolve("tiny", path, {})
+    assert cfg.model == presets.tiny().model
+    assert cfg.run.steps == 9
+
+
+def test_command_line_parser_path(tmp_path):
+    path = _toml(tmp_path, "[data]\nmicro_batch = 4\nglobal_batch = 8\n[optim]\nwarmup_steps = 5\n")
+    cfg = _parse_train(["--data", "d", "--preset", "tiny", "--config", path, "--optim.warmup-steps", "7",
+                        "--model.n_layer", "3", "--no-model.bias", "--run-dir", "r", "--compile"])
+    tiny = presets.tiny()
+    assert cfg == dataclasses.replace(
+        tiny,
+        model=dataclasses.replace(tiny.model, n_layer=3, bias=False),
+        data=dataclasses.replace(tiny.data, dir="d", micro_batch=4, global_batch=8),
+        optim=dataclasses.replace(tiny.optim, warmup_steps=7),
+        run=dataclasses.replace(tiny.run, dir="r", compile=True),
+    )
+
+
+def test_train_overrides_nests_sections_and_drops_the_rest():
+    values = {"optim.lr": "3e-4", "model.n_layer": "2", "data.dir": "d", "preset": "tiny", "nproc": 2}
+    assert cli.train_overrides(values) == {"optim": {"lr": "3e-4"}, "model": {"n_layer": "2"},
+                                           "data": {"dir": "d"}}
+
+
+def test_int_in_toml_is_accepted_for_a_float(tmp_path):
+    cfg = resolve(None, _toml(tmp_path, "[optim]\nlr = 1\nmin_lr = 0\n"), {})
+    assert cfg.optim.lr == 1.0 and type(cfg.optim.lr) is float
+    assert cfg.optim.min_lr == 0.0 and type(cfg.optim.min_lr) is float
+
+
+# ---- messages: unknown keys and types --------------------------------------------------------
+
+def test_unknown_key_in_toml(tmp_path):
+    path = _toml(tmp_path, "[model]\nn_layers = 2\n")
+    assert _error(resolve, None, path, {}) == f"{path}: unknown key model.n_layers; known: {MODEL_KEYS}"
+
+
+def test_unknown_section_in_toml(tmp_path):
+    path = _toml(tmp_path, "[training]\nsteps = 2\n")
+    assert _error(resolve, None, path, {}) == f"{path}: unknown section [training]; known: model, data, optim, run"
+
+
+def test_section_that_is_not_a_table(tmp_path):
+    path = _toml(tmp_path, "model = 3\n")
+    assert _error(resolve, None, path, {}) == f"{path}: [model] must be a table of fields, got 3"
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[model]\nn_layer = "two"\n', "model.n_layer: expected an integer, got 'two' (str)"),
+    ("[model]\nn_layer = true\n", "model.n_layer: expected an integer, got True (bool)"),
+    ("[model]\nn_layer = 2.0\n", "model.n_layer: expected an integer, got 2.0 (float)"),
+    ("[optim]\nlr = false\n", "optim.lr: expected a number, got False (bool)"),
+    ("[model]\nbias = 1\n", "model.bias: expected true or false, got 1 (int)"),
+    ("[data]\ndir = 5\n", "data.dir: expected a string, got 5 (int)"),
+])
+def test_wrong_type_in_toml(tmp_path, text, message):
+    path = _toml(tmp_path, text)
+    assert _error(resolve, None, path, {}) == f"{path}: {message}"
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[model]\nn_layer = "4"\n', "model.n_layer: expected an integer, got '4' (str)"),
+    ('[optim]\nlr = "3e-4"\n', "optim.lr: expected a number, got '3e-4' (str)"),
+    ('[model]\nbias = "yes"\n', "model.bias: expected true or false, got 'yes' (str)"),
+], ids=["int", "float", "bool"])
+def test_quoted_value_in_toml_is_a_type_error(tmp_path, text, message):
+    path = _toml(tmp_path, text)
+    assert _error(resolve, None, path, {}) == f"{path}: {message}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--optim.lr", "abc"], "command line: optim.lr: expected a number, got 'abc'"),
+    (["--model.n-layer", "2.5"], "command line: model.n_layer: expected an integer, got '2.5'"),
+    (["--run.steps", "1e3"], "command line: run.steps: expected an integer, got '1e3'"),
+])
+def test_wrong_type_on_the_command_line(argv, message):
+    assert _error(_parse_train, ["--data", "d", *argv]) == message
+
+
+def test_unknown_flag_is_a_one_line_user_error():
+    from ddpgpt.errors import UserError
+    with pytest.raises(UserError) as e:
+        _parse_train(["--data", "d", "--model.n-layers", "2"])
+    assert str(e.value) == "unrecognized arguments: --model.n-layers 2 (see --help)"
+
+
+# ---- messages: ranges, presets, files --------------------------------------------------------
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: ModelConfig(n_layer=0), "model.n_layer = 0 must be >= 1"),
+    (lambda: ModelConfig(n_head=3, n_embd=64), "model.n_head = 3 must divide model.n_embd = 64"),
+    (lambda: ModelConfig(vocab_size=-1), "model.vocab_size = -1 must be >= 0 (0: from the dataset)"),
+    (lambda: ModelConfig(dropout=1.0), "model.dropout = 1.0 must be in [0, 1)"),
+    (lambda: OptimConfig(lr=1e-3, min_lr=2e-3), "optim.min_lr = 0.002 must be in [0, optim.lr = 0.001]"),
+    (lambda: OptimConfig(lr=0.0), "optim.lr = 0.0 must be > 0"),
+    (lambda: OptimConfig(beta2=1.0), "optim.beta2 = 1.0 must be in [0, 1)"),
+    (lambda: DataConfig(micro_batch=0), "data.micro_batch = 0 must be >= 1"),
+    (lambda: TrainConfig(model=ModelConfig(block_size=64), data=DataConfig(seq_len=128)),
+     "data.seq_len = 128 exceeds model.block_size = 64"),
+    (lambda: TrainConfig(data=DataConfig(micro_batch=8, global_batch=20)),
+     "data.global_batch = 20 is not a multiple of data.micro_batch = 8"),
+    (lambda: RunConfig(precision="fp8"), "run.precision = 'fp8'; choose one of auto, fp32, bf16, fp16"),
+    (lambda: RunConfig(steps=0), "run.steps = 0 must be >= 1"),
+])
+def test_out_of_range(build, message):
+    assert _error(build) == f"invalid config: {message}"
+
+
+def test_out_of_range_through_the_layers(tmp_path):
+    path = _toml(tmp_path, "[model]\nn_embd = 64\n")
+    assert _error(resolve, None, path, {"model": {"n_head": "3"}}) == \
+        "invalid config: model.n_head = 3 must divide model.n_embd = 64"
+    assert _error(resolve, "tiny", None, {"optim": {"lr": "1e-4"}}) == \
+        "invalid config: optim.min_lr = 0.0002 must be in [0, optim.lr = 0.0001]"
+
+
+def test_out_of_range_in_toml_names_the_file(tmp_path):
+    path = _toml(tmp_path, "[model]\nn_layer = 0\n")
+    message = _error(resolve, None, path, {})
+    assert path in message and "model.n_layer = 0 must be >= 1" in message
+
+
+def test_unknown_preset(tmp_path):
+    expected = "unknown preset 'huge'; choose one of tiny, small, gpt2-124m, gpt2-350m"
+    assert _error(resolve, "huge", None, {}) == expected
+    assert _error(resolve, None, _toml(tmp_path, 'preset = "huge"\n'), {}) == expected
+
+
+def test_invalid_toml(tmp_path):
+    text = "[model\nn_layer = 2\n"
+    with pytest.raises(tomllib.TOMLDecodeError) as parse_error:
+        tomllib.loads(text)
+    path = _toml(tmp_path, text)
+    assert _error(resolve, None, path, {}) == f"{path}: not valid TOML ({parse_error.value})"
+
+
+def test_missing_config_file(tmp_path):
+    path = str(tmp_path / "nope.toml")
+    assert _error(resolve, None, path, {}) == f"config file {path} not found"
+
+
+# ---- the real command line: exit 2, one line, nothing written ---------------------------------
+
+@pytest.mark.parametrize("extra, message", [
+    (["--bogus", "1"], "unrecognized arguments: --bogus 1 (see --help)"),
+    (["--optim.lr", "abc"], "command line: optim.lr: expected a number, got 'abc'"),
+    (["--config", "bad.toml"], f"bad.toml: unknown key model.n_layers; known: {MODEL_KEYS}"),
+], ids=["unknown-flag", "bad-value", "unknown-toml-key"])
+def test_cli_rejects_bad_input_in_one_line(tmp_path, extra, message):
+    (tmp_path / "bad.toml").write_text("[model]\nn_layers = 2\n")
+    result = run_cli("train", "--data", "data", "--run-dir", "run", *extra, cwd=tmp_path)
+    assert (result.returncode, result.stderr, result.stdout) == (2, f"ddpgpt: error: {message}\n", "")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.toml"]
+
+
+# ---- config.json round trip -----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_to_dict_from_dict_round_trip(name):
+    cfg = presets.get_preset(name)
+    assert config.from_dict(cfg.to_dict()) == cfg
+
+
+def test_round_trip_through_json_of_a_non_default_config():
+    import json
+    cfg = TrainConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False),
+                      data=DataConfig(dir="x", seq_len=16, micro_batch=2, global_batch=6, shuffle=False),
+                      optim=OptimConfig(lr=3.0, min_lr=0.5, warmup_steps=0),
+                      run=RunConfig(dir="r", precision="bf16", bucket_mb=1.5, compile=True))
+    back = config.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert back == cfg
+    assert type(back.optim.lr) is float
+
+
+# ---- batch arithmetic and the dataset-dependent fields ---------------------------------------
+
+def _batch(G: int, b: int) -> TrainConfig:
+    return TrainConfig(data=DataConfig(micro_batch=b, global_batch=G))
+
+
+@pytest.mark.parametrize("G, b, W, A", [(32, 8, 1, 4), (32, 8, 2, 2), (32, 8, 4, 1), (32, 4, 2, 4),
+                                        (48, 2, 3, 8), (8, 8, 1, 1)])
+def test_accum_steps(G, b, W, A):
+    assert train.accum_steps(_batch(G, b), W) == A
+
+
+@pytest.mark.parametrize("G, b, W", [(32, 8, 3), (32, 8, 8), (48, 4, 5)])
+def test_accum_steps_indivisible(G, b, W):
+    assert _error(train.accum_steps, _batch(G, b), W) == (
+        f"data.global_batch = {G} is not divisible by world size {W} × data.micro_batch {b} = {W * b}; "
+        f"make the global batch a multiple of {W * b} or change the micro-batch")
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    """A dataset whose vocabulary (100) is not a multiple of 64."""
+    tokens = np.arange(500) % 100
+    return TokenDataset(write_dataset(tmp_path / "d", tokens, tokens[:200], vocab_size=100))
+
+
+def _model(**fields) -> TrainConfig:
+    return TrainConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, **fields))
+
+
+def test_for_dataset_rounds_vocab_up_to_64(dataset):
+    cfg = train.for_dataset(_model(), dataset)
+    assert cfg.model.vocab_size == 128
+    assert cfg.data.seq_len == 16  # 0 -> block_size
+    assert cfg == dataclasses.replace(_model(), model=dataclasses.replace(_model().model, vocab_size=128),
+                                      data=dataclasses.replace(_model().data, seq_len=16))
+
+
+@pytest.mark.parametrize("vocab, rounded", [(64, 64), (65, 128), (256, 256), (257, 320)])
+def test_for_dataset_rounding(tmp_path, vocab, rounded):
+    ds = TokenDataset(write_dataset(tmp_path / "d", np.arange(300) % vocab, np.arange(50) % vocab, vocab))
+    assert train.for_dataset(_model(), ds).model.vocab_size == rounded
+
+
+def test_for_dataset_keeps_explicit_vocab_and_seq_len(dataset):
+    cfg = _model(vocab_size=100)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=8))
+    resolved = train.for_dataset(cfg, dataset)
+    assert (resolved.model.vocab_size, resolved.data.seq_len) == (100, 8)
+    assert train.for_dataset(_model(vocab_size=1000), dataset).model.vocab_size == 1000
+
+
+def test_for_dataset_rejects_a_smaller_vocab(dataset):
+    assert _error(train.for_dataset, _model(vocab_size=99), dataset) == (
+        f"dataset {dataset.path} has a vocabulary of 100 but model.vocab_size = 99; "
+        "set model.vocab_size >= 100 (or 0 to follow the dataset)")
+
+
+def test_strip_flags():
+    argv = ["train", "--nproc", "2", "--data", "d", "--nproc=4", "--max-restarts", "3", "--run.steps", "5",
+            "--max-restarts=1", "--nprocs-like", "x", "--preset", "tiny"]
+    assert train.strip_flags(argv, ("--nproc", "--max-restarts")) == [
+        "train", "--data", "d", "--run.steps", "5", "--nprocs-like", "x", "--preset", "tiny"]
+
+
+# ---- field docstrings reach --help ------------------------------------------------------------
+
+CONFIG_CLASSES = [c for _, c in inspect.getmembers(config, inspect.isclass)
+                  if dataclasses.is_dataclass(c) and c.__module__ == config.__name__]
+
+
+def test_field_docs():
+    assert field_docs(ModelConfig)["n_layer"] == "Transformer blocks."
+    assert field_docs(DataConfig)["global_batch"] == (
+        "Sequences per optimizer step (G), fixed whatever the number of processes W; the accumulation "
+        "steps are G / (W * b).")
+
+
+def test_help_shows_field_docs_and_defaults():
+    sub = next(a for a in cli._build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(sub.choices["train"].format_help().split())
+    assert "--model.n-layer N_LAYER, --model.n_layer N_LAYER Transformer blocks. (default: 4)" in text
+    assert "--data DIR, --data.dir DIR Dataset directory made by `ddpgpt prepare`. (default: data/stdlib)" in text
+
+
+@pytest.mark.parametrize("cls", CONFIG_CLASSES, ids=lambda c: c.__name__)
+def test_every_field_has_a_docstring(cls):
+    docs = field_docs(cls)
+    assert [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)] == []
+
+
+def test_meta_test_sees_every_config_class():
+    assert {c.__name__ for c in CONFIG_CLASSES} >= {
+        "PrepareConfig", "ModelConfig", "DataConfig", "OptimConfig", "RunConfig", "TrainConfig",
+        "SampleConfig", "EvalConfig", "DoctorConfig"}

@@ -1,0 +1,136 @@
+"""Parameter groups, the optimizer against torch.optim.AdamW built by hand, and the LR schedule
+against its closed form."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ddpgpt.config import ModelConfig, OptimConfig
+from ddpgpt.model import GPT
+from ddpgpt.optim import lr_at, make_optimizer, param_groups, set_lr
+
+SMALL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tensors this small gain nothing from intra-op threads (and a busy core stalls them)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _decayed_by_module(model: nn.Module) -> set[int]:
+    """The oracle: weights of Linear and Embedding modules decay, nothing else does."""
+    return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+
+
+# ---- parameter groups ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_param_groups(bias):
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=bias))
+    decay, no_decay = param_groups(model, 0.25)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.25, 0.0)
+    assert {id(p) for p in decay["params"]} == _decayed_by_module(model)
+    everything = [id(p) for p in model.parameters()]
+    grouped = [id(p) for p in decay["params"] + no_decay["params"]]
+    assert sorted(grouped) == sorted(everything)  # each parameter exactly once
+    names = {id(p): n for n, p in model.named_parameters()}
+    expected_no_decay = {n for n in names.values() if ".ln" in n or n.startswith("ln_f") or n.endswith(".bias")}
+    assert {names[id(p)] for p in no_decay["params"]} == expected_no_decay
+    L = 2  # LayerNorm gains (2 per block + ln_f), and with bias: LayerNorm biases + 4 linear biases per block
+    assert len(no_decay["params"]) == (2 * L + 1) * (2 if bias else 1) + (4 * L if bias else 0)
+
+
+def test_param_groups_skip_frozen_parameters():
+    model = GPT(SMALL)
+    model.wpe.weight.requires_grad_(False)
+    model.ln_f.bias.requires_grad_(False)
+    decay, no_decay = param_groups(model, 0.1)
+    grouped = {id(p) for p in decay["params"] + no_decay["params"]}
+    assert grouped == {id(p) for p in model.parameters() if p.requires_grad}
+    assert len(grouped) == len(list(model.parameters())) - 2
+
+
+# ---- the optimizer against torch.optim.AdamW --------------------------------------------------
+
+def test_make_optimizer_matches_adamw_by_hand():
+    cfg = OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2, weight_decay=0.2, beta1=0.8, beta2=0.9, eps=1e-6)
+    ours, ref = GPT(SMALL, seed=1), GPT(SMALL, seed=1)
+    opt = make_optimizer(ours, cfg, torch.device("cpu"))
+    decay = [p for p in ref.parameters() if id(p) in _decayed_by_module(ref)]
+    no_decay = [p for p in ref.parameters() if id(p) not in _decayed_by_module(ref)]
+    ref_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.2}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=3e-3, betas=(0.8, 0.9), eps=1e-6)
+    assert [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in opt.param_groups] == \
+        [(3e-3, (0.8, 0.9), 1e-6, 0.2), (3e-3, (0.8, 0.9), 1e-6, 0.0)]
+    gen = torch.Generator().manual_seed(0)
+    steps = 4
+    for step in range(steps):
+        idx, targets = (torch.randint(0, SMALL.vocab_size, (2, 12), generator=gen) for _ in range(2))
+        lr = lr_at(step, cfg, steps)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            model(idx, targets)[1].backward()
+            if optimizer is opt:
+                set_lr(optimizer, lr)
+            else:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+            optimizer.step()
+            optimizer.zero_grad()
+    ours_state, ref_state = ours.state_dict(), ref.state_dict()
+    assert all(torch.equal(ours_state[k], ref_state[k]) for k in ref_state)
+    assert not torch.equal(ours_state["wte.weight"], GPT(SMALL, seed=1).state_dict()["wte.weight"])
+
+
+def test_set_lr_sets_every_group():
+    opt = make_optimizer(GPT(SMALL), OptimConfig(), torch.device("cpu"))
+    set_lr(opt, 0.125)
+    assert [g["lr"] for g in opt.param_groups] == [0.125, 0.125]
+
+
+# ---- the learning-rate schedule --------------------------------------------------------------
+
+CFG = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10)
+TOTAL = 111  # decay over steps 10..110: a span of 100, midpoint at step 60
+
+
+def test_warmup_is_linear():
+    assert lr_at(0, CFG, TOTAL) == pytest.approx(1e-4, rel=1e-12)  # lr / warmup
+    assert lr_at(9, CFG, TOTAL) == 1e-3
+    for step in range(10):
+        assert lr_at(step, CFG, TOTAL) == pytest.approx(1e-3 * (step + 1) / 10, rel=1e-12)
+
+
+def test_cosine_decay():
+    assert lr_at(10, CFG, TOTAL) == 1e-3
+    assert lr_at(60, CFG, TOTAL) == pytest.approx((1e-3 + 1e-4) / 2, rel=1e-12)
+    assert lr_at(TOTAL - 1, CFG, TOTAL) == 1e-4  # exactly min_lr at the last step
+    for step in range(10, TOTAL):
+        closed_form = 1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * (step - 10) / 100))
+        assert lr_at(step, CFG, TOTAL) == pytest.approx(closed_form, rel=1e-12)
+    assert lr_at(TOTAL + 50, CFG, TOTAL) == 1e-4  # past the end: stays at min_lr
+
+
+def test_monotone_after_warmup():
+    lrs = [lr_at(step, CFG, TOTAL) for step in range(TOTAL)]
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10]))
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+
+
+def test_no_warmup_starts_at_lr():
+    cfg = OptimConfig(lr=2e-3, min_lr=0.0, warmup_steps=0)
+    assert lr_at(0, cfg, 50) == 2e-3
+    assert lr_at(49, cfg, 50) == 0.0
+
+
+def test_lr_at_is_a_pure_function():
+    first = [lr_at(step, CFG, TOTAL) for step in range(TOTAL)]
+    backwards = [lr_at(step, CFG, TOTAL) for step in reversed(range(TOTAL))][::-1]
+    assert first == backwards == [lr_at(step, CFG, TOTAL) for step in range(TOTAL)]
