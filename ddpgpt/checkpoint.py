@@ -132,14 +132,24 @@ def read_meta(path: Path, verify: bool = True) -> dict:
 
 
 def find_latest(run_dir: str | Path) -> tuple[Path, dict] | None:
-    """The newest checkpoint that validates, falling back past bad ones with a warning each."""
+    """The newest checkpoint that validates, falling back past bad ones with a warning each.
+    When checkpoints exist but none validates, a CheckpointError names the newest's problem."""
+    problems = []
     for _, path in reversed(step_dirs(run_dir)):
         try:
-            return path, read_meta(path)
+            meta = read_meta(path)
         except CheckpointError as e:
             if "newer than this ddpgpt" in str(e):
                 raise
-            warn(f"skipping checkpoint: {e}; falling back to the previous one")
+            problems.append(e)
+            continue
+        for e in problems:
+            warn(f"skipping checkpoint: {e}; falling back to {path.name}")
+        return path, meta
+    if problems:
+        more = f" (and {len(problems) - 1} older one{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
+        raise CheckpointError(f"no valid checkpoint in {run_dir}: {problems[0]}{more}; move the bad ones "
+                              "away, or pass --reset to set them aside and start over")
     return None
 
 

@@ -77,6 +77,19 @@ def train_overrides(values: dict) -> dict:
     return nested
 
 
+def strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """argv without `--flag VALUE` / `--flag=VALUE` for each of `flags`."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True
+        elif not arg.startswith(tuple(f + "=" for f in flags)):
+            out.append(arg)
+    return out
+
+
 def _build_parser() -> argparse.ArgumentParser:
     from ddpgpt.config import DoctorConfig, EvalConfig, SampleConfig
 

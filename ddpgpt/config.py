@@ -228,7 +228,8 @@ class TrainConfig:
 
     def __post_init__(self):
         _require(self.data.seq_len <= self.model.block_size,
-                 f"data.seq_len = {self.data.seq_len} exceeds model.block_size = {self.model.block_size}")
+                 f"data.seq_len = {self.data.seq_len} exceeds model.block_size = {self.model.block_size}; "
+                 f"set data.seq_len <= {self.model.block_size} (0: model.block_size) or raise model.block_size")
         _require(self.data.global_batch % self.data.micro_batch == 0,
                  f"data.global_batch = {self.data.global_batch} is not a multiple of data.micro_batch = {self.data.micro_batch}")
 

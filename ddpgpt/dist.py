@@ -89,9 +89,10 @@ def init(device: str = "auto", backend: str = "auto", timeout_s: float = 600) ->
     if env.world_size == 1:
         return replace(env, device=dev)
     name = backend if backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
+    timeout = timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(name, timeout=timedelta(seconds=timeout_s),
-                                device_id=dev if dev.type == "cuda" else None)
+        dist.init_process_group(name, timeout=timeout, device_id=dev if dev.type == "cuda" else None,
+                                **_attempt_store(env, timeout))
     except RuntimeError as e:  # DistNetworkError and friends
         if "address already in use" not in str(e).lower():
             raise
@@ -99,6 +100,21 @@ def init(device: str = "auto", backend: str = "auto", timeout_s: float = 600) ->
         raise UserError(f"rank {env.rank}: cannot open the rendezvous port {where}: address already in use; "
                         "another job holds it: choose another MASTER_PORT / --rdzv-endpoint port") from None
     return replace(env, device=dev, backend=name)
+
+
+def _attempt_store(env: DistEnv, timeout: timedelta) -> dict:
+    """Under torchrun, the group's rendezvous keys in a namespace of this attempt.
+
+    torchrun's workers share its agent's TCPStore, and since torch 2.x (checked on 2.13) keys are
+    no longer prefixed per elastic attempt: after a restart a rank can read the previous attempt's
+    gloo address (or NCCL id) of a dead peer and fail or hang forming the group. A prefix per
+    TORCHELASTIC_RESTART_COUNT keeps attempts apart. Outside torchrun: the default env:// path."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
+                         is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"ddpgpt/attempt_{env.restart_count}", base)
+    return {"store": store, "rank": env.rank, "world_size": env.world_size}
 
 
 COLLECTIVE_FAILURES = ("timed out", "connection closed", "connection reset", "nccl", "gloo", "broken pipe")
@@ -244,8 +260,11 @@ def launch(nproc: int, module_args: list[str], max_restarts: int = 0) -> int:
     """Starts `python -m ddpgpt <module_args>` on `nproc` local processes through torch's elastic
     launcher: the same as `torchrun --standalone --nproc_per_node N -m ddpgpt ...`. Returns the
     exit code (the first failed worker's)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
+
+    from ddpgpt.preempt import EXIT_PREEMPTED
 
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():
         raise UserError(f"--nproc {nproc} but only {torch.cuda.device_count()} GPUs are visible; "
@@ -256,6 +275,12 @@ def launch(nproc: int, module_args: list[str], max_restarts: int = 0) -> int:
                        "--monitor-interval=0.5", "-m", "ddpgpt", *module_args])
     try:
         run(args)
+    except SignalException as e:
+        # The launcher forwarded the signal to every worker and waited for them to stop: each
+        # stops at its next step boundary and checkpoints first (see preempt.py).
+        print(f"ddpgpt: stopped by {e.sigval.name}; the workers checkpointed before exiting: "
+              "run the same command to resume", file=sys.stderr)
+        return EXIT_PREEMPTED
     except ChildFailedError as e:
         first = next(iter(e.failures.values()))
         code = first.exitcode if first.exitcode > 0 else 1

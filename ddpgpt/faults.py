@@ -7,7 +7,7 @@ first attempt only (never after an elastic restart, so a restarted job can finis
 
     kill     SIGKILL itself: a crash (OOM killer, lost node)
     term     SIGTERM itself: a pre-emption
-    term2    SIGTERM itself, then again 1.5 s later: the second signal must exit at once
+    term2    SIGTERM itself, then again after the duplicate window: the second must exit at once
     intparent  SIGINT to its parent, the launcher, which forwards it to every worker
     stall    stop responding (sleeps): a hung rank
     nan      its loss for that step becomes NaN
@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass
 
 import torch
+
+from ddpgpt.preempt import GRACE_S
 
 ACTIONS = ("kill", "term", "term2", "intparent", "stall", "nan")
 
@@ -51,7 +52,8 @@ class Fault:
         elif self.action in ("term", "term2"):
             os.kill(os.getpid(), signal.SIGTERM)
             if self.action == "term2":
-                threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+                time.sleep(GRACE_S + 0.5)
+                os.kill(os.getpid(), signal.SIGTERM)
         elif self.action == "intparent":
             os.kill(os.getppid(), signal.SIGINT)
         elif self.action == "stall":

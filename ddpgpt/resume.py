@@ -40,17 +40,14 @@ def find_resume(cfg: TrainConfig, restart_count: int = 0) -> tuple[Path, dict] |
         return None
     if mode in ("auto", "reset"):  # reset after an elastic restart: continue what this job started
         found = checkpoint.find_latest(cfg.run.dir)
-        if found is None and existing:
-            raise UserError(f"run dir {cfg.run.dir} has checkpoints but none is complete and valid (see the warnings "
-                            "above); move them away, or pass --reset to set them aside and start over")
     else:
         found = Path(mode), checkpoint.read_meta(Path(mode))
     if found:
         saved = found[1]["config"]["model"]
         diff = [f"{k} {saved[k]} -> {getattr(cfg.model, k)}" for k in SHAPE_FIELDS if saved[k] != getattr(cfg.model, k)]
         if diff:
-            raise UserError(f"run dir {cfg.run.dir}: checkpoint {found[0].name} has another model shape "
-                            f"({', '.join(diff)}); use another --run-dir, or --reset to set the old run aside")
+            raise UserError(f"run dir {cfg.run.dir}: refused to resume checkpoint {found[0].name}, which has another "
+                            f"model shape ({', '.join(diff)}); use another --run-dir, or --reset to set the old run aside")
     return found
 
 

@@ -351,17 +351,5 @@ def main(cfg: TrainConfig, nproc: int | None, max_restarts: int, argv: list[str]
         raise ConfigError(f"--nproc {nproc} must be >= 1")
     cfg, _, _ = preflight(cfg, nproc)
     find_resume(cfg)
+    from ddpgpt.cli import strip_flags
     sys.exit(dist.launch(nproc, strip_flags(argv, ("--nproc", "--max-restarts")), max_restarts))
-
-
-def strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
-    """argv without `--flag VALUE` / `--flag=VALUE` for each of `flags`."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in flags:
-            skip = True
-        elif not arg.startswith(tuple(f + "=" for f in flags)):
-            out.append(arg)
-    return out

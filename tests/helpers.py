@@ -58,7 +58,8 @@ class Ranks:
     """W processes started the way torchrun starts them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*),
     output to files, all killed if any run past the timeout."""
 
-    def __init__(self, argv_per_rank: list[list[str]], workdir: Path, env: dict | None = None):
+    def __init__(self, argv_per_rank: list[list[str]], workdir: Path, env: dict | None = None,
+                 cwds: list[Path] | None = None):
         import subprocess
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
@@ -70,8 +71,9 @@ class Ranks:
                  "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
             out, err = open(workdir / f"rank{r}.out", "w"), open(workdir / f"rank{r}.err", "w")
             self.outs.append((out, err))
+            e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
             self.procs.append(subprocess.Popen([sys.executable, *argv], stdout=out, stderr=err, env=e,
-                                               start_new_session=True))
+                                               cwd=cwds[r] if cwds else None, start_new_session=True))
 
     def wait(self, timeout: float = 120) -> list[SimpleNamespace]:
         import signal
@@ -105,8 +107,8 @@ class Ranks:
 
 
 def run_ranks(argv_per_rank: list[list[str]], workdir: Path, timeout: float = 120, env: dict | None = None,
-              check: bool = True) -> list[SimpleNamespace]:
-    ranks = Ranks(argv_per_rank, workdir, env)
+              check: bool = True, cwds: list[Path] | None = None) -> list[SimpleNamespace]:
+    ranks = Ranks(argv_per_rank, workdir, env, cwds)
     results = ranks.wait(timeout)
     if check and any(r.returncode for r in results):
         raise AssertionError(f"a rank failed:\n{ranks.report()}")
@@ -161,3 +163,50 @@ def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32):
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+class Launch:
+    """A command whose merged output lines are read as they come, each stamped with its arrival
+    time, so a test can time events (a crash, a restart) from outside the processes."""
+
+    def __init__(self, argv: list[str], env: dict | None = None, cwd: Path | None = None):
+        import subprocess
+        import threading
+        import time
+        self.lines: list[tuple[float, str]] = []
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=cwd or REPO,
+                                     start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        import time
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait(self, timeout: float) -> int:
+        import signal
+        import subprocess
+        import time
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise AssertionError(f"still running after {timeout} s:\n{self.text[-5000:]}") from None
+        self._reader.join(timeout=10)
+        self.end = time.monotonic()
+        return code
+
+    @property
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def when(self, fragment: str, after: float = 0.0) -> float:
+        """Arrival time of the first line containing `fragment` (after time `after`)."""
+        for t, line in self.lines:
+            if fragment in line and t >= after:
+                return t
+        raise AssertionError(f"no line with {fragment!r} in:\n{self.text[-5000:]}")

@@ -172,7 +172,8 @@ def test_unknown_flag_is_a_one_line_user_error():
     (lambda: OptimConfig(beta2=1.0), "optim.beta2 = 1.0 must be in [0, 1)"),
     (lambda: DataConfig(micro_batch=0), "data.micro_batch = 0 must be >= 1"),
     (lambda: TrainConfig(model=ModelConfig(block_size=64), data=DataConfig(seq_len=128)),
-     "data.seq_len = 128 exceeds model.block_size = 64"),
+     "data.seq_len = 128 exceeds model.block_size = 64; set data.seq_len <= 64 (0: model.block_size) "
+     "or raise model.block_size"),
     (lambda: TrainConfig(data=DataConfig(micro_batch=8, global_batch=20)),
      "data.global_batch = 20 is not a multiple of data.micro_batch = 8"),
     (lambda: RunConfig(precision="fp8"), "run.precision = 'fp8'; choose one of auto, fp32, bf16, fp16"),
@@ -309,7 +310,7 @@ def test_for_dataset_rejects_a_smaller_vocab(dataset):
 def test_strip_flags():
     argv = ["train", "--nproc", "2", "--data", "d", "--nproc=4", "--max-restarts", "3", "--run.steps", "5",
             "--max-restarts=1", "--nprocs-like", "x", "--preset", "tiny"]
-    assert train.strip_flags(argv, ("--nproc", "--max-restarts")) == [
+    assert cli.strip_flags(argv, ("--nproc", "--max-restarts")) == [
         "train", "--data", "d", "--run.steps", "5", "--nprocs-like", "x", "--preset", "tiny"]
 
 

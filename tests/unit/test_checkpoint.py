@@ -1,0 +1,146 @@
+"""Crash-safe checkpoints: atomic publish with fsync, sha256 validation, fallback, keep-last-k."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from ddpgpt import checkpoint
+from ddpgpt.checkpoint import CheckpointError
+from ddpgpt.config import ModelConfig
+from ddpgpt.model import GPT
+
+
+def model(seed=0):
+    return GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=16), seed=seed)
+
+
+def save(run, step, keep=10, seed=None):
+    return checkpoint.save(run, step, model(step if seed is None else seed), {"optimizer": {"step": step}},
+                           {"config": {}}, keep)
+
+
+def test_save_is_complete_and_validated(tmp_path):
+    path = save(tmp_path, 7)
+    assert path == tmp_path / "checkpoints" / "step_0000007"
+    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "model.safetensors", "trainer.pt"]
+    meta = checkpoint.read_meta(path)
+    assert meta["step"] == 7 and set(meta["files"]) == {"model.safetensors", "trainer.pt"}
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0000007"]  # no temp dir left
+    loaded = model(seed=99)
+    checkpoint.load_weights(path, loaded)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model(7).state_dict().values()))
+    assert checkpoint.load_trainer_state(path) == {"optimizer": {"step": 7}}
+
+
+def test_files_and_directory_are_fsynced_before_the_rename(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_rename, real_open = os.fsync, os.rename, os.open
+    fds = {}
+
+    def fake_open(path, flags, *a):
+        fd = real_open(path, flags, *a)
+        fds[fd] = os.fspath(path)
+        return fd
+
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.path.basename(fds.get(fd, "?")))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", os.path.basename(b))), real_rename(a, b))[1])
+    save(tmp_path, 1)
+    rename = events.index(("rename", "step_0000001"))
+    synced = {name for kind, name in events[:rename] if kind == "fsync"}
+    assert {"model.safetensors", "trainer.pt", "meta.json"} <= synced
+    assert any(name.startswith(".tmp-step_0000001") for name in synced)  # the directory itself
+    assert ("fsync", "checkpoints") in events[rename:]  # and its parent after the rename
+
+
+def test_latest_falls_back_past_partial_and_corrupt(tmp_path, capsys):
+    for step in (1, 2, 3, 4):
+        save(tmp_path, step)
+    root = tmp_path / "checkpoints"
+    (root / "step_0000004" / "meta.json").unlink()  # partial: never published its marker
+    weights = root / "step_0000003" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))  # corrupt: sha256 no longer matches
+    path, meta = checkpoint.find_latest(tmp_path)
+    assert path.name == "step_0000002" and meta["step"] == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"ddpgpt: warning: skipping checkpoint: {root / 'step_0000004'}: incomplete checkpoint (no meta.json); "
+        "falling back to step_0000002",
+        f"ddpgpt: warning: skipping checkpoint: {root / 'step_0000003'}: model.safetensors does not match its "
+        "sha256 in meta.json (corrupt); falling back to step_0000002",
+    ]
+
+
+def test_corrupt_meta_falls_back(tmp_path, capsys):
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    (tmp_path / "checkpoints" / "step_0000002" / "meta.json").write_text('{"format_version": 1, "st')
+    assert checkpoint.find_latest(tmp_path)[0].name == "step_0000001"
+    assert "corrupt meta.json (JSONDecodeError" in capsys.readouterr().err
+
+
+def test_no_valid_checkpoint_is_an_error(tmp_path):
+    save(tmp_path, 1)
+    (tmp_path / "checkpoints" / "step_0000001" / "trainer.pt").unlink()
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.find_latest(tmp_path)
+    assert str(e.value) == (f"no valid checkpoint in {tmp_path}: {tmp_path / 'checkpoints' / 'step_0000001'}: "
+                            "trainer.pt is missing; move the bad ones away, or pass --reset to set them aside "
+                            "and start over")
+
+
+def test_newer_format_is_refused(tmp_path):
+    path = save(tmp_path, 1)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["format_version"] = 99
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.find_latest(tmp_path)
+    assert str(e.value) == (f"{path}: checkpoint format version 99 is newer than this ddpgpt reads (1); "
+                            "upgrade ddpgpt (pip install -U ddpgpt)")
+
+
+def test_keep_last_k_and_leftovers(tmp_path):
+    leftover = tmp_path / "checkpoints" / ".tmp-step_0000002-99999"
+    leftover.mkdir(parents=True)  # a save that crashed in another process
+    for step in range(1, 6):
+        save(tmp_path, step, keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000004", "step_0000005"]
+
+
+def test_failed_delete_warns_and_keeps_the_newest(tmp_path, monkeypatch, capsys):
+    save(tmp_path, 1, keep=1)
+    real = shutil.rmtree
+
+    def refuse(path, *a, **kw):
+        if os.path.basename(path) == "step_0000001":
+            raise PermissionError(13, "Permission denied")
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(shutil, "rmtree", refuse)
+    save(tmp_path, 2, keep=1)  # does not raise
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000001", "step_0000002"]
+    assert capsys.readouterr().err == (f"ddpgpt: warning: could not delete old checkpoint "
+                                       f"{tmp_path / 'checkpoints' / 'step_0000001'} (Permission denied); "
+                                       "training goes on\n")
+
+
+def test_resaving_a_step_replaces_it(tmp_path):
+    save(tmp_path, 3, seed=1)
+    path = save(tmp_path, 3, seed=2)
+    loaded = model(seed=99)
+    checkpoint.load_weights(path, loaded)
+    assert torch.equal(loaded.wte.weight, model(2).wte.weight)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0000003"]
+
+
+def test_weights_of_another_shape_are_one_line(tmp_path):
+    path = save(tmp_path, 1)
+    other = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=16, block_size=4, vocab_size=16))
+    with pytest.raises(CheckpointError, match=rf"^{path}: weights do not fit this model \(size mismatch"):
+        checkpoint.load_weights(path, other)
