@@ -8,7 +8,7 @@ DATA   ?= data/stdlib
 RUN    ?= runs/demo
 NPROC  ?= 2
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test demo bench lint clean data
 
 setup: $(STAMP)
 
@@ -21,6 +21,21 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The quick start: prepare the standard-library corpus (once), train the tiny preset on $(NPROC)
+# CPU processes, then print the validation loss and a sample. Run again: it resumes (or, when
+# finished, only evaluates and samples); `rm -rf $(RUN)` to train from scratch.
+demo: $(STAMP) data
+	$(PY) -m ddpgpt train --data $(DATA) --preset tiny --run-dir $(RUN) --nproc $(NPROC) --device cpu
+	$(PY) -m ddpgpt eval --run $(RUN) --device cpu
+	$(PY) -m ddpgpt sample --run $(RUN) --device cpu --prompt "def " --max-new-tokens 150
+
+data: $(STAMP)
+	test -f $(DATA)/meta.json || $(PY) -m ddpgpt prepare --out $(DATA)
+
+bench: $(STAMP) data
+	$(PY) -m benchmarks.bench_loader --data $(DATA)
+	$(PY) -m benchmarks.bench_train --data $(DATA)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ddpgpt tests benchmarks
