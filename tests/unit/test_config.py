@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import inspect
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -344,3 +345,12 @@ def test_meta_test_sees_every_config_class():
     assert {c.__name__ for c in CONFIG_CLASSES} >= {
         "PrepareConfig", "ModelConfig", "DataConfig", "OptimConfig", "RunConfig", "TrainConfig",
         "SampleConfig", "EvalConfig", "DoctorConfig"}
+
+
+def test_example_configs_resolve():
+    """examples/*.toml load, and their batch divides for the GPU count they are written for."""
+    examples = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.toml"))
+    assert examples
+    for path in examples:
+        cfg = resolve(None, str(path), {})
+        assert train.accum_steps(cfg, 8) * 8 * cfg.data.micro_batch == cfg.data.global_batch
