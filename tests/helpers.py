@@ -42,8 +42,15 @@ def free_port() -> int:
 def run_cli(*args: str, timeout: float = 60, env: dict | None = None, cwd: Path | None = None):
     """Runs `python -m ddpgpt ARGS` and returns the CompletedProcess (text output)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "ddpgpt", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=full_env, cwd=cwd)
+    proc = subprocess.Popen([sys.executable, "-m", "ddpgpt", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=full_env, cwd=cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)  # with --nproc the workers are not in its process group
+        out, err = proc.communicate()
+        raise AssertionError(f"ddpgpt {' '.join(map(str, args))} still running after {timeout} s:\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def reference_step(stream: np.ndarray, seed: int, seq_len: int, G: int, k: int) -> np.ndarray:
@@ -76,7 +83,6 @@ class Ranks:
                                                cwd=cwds[r] if cwds else None, start_new_session=True))
 
     def wait(self, timeout: float = 120) -> list[SimpleNamespace]:
-        import signal
         import subprocess
         import time
         deadline = time.monotonic() + timeout
@@ -86,7 +92,7 @@ class Ranks:
         except subprocess.TimeoutExpired:
             for p in self.procs:
                 if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
+                    kill_tree(p.pid)
             for p in self.procs:
                 p.wait()
             raise AssertionError(f"ranks still running after {timeout} s:\n{self.report()}") from None
@@ -165,6 +171,34 @@ def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32):
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc): torchrun's workers do not share its process group."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                children = Path(f"/proc/{parent}/task/{tid}/children").read_text().split()
+            except OSError:
+                continue
+            out += map(int, children)
+            todo += map(int, children)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    import signal
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 class Launch:
     """A command whose merged output lines are read as they come, each stamped with its arrival
     time, so a test can time events (a crash, a restart) from outside the processes."""
@@ -187,13 +221,12 @@ class Launch:
             self.lines.append((time.monotonic(), line.rstrip("\n")))
 
     def wait(self, timeout: float) -> int:
-        import signal
         import subprocess
         import time
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            kill_tree(self.proc.pid)
             self.proc.wait()
             raise AssertionError(f"still running after {timeout} s:\n{self.text[-5000:]}") from None
         self._reader.join(timeout=10)
