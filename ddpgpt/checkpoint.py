@@ -166,8 +166,13 @@ def load_weights(path: Path, model: torch.nn.Module) -> None:
         raise CheckpointError(f"{path}: weights do not fit this model ({first})") from None
 
 
-def config_of(meta: dict):
-    """The resolved TrainConfig a checkpoint was trained with."""
+def latest_for_inference(run_dir: str | Path):
+    """(path, meta, the resolved TrainConfig) of a run's newest valid checkpoint, for eval and
+    sample; a run without one is a one-line error."""
     from ddpgpt.config import from_dict
 
-    return from_dict(meta["config"], source="checkpoint meta.json")
+    found = find_latest(run_dir)
+    if found is None:
+        raise UserError(f"run {run_dir} has no complete checkpoint; train first (ddpgpt train --run-dir {run_dir})")
+    path, meta = found
+    return path, meta, from_dict(meta["config"], source=f"{path / 'meta.json'}")

@@ -14,7 +14,6 @@ from ddpgpt import checkpoint, dist
 from ddpgpt.config import EvalConfig
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.errors import UserError
 
 
 @torch.no_grad()
@@ -40,13 +39,9 @@ def evaluate(model: torch.nn.Module, loader: EvalLoader, env: dist.DistEnv,
 
 
 def run(cfg: EvalConfig) -> None:
-    found = checkpoint.find_latest(cfg.run)
-    if found is None:
-        raise UserError(f"run {cfg.run} has no complete checkpoint; train first (ddpgpt train --run {cfg.run})")
-    path, meta = found
+    path, meta, train_cfg = checkpoint.latest_for_inference(cfg.run)
     from ddpgpt.train import autocast_for, build_model  # the same model and precision as training
 
-    train_cfg = checkpoint.config_of(meta)
     dataset = TokenDataset(train_cfg.data.dir)
     with dist.session(cfg.device, "auto") as env:
         model = build_model(train_cfg, env.device)

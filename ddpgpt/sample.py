@@ -13,17 +13,12 @@ import torch
 from ddpgpt import checkpoint, dist
 from ddpgpt.config import SampleConfig
 from ddpgpt.data.tokenizer import load_tokenizer
-from ddpgpt.errors import UserError
 
 
 def run(cfg: SampleConfig) -> None:
-    found = checkpoint.find_latest(cfg.run)
-    if found is None:
-        raise UserError(f"run {cfg.run} has no complete checkpoint; train first (ddpgpt train --run {cfg.run})")
-    path, meta = found
+    path, meta, train_cfg = checkpoint.latest_for_inference(cfg.run)
     from ddpgpt.train import autocast_for, build_model
 
-    train_cfg = checkpoint.config_of(meta)
     data_meta = json.loads((Path(cfg.run) / "data_meta.json").read_text())
     tok = load_tokenizer(cfg.run, data_meta["tokenizer"])
     device = dist.resolve_device(cfg.device, 0)

@@ -87,3 +87,11 @@ def test_flags_pass_through_torchrun_parser():
     assert "--run-dir" in flags and "--optim.lr" in flags
     args = parse_args(["--standalone", "-m", "ddpgpt", "train", *flags])
     assert args.training_script_args == ["train", *flags]
+
+
+@pytest.mark.parametrize("command", ["sample", "eval"])
+def test_sample_and_eval_need_a_checkpoint(tmp_path, command):
+    r = run_cli(command, "--run", tmp_path / "nothing", "--device", "cpu")
+    assert r.returncode == 2
+    assert r.stderr == (f"ddpgpt: error: run {tmp_path / 'nothing'} has no complete checkpoint; train first "
+                        f"(ddpgpt train --run-dir {tmp_path / 'nothing'})\n")
