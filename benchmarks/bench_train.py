@@ -1,27 +1,30 @@
 """Training throughput and MFU of the real `ddpgpt train` path: CPU weak scaling W=1 -> W=2, or one GPU.
 
-    python -m benchmarks.bench_train [--data data/stdlib] [--preset tiny] [--steps 40] [--json out.json]
+    python -m benchmarks.bench_train [--data data/stdlib] [--preset tiny] [--steps 25] [--json out.json]
     python -m benchmarks.bench_train --gpu      # gpt2-124m, W=1, bf16, --compile; skips without CUDA
 
-CPU mode. Each figure comes from a subprocess `python -m ddpgpt train --device cpu --run.threads 1
+CPU mode. Each run is a subprocess `python -m ddpgpt train --device cpu --run.threads 1
 --run.eval-every 0 --run.checkpoint-every 0` in a temporary run dir, plain at W=1 and `--nproc 2`
 (torch's elastic launcher, gloo) at W=2. The first --warmup rows of its metrics.jsonl are dropped
-and the median of the rest is reported; the end-of-run evaluation and checkpoint still happen, but
-metrics.paused() keeps them out of tokens_per_s (and --data.eval-windows 16 keeps them short).
+and the median of the rest is the run's figure; the end-of-run evaluation and checkpoint still
+happen, but metrics.paused() keeps them out of tokens_per_s (and --data.eval-windows 16 keeps them
+short). W=1 and W=2 runs alternate, --repeats of each, and the report gives medians over runs: the
+speed of a shared VM's cores drifts by ±20% over minutes, and alternating cancels slow drift.
 
 Weak scaling holds the work of each process fixed. W=2 trains the preset's global batch G, so each
 process runs A = G / (2·b) micro-steps of b sequences per step; W=1 trains G/2, so its one process
 runs the same A micro-steps of the same b. Per-process tokens/s should then be the same at W=1 and
 W=2, and efficiency = (W=2 total tokens/s) / (2 × W=1 tokens/s) measures what data parallelism
-costs: the gradient all-reduce once per step, the logged loss's all-reduce, and two processes
-sharing the caches and memory of one machine. (Strong scaling, a fixed G, would instead halve A.)
+costs: the gradient all-reduce, waiting at each step's sync for the slower rank, and two processes
+sharing one machine's caches and memory. It is computed for each W=2 run against the W=1 run just
+before it. (Strong scaling, a fixed G, would instead halve A and measure something else.)
 
-MFU = per-process tokens/s × the model's training FLOPs per token (GPT.flops_per_token) / peak,
-where peak is measured here first: `measure_matmul_flops` (fp32 1024³ matmul, one thread, as the
-training loop measures it), best of 5 windows of 0.3 s, since on a shared VM a single window can
-read low. The runs' own `mfu` column (against their one window) is printed alongside. The share of
-the CPUs taken by other processes during each run is printed too: above a few percent, the run
-competed for its cores and its figures read low.
+MFU = per-process tokens/s × the model's training FLOPs per token (GPT.flops_per_token) / peak.
+The peak is measured just before each run: `measure_matmul_flops` (fp32 1024³ matmul, one thread,
+as every training process measures it), best of 5 windows of 0.3 s, since one window reads low
+whenever something else takes the core. The runs' own `mfu` column (against their single window)
+is printed alongside, as is the share of the CPUs other processes took during each run: above a
+few percent the run competed for its cores and reads low.
 
 GPU mode runs gpt2-124m at W=1 (bf16 autocast, torch.compile, the preset's G and b) and reports
 tokens/s and the `mfu` column, which there is against the GPU's data-sheet bf16 peak.
@@ -113,11 +116,16 @@ def verdict(value: float, target: float) -> str:
     return f"target >= {target:.0%}: {'met' if value >= target else 'NOT met'}"
 
 
-def line(r: dict) -> str:
-    other = "" if r["other_cpu_share"] is None else f"; other processes took {r['other_cpu_share']:.0%} of the CPUs"
-    return (f"  W={r['world_size']}: {r['tokens_per_s_per_process']:8,.0f} tokens/s per process   "
-            f"MFU {r['mfu']:6.1%}  (mfu column {r['mfu_column']:.1%}; A={r['accum_steps']} × "
-            f"b={r['micro_batch']}, G={r['global_batch']}; median of {r['steps_measured']} steps{other})")
+def cpu_peak() -> float:
+    """One thread's fp32 matmul FLOP/s, as a training process measures it, best of 5 windows."""
+    torch.set_num_threads(1)
+    return max(measure_matmul_flops(torch.device("cpu")) for _ in range(5))
+
+
+def run_line(i: int, r: dict) -> str:
+    other = "" if r["other_cpu_share"] is None else f", other processes {r['other_cpu_share']:.0%} of the CPUs"
+    return (f"  run {i}: W={r['world_size']} {r['tokens_per_s_per_process']:7,.0f} tokens/s per process, MFU "
+            f"{r['mfu']:6.1%} against {r['peak_flops'] / 1e9:.1f} GFLOP/s  (mfu column {r['mfu_column']:.1%}{other})")
 
 
 def bench_cpu(a: argparse.Namespace) -> dict:
@@ -125,26 +133,44 @@ def bench_cpu(a: argparse.Namespace) -> dict:
     G, b = get_preset(preset).data.global_batch, get_preset(preset).data.micro_batch
     if G % (2 * b):
         sys.exit(f"bench_train: preset {preset} has G={G}, not a multiple of 2 × b={b}; weak scaling needs it")
-    # 1. The peak, before any run: one thread, as every training process measures it.
-    torch.set_num_threads(1)
-    peak = max(measure_matmul_flops(torch.device("cpu")) for _ in range(5))
-    print(f"bench_train: {preset}, CPU, 1 thread per process; matmul peak {peak / 1e9:.1f} GFLOP/s per process "
-          f"(fp32 1024³, best of 5 × 0.3 s)", flush=True)
-    # 2. The same per-process work at both sizes: W=1 trains G/2, W=2 trains G.
+    print(f"bench_train: {preset} on CPU, 1 thread per process; W=1 and W=2 alternately, {a.repeats} × each, "
+          f"{a.steps} steps per run ({a.warmup} warm-up)", flush=True)
+    # W=1 trains G/2 and W=2 trains G: the same A micro-steps of b sequences in every process.
     flags = ["--device", "cpu", "--run.threads", "1"]
-    results = {}
-    for world, global_batch in ((1, G // 2), (2, G)):
-        run = train(a.data, preset, world, a.steps, [*flags, "--data.global-batch", str(global_batch)])
-        results[world] = summarize(run, world, a.warmup, peak)
-        print(line(results[world]), flush=True)
-    w1, w2 = results[1], results[2]
-    efficiency = w2["tokens_per_s_per_process"] / w1["tokens_per_s_per_process"]
-    print(f"  weak-scaling efficiency (W=2 total / 2 × W=1): {efficiency:.1%}   "
-          f"{verdict(efficiency, EFFICIENCY_TARGET)}")
-    print(f"  MFU W=1 {w1['mfu']:.1%}, W=2 {w2['mfu']:.1%}   {verdict(min(w1['mfu'], w2['mfu']), MFU_TARGET)}")
-    return {"mode": "cpu", "preset": preset, "peak_flops_per_process": peak, "w1": w1, "w2": w2,
-            "efficiency": efficiency, "mfu_target": MFU_TARGET, "efficiency_target": EFFICIENCY_TARGET,
-            "mfu_met": min(w1["mfu"], w2["mfu"]) >= MFU_TARGET, "efficiency_met": efficiency >= EFFICIENCY_TARGET}
+    runs = []
+    for _ in range(a.repeats):
+        for world, global_batch in ((1, G // 2), (2, G)):
+            peak = cpu_peak()  # just before the run: this VM's speed drifts over minutes
+            run = train(a.data, preset, world, a.steps, [*flags, "--data.global-batch", str(global_batch)])
+            runs.append(summarize(run, world, a.warmup, peak) | {"peak_flops": peak})
+            print(run_line(len(runs), runs[-1]), flush=True)
+    w1, w2 = ([r for r in runs if r["world_size"] == w] for w in (1, 2))
+    med = statistics.median
+    figures = {"mode": "cpu", "preset": preset, "runs": runs, "mfu_target": MFU_TARGET,
+               "efficiency_target": EFFICIENCY_TARGET, "peak_flops_per_process": med(r["peak_flops"] for r in runs)}
+    for key, rs in (("w1", w1), ("w2", w2)):
+        figures[key] = {"tokens_per_s_per_process": med(r["tokens_per_s_per_process"] for r in rs),
+                        "mfu": med(r["mfu"] for r in rs), "accum_steps": rs[0]["accum_steps"],
+                        "micro_batch": rs[0]["micro_batch"], "global_batch": rs[0]["global_batch"]}
+    # Each W=2 run against the W=1 run just before it, so that slow drift cancels.
+    figures["efficiency"] = med(r2["tokens_per_s_per_process"] / r1["tokens_per_s_per_process"] for r1, r2 in zip(w1, w2))
+    figures["mfu_met"] = min(figures["w1"]["mfu"], figures["w2"]["mfu"]) >= MFU_TARGET
+    figures["efficiency_met"] = figures["efficiency"] >= EFFICIENCY_TARGET
+    report_cpu(figures, [r["peak_flops"] for r in runs])
+    return figures
+
+
+def report_cpu(f: dict, peaks: list[float]) -> None:
+    print(f"medians over the runs:\n  matmul peak {f['peak_flops_per_process'] / 1e9:.1f} GFLOP/s per process (fp32 "
+          f"1024³, 1 thread; {min(peaks) / 1e9:.1f} to {max(peaks) / 1e9:.1f} over {len(peaks)} measurements)")
+    for w in (1, 2):
+        r = f[f"w{w}"]
+        print(f"  W={w}: {r['tokens_per_s_per_process']:7,.0f} tokens/s per process, MFU {r['mfu']:6.1%}   "
+              f"(A={r['accum_steps']} × b={r['micro_batch']} per process, G={r['global_batch']})")
+    print(f"  weak-scaling efficiency (W=2 total / 2 × W=1): {f['efficiency']:.1%}   "
+          f"{verdict(f['efficiency'], EFFICIENCY_TARGET)}")
+    print(f"  MFU: W=1 {f['w1']['mfu']:.1%}, W=2 {f['w2']['mfu']:.1%}   "
+          f"{verdict(min(f['w1']['mfu'], f['w2']['mfu']), MFU_TARGET)}")
 
 
 def bench_gpu(a: argparse.Namespace) -> dict | None:
@@ -168,12 +194,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="data/stdlib")
     p.add_argument("--preset", help="default: tiny on CPU, gpt2-124m with --gpu")
-    p.add_argument("--steps", type=int, help="optimizer steps per run (default: 40 on CPU, 30 with --gpu)")
+    p.add_argument("--steps", type=int, help="optimizer steps per run (default: 25 on CPU, 30 with --gpu)")
     p.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of the medians")
+    p.add_argument("--repeats", type=int, default=2, help="CPU: runs at each of W=1 and W=2, alternating")
     p.add_argument("--gpu", action="store_true", help="gpt2-124m on one GPU instead of the CPU scaling runs")
     p.add_argument("--json", help="also write the figures to this file")
     a = p.parse_args()
-    a.steps = a.steps or (30 if a.gpu else 40)
+    a.steps = a.steps or (30 if a.gpu else 25)
     figures = bench_gpu(a) if a.gpu else bench_cpu(a)
     if a.json and figures is not None:
         Path(a.json).write_text(json.dumps(figures, indent=1) + "\n")

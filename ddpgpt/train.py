@@ -19,6 +19,7 @@ skips or stops on a non-finite value, and stops for pre-emption, all at the same
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import json
@@ -100,6 +101,22 @@ def autocast_for(cfg: TrainConfig, device: torch.device):
     return functools.partial(torch.autocast, device.type, dtype=dtype)
 
 
+def keep_freed_memory() -> None:
+    """On CPU with glibc: keep freed memory in the process for reuse (elsewhere a no-op).
+
+    Every step allocates and frees the same large tensors (the (b·T, V) logits, their softmax and
+    gradients: 32 MiB each for the tiny preset). glibc serves blocks that large with mmap and
+    unmaps them on free, so each step page-faults them in again: ~38k faults, ~8% of a tiny CPU
+    step, measured. With mmap and trimming off, freed blocks stay in the heap (+2% peak memory)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    libc.mallopt(M_MMAP_MAX, 0)
+    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+
+
 def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
     """The same weights on every rank: drawn from run.seed by a private generator, never from a
     global RNG that some code might have seeded per rank."""
@@ -145,6 +162,8 @@ def verify_data(dataset: TokenDataset, env: dist.DistEnv) -> None:
 def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, accum: int,
           found: tuple[Path, dict] | None) -> Trainer:
     dev = env.device
+    if dev.type == "cpu":
+        keep_freed_memory()
     torch.set_num_threads(cfg.run.threads or max(1, len(os.sched_getaffinity(0)) // env.local_world_size))
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if cfg.data.verify:

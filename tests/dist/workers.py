@@ -43,7 +43,7 @@ def count_allreduces(env, data: str, run_dir: str, accum: int, steps: int) -> di
                  "run": {"dir": run_dir, "device": "cpu", "bucket_mb": 0.01}}
     dataset = TokenDataset(data)
     cfg = train.for_dataset(resolve(None, None, overrides), dataset)
-    t = train.setup(cfg, env, dataset, train.accum_steps(cfg, env.world_size))
+    t = train.setup(cfg, env, dataset, train.accum_steps(cfg, env.world_size), found=None)
     calls = []
 
     def hook(state, bucket):
