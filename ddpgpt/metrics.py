@@ -24,7 +24,7 @@ GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
-                         windows: int = 5, seconds: float = 0.06) -> float:
+                         windows: int = 8, seconds: float = 0.06) -> float:
     """FLOP/s of an n×n matmul on `device` with the current thread settings: the peak MFU is
     measured against on CPU. The best of several short windows: on a shared or virtual machine a
     single window often reads low."""

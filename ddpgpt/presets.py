@@ -17,7 +17,7 @@ def tiny() -> TrainConfig:
         model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=256),
         data=DataConfig(micro_batch=8, global_batch=16, eval_windows=128),
         optim=OptimConfig(lr=2e-3, min_lr=2e-4, warmup_steps=20),
-        run=RunConfig(steps=300, eval_every=100, checkpoint_every=100),
+        run=RunConfig(steps=200, eval_every=100, checkpoint_every=100),
     )
 
 

@@ -329,6 +329,8 @@ def run(cfg: TrainConfig) -> None:
         t = setup(cfg, env, dataset, accum, found)
         tokens_per_step = cfg.data.global_batch * cfg.seq_len
         peak = peak_flops(env.device, torch.bfloat16 if precision(cfg, env.device) != "fp32" else torch.float32)
+        # Every rank measures at once; a host hiccup can halve one reading, so take the best.
+        peak = dist.all_reduce(env, torch.tensor(peak, device=env.device), op="max").item()
         metrics = Metrics(env.is_main, t.run_dir, t.step, cfg.run.steps, tokens_per_step,
                           t.raw.flops_per_token(cfg.seq_len), peak, env.world_size, t.elapsed_s)
         if env.is_main:
