@@ -238,13 +238,6 @@ def wrap_model(model: torch.nn.Module, env: DistEnv, bucket_mb: float = 25.0) ->
     )
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The single-device model inside DDP and/or torch.compile wrappers."""
-    model = getattr(model, "_orig_mod", model)
-    model = getattr(model, "module", model)
-    return getattr(model, "_orig_mod", model)
-
-
 def sync_gradients(model: torch.nn.Module, enabled: bool):
     """Context for one micro-step's forward+backward: with enabled=False, DDP skips its gradient
     all-reduce (the gradients accumulate locally); the last micro-step of a step syncs them all."""

@@ -14,7 +14,6 @@ import numpy as np
 from ddpgpt.errors import DataError, UserError
 
 EOT_TEXT = "<|endoftext|>"
-KINDS = ("bpe", "byte", "gpt2")
 MIN_BPE_VOCAB = 257  # 256 byte symbols + the end-of-text token
 
 
