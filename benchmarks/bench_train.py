@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt.config import from_dict
+from ddpgpt.layering import from_dict
 from ddpgpt.metrics import measure_matmul_flops, peak_flops
 from ddpgpt.model import GPT
 from ddpgpt.presets import get_preset

@@ -169,7 +169,7 @@ def load_weights(path: Path, model: torch.nn.Module) -> None:
 def latest_for_inference(run_dir: str | Path):
     """(path, meta, the resolved TrainConfig) of a run's newest valid checkpoint, for eval and
     sample; a run without one is a one-line error."""
-    from ddpgpt.config import from_dict
+    from ddpgpt.layering import from_dict
 
     found = find_latest(run_dir)
     if found is None:

@@ -18,15 +18,9 @@ import dataclasses
 import os
 import sys
 
-from ddpgpt.config import (
-    SECTIONS,
-    PrepareConfig,
-    base_type,
-    coerce,
-    field_docs,
-    field_types,
-)
+from ddpgpt.config import SECTIONS, PrepareConfig
 from ddpgpt.errors import UserError
+from ddpgpt.layering import base_type, coerce, field_docs, field_types
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,7 +62,7 @@ def flat_config(cls: type, values: dict):
 
 
 def train_overrides(values: dict) -> dict:
-    """{"optim.lr": "3e-4"} -> {"optim": {"lr": "3e-4"}} for config.apply."""
+    """{"optim.lr": "3e-4"} -> {"optim": {"lr": "3e-4"}} for layering.apply."""
     nested: dict = {}
     for key, value in values.items():
         section, _, name = key.partition(".")
@@ -133,7 +127,7 @@ def dispatch(argv: list[str]) -> None:
         from ddpgpt.data import prepare
         prepare.run(flat_config(PrepareConfig, values))
     elif ns.command == "train":
-        from ddpgpt.config import resolve
+        from ddpgpt.layering import resolve
         launch = {k: values.pop(k, None) for k in ("preset", "config", "nproc", "max_restarts", "reset")}
         if launch["reset"]:
             values["run.resume"] = "reset"

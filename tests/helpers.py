@@ -112,6 +112,13 @@ class Ranks:
                          for r, res in enumerate(self.results()))
 
 
+def codes(results: list[SimpleNamespace]) -> tuple[list[int], str]:
+    """(exit codes, every rank's output) for `assert codes(r)[0] == [...], codes(r)[1]`."""
+    report = "\n".join(f"--- rank {i} (exit {r.returncode}) ---\n{r.stdout[-2000:]}{r.stderr[-4000:]}"
+                       for i, r in enumerate(results))
+    return [r.returncode for r in results], report
+
+
 def run_ranks(argv_per_rank: list[list[str]], workdir: Path, timeout: float = 120, env: dict | None = None,
               check: bool = True, cwds: list[Path] | None = None) -> list[SimpleNamespace]:
     ranks = Ranks(argv_per_rank, workdir, env, cwds)

@@ -10,7 +10,7 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.dist import DistEnv
 from ddpgpt.evaluate import evaluate
 from ddpgpt.model import GPT
-from tests.helpers import run_ranks, tiny_train_args
+from tests.helpers import codes, run_ranks, tiny_train_args
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
@@ -45,7 +45,7 @@ def test_startup_check_catches_different_init(tiny_data, tmp_path):
     """Rank 1 builds its model from another seed: every rank stops with one line from rank 0."""
     args = [tiny_train_args(tiny_data, tmp_path / "run"), tiny_train_args(tiny_data, tmp_path / "run", run__seed=2)]
     results = run_ranks(args, tmp_path / "logs", check=False)
-    assert [r.returncode for r in results] == [1, 1]
+    assert codes(results)[0] == [1, 1], codes(results)[1]
     assert results[0].stderr == (
         "ddpgpt: error: ranks disagree on the parameters after wrapping: rank 1 differs from rank 0; every rank "
         "must build the model from the same seed (run.seed); do not seed ranks differently before init\n")
@@ -56,6 +56,6 @@ def test_startup_check_catches_different_init(tiny_data, tmp_path):
 def test_startup_check_catches_different_config(tiny_data, tmp_path):
     same, other = tiny_train_args(tiny_data, tmp_path / "run"), tiny_train_args(tiny_data, tmp_path / "run", optim__lr=0.02)
     results = run_ranks([same, other], tmp_path / "logs", check=False)
-    assert [r.returncode for r in results] == [1, 1]
+    assert codes(results)[0] == [1, 1], codes(results)[1]
     assert results[0].stderr == ("ddpgpt: error: ranks disagree on the resolved config: rank 1 differs from rank 0; "
                                  "start every rank with the same command line and config file\n")

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from ddpgpt import checkpoint
 from ddpgpt.preempt import EXIT_PREEMPTED
-from tests.helpers import Launch, read_metrics, run_ranks, tiny_train_args
+from tests.helpers import codes, Launch, read_metrics, run_ranks, tiny_train_args
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 STEPS = 8
@@ -130,7 +130,7 @@ def test_nan_on_one_rank_stops_every_rank(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
     args = tiny_train_args(tiny_data, run_dir, STEPS, run__checkpoint_every=3)
     ranks = run_ranks([args] * 2, tmp_path / "logs", env={"DDPGPT_FAULT": "nan@3@1"}, check=False)
-    assert [r.returncode for r in ranks] == [1, 1]
+    assert codes(ranks)[0] == [1, 1], codes(ranks)[1]
     assert ranks[0].stderr.endswith(
         "ddpgpt: error: step 4: non-finite loss or gradient norm on rank 1; stopped before the optimizer step. "
         "The last checkpoint (step 3) is intact; lower optim.lr or raise optim.warmup_steps, or use "
@@ -157,7 +157,7 @@ def test_nan_skip_and_its_limit(tiny_data, tmp_path):
 
     limited = tiny_train_args(tiny_data, tmp_path / "limit", 6, run__on_nonfinite="skip", run__max_skipped=0)
     ranks = run_ranks([limited] * 2, tmp_path / "logs2", env={"DDPGPT_FAULT": "nan@3@1"}, check=False)
-    assert [r.returncode for r in ranks] == [1, 1]
+    assert codes(ranks)[0] == [1, 1], codes(ranks)[1]
     assert "stopped before the optimizer step after 0 skipped steps (run.max_skipped)" in ranks[0].stderr
 
 
@@ -171,7 +171,7 @@ def test_ranks_must_see_the_same_dataset(tiny_data, tmp_path):
         (node / "data" / "meta.json").write_text(json.dumps(meta))
     args = tiny_train_args("data", tmp_path / "run")
     ranks = run_ranks([args] * 2, tmp_path / "logs", check=False, cwds=[tmp_path / "a", tmp_path / "b"])
-    assert [r.returncode for r in ranks] == [1, 1]
+    assert codes(ranks)[0] == [1, 1], codes(ranks)[1]
     assert ranks[0].stderr == ("ddpgpt: error: ranks disagree on the dataset (meta.json): rank 1 differs from "
                                "rank 0; every node must see the same prepared dataset in data.dir\n")
 

@@ -35,7 +35,7 @@ def count_allreduces(env, data: str, run_dir: str, accum: int, steps: int) -> di
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from ddpgpt import train
-    from ddpgpt.config import resolve
+    from ddpgpt.layering import resolve
     from ddpgpt.data.shards import TokenDataset
 
     overrides = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},

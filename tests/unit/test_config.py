@@ -20,10 +20,9 @@ from ddpgpt.config import (
     OptimConfig,
     RunConfig,
     TrainConfig,
-    field_docs,
-    resolve,
 )
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.layering import field_docs, from_dict, resolve
 from tests.helpers import run_cli, write_dataset
 
 if sys.version_info >= (3, 11):
@@ -236,7 +235,7 @@ def test_cli_rejects_bad_input_in_one_line(tmp_path, extra, message):
 @pytest.mark.parametrize("name", sorted(presets.PRESETS))
 def test_to_dict_from_dict_round_trip(name):
     cfg = presets.get_preset(name)
-    assert config.from_dict(cfg.to_dict()) == cfg
+    assert from_dict(cfg.to_dict()) == cfg
 
 
 def test_round_trip_through_json_of_a_non_default_config():
@@ -245,7 +244,7 @@ def test_round_trip_through_json_of_a_non_default_config():
                       data=DataConfig(dir="x", seq_len=16, micro_batch=2, global_batch=6, shuffle=False),
                       optim=OptimConfig(lr=3.0, min_lr=0.5, warmup_steps=0),
                       run=RunConfig(dir="r", precision="bf16", bucket_mb=1.5, compile=True))
-    back = config.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    back = from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert back == cfg
     assert type(back.optim.lr) is float
 
