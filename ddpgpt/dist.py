@@ -12,10 +12,12 @@ A `DistEnv`'s defaults describe world size 1: rank 0 of 1, CPU, no process group
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import inspect
 import os
 import sys
+import traceback
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
@@ -147,7 +149,11 @@ def fail_together(env: DistEnv, error: Exception | None) -> None:
 
 
 def shutdown() -> None:
+    """Destroys the group. A DDP wrapper that outlives its group can abort the process as it is
+    torn down at exit (about one exit in 25 with gloo), so callers drop theirs first and
+    unreachable ones are collected here."""
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -157,6 +163,10 @@ def session(device: str = "auto", backend: str = "auto", timeout_s: float = 600)
     env = init(device, backend, timeout_s)
     try:
         yield env
+    except BaseException as e:
+        # The failed frames' locals (a DDP wrapper among them) must not outlive the group.
+        traceback.clear_frames(e.__traceback__)
+        raise
     finally:
         shutdown()
 
@@ -260,7 +270,8 @@ def launch(nproc: int, module_args: list[str], max_restarts: int = 0) -> int:
     from ddpgpt.preempt import EXIT_PREEMPTED
 
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():
-        raise UserError(f"--nproc {nproc} but only {torch.cuda.device_count()} GPUs are visible; "
+        n = torch.cuda.device_count()
+        raise UserError(f"--nproc {nproc} but only {n} GPU{' is' if n == 1 else 's are'} visible; "
                         "use --nproc <= that, or --device cpu")
     # Workers set their own thread count (run.threads); this also silences torchrun's banner.
     os.environ.setdefault("OMP_NUM_THREADS", "1")

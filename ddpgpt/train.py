@@ -346,6 +346,7 @@ def run(cfg: TrainConfig) -> None:
             raise
         finally:
             metrics.close()
+            t.model = t.raw  # no DDP wrapper may outlive the group (see dist.shutdown)
 
 
 def summary(t: Trainer) -> str:

@@ -120,7 +120,8 @@ def test_stalled_rank_ends_the_job_after_the_timeout(tiny_data, tmp_path):
                "complete); another rank stalled or died (see its log). Collectives wait at most "
                "run.dist_timeout_s = 4 s")
     gave_up = job.when(message)
-    assert 4 <= gave_up - stalled < 4 + 5
+    # Rank 0's wait can begin a moment before rank 1 announces its stall (the lines are read as they come).
+    assert 4 - 0.5 <= gave_up - stalled < 4 + 5
     assert job.end - stalled < 4 + 30 + 10
     print(f"\n[figure] stalled rank, timeout 4 s -> rank 0 exited {gave_up - stalled:.1f} s after the stall, "
           f"the job {job.end - stalled:.1f} s after it")

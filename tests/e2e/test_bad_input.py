@@ -305,5 +305,5 @@ def test_nproc_above_visible_gpus(monkeypatch):
     monkeypatch.setattr(torch.distributed.run, "run", started.append)
     with pytest.raises(UserError) as info:
         dist.launch(2, ["train"])
-    assert str(info.value) == "--nproc 2 but only 1 GPUs are visible; use --nproc <= that, or --device cpu"
+    assert str(info.value) == "--nproc 2 but only 1 GPU is visible; use --nproc <= that, or --device cpu"
     assert started == []
