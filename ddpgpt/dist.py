@@ -149,9 +149,9 @@ def fail_together(env: DistEnv, error: Exception | None) -> None:
 
 
 def shutdown() -> None:
-    """Destroys the group. A DDP wrapper that outlives its group can abort the process as it is
-    torn down at exit (about one exit in 25 with gloo), so callers drop theirs first and
-    unreachable ones are collected here."""
+    """Destroys the group. A DDP wrapper that outlives its group can abort the process (SIGABRT)
+    as it is torn down at exit, seen now and then with gloo on a loaded machine, so callers drop
+    theirs first and unreachable ones are collected here."""
     if dist.is_available() and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
