@@ -21,7 +21,7 @@ before it. (Strong scaling, a fixed G, would instead halve A and measure somethi
 
 MFU = per-process tokens/s × the model's training FLOPs per token (GPT.flops_per_token) / peak.
 The peak is measured just before each run: `measure_matmul_flops` (fp32 1024³ matmul, one thread,
-as every training process measures it), best of 5 windows of 0.3 s, since one window reads low
+as every training process measures it), best of 40 windows of 0.06 s, since one window reads low
 whenever something else takes the core. The runs' own `mfu` column (against their single window)
 is printed alongside, as is the share of the CPUs other processes took during each run: above a
 few percent the run competed for its cores and reads low.
@@ -46,10 +46,12 @@ from pathlib import Path
 
 import torch
 
+from ddpgpt.config import ConfigError
 from ddpgpt.layering import from_dict
 from ddpgpt.metrics import measure_matmul_flops, peak_flops
 from ddpgpt.model import GPT
 from ddpgpt.presets import get_preset
+from ddpgpt.train import accum_steps
 
 MFU_TARGET, EFFICIENCY_TARGET = 0.80, 0.95
 
@@ -104,7 +106,7 @@ def summarize(run: dict, world: int, warmup: int, peak: float | None) -> dict:
            "mfu_column": statistics.median(r["mfu"] for r in rows), "wall_s": run["wall_s"],
            "other_cpu_share": run["other_cpu_share"], "global_batch": cfg.data.global_batch,
            "micro_batch": cfg.data.micro_batch,
-           "accum_steps": cfg.data.global_batch // (world * cfg.data.micro_batch)}
+           "accum_steps": accum_steps(cfg, world)}
     if peak is not None:
         flops_per_token = GPT(cfg.model).flops_per_token(cfg.seq_len)
         out["flops_per_token"] = flops_per_token
@@ -117,9 +119,9 @@ def verdict(value: float, target: float) -> str:
 
 
 def cpu_peak() -> float:
-    """One thread's fp32 matmul FLOP/s, as a training process measures it, best of 5 windows."""
+    """One thread's fp32 matmul FLOP/s, as a training process measures it, best of 40 windows."""
     torch.set_num_threads(1)
-    return max(measure_matmul_flops(torch.device("cpu")) for _ in range(5))
+    return measure_matmul_flops(torch.device("cpu"), windows=40)
 
 
 def run_line(i: int, r: dict) -> str:
@@ -130,9 +132,12 @@ def run_line(i: int, r: dict) -> str:
 
 def bench_cpu(a: argparse.Namespace) -> dict:
     preset = a.preset or "tiny"
-    G, b = get_preset(preset).data.global_batch, get_preset(preset).data.micro_batch
-    if G % (2 * b):
-        sys.exit(f"bench_train: preset {preset} has G={G}, not a multiple of 2 × b={b}; weak scaling needs it")
+    cfg = get_preset(preset)
+    try:
+        accum_steps(cfg, 2)  # weak scaling needs G divisible by 2·b
+    except ConfigError as e:
+        sys.exit(f"bench_train: preset {preset}: {e}")
+    G = cfg.data.global_batch
     print(f"bench_train: {preset} on CPU, 1 thread per process; W=1 and W=2 alternately, {a.repeats} × each, "
           f"{a.steps} steps per run ({a.warmup} warm-up)", flush=True)
     # W=1 trains G/2 and W=2 trains G: the same A micro-steps of b sequences in every process.

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -27,7 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from ddpgpt import __version__
 from ddpgpt.data.shards import file_sha256
-from ddpgpt.errors import UserError
+from ddpgpt.errors import UserError, warn
+from ddpgpt.layering import from_dict
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
@@ -37,8 +37,9 @@ class CheckpointError(UserError):
     """A checkpoint that is incomplete, corrupt, or from an incompatible version."""
 
 
-def warn(message: str) -> None:
-    print(f"ddpgpt: warning: {message}", file=sys.stderr)
+class CheckpointVersionError(CheckpointError):
+    """A checkpoint format newer than this code: never skipped over, since older ones would lose
+    the newer run's progress."""
 
 
 def _fsync(path: Path) -> None:
@@ -53,6 +54,10 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step_{step:07d}"
+
+
 def step_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
     """(step, path) of every `step_NNNNNNN` directory, oldest first; complete or not."""
     root = checkpoints_dir(run_dir)
@@ -65,9 +70,9 @@ def step_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
 def save(run_dir: str | Path, step: int, model: torch.nn.Module, trainer_state: dict, meta: dict,
          keep: int) -> Path:
     """Writes checkpoint `step` atomically (rank 0 only) and prunes to the newest `keep`."""
-    root = checkpoints_dir(run_dir)
+    final = step_dir(run_dir, step)
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:07d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -100,7 +105,8 @@ def prune(run_dir: str | Path, keep: int) -> None:
     just written), and temporary directories left by saves that crashed. A failed delete is a
     warning, never a stop."""
     complete = [p for _, p in step_dirs(run_dir) if (p / "meta.json").is_file()]
-    leftovers = [p for p in checkpoints_dir(run_dir).glob(".tmp-step_*") if not p.name.endswith(f"-{os.getpid()}")]
+    root = checkpoints_dir(run_dir)
+    leftovers = [*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]
     for path in complete[:-keep] + leftovers:
         try:
             shutil.rmtree(path)
@@ -108,7 +114,7 @@ def prune(run_dir: str | Path, keep: int) -> None:
             warn(f"could not delete old checkpoint {path} ({e.strerror}); training goes on")
 
 
-def read_meta(path: Path, verify: bool = True) -> dict:
+def read_meta(path: Path) -> dict:
     """A checkpoint's meta.json, validated: present, parseable, a format we read, files intact."""
     meta_path = path / "meta.json"
     if not meta_path.is_file():
@@ -120,14 +126,13 @@ def read_meta(path: Path, verify: bool = True) -> dict:
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{meta_path}: corrupt meta.json ({type(e).__name__}: {e})") from None
     if version > FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format version {version} is newer than this ddpgpt "
+        raise CheckpointVersionError(f"{path}: checkpoint format version {version} is newer than this ddpgpt "
                               f"reads ({FORMAT_VERSION}); upgrade ddpgpt (pip install -U ddpgpt)")
-    if verify:
-        for name, expected in files.items():
-            if not (path / name).is_file():
-                raise CheckpointError(f"{path}: {name} is missing")
-            if file_sha256(path / name) != expected:
-                raise CheckpointError(f"{path}: {name} does not match its sha256 in meta.json (corrupt)")
+    for name, expected in files.items():
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path}: {name} is missing")
+        if file_sha256(path / name) != expected:
+            raise CheckpointError(f"{path}: {name} does not match its sha256 in meta.json (corrupt)")
     return meta
 
 
@@ -138,9 +143,9 @@ def find_latest(run_dir: str | Path) -> tuple[Path, dict] | None:
     for _, path in reversed(step_dirs(run_dir)):
         try:
             meta = read_meta(path)
+        except CheckpointVersionError:
+            raise
         except CheckpointError as e:
-            if "newer than this ddpgpt" in str(e):
-                raise
             problems.append(e)
             continue
         for e in problems:
@@ -162,15 +167,14 @@ def load_weights(path: Path, model: torch.nn.Module) -> None:
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
-        first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
+        lines = str(e).splitlines()
+        first = lines[1].strip() if len(lines) > 1 else str(e)
         raise CheckpointError(f"{path}: weights do not fit this model ({first})") from None
 
 
 def latest_for_inference(run_dir: str | Path):
     """(path, meta, the resolved TrainConfig) of a run's newest valid checkpoint, for eval and
     sample; a run without one is a one-line error."""
-    from ddpgpt.layering import from_dict
-
     found = find_latest(run_dir)
     if found is None:
         raise UserError(f"run {run_dir} has no complete checkpoint; train first (ddpgpt train --run-dir {run_dir})")

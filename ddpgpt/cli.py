@@ -71,19 +71,6 @@ def train_overrides(values: dict) -> dict:
     return nested
 
 
-def strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
-    """argv without `--flag VALUE` / `--flag=VALUE` for each of `flags`."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in flags:
-            skip = True
-        elif not arg.startswith(tuple(f + "=" for f in flags)):
-            out.append(arg)
-    return out
-
-
 def _build_parser() -> argparse.ArgumentParser:
     from ddpgpt.config import DoctorConfig, EvalConfig, SampleConfig
 
@@ -133,7 +120,7 @@ def dispatch(argv: list[str]) -> None:
             values["run.resume"] = "reset"
         cfg = resolve(launch["preset"], launch["config"], train_overrides(values))  # before torch loads
         from ddpgpt import train
-        train.main(cfg, launch["nproc"], launch["max_restarts"] or 0, argv)
+        train.main(cfg, launch["nproc"], launch["max_restarts"], argv)
     elif ns.command == "sample":
         from ddpgpt import sample
         from ddpgpt.config import SampleConfig

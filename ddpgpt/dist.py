@@ -29,8 +29,8 @@ from ddpgpt.errors import UserError
 
 
 class DistError(UserError):
-    """A distributed failure. When every rank raises it together (`agreed`), rank 0 alone prints
-    it; a failure one rank observed on its own is printed by that rank."""
+    """A distributed failure. When every rank raises it together, rank 0 alone prints it (the
+    others are `quiet`); a failure one rank observed on its own is printed by that rank."""
 
     exit_code = 1
 
@@ -174,11 +174,9 @@ def session(device: str = "auto", backend: str = "auto", timeout_s: float = 600)
 # ---- collectives: no-ops at world size 1 ----------------------------------------------------
 
 def all_reduce(env: DistEnv, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In place; `op` is sum, max or mean (gloo has no native mean: sum, then divide)."""
+    """In place; `op` is sum or max."""
     if env.world_size > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-        if op == "mean":
-            tensor /= env.world_size
     return tensor
 
 
@@ -259,24 +257,40 @@ def sync_gradients(model: torch.nn.Module, enabled: bool):
 
 # ---- launching local processes --------------------------------------------------------------
 
-def launch(nproc: int, module_args: list[str], max_restarts: int = 0) -> int:
-    """Starts `python -m ddpgpt <module_args>` on `nproc` local processes through torch's elastic
-    launcher: the same as `torchrun --standalone --nproc_per_node N -m ddpgpt ...`. Returns the
-    exit code (the first failed worker's)."""
+def strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """argv without `--flag VALUE` / `--flag=VALUE` for each of `flags`."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True
+        elif not arg.startswith(tuple(f + "=" for f in flags)):
+            out.append(arg)
+    return out
+
+
+
+def launch(nproc: int, argv: list[str], drop: tuple[str, ...], max_restarts: int = 0, device: str = "auto") -> int:
+    """Starts `python -m ddpgpt <argv without the flags in drop>` on `nproc` local processes
+    through torch's elastic launcher: the same as `torchrun --standalone --nproc_per_node N -m
+    ddpgpt ...`. Returns the exit code (the first failed worker's)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     from ddpgpt.preempt import EXIT_PREEMPTED
 
-    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+    if detect().world_size > 1:
+        raise UserError("--nproc starts processes itself; under torchrun leave it out")
+    if device != "cpu" and torch.cuda.is_available() and nproc > torch.cuda.device_count():
         n = torch.cuda.device_count()
         raise UserError(f"--nproc {nproc} but only {n} GPU{' is' if n == 1 else 's are'} visible; "
                         "use --nproc <= that, or --device cpu")
     # Workers set their own thread count (run.threads); this also silences torchrun's banner.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     args = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-                       "--monitor-interval=0.5", "-m", "ddpgpt", *module_args])
+                       "--monitor-interval=0.5", "-m", "ddpgpt", *strip_flags(argv, drop)])
     try:
         run(args)
     except SignalException as e:

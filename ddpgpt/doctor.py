@@ -20,9 +20,7 @@ import torch
 import torch.distributed as tdist
 
 from ddpgpt import __version__, dist
-from ddpgpt.cli import strip_flags
 from ddpgpt.config import DoctorConfig
-from ddpgpt.errors import UserError
 
 
 def report() -> list[str]:
@@ -60,13 +58,11 @@ def probe(env: dist.DistEnv, megabytes: float, iters: int = 5) -> tuple[float, f
 
 
 def run(cfg: DoctorConfig, argv: list[str]) -> None:
-    env0 = dist.detect()
-    if cfg.nproc and env0.world_size == 1:
-        for line in report():
-            print(line, flush=True)
-        sys.exit(dist.launch(cfg.nproc, strip_flags(argv, ("--nproc",))))
     if cfg.nproc:
-        raise UserError("--nproc starts processes itself; under torchrun leave it out")
+        if dist.detect().world_size == 1:
+            for line in report():
+                print(line, flush=True)
+        sys.exit(dist.launch(cfg.nproc, argv, ("--nproc",)))
     with dist.session() as env:
         if env.world_size == 1:
             for line in report():

@@ -4,6 +4,13 @@ A `UserError` says what is wrong, where (file, field, rank) and what to do about
 problems a person can fix; bugs stay ordinary exceptions with a traceback.
 """
 
+import sys
+
+
+def warn(message: str) -> None:
+    """One line on stderr for something that does not stop the command."""
+    print(f"ddpgpt: warning: {message}", file=sys.stderr)
+
 
 class UserError(Exception):
     """Bad input, reported as one line on stderr ("ddpgpt: <label>: ...") with exit code `exit_code`.

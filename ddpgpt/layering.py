@@ -74,15 +74,6 @@ def apply(cfg: TrainConfig, values: dict, source: str, text: bool = False) -> Tr
     """A copy of `cfg` with the nested `values` ({section: {field: value}}) applied and validated.
     `text`: the values are command-line strings to convert; otherwise they must have the field's
     type. Errors name `source` (a file) and the field."""
-    try:
-        return _apply(cfg, values, source, text)
-    except ConfigError as e:
-        if text or str(e).startswith(f"{source}: "):
-            raise
-        raise ConfigError(f"{source}: {e}") from None
-
-
-def _apply(cfg: TrainConfig, values: dict, source: str, text: bool) -> TrainConfig:
     sections = {}
     for section, fields in values.items():
         if section not in SECTIONS:
@@ -96,8 +87,18 @@ def _apply(cfg: TrainConfig, values: dict, source: str, text: bool) -> TrainConf
             if name not in types_:
                 raise ConfigError(f"{source}: unknown key {section}.{name}; known: {', '.join(types_)}")
             changes[name] = coerce(value, types_[name], f"{source}: {section}.{name}", text)
-        sections[section] = dataclasses.replace(current, **changes)
-    return dataclasses.replace(cfg, **sections)
+        sections[section] = _replace(current, changes, source, text)
+    return _replace(cfg, sections, source, text)
+
+
+def _replace(obj, changes: dict, source: str, text: bool):
+    """dataclasses.replace; its validation errors (__post_init__) name the file they came from."""
+    try:
+        return dataclasses.replace(obj, **changes)
+    except ConfigError as e:
+        if text:
+            raise
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def load_toml(path: str | Path) -> dict:
@@ -124,8 +125,8 @@ def resolve(preset: str | None, config_file: str | None, overrides: dict) -> Tra
     from ddpgpt.presets import get_preset
 
     file_values = load_toml(config_file) if config_file else {}
-    preset = preset or file_values.pop("preset", None)
-    file_values.pop("preset", None)
+    file_preset = file_values.pop("preset", None)
+    preset = preset or file_preset
     cfg = get_preset(preset) if preset else TrainConfig()
     if file_values:
         cfg = apply(cfg, file_values, config_file)

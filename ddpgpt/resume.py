@@ -83,9 +83,14 @@ def restore(t: Trainer, path: Path, meta: dict) -> None:
         if rng.get("cuda") is not None and t.env.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"][t.env.rank].clone(), t.env.device)
     else:  # another W: per-rank streams cannot carry over; start fresh ones from (seed, step, rank)
-        torch.manual_seed(t.cfg.run.seed + 1 + t.env.rank + 1_000_003 * t.step)
+        seed_rank_rng(t.cfg, t.env.rank, t.step)
     if t.env.is_main:
         print(f"resuming from {path} (step {t.step}, saved at world size {meta['world_size']})", file=sys.stderr)
+
+
+def seed_rank_rng(cfg: TrainConfig, rank: int, step: int = 0) -> None:
+    """Seeds this rank's global RNG (dropout) from (seed, rank, step); model init never uses it."""
+    torch.manual_seed(cfg.run.seed + 1 + rank + 1_000_003 * step)
 
 
 def save(t: Trainer) -> None:

@@ -31,18 +31,18 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt import __version__, dist
+from ddpgpt import __version__, checkpoint, dist
 from ddpgpt.config import ConfigError, TrainConfig
 from ddpgpt.data.loader import EvalLoader, TokenStream, TrainLoader
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.errors import DataError, UserError
+from ddpgpt.errors import DataError, UserError, warn
 from ddpgpt.evaluate import evaluate
 from ddpgpt.faults import Fault
 from ddpgpt.metrics import Metrics, peak_flops
 from ddpgpt.model import GPT
 from ddpgpt.optim import lr_at, make_optimizer, set_lr
 from ddpgpt.preempt import EXIT_PREEMPTED, StopSignal
-from ddpgpt.resume import find_resume, reset_run_dir, restore, save
+from ddpgpt.resume import find_resume, reset_run_dir, restore, save, seed_rank_rng
 
 # ---- checks that need no process group --------------------------------------------------------
 
@@ -183,7 +183,7 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, accum: int
     if found:
         restore(t, *found)
     else:
-        torch.manual_seed(cfg.run.seed + 1 + env.rank)  # dropout masks differ per rank; weights do not
+        seed_rank_rng(cfg, env.rank)  # dropout masks differ per rank; weights do not
     # 4. DDP first, then compile: dynamo's DDPOptimizer then splits the graph at DDP's bucket
     #    boundaries, so each bucket's all-reduce overlaps the rest of the backward.
     t.model = dist.wrap_model(raw, env, cfg.run.bucket_mb)
@@ -281,8 +281,7 @@ def skip_or_stop(t: Trainer, bad: list[int]) -> None:
     t.optimizer.zero_grad(set_to_none=True)
     t.skipped += 1
     if t.env.is_main:
-        print(f"ddpgpt: warning: {where}; skipped ({t.skipped} of at most {t.cfg.run.max_skipped})",
-              file=sys.stderr)
+        warn(f"{where}; skipped ({t.skipped} of at most {t.cfg.run.max_skipped})")
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -311,7 +310,7 @@ def loop(t: Trainer, metrics: Metrics, stop: StopSignal) -> None:
                 save(t)
         if stopping and t.step < total:
             raise Preempted(f"stopped at step {t.step} on {stop.name or 'a signal to another rank'}; checkpoint "
-                            f"{t.run_dir / 'checkpoints' / f'step_{t.step:07d}'} is complete: run the same "
+                            f"{checkpoint.step_dir(t.run_dir, t.step)} is complete: run the same "
                             "command to resume", quiet=not env.is_main)
 
 
@@ -367,11 +366,8 @@ def main(cfg: TrainConfig, nproc: int | None, max_restarts: int, argv: list[str]
     command (checked here first, so bad input fails before any worker starts)."""
     if nproc is None:
         return run(cfg)
-    if dist.detect().world_size > 1:
-        raise UserError("--nproc starts processes itself; under torchrun leave it out")
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} must be >= 1")
     cfg, _, _ = preflight(cfg, nproc)
     find_resume(cfg)
-    from ddpgpt.cli import strip_flags
-    sys.exit(dist.launch(nproc, strip_flags(argv, ("--nproc", "--max-restarts")), max_restarts))
+    sys.exit(dist.launch(nproc, argv, ("--nproc", "--max-restarts"), max_restarts, cfg.run.device))

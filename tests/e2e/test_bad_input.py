@@ -293,7 +293,8 @@ def test_bad_input(setup, command, expected, code, tiny_data, tmp_path, request)
 
 
 def test_nproc_above_visible_gpus(monkeypatch):
-    """On CUDA, --nproc larger than the visible GPUs is refused before the launcher starts anyone."""
+    """On CUDA, --nproc larger than the visible GPUs is refused before the launcher starts anyone;
+    CPU workers (--device cpu) are not limited by the GPU count."""
     import torch
     import torch.distributed.run
 
@@ -303,7 +304,10 @@ def test_nproc_above_visible_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.distributed.run, "run", started.append)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # launch() sets it for its workers; restored after the test
     with pytest.raises(UserError) as info:
-        dist.launch(2, ["train"])
+        dist.launch(2, ["train"], ())
     assert str(info.value) == "--nproc 2 but only 1 GPU is visible; use --nproc <= that, or --device cpu"
     assert started == []
+    dist.launch(2, ["train", "--nproc", "2", "--device", "cpu"], ("--nproc",), device="cpu")  # CPU workers: no limit
+    assert [a.training_script_args for a in started] == [["train", "--device", "cpu"]]

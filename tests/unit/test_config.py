@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddpgpt import cli, config, presets, train
+from ddpgpt import cli, config, dist, presets, train
 from ddpgpt.config import (
     ConfigError,
     DataConfig,
@@ -310,7 +310,7 @@ def test_for_dataset_rejects_a_smaller_vocab(dataset):
 def test_strip_flags():
     argv = ["train", "--nproc", "2", "--data", "d", "--nproc=4", "--max-restarts", "3", "--run.steps", "5",
             "--max-restarts=1", "--nprocs-like", "x", "--preset", "tiny"]
-    assert cli.strip_flags(argv, ("--nproc", "--max-restarts")) == [
+    assert dist.strip_flags(argv, ("--nproc", "--max-restarts")) == [
         "train", "--data", "d", "--run.steps", "5", "--nprocs-like", "x", "--preset", "tiny"]
 
 
