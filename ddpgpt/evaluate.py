@@ -14,6 +14,7 @@ from ddpgpt import checkpoint, dist
 from ddpgpt.config import EvalConfig
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.model import autocast_for, build_model
 
 
 @torch.no_grad()
@@ -40,8 +41,6 @@ def evaluate(model: torch.nn.Module, loader: EvalLoader, env: dist.DistEnv,
 
 def run(cfg: EvalConfig) -> None:
     path, meta, train_cfg = checkpoint.latest_for_inference(cfg.run)
-    from ddpgpt.train import autocast_for, build_model  # the same model and precision as training
-
     dataset = TokenDataset(train_cfg.data.dir)
     with dist.session(cfg.device, "auto") as env:
         model = build_model(train_cfg, env.device)

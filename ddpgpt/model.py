@@ -10,13 +10,15 @@ generator seeded by the caller: the same seed gives bit-identical weights on eve
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpgpt.config import ModelConfig
+from ddpgpt.config import ConfigError, ModelConfig, TrainConfig
 
 
 class CausalSelfAttention(nn.Module):
@@ -140,3 +142,29 @@ class GPT(nn.Module):
             nxt = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
+
+
+# ---- a run's model on its device ------------------------------------------------------------
+
+def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
+    """The same weights on every rank: drawn from run.seed by a private generator, never from a
+    global RNG that some code might have seeded per rank."""
+    return GPT(cfg.model, seed=cfg.run.seed).to(device)
+
+
+def precision(cfg: TrainConfig, device: torch.device) -> str:
+    p = cfg.run.precision
+    if p == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if p == "fp16" and device.type != "cuda":
+        raise ConfigError("run.precision = fp16 needs CUDA; use bf16 or fp32 on CPU")
+    return p
+
+
+def autocast_for(cfg: TrainConfig, device: torch.device):
+    """A context factory: autocast to bf16/fp16, or nothing for fp32."""
+    p = precision(cfg, device)
+    if p == "fp32":
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if p == "bf16" else torch.float16
+    return functools.partial(torch.autocast, device.type, dtype=dtype)

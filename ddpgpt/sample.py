@@ -13,12 +13,11 @@ import torch
 from ddpgpt import checkpoint, dist
 from ddpgpt.config import SampleConfig
 from ddpgpt.data.tokenizer import load_tokenizer
+from ddpgpt.model import autocast_for, build_model
 
 
 def run(cfg: SampleConfig) -> None:
     path, meta, train_cfg = checkpoint.latest_for_inference(cfg.run)
-    from ddpgpt.train import autocast_for, build_model
-
     data_meta = json.loads((Path(cfg.run) / "data_meta.json").read_text())
     tok = load_tokenizer(cfg.run, data_meta["tokenizer"])
     device = dist.resolve_device(cfg.device, 0)

@@ -18,10 +18,8 @@ skips or stops on a non-finite value, and stops for pre-emption, all at the same
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
-import functools
 import json
 import os
 import shutil
@@ -39,7 +37,7 @@ from ddpgpt.errors import DataError, UserError, warn
 from ddpgpt.evaluate import evaluate
 from ddpgpt.faults import Fault
 from ddpgpt.metrics import Metrics, peak_flops
-from ddpgpt.model import GPT
+from ddpgpt.model import GPT, autocast_for, build_model, precision
 from ddpgpt.optim import lr_at, make_optimizer, set_lr
 from ddpgpt.preempt import EXIT_PREEMPTED, StopSignal
 from ddpgpt.resume import find_resume, reset_run_dir, restore, save, seed_rank_rng
@@ -83,24 +81,6 @@ def preflight(cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, TokenData
     return cfg, dataset, accum
 
 
-def precision(cfg: TrainConfig, device: torch.device) -> str:
-    p = cfg.run.precision
-    if p == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    if p == "fp16" and device.type != "cuda":
-        raise ConfigError("run.precision = fp16 needs CUDA; use bf16 or fp32 on CPU")
-    return p
-
-
-def autocast_for(cfg: TrainConfig, device: torch.device):
-    """A context factory: autocast to bf16/fp16, or nothing for fp32."""
-    p = precision(cfg, device)
-    if p == "fp32":
-        return contextlib.nullcontext
-    dtype = torch.bfloat16 if p == "bf16" else torch.float16
-    return functools.partial(torch.autocast, device.type, dtype=dtype)
-
-
 def keep_freed_memory() -> None:
     """On CPU with glibc: keep freed memory in the process for reuse (elsewhere a no-op).
 
@@ -115,12 +95,6 @@ def keep_freed_memory() -> None:
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
     libc.mallopt(M_MMAP_MAX, 0)
     libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
-
-
-def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
-    """The same weights on every rank: drawn from run.seed by a private generator, never from a
-    global RNG that some code might have seeded per rank."""
-    return GPT(cfg.model, seed=cfg.run.seed).to(device)
 
 
 # ---- the trainer's state -------------------------------------------------------------------

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 
+from ddpgpt.config import ModelConfig
 from ddpgpt.data.prepare import SplitWriter, make_meta
 from ddpgpt.data.shards import dtype_for_vocab
 
 REPO = Path(__file__).resolve().parent.parent
+SMALL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)  # unit tests' model
 
 
 def write_dataset(path: Path, train: np.ndarray, val: np.ndarray, vocab_size: int,
@@ -31,6 +36,15 @@ def write_dataset(path: Path, train: np.ndarray, val: np.ndarray, vocab_size: in
     tok = SimpleNamespace(kind="byte", vocab_size=vocab_size, eot_id=eot_id)
     (path / "meta.json").write_text(json.dumps(make_meta(tok, dtype, shards, {"specs": ["test"]})))
     return path
+
+
+def json_error(text: str) -> str:
+    """How the readers quote a JSON parse error: "JSONDecodeError: <message>"."""
+    try:
+        json.loads(text)
+    except ValueError as e:
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError("the text parses")
 
 
 def free_port() -> int:
@@ -50,6 +64,9 @@ def run_cli(*args: str, timeout: float = 60, env: dict | None = None, cwd: Path 
         kill_tree(proc.pid)  # with --nproc the workers are not in its process group
         out, err = proc.communicate()
         raise AssertionError(f"ddpgpt {' '.join(map(str, args))} still running after {timeout} s:\n{err[-3000:]}") from None
+    except BaseException:  # pytest-timeout or Ctrl-C: leave nothing running
+        kill_tree(proc.pid)
+        raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -67,7 +84,6 @@ class Ranks:
 
     def __init__(self, argv_per_rank: list[list[str]], workdir: Path, env: dict | None = None,
                  cwds: list[Path] | None = None):
-        import subprocess
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         W, port = len(argv_per_rank), free_port()
@@ -83,19 +99,16 @@ class Ranks:
                                                cwd=cwds[r] if cwds else None, start_new_session=True))
 
     def wait(self, timeout: float = 120) -> list[SimpleNamespace]:
-        import subprocess
-        import time
         deadline = time.monotonic() + timeout
         try:
             for p in self.procs:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            for p in self.procs:
-                if p.poll() is None:
-                    kill_tree(p.pid)
-            for p in self.procs:
-                p.wait()
+            self.kill()
             raise AssertionError(f"ranks still running after {timeout} s:\n{self.report()}") from None
+        except BaseException:  # pytest-timeout or Ctrl-C: the ranks run in their own sessions
+            self.kill()
+            raise
         finally:
             for out, err in self.outs:
                 out.close()
@@ -107,16 +120,26 @@ class Ranks:
                                 stderr=(self.workdir / f"rank{r}.err").read_text())
                 for r, p in enumerate(self.procs)]
 
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+        for p in self.procs:
+            p.wait()
+
     def report(self) -> str:
-        return "\n".join(f"--- rank {r} (exit {res.returncode}) ---\n{res.stdout[-3000:]}{res.stderr[-3000:]}"
-                         for r, res in enumerate(self.results()))
+        return rank_report(self.results())
+
+
+def rank_report(results: list[SimpleNamespace]) -> str:
+    """Every rank's exit code and the end of its output."""
+    return "\n".join(f"--- rank {i} (exit {r.returncode}) ---\n{r.stdout[-2000:]}{r.stderr[-4000:]}"
+                     for i, r in enumerate(results))
 
 
 def codes(results: list[SimpleNamespace]) -> tuple[list[int], str]:
     """(exit codes, every rank's output) for `assert codes(r)[0] == [...], codes(r)[1]`."""
-    report = "\n".join(f"--- rank {i} (exit {r.returncode}) ---\n{r.stdout[-2000:]}{r.stderr[-4000:]}"
-                       for i, r in enumerate(results))
-    return [r.returncode for r in results], report
+    return [r.returncode for r in results], rank_report(results)
 
 
 def run_ranks(argv_per_rank: list[list[str]], workdir: Path, timeout: float = 120, env: dict | None = None,
@@ -154,7 +177,8 @@ def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32):
     from ddpgpt.model import GPT
     from ddpgpt.optim import lr_at
 
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run; restored below for the rest of the session
     ds = TokenDataset(data_dir)
     stream = np.concatenate(ds.tokens("train")).astype(np.int64)
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=320), seed=1337)
@@ -175,6 +199,7 @@ def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    torch.set_num_threads(threads)
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
@@ -198,7 +223,6 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill_tree(pid: int) -> None:
-    import signal
     for p in [pid, *descendants(pid)]:
         try:
             os.kill(p, signal.SIGKILL)
@@ -211,9 +235,6 @@ class Launch:
     time, so a test can time events (a crash, a restart) from outside the processes."""
 
     def __init__(self, argv: list[str], env: dict | None = None, cwd: Path | None = None):
-        import subprocess
-        import threading
-        import time
         self.lines: list[tuple[float, str]] = []
         self.start = time.monotonic()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
@@ -223,22 +244,26 @@ class Launch:
         self._reader.start()
 
     def _read(self) -> None:
-        import time
         for line in self.proc.stdout:
             self.lines.append((time.monotonic(), line.rstrip("\n")))
 
     def wait(self, timeout: float) -> int:
-        import subprocess
-        import time
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            kill_tree(self.proc.pid)
-            self.proc.wait()
+            self.kill()
             raise AssertionError(f"still running after {timeout} s:\n{self.text[-5000:]}") from None
+        except BaseException:  # pytest-timeout or Ctrl-C: the launcher runs in its own session
+            self.kill()
+            raise
         self._reader.join(timeout=10)
         self.end = time.monotonic()
         return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            kill_tree(self.proc.pid)
+        self.proc.wait()
 
     @property
     def text(self) -> str:

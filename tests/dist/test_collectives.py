@@ -4,12 +4,8 @@ import json
 
 import pytest
 
-from ddpgpt.config import ModelConfig
-from ddpgpt.data.loader import EvalLoader
-from ddpgpt.data.shards import TokenDataset
 from ddpgpt.dist import DistEnv
-from ddpgpt.evaluate import evaluate
-from ddpgpt.model import GPT
+from tests.dist import workers
 from tests.helpers import codes, run_ranks, tiny_train_args
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
@@ -23,9 +19,7 @@ def worker(tmp_path, W, name, **args):
 
 @pytest.mark.parametrize("max_windows", [0, 13])
 def test_eval_all_reduce_equals_single_process(tiny_data, tmp_path, max_windows):
-    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=320), seed=5)
-    loader = EvalLoader(TokenDataset(tiny_data), seq_len=32, micro_batch=3, max_windows=max_windows)
-    single = evaluate(model, loader, DistEnv())
+    single = workers.eval_loss(DistEnv(), str(tiny_data), max_windows)  # one process: every window
     # W=3 and b=3: the windows do not divide evenly, so some ranks evaluate padding rows.
     assert worker(tmp_path, 3, "eval_loss", data=str(tiny_data), max_windows=max_windows) == pytest.approx(single, rel=1e-6)
 

@@ -3,7 +3,6 @@ launchers forming one job through c10d rendezvous, as two nodes would."""
 
 import json
 import re
-import subprocess
 import sys
 
 import numpy as np
@@ -11,7 +10,7 @@ import pytest
 
 from tests.conftest import CORPUS, STDLIB
 from tests.helpers import (
-    REPO,
+    Launch,
     free_port,
     read_metrics,
     reference_training,
@@ -63,14 +62,14 @@ def test_train_under_torchrun_two_nodes(tiny_data, tmp_path):
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
                 "--monitor-interval", "0.5"]
     args = tiny_train_args(tiny_data, run, steps=4, run__checkpoint_every=0)[1:]  # "-m ddpgpt train ..."
-    nodes = [subprocess.Popen(launcher + args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(2)]
+    nodes = [Launch(launcher + args) for _ in range(2)]
     try:
-        outs = [n.communicate(timeout=150)[0] for n in nodes]
+        returncodes = [n.wait(120) for n in nodes]
     finally:
         for n in nodes:
-            n.kill()
-    assert [n.returncode for n in nodes] == [0, 0], outs
+            n.kill()  # the workers too: torchrun starts them in sessions of their own
+    outs = [n.text for n in nodes]
+    assert returncodes == [0, 0], outs
     assert sum("training on 2 processes (2 nodes × 1, gloo)" in o for o in outs) == 1  # rank 0 only
     rows, _ = read_metrics(run)
     losses, _ = reference_training(tiny_data, 4)

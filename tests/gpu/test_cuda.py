@@ -28,6 +28,7 @@ def test_bf16_matches_fp32_closely():
     _, fp32 = model(idx, idx)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         _, bf16 = model(idx, idx)
+    assert fp32.item() != bf16.item()  # autocast did run in bf16
     assert abs(fp32.item() - bf16.item()) < 0.05 * fp32.item()
 
 

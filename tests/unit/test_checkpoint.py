@@ -11,6 +11,7 @@ from ddpgpt import checkpoint
 from ddpgpt.checkpoint import CheckpointError
 from ddpgpt.config import ModelConfig
 from ddpgpt.model import GPT
+from tests.helpers import json_error
 
 
 def model(seed=0):
@@ -79,9 +80,11 @@ def test_latest_falls_back_past_partial_and_corrupt(tmp_path, capsys):
 def test_corrupt_meta_falls_back(tmp_path, capsys):
     save(tmp_path, 1)
     save(tmp_path, 2)
-    (tmp_path / "checkpoints" / "step_0000002" / "meta.json").write_text('{"format_version": 1, "st')
+    meta = tmp_path / "checkpoints" / "step_0000002" / "meta.json"
+    meta.write_text('{"format_version": 1, "st')
     assert checkpoint.find_latest(tmp_path)[0].name == "step_0000001"
-    assert "corrupt meta.json (JSONDecodeError" in capsys.readouterr().err
+    assert capsys.readouterr().err == (f"ddpgpt: warning: skipping checkpoint: {meta}: corrupt meta.json "
+                                       f"({json_error(meta.read_text())}); falling back to step_0000001\n")
 
 
 def test_no_valid_checkpoint_is_an_error(tmp_path):

@@ -194,7 +194,7 @@ def test_out_of_range_through_the_layers(tmp_path):
 def test_out_of_range_in_toml_names_the_file(tmp_path):
     path = _toml(tmp_path, "[model]\nn_layer = 0\n")
     message = _error(resolve, None, path, {})
-    assert path in message and "model.n_layer = 0 must be >= 1" in message
+    assert message == f"{path}: invalid config: model.n_layer = 0 must be >= 1"
 
 
 def test_unknown_preset(tmp_path):

@@ -12,18 +12,9 @@ import torch.nn.functional as F
 
 from ddpgpt.config import ModelConfig
 from ddpgpt.model import GPT
+from tests.helpers import SMALL
 
-SMALL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tensors this small gain nothing from intra-op threads, and a busy second core makes the
-    thread barrier cost 100x the work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

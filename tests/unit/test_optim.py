@@ -12,17 +12,9 @@ import torch.nn as nn
 from ddpgpt.config import ModelConfig, OptimConfig
 from ddpgpt.model import GPT
 from ddpgpt.optim import lr_at, make_optimizer, param_groups, set_lr
+from tests.helpers import SMALL
 
-SMALL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tensors this small gain nothing from intra-op threads (and a busy core stalls them)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _decayed_by_module(model: nn.Module) -> set[int]:

@@ -1,0 +1,12 @@
+import pytest
+import torch
+
+
+@pytest.fixture
+def one_thread():
+    """Tensors this small gain nothing from intra-op threads, and a busy second core makes the
+    thread barrier cost 100x the work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
