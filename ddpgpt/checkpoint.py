@@ -1,36 +1,44 @@
-"""Checkpoints: atomic save, validated load, the latest complete checkpoint, keep-last-k.
+"""Checkpoints: a store of state dicts plus the resolved config. Atomic save, validated load, the
+latest complete checkpoint, keep-last-k.
 
-    <run>/checkpoints/step_0000100/
-        model.safetensors   the single-device model's weights (safetensors: no pickle)
-        trainer.pt          optimizer state and every rank's RNG state (read with weights_only=True)
-        meta.json           written last: format version, step, loader cursor, resolved config,
-                            world size, and the sha256 of each file above
+    checkpoints/step_0000100/
+        model.safetensors   state["model"]: the single-device model's weights (safetensors: no pickle)
+        trainer.pt          the rest of the state (optimizer, loader cursor, progress, every rank's
+                            RNG, ...), read back with torch.load(weights_only=True)
+        meta.json           written last: format version, step, each file's sha256, versions, the
+                            time, and what the caller describes the checkpoint with (config, ...)
 
-Rank 0 writes into `checkpoints/.tmp-step_NNNNNNN-PID/`, fsyncs every file and the directory,
-writes meta.json, fsyncs again, and renames the directory to `step_NNNNNNN`: a checkpoint either
-exists complete or not at all. Loading re-hashes each file against meta.json; when the newest
-checkpoint is partial or corrupt, `find_latest` falls back to the previous complete one with a
-warning that names what was wrong.
+The state is serialized in memory, then written into `.tmp-step_NNNNNNN-PID/`; every file and the
+directory are fsynced, meta.json is written last, and the directory is renamed to `step_NNNNNNN`:
+a checkpoint exists complete or not at all. A write that fails (a full disk) removes the
+temporary directory and raises one line naming the reason. Loading reads each file once, checks
+its sha256 and deserializes the same bytes; when the newest checkpoint is partial or corrupt,
+`find_latest` falls back to the previous complete one with a warning that names what was wrong.
+Deleting renames a checkpoint away first, so a reader never sees one half deleted.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
 from ddpgpt import __version__
-from ddpgpt.data.shards import file_sha256
 from ddpgpt.errors import UserError, warn
-from ddpgpt.layering import from_dict
+from ddpgpt.files import WriteError, describe, fsync, os_error_in, sha256, write_bytes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
+TEMPORARY = (".tmp-step_*", ".old-step_*", ".del-step_*")
 
 
 class CheckpointError(UserError):
@@ -42,80 +50,106 @@ class CheckpointVersionError(CheckpointError):
     the newer run's progress."""
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class CheckpointGone(CheckpointError):
+    """The checkpoint was deleted while being read (pruned by the run that is training)."""
 
 
-def checkpoints_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step_{step:07d}"
 
 
-def step_dir(run_dir: str | Path, step: int) -> Path:
-    return checkpoints_dir(run_dir) / f"step_{step:07d}"
-
-
-def step_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """(step, path) of every `step_NNNNNNN` directory, oldest first; complete or not."""
-    root = checkpoints_dir(run_dir)
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every `step_NNNNNNN` directory in `root`, oldest first; complete or not."""
+    root = Path(root)
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
     return sorted(found)
 
 
-def save(run_dir: str | Path, step: int, model: torch.nn.Module, trainer_state: dict, meta: dict,
-         keep: int) -> Path:
-    """Writes checkpoint `step` atomically (rank 0 only) and prunes to the newest `keep`."""
-    final = step_dir(run_dir, step)
-    root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
+# ---- save ------------------------------------------------------------------------------------
+
+def save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
+    """Writes checkpoint `step` of `state` ({"model": weights, ...rest}) atomically and prunes to
+    the newest `keep`. `meta` (JSON) describes it: what resuming needs to decide before loading."""
+    root, final = Path(root), step_dir(root, step)
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(weights, tmp / "model.safetensors")
-    torch.save(trainer_state, tmp / "trainer.pt")
-    files = {}
-    for name in ("model.safetensors", "trainer.pt"):
-        _fsync(tmp / name)
-        files[name] = file_sha256(tmp / name)
-    meta = {"format_version": FORMAT_VERSION, "step": step, "files": files,
-            "ddpgpt_version": __version__, "torch_version": torch.__version__, **meta}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    _fsync(tmp / "meta.json")
-    _fsync(tmp)
+    files = {"model.safetensors": _weights_bytes(state["model"]),
+             "trainer.pt": _torch_bytes({k: v for k, v in state.items() if k != "model"})}
+    meta = {"format_version": FORMAT_VERSION, "step": step,
+            "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()},
+            "ddpgpt_version": __version__, "torch_version": torch.__version__,
+            "saved_at": time.time(), **meta}
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for name, data in files.items():
+            write_bytes(tmp / name, data)
+        write_bytes(tmp / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())  # last: complete
+        fsync(tmp)
+        _publish(tmp, final)
+        fsync(root)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = os_error_in(e)
+        if cause is None:
+            raise
+        raise WriteError(f"cannot write checkpoint {final}: {describe(cause)}; its temporary files "
+                         "were removed") from None
+    prune(root, keep)
+    return final
+
+
+def _weights_bytes(weights: dict[str, torch.Tensor]) -> bytes:
+    return save_safetensors({k: v.detach().cpu().contiguous() for k, v in weights.items()})
+
+
+def _torch_bytes(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _publish(tmp: Path, final: Path) -> None:
     if final.exists():  # the same step saved again (e.g. a resumed run's end): replace it
-        old = root / f".old-{final.name}-{os.getpid()}"
+        old = final.with_name(f".old-{final.name}-{os.getpid()}")
         os.rename(final, old)
         os.rename(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync(root)
-    prune(run_dir, keep)
-    return final
 
 
-def prune(run_dir: str | Path, keep: int) -> None:
+def prune(root: Path, keep: int) -> None:
     """Deletes all but the newest `keep` complete checkpoints (never the newest, which `save` has
-    just written), and temporary directories left by saves that crashed. A failed delete is a
-    warning, never a stop."""
-    complete = [p for _, p in step_dirs(run_dir) if (p / "meta.json").is_file()]
-    root = checkpoints_dir(run_dir)
-    leftovers = [*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]
-    for path in complete[:-keep] + leftovers:
+    just written). Each is renamed away before it is deleted. A failed delete is a warning,
+    never a stop."""
+    complete = [p for _, p in step_dirs(root) if (p / "meta.json").is_file()]
+    for path in complete[:-keep]:
+        doomed = path.with_name(f".del-{path.name}-{os.getpid()}")
         try:
-            shutil.rmtree(path)
+            os.rename(path, doomed)
+            shutil.rmtree(doomed)
         except OSError as e:
             warn(f"could not delete old checkpoint {path} ({e.strerror}); training goes on")
 
 
-def read_meta(path: Path) -> dict:
-    """A checkpoint's meta.json, validated: present, parseable, a format we read, files intact."""
+def remove_temporaries(root: Path) -> list[Path]:
+    """Deletes what interrupted saves and deletes left behind (run at startup, under the run's
+    lock, so no save is in progress). Returns what was removed."""
+    root = Path(root)
+    leftovers = [p for pattern in TEMPORARY for p in root.glob(pattern)] if root.is_dir() else []
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    return leftovers
+
+
+# ---- load ------------------------------------------------------------------------------------
+
+def read_meta(path: Path, verify: bool = True) -> dict:
+    """A checkpoint's meta.json, validated: present, parseable, a format we read, and (`verify`)
+    every file present with the sha256 meta.json lists."""
     meta_path = path / "meta.json"
     if not meta_path.is_file():
         raise CheckpointError(f"{path}: incomplete checkpoint (no meta.json)")
@@ -123,28 +157,37 @@ def read_meta(path: Path) -> dict:
         meta = json.loads(meta_path.read_text())
         version, files = int(meta["format_version"]), dict(meta["files"])
         int(meta["step"])
+    except FileNotFoundError:
+        raise CheckpointGone(f"{path}: deleted while being read") from None
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{meta_path}: corrupt meta.json ({type(e).__name__}: {e})") from None
     if version > FORMAT_VERSION:
-        raise CheckpointVersionError(f"{path}: checkpoint format version {version} is newer than this ddpgpt "
-                              f"reads ({FORMAT_VERSION}); upgrade ddpgpt (pip install -U ddpgpt)")
-    for name, expected in files.items():
-        if not (path / name).is_file():
-            raise CheckpointError(f"{path}: {name} is missing")
-        if file_sha256(path / name) != expected:
+        raise CheckpointVersionError(f"{path}: checkpoint format version {version} is newer than this "
+                                     f"ddpgpt reads ({FORMAT_VERSION}); upgrade ddpgpt (pip install -U ddpgpt)")
+    for name, expected in files.items() if verify else ():
+        try:
+            actual = sha256(path / name)
+        except FileNotFoundError:
+            if not path.exists():
+                raise CheckpointGone(f"{path}: deleted while being read") from None
+            raise CheckpointError(f"{path}: {name} is missing") from None
+        if actual != expected:
             raise CheckpointError(f"{path}: {name} does not match its sha256 in meta.json (corrupt)")
     return meta
 
 
-def find_latest(run_dir: str | Path) -> tuple[Path, dict] | None:
-    """The newest checkpoint that validates, falling back past bad ones with a warning each.
-    When checkpoints exist but none validates, a CheckpointError names the newest's problem."""
+def find_latest(root: Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint in `root` that validates, falling back past bad ones with a warning
+    each. When checkpoints exist but none validates, a CheckpointError names the newest's
+    problem. `root` is named in messages by its run dir (its parent)."""
     problems = []
-    for _, path in reversed(step_dirs(run_dir)):
+    for _, path in reversed(step_dirs(root)):
         try:
             meta = read_meta(path)
         except CheckpointVersionError:
             raise
+        except CheckpointGone:
+            continue
         except CheckpointError as e:
             problems.append(e)
             continue
@@ -152,31 +195,60 @@ def find_latest(run_dir: str | Path) -> tuple[Path, dict] | None:
             warn(f"skipping checkpoint: {e}; falling back to {path.name}")
         return path, meta
     if problems:
-        more = f" (and {len(problems) - 1} older one{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
-        raise CheckpointError(f"no valid checkpoint in {run_dir}: {problems[0]}{more}; move the bad ones "
-                              "away, or pass --reset to set them aside and start over")
+        n = len(problems) - 1
+        more = f" (and {n} older one{'s' if n > 1 else ''})" if n else ""
+        raise CheckpointError(f"no valid checkpoint in {Path(root).parent}: {problems[0]}{more}; move the "
+                              "bad ones away, or pass --reset to set them aside and start over")
     return None
 
 
-def load_trainer_state(path: Path) -> dict:
-    return torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+def load(path: Path, meta: dict, weights_only: bool = False) -> dict:
+    """The state saved at `path` ({"model": weights, ...}; only "model" with `weights_only`).
+    Each file is read once; its sha256 is checked on the very bytes that are deserialized."""
+    names = ["model.safetensors"] + ([] if weights_only else ["trainer.pt"])
+    data = {}
+    for name in names:
+        try:
+            data[name] = (path / name).read_bytes()
+        except FileNotFoundError:
+            raise CheckpointGone(f"{path}: deleted while being read") from None
+        if hashlib.sha256(data[name]).hexdigest() != meta["files"][name]:
+            raise CheckpointError(f"{path}: {name} does not match its sha256 in meta.json (corrupt)")
+    state = {"model": load_safetensors(data["model.safetensors"])}
+    if not weights_only:
+        state.update(torch.load(io.BytesIO(data["trainer.pt"]), map_location="cpu", weights_only=True))
+        if meta["format_version"] == 1:
+            _upgrade_v1(state, meta)
+    return state
 
 
-def load_weights(path: Path, model: torch.nn.Module) -> None:
-    state = load_file(path / "model.safetensors")
+def _upgrade_v1(state: dict, meta: dict) -> None:
+    """Format 1 kept the loader cursor and the progress counters in meta.json."""
+    state["loader"] = meta["loader"]
+    state["progress"] = {"step": int(meta["step"]), "elapsed_s": float(meta.get("elapsed_s", 0.0))}
+    state["guard"] = {"skipped": int(meta.get("skipped_steps", 0))}
+
+
+def load_weights(path: Path, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Puts `weights` into `model`, or one line saying why they do not fit."""
     try:
-        model.load_state_dict(state)
+        model.load_state_dict(weights)
     except RuntimeError as e:
         lines = str(e).splitlines()
         first = lines[1].strip() if len(lines) > 1 else str(e)
         raise CheckpointError(f"{path}: weights do not fit this model ({first})") from None
 
 
-def latest_for_inference(run_dir: str | Path):
-    """(path, meta, the resolved TrainConfig) of a run's newest valid checkpoint, for eval and
-    sample; a run without one is a one-line error."""
-    found = find_latest(run_dir)
-    if found is None:
-        raise UserError(f"run {run_dir} has no complete checkpoint; train first (ddpgpt train --run-dir {run_dir})")
-    path, meta = found
-    return path, meta, from_dict(meta["config"], source=f"{path / 'meta.json'}")
+def load_latest(root: Path, weights_only: bool = True) -> tuple[Path, dict, dict] | None:
+    """(path, meta, state) of the newest valid checkpoint in `root`, or None. A checkpoint pruned
+    by a running training while it is read is skipped for the next newest."""
+    for _ in range(10):
+        found = find_latest(root)
+        if found is None:
+            return None
+        try:
+            return *found, load(*found, weights_only=weights_only)
+        except CheckpointGone:
+            continue
+    raise CheckpointError(f"the checkpoints in {Path(root).parent} kept being deleted while read; "
+                          "try again (is a run with run.keep_checkpoints = 1 saving very often?)")

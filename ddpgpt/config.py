@@ -1,9 +1,9 @@
 """Typed configuration: one dataclass per concern, a docstring under every field, validation.
 
-A training config is resolved in layers (`layering.py`): a preset (`presets.py`), a TOML file,
+A training config is built in layers (`config_io.py`): a preset (`presets.py`), a TOML file,
 then command-line flags. Every value is checked for its type and range before any process group
-exists; a bad one is a `ConfigError`: one line naming the field, the source and the fix. The
-resolved config is saved as `config.json` in the run directory.
+exists; a bad one is a `ConfigError`: one line naming the field, the source and the fix. Every
+`auto` is then resolved once (`preflight.py`) and the result saved as the run's `config.json`.
 """
 
 from __future__ import annotations
@@ -106,6 +106,10 @@ class DataConfig:
     verify: bool = True
     """Re-hash every shard against meta.json at startup (the ranks share the work); turn off to
     start faster on very large datasets."""
+    allow_switch: bool = False
+    """Resume a checkpoint on another dataset than it was trained on (its fingerprint differs):
+    the loader starts the new data from its beginning and metrics.jsonl records the switch.
+    Without it such a resume is refused."""
 
     def __post_init__(self):
         for name in ("micro_batch", "global_batch"):
@@ -165,10 +169,10 @@ class RunConfig:
     keep_checkpoints: int = 3
     """Keep the newest this many checkpoints, deleting older ones."""
     resume: str = field(default="auto", metadata={"alias": "--resume"})
-    """auto: continue from the run dir's latest complete checkpoint if any; never: refuse a run dir
-    that has checkpoints; reset (or --reset): move its checkpoints and metrics aside into
-    reset-<time>/ and start over (first attempt only, never after an elastic restart); or the path
-    of a checkpoint directory."""
+    """How the job's first start begins (every restart continues from the run dir's newest
+    complete checkpoint): auto, the newest complete checkpoint if any; never, refuse a run dir that
+    has checkpoints; reset (or --reset), set its checkpoints and metrics aside into reset-<time>/
+    and start over; or the path of a checkpoint directory (reruns continue from the run dir)."""
     device: str = field(default="auto", metadata={"alias": "--device"})
     """auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu or cuda."""
     backend: str = "auto"
@@ -180,7 +184,8 @@ class RunConfig:
     bucket_mb: float = 25.0
     """DDP gradient bucket size in MB."""
     threads: int = 0
-    """torch CPU threads per process; 0 uses the machine's cores divided by the local processes."""
+    """torch CPU threads per process; 0 uses the machine's cores divided by the local processes
+    (resolved per node: nodes may differ)."""
     dist_timeout_s: float = field(default=600.0, metadata={"alias": "--dist-timeout"})
     """Longest wait of any collective, in seconds: a stalled or lost rank ends the job with an error
     naming the step after this long instead of hanging (gloo's own default is 30 minutes)."""
@@ -237,7 +242,7 @@ class TrainConfig:
 class SampleConfig:
     """`ddpgpt sample`: generate text from a run's latest checkpoint."""
 
-    run: str = field(default="runs/default", metadata={"alias": "--run-dir"})
+    run_dir: str = field(default="runs/default", metadata={"alias": "--run"})
     """Run directory (its latest complete checkpoint is used). Under torchrun write --run-dir:
     torchrun's own parser takes --run for an abbreviation of its --run-path."""
     prompt: str = ""
@@ -267,7 +272,7 @@ class SampleConfig:
 class EvalConfig:
     """`ddpgpt eval`: validation loss of a run's latest checkpoint (runs under torchrun too)."""
 
-    run: str = field(default="runs/default", metadata={"alias": "--run-dir"})
+    run_dir: str = field(default="runs/default", metadata={"alias": "--run"})
     """Run directory (its latest complete checkpoint is used). Under torchrun write --run-dir:
     torchrun's own parser takes --run for an abbreviation of its --run-path."""
     windows: int = -1

@@ -2,22 +2,26 @@
 (RANK, LOCAL_RANK, WORLD_SIZE, ...) or touches process groups.
 
     env = detect()                      # environment only: usable before any group exists
-    with session(device="auto") as env: # group created (W > 1), destroyed on every exit path
+    with session(device="cpu") as env:  # group created (W > 1), destroyed on every exit path
         model = wrap_model(model, env)  # DDP when W > 1, the model itself otherwise
         all_reduce(env, t)              # no-op at W = 1, so callers never branch on W
 
-A `DistEnv`'s defaults describe world size 1: rank 0 of 1, CPU, no process group.
+A `DistEnv`'s defaults describe world size 1: rank 0 of 1, CPU, no process group, attempt 1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import hashlib
 import inspect
 import os
+import signal
 import sys
+import time
 import traceback
+import uuid
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
@@ -35,6 +39,10 @@ class DistError(UserError):
     exit_code = 1
 
 
+class CollectiveError(DistError):
+    """A collective that failed on this rank: a peer died or stalled past the timeout."""
+
+
 @dataclass(frozen=True)
 class DistEnv:
     rank: int = 0
@@ -43,11 +51,16 @@ class DistEnv:
     local_world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None  # None: no process group (world size 1)
-    restart_count: int = 0      # how many times torchrun has restarted this worker group
+    attempt: int = 1            # which start of this job: 1, then one more per elastic restart
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def first_attempt(self) -> bool:
+        """The job's first start: rules that apply once (--reset, --resume never or PATH)."""
+        return self.attempt == 1
 
 
 def _env_int(name: str, default: int) -> int:
@@ -62,8 +75,12 @@ def detect() -> DistEnv:
     """Rank and world size from torchrun's environment (defaults: one process); no group, CPU."""
     world = _env_int("WORLD_SIZE", 1)
     return DistEnv(rank=_env_int("RANK", 0), local_rank=_env_int("LOCAL_RANK", 0), world_size=world,
-                   local_world_size=_env_int("LOCAL_WORLD_SIZE", world),
-                   restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
+                   local_world_size=_env_int("LOCAL_WORLD_SIZE", world))
+
+
+def under_launcher() -> bool:
+    """Started by torchrun's elastic agent (or `--nproc`, which runs the same agent)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def resolve_device(kind: str, local_rank: int) -> torch.device:
@@ -79,73 +96,101 @@ def resolve_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def default_backend(device_kind: str) -> str:
+    return "nccl" if device_kind == "cuda" else "gloo"
+
+
+def die_with_launcher() -> None:
+    """Linux: this process is SIGKILLed when its launcher dies. Without it, workers whose
+    launcher was killed train on to the end and write checkpoints that a relaunch would race."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent == 1 or os.getppid() != parent:  # it died before the line above took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def init(device: str = "auto", backend: str = "auto", timeout_s: float = 600) -> DistEnv:
     """Binds this process to its device and, when W > 1, joins the process group.
 
     `timeout_s` bounds every collective: a rank that dies or stalls ends the others with an error
     after that long instead of a hang (gloo's default would be 30 minutes)."""
     env = detect()
+    if under_launcher():
+        die_with_launcher()
     dev = resolve_device(device, env.local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if env.world_size == 1:
-        return replace(env, device=dev)
-    name = backend if backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
     timeout = timedelta(seconds=timeout_s)
+    job_store = _job_store(env, timeout)
+    attempt = _attempt(job_store, env.rank, env.world_size, timeout_s) if job_store else 1
+    env = replace(env, device=dev, attempt=attempt)
+    if env.world_size == 1:
+        return env
+    name = backend if backend != "auto" else default_backend(dev.type)
+    store = {}
+    if job_store is not None:  # this attempt's own namespace: no key of an earlier one is seen
+        store = {"store": dist.PrefixStore(f"ddpgpt/attempt_{attempt}", job_store), "rank": env.rank,
+                 "world_size": env.world_size}
     try:
         dist.init_process_group(name, timeout=timeout, device_id=dev if dev.type == "cuda" else None,
-                                **_attempt_store(env, timeout))
+                                **store)
     except RuntimeError as e:  # DistNetworkError and friends
         if "address already in use" not in str(e).lower():
             raise
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        raise UserError(f"rank {env.rank}: cannot open the rendezvous port {where}: address already in use; "
-                        "another job holds it: choose another MASTER_PORT / --rdzv-endpoint port") from None
-    return replace(env, device=dev, backend=name)
+        raise UserError(f"rank {env.rank}: cannot open the rendezvous port {where}: address already "
+                        "in use; another job holds it: choose another MASTER_PORT / --rdzv-endpoint "
+                        "port") from None
+    return replace(env, backend=name)
 
 
-def _attempt_store(env: DistEnv, timeout: timedelta) -> dict:
-    """Under torchrun, the group's rendezvous keys in a namespace of this attempt.
-
-    torchrun's workers share its agent's TCPStore, and since torch 2.x (checked on 2.13) keys are
-    no longer prefixed per elastic attempt: after a restart a rank can read the previous attempt's
-    gloo address (or NCCL id) of a dead peer and fail or hang forming the group. A prefix per
-    TORCHELASTIC_RESTART_COUNT keeps attempts apart. Outside torchrun: the default env:// path."""
+def _job_store(env: DistEnv, timeout: timedelta) -> dist.Store | None:
+    """Under torchrun: a client of the agents' store, which lives as long as the job. Else None."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
+        return None
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
                          is_master=False, timeout=timeout)
-    store = dist.PrefixStore(f"ddpgpt/attempt_{env.restart_count}", base)
-    return {"store": store, "rank": env.rank, "world_size": env.world_size}
 
 
-COLLECTIVE_FAILURES = ("timed out", "connection closed", "connection reset", "nccl", "gloo", "broken pipe")
+def _attempt(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> int:
+    """The number of this start of the job (1, 2, ...): the same on every rank, new each time.
 
-
-def is_collective_failure(error: BaseException) -> bool:
-    """A lost or stalled peer, as gloo and NCCL report it (plain RuntimeErrors in torch 2.x)."""
-    if isinstance(error, getattr(dist, "DistError", ())):
-        return True
-    return isinstance(error, RuntimeError) and any(k in str(error).lower() for k in COLLECTIVE_FAILURES)
-
-
-def collective_failure(error: BaseException, env: DistEnv, step: int, timeout_s: float) -> DistError:
-    """The one line for a collective that failed during `step`: this rank lost a peer."""
-    first = str(error).strip().splitlines()[0]
-    first = first.split("] ", 1)[-1][:160]  # drop gloo's source-file prefix
-    return DistError(f"step {step}: a collective failed on rank {env.rank} ({first}); another rank stalled "
-                     f"or died (see its log). Collectives wait at most run.dist_timeout_s = {timeout_s:g} s")
-
-
-def fail_together(env: DistEnv, error: Exception | None) -> None:
-    """Every rank learns whether any rank hit an error: the rank that did raises (and prints) its
-    own; the others raise a quiet DistError, so all exit together rather than hang."""
-    failed = all_gather(env, torch.tensor([error is not None], dtype=torch.uint8, device=env.device)).cpu()
-    if error is not None:
-        raise error
-    if failed.any():
-        ranks = ", ".join(str(r) for r in range(env.world_size) if failed[r])
-        raise DistError(f"stopping: rank {ranks} failed (see its message)", quiet=True)
+    torchrun keeps one store for the whole job and (torch 2.x) no longer namespaces the workers'
+    keys per restart, so a restarted rank can read a dead peer's address and fail to form the
+    group. TORCHELASTIC_RESTART_COUNT cannot name the attempt: an agent that restarts for another
+    node's failure does not count it, so nodes disagree. Instead rank 0 draws the next number from
+    the store, and every other rank receives it in answer to a nonce of its own, so that no rank
+    can take an earlier attempt's number for this one; rank 0 waits until every rank has it."""
+    deadline = time.monotonic() + timeout_s
+    if rank > 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"ddpgpt/hello/{rank}", nonce)
+        answer = f"ddpgpt/welcome/{rank}/{nonce}"
+        store.wait([answer], timedelta(seconds=timeout_s))
+        attempt = int(store.get(answer))
+        store.set(f"ddpgpt/ready/{attempt}/{rank}", "1")
+        return attempt
+    attempt = store.add("ddpgpt/attempts", 1)
+    answered: dict[int, bytes] = {}
+    waiting = set(range(1, world_size))
+    while waiting:
+        for r in sorted(waiting):
+            hello = f"ddpgpt/hello/{r}"
+            if store.check([hello]) and (nonce := store.get(hello)) != answered.get(r):
+                # A stale nonce is answered too (harmlessly): only this attempt's rank waits.
+                store.set(f"ddpgpt/welcome/{r}/{nonce.decode()}", str(attempt))
+                answered[r] = nonce
+            if store.check([f"ddpgpt/ready/{attempt}/{r}"]):
+                waiting.discard(r)
+        if time.monotonic() > deadline:
+            raise DistError(f"rank 0: rank{'s' if len(waiting) > 1 else ''} "
+                            f"{', '.join(map(str, sorted(waiting)))} did not start within {timeout_s:g} s "
+                            "(run.dist_timeout_s)")
+        time.sleep(0.01)
+    return attempt
 
 
 def shutdown() -> None:
@@ -173,10 +218,26 @@ def session(device: str = "auto", backend: str = "auto", timeout_s: float = 600)
 
 # ---- collectives: no-ops at world size 1 ----------------------------------------------------
 
+@contextlib.contextmanager
+def collective():
+    """Around code that runs collectives: their failure becomes a CollectiveError.
+
+    gloo reports a lost or stalled peer as a plain RuntimeError (torch 2.13), so the failure is
+    known by where it happened, not by its type; running out of memory is not a lost peer."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as e:  # DistBackendError, DistNetworkError, ... are RuntimeErrors too
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CollectiveError(first.split("] ", 1)[-1][:160]) from e  # drop gloo's file prefix
+
+
 def all_reduce(env: DistEnv, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """In place; `op` is sum or max."""
     if env.world_size > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        with collective():
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return tensor
 
 
@@ -185,13 +246,54 @@ def all_gather(env: DistEnv, tensor: torch.Tensor) -> torch.Tensor:
     if env.world_size == 1:
         return tensor.unsqueeze(0)
     out = [torch.empty_like(tensor) for _ in range(env.world_size)]
-    dist.all_gather(out, tensor)
+    with collective():
+        dist.all_gather(out, tensor)
     return torch.stack(out)
+
+
+def all_gather_text(env: DistEnv, text: str | None) -> list[str | None]:
+    """Every rank's string (or None), on every rank."""
+    if env.world_size == 1:
+        return [text]
+    out: list = [None] * env.world_size
+    with collective():
+        dist.all_gather_object(out, text)
+    return out
 
 
 def barrier(env: DistEnv) -> None:
     if env.world_size > 1:
-        dist.barrier()
+        with collective():
+            dist.barrier()
+
+
+def fail_together(env: DistEnv, error: Exception | None) -> None:
+    """Every rank learns whether any rank hit an error, so all exit together rather than hang.
+
+    Each rank that failed raises its own error; it prints it unless a lower rank failed with the
+    same message (W ranks reading the same bad file say so once). The others raise quietly."""
+    messages = all_gather_text(env, None if error is None else str(error))
+    if error is not None:
+        if str(error) in messages[:env.rank] and isinstance(error, UserError):
+            error.quiet = True
+        raise error
+    failed = [r for r, m in enumerate(messages) if m is not None]
+    if failed:
+        raise DistError(f"stopping: rank {', '.join(map(str, failed))} failed (see its message)",
+                        quiet=True)
+
+
+def together(env: DistEnv, fn, main_only: bool = False):
+    """Runs `fn` on every rank (or rank 0 alone) and returns its result; a UserError it raises
+    ends every rank together (see fail_together)."""
+    result, error = None, None
+    if env.is_main or not main_only:
+        try:
+            result = fn()
+        except UserError as e:
+            error = e
+    fail_together(env, error)
+    return result
 
 
 def digest(*parts: bytes | str) -> bytes:
@@ -213,18 +315,22 @@ def params_digest(model: torch.nn.Module) -> bytes:
 def agree(env: DistEnv, items: dict[str, tuple[bytes, str]]) -> None:
     """Every rank checks that all ranks hold the same digest for each item, in one all_gather.
 
-    items: {what: (digest, how to fix)}. On a difference every rank raises the same DistError,
-    naming the ranks that differ from rank 0, so all stop together (rank 0 prints)."""
+    items: {what: (digest, how to fix)}, in the order a reader should see them (a cause before
+    its effects). Every item that differs is named, with the ranks that differ from rank 0; every
+    rank raises the same DistError, so all stop together (rank 0 prints)."""
     if env.world_size == 1:
         return
     local = torch.tensor([list(d) for d, _ in items.values()], dtype=torch.uint8, device=env.device)
     gathered = all_gather(env, local).cpu()  # (W, items, 32)
+    problems = []
     for i, (what, (_, fix)) in enumerate(items.items()):
         differ = [r for r in range(env.world_size) if not torch.equal(gathered[r, i], gathered[0, i])]
         if differ:
             ranks = ", ".join(map(str, differ))
-            raise DistError(f"ranks disagree on {what}: rank{'s' if len(differ) > 1 else ''} {ranks} "
-                            f"differ{'' if len(differ) > 1 else 's'} from rank 0; {fix}", quiet=env.rank != 0)
+            problems.append(f"{what}: rank{'s' if len(differ) > 1 else ''} {ranks} "
+                            f"differ{'' if len(differ) > 1 else 's'} from rank 0; {fix}")
+    if problems:
+        raise DistError("ranks disagree on " + "; and on ".join(problems), quiet=env.rank != 0)
 
 
 # ---- data parallelism ---------------------------------------------------------------------
@@ -234,75 +340,14 @@ def wrap_model(model: torch.nn.Module, env: DistEnv, bucket_mb: float = 25.0) ->
 
     init_sync=False: DDP would otherwise broadcast rank 0's weights and hide a rank that built
     different ones; ranks instead build identical weights from one seed and `agree` proves it.
-    broadcast_buffers=False: the model has no buffers that change during training."""
+    No buffer broadcast: the model has no buffers that change during training."""
     if env.world_size == 1:
         return model
     # torch >= 2.12 renames broadcast_buffers to forward_sync_buffers (and warns on the old name).
     params = inspect.signature(DistributedDataParallel.__init__).parameters
-    no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
+    no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in params
+                      else "broadcast_buffers": False}
     return DistributedDataParallel(
         model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
         init_sync=False, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, **no_buffer_sync,
     )
-
-
-def sync_gradients(model: torch.nn.Module, enabled: bool):
-    """Context for one micro-step's forward+backward: with enabled=False, DDP skips its gradient
-    all-reduce (the gradients accumulate locally); the last micro-step of a step syncs them all."""
-    ddp = getattr(model, "_orig_mod", model)
-    if enabled or not isinstance(ddp, DistributedDataParallel):
-        return contextlib.nullcontext()
-    return ddp.no_sync()
-
-
-# ---- launching local processes --------------------------------------------------------------
-
-def strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
-    """argv without `--flag VALUE` / `--flag=VALUE` for each of `flags`."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in flags:
-            skip = True
-        elif not arg.startswith(tuple(f + "=" for f in flags)):
-            out.append(arg)
-    return out
-
-
-
-def launch(nproc: int, argv: list[str], drop: tuple[str, ...], max_restarts: int = 0, device: str = "auto") -> int:
-    """Starts `python -m ddpgpt <argv without the flags in drop>` on `nproc` local processes
-    through torch's elastic launcher: the same as `torchrun --standalone --nproc_per_node N -m
-    ddpgpt ...`. Returns the exit code (the first failed worker's)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    from ddpgpt.preempt import EXIT_PREEMPTED
-
-    if detect().world_size > 1:
-        raise UserError("--nproc starts processes itself; under torchrun leave it out")
-    if device != "cpu" and torch.cuda.is_available() and nproc > torch.cuda.device_count():
-        n = torch.cuda.device_count()
-        raise UserError(f"--nproc {nproc} but only {n} GPU{' is' if n == 1 else 's are'} visible; "
-                        "use --nproc <= that, or --device cpu")
-    # Workers set their own thread count (run.threads); this also silences torchrun's banner.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    args = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-                       "--monitor-interval=0.5", "-m", "ddpgpt", *strip_flags(argv, drop)])
-    try:
-        run(args)
-    except SignalException as e:
-        # The launcher forwarded the signal to every worker and waited for them to stop: each
-        # stops at its next step boundary and checkpoints first (see preempt.py).
-        print(f"ddpgpt: stopped by {e.sigval.name}; the workers checkpointed before exiting: "
-              "run the same command to resume", file=sys.stderr)
-        return EXIT_PREEMPTED
-    except ChildFailedError as e:
-        first = next(iter(e.failures.values()))
-        code = first.exitcode if first.exitcode > 0 else 1
-        print(f"ddpgpt: a worker failed (local rank {first.local_rank}, exit code {first.exitcode}); "
-              "the group was stopped", file=sys.stderr)
-        return code
-    return 0

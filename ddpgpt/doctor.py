@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-from ddpgpt import __version__, dist
+from ddpgpt import __version__, dist, launch
 from ddpgpt.config import DoctorConfig
 
 
@@ -57,12 +57,12 @@ def probe(env: dist.DistEnv, megabytes: float, iters: int = 5) -> tuple[float, f
     return seconds, 2 * (n - 1) / n * numel * 4 / seconds
 
 
-def run(cfg: DoctorConfig, argv: list[str]) -> None:
+def run(cfg: DoctorConfig) -> None:
     if cfg.nproc:
-        if dist.detect().world_size == 1:
-            for line in report():
-                print(line, flush=True)
-        sys.exit(dist.launch(cfg.nproc, argv, ("--nproc",)))
+        launch.check_nproc(cfg.nproc, "auto")
+        for line in report():
+            print(line, flush=True)
+        sys.exit(launch.start(cfg.nproc, ["doctor", "--probe-mb", str(cfg.probe_mb)])[0])
     with dist.session() as env:
         if env.world_size == 1:
             for line in report():

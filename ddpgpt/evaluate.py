@@ -1,20 +1,25 @@
 """Validation loss: token-weighted over the loader's fixed windows, all-reduced across ranks.
 
-    ddpgpt eval --run runs/demo                                  # one process
-    torchrun --standalone --nproc_per_node 8 -m ddpgpt eval --run runs/demo
+    ddpgpt eval --run-dir runs/demo                                  # one process
+    torchrun --standalone --nproc_per_node 8 -m ddpgpt eval --run-dir runs/demo
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 
 from ddpgpt import checkpoint, dist
 from ddpgpt.config import EvalConfig
+from ddpgpt.config_io import from_dict
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.model import autocast_for, build_model
+from ddpgpt.errors import UserError
+from ddpgpt.model import GPT
+from ddpgpt.run_dir import RunDir
+from ddpgpt.runtime import autocast, inference_precision
 
 
 @torch.no_grad()
@@ -40,15 +45,26 @@ def evaluate(model: torch.nn.Module, loader: EvalLoader, env: dist.DistEnv,
 
 
 def run(cfg: EvalConfig) -> None:
-    path, meta, train_cfg = checkpoint.latest_for_inference(cfg.run)
+    run_dir = RunDir(cfg.run_dir)
+    path, meta, state = latest_checkpoint(run_dir)
+    train_cfg = from_dict(meta["config"], source=str(path / "meta.json"))
     dataset = TokenDataset(train_cfg.data.dir)
     with dist.session(cfg.device, "auto") as env:
-        model = build_model(train_cfg, env.device)
-        checkpoint.load_weights(path, model)
+        model = GPT(train_cfg.model).to(env.device)
+        checkpoint.load_weights(path, model, state["model"])
         windows = train_cfg.data.eval_windows if cfg.windows < 0 else cfg.windows
         loader = EvalLoader(dataset, seq_len=train_cfg.seq_len, micro_batch=train_cfg.data.micro_batch,
                             world_size=env.world_size, rank=env.rank, max_windows=windows, device=env.device)
-        loss = evaluate(model, loader, env, autocast_for(train_cfg, env.device))
+        precision = inference_precision(train_cfg.run, env.device)
+        loss = evaluate(model, loader, env, autocast(precision, env.device))
         if env.is_main:
             print(f"val_loss {loss:.4f} (step {meta['step']}, {len(loader.windows)} windows of "
                   f"{train_cfg.seq_len} tokens, {env.world_size} process{'es' if env.world_size > 1 else ''})")
+
+
+def latest_checkpoint(run_dir: RunDir) -> tuple[Path, dict, dict]:
+    """(path, meta, weights) of a run's newest complete checkpoint, or one line saying there is none."""
+    found = checkpoint.load_latest(run_dir.checkpoints)
+    if found is None:
+        raise UserError(f"run {run_dir} has no complete checkpoint; train first (ddpgpt train --run-dir {run_dir})")
+    return found

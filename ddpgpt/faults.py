@@ -3,14 +3,16 @@
     DDPGPT_FAULT="ACTION@STEP" or "ACTION@STEP@RANK" (rank 0 by default)
 
 makes that rank do ACTION when STEP steps are complete and the next one is about to start, on the
-first attempt only (never after an elastic restart, so a restarted job can finish):
+job's first attempt only (never after an elastic restart, so a restarted job can finish):
 
-    kill     SIGKILL itself: a crash (OOM killer, lost node)
-    term     SIGTERM itself: a pre-emption
-    term2    SIGTERM itself, then again after the duplicate window: the second must exit at once
-    intparent  SIGINT to its parent, the launcher, which forwards it to every worker
-    stall    stop responding (sleeps): a hung rank
-    nan      its loss for that step becomes NaN
+    kill         SIGKILL itself: a crash (OOM killer, lost node)
+    term         SIGTERM itself: a pre-emption
+    term2        SIGTERM itself, then again after the duplicate window: the second must exit at once
+    parent:SIG   send SIG (INT, HUP, QUIT, TERM, KILL) to its parent, the launcher
+    stall        stop responding (sleeps): a hung rank
+    nan          its loss for that step becomes NaN
+
+`install` wraps the trainer's step from the outside; the training loop knows nothing of this.
 """
 
 from __future__ import annotations
@@ -18,47 +20,50 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
 
-import torch
+from ddpgpt.reliability import GRACE_S
 
-from ddpgpt.preempt import GRACE_S
-
-ACTIONS = ("kill", "term", "term2", "intparent", "stall", "nan")
+ACTIONS = ("kill", "term", "term2", "stall", "nan")
 
 
-@dataclass
-class Fault:
-    action: str | None = None
-    step: int = -1
+def parse(spec: str, rank: int) -> tuple[str, int] | None:
+    """(action, step) for this rank, or None."""
+    action, step, *who = spec.split("@")
+    if action not in ACTIONS and not action.startswith("parent:"):
+        raise ValueError(f"DDPGPT_FAULT: unknown action {action!r}; one of {', '.join(ACTIONS)}, parent:SIG")
+    return (action, int(step)) if int(who[0] if who else 0) == rank else None
 
-    @classmethod
-    def from_env(cls, rank: int, restart_count: int) -> Fault:
-        spec = os.environ.get("DDPGPT_FAULT", "")
-        if not spec or restart_count > 0:
-            return cls()
-        action, step, *who = spec.split("@")
-        if action not in ACTIONS:
-            raise ValueError(f"DDPGPT_FAULT: unknown action {action!r}; one of {', '.join(ACTIONS)}")
-        return cls(action, int(step)) if int(who[0] if who else 0) == rank else cls()
 
-    def before_step(self, step: int) -> None:
-        """Called with the number of completed steps, before the next one starts."""
-        if step != self.step or self.action in (None, "nan"):
-            return
-        print(f"fault: {self.action} at step {step} ({time.time():.3f})", flush=True)
-        if self.action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif self.action in ("term", "term2"):
+def act(action: str, step: int) -> None:
+    print(f"fault: {action} at step {step} ({time.time():.3f})", flush=True)
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action in ("term", "term2"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        if action == "term2":
+            time.sleep(GRACE_S + 0.5)
             os.kill(os.getpid(), signal.SIGTERM)
-            if self.action == "term2":
-                time.sleep(GRACE_S + 0.5)
-                os.kill(os.getpid(), signal.SIGTERM)
-        elif self.action == "intparent":
-            os.kill(os.getppid(), signal.SIGINT)
-        elif self.action == "stall":
-            while True:
-                time.sleep(3600)
+    elif action.startswith("parent:"):
+        os.kill(os.getppid(), getattr(signal, "SIG" + action.split(":")[1]))
+    elif action == "stall":
+        while True:
+            time.sleep(3600)
 
-    def poison(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        return loss * float("nan") if self.action == "nan" and step == self.step else loss
+
+def install(trainer) -> None:
+    """Wraps `trainer.train_step` with the fault DDPGPT_FAULT names for this rank, if any."""
+    fault = parse(os.environ["DDPGPT_FAULT"], trainer.env.rank)
+    if fault is None or not trainer.env.first_attempt:
+        return
+    action, at = fault
+    step = trainer.train_step
+
+    def faulty_step():
+        if trainer.step == at and action != "nan":
+            act(action, at)
+        loss, norm = step()
+        if trainer.step == at and action == "nan":
+            loss = loss * float("nan")
+        return loss, norm
+
+    trainer.train_step = faulty_step

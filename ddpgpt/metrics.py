@@ -2,7 +2,8 @@
 
 metrics.jsonl holds one JSON object per logged step,
     {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s"}
-and one per evaluation, {"step", "val_loss"}. `step` counts optimizer steps completed (the row
+one per evaluation, {"step", "val_loss"}, and one per event a reader of the curves must know
+about, {"step", "event", ...} (a deliberate switch of dataset on resume). `step` counts optimizer steps completed (the row
 after the first step says 1); `tokens` is the global count so far; `tokens_per_s` is global, over
 the steps since the previous row; `mfu` is the model FLOPs per second per process divided by one
 device's peak. On resume the file is cut back to the checkpoint's step, so it never holds a step
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from ddpgpt.files import WriteError, describe
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets.
 GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "4090": 165e12}
@@ -72,38 +75,35 @@ def cut_log(path: Path, step: int) -> None:
 class Metrics:
     """On rank 0: a tqdm bar (loss, tokens/s, ETA) and metrics.jsonl. Elsewhere: silent no-ops."""
 
-    def __init__(self, enabled: bool, run_dir: Path, start_step: int, total_steps: int,
-                 tokens_per_step: int, flops_per_token: float, peak: float, world_size: int,
-                 elapsed_s: float = 0.0):
+    def __init__(self, enabled: bool, path: Path, start_step: int, total_steps: int,
+                 tokens_per_step: int, flops_per_token: float, peak: float, world_size: int):
         self.enabled = enabled
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak_total = peak * world_size
-        self.elapsed_before = elapsed_s
-        self.start = self.mark = time.perf_counter()
-        self.mark_step = start_step
+        self.mark, self.mark_step = time.perf_counter(), start_step
         if not enabled:
             return
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(path)
         cut_log(self.path, start_step)
         self.file = open(self.path, "a")
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
-    @property
-    def elapsed_s(self) -> float:
-        return self.elapsed_before + time.perf_counter() - self.start
-
     def _write(self, row: dict) -> None:
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        except OSError as e:
+            raise WriteError(f"cannot write {self.path}: {describe(e)}") from None
 
-    def log_step(self, step: int, loss: float | None, lr: float, grad_norm: float | None) -> dict:
+    def log_step(self, step: int, loss: float | None, lr: float, grad_norm: float | None,
+                 elapsed_s: float) -> dict:
         """A training row; loss and grad_norm are null for a step skipped as non-finite."""
         now = time.perf_counter()
         tps = (step - self.mark_step) * self.tokens_per_step / max(now - self.mark, 1e-9)
         self.mark, self.mark_step = now, step
         row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                "tokens": step * self.tokens_per_step, "tokens_per_s": tps,
-               "mfu": tps * self.flops_per_token / self.peak_total, "elapsed_s": self.elapsed_s}
+               "mfu": tps * self.flops_per_token / self.peak_total, "elapsed_s": elapsed_s}
         if self.enabled:
             self._write(row)
             self.bar.set_postfix(loss="skipped" if loss is None else f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
@@ -123,6 +123,11 @@ class Metrics:
         if self.enabled:
             self._write({"step": step, "val_loss": val_loss})
             self.bar.write(f"step {step}: val_loss {val_loss:.4f}")
+
+    def log_event(self, step: int, event: str, **fields) -> None:
+        """Something a reader of the curves must know happened at `step` (a data switch)."""
+        if self.enabled:
+            self._write({"step": step, "event": event, **fields})
 
     def close(self) -> None:
         if self.enabled:

@@ -10,15 +10,13 @@ generator seeded by the caller: the same seed gives bit-identical weights on eve
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpgpt.config import ConfigError, ModelConfig, TrainConfig
+from ddpgpt.config import ModelConfig
 
 
 class CausalSelfAttention(nn.Module):
@@ -69,7 +67,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, seed: int = 0):
         super().__init__()
         if cfg.vocab_size < 1:
-            raise ValueError("GPT needs a resolved vocab_size (the dataset's, see train.model_config)")
+            raise ValueError("GPT needs a resolved vocab_size (the dataset's, see preflight.resolve)")
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
@@ -143,28 +141,3 @@ class GPT(nn.Module):
             idx = torch.cat([idx, nxt], dim=1)
         return idx
 
-
-# ---- a run's model on its device ------------------------------------------------------------
-
-def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
-    """The same weights on every rank: drawn from run.seed by a private generator, never from a
-    global RNG that some code might have seeded per rank."""
-    return GPT(cfg.model, seed=cfg.run.seed).to(device)
-
-
-def precision(cfg: TrainConfig, device: torch.device) -> str:
-    p = cfg.run.precision
-    if p == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    if p == "fp16" and device.type != "cuda":
-        raise ConfigError("run.precision = fp16 needs CUDA; use bf16 or fp32 on CPU")
-    return p
-
-
-def autocast_for(cfg: TrainConfig, device: torch.device):
-    """A context factory: autocast to bf16/fp16, or nothing for fp32."""
-    p = precision(cfg, device)
-    if p == "fp32":
-        return contextlib.nullcontext
-    dtype = torch.bfloat16 if p == "bf16" else torch.float16
-    return functools.partial(torch.autocast, device.type, dtype=dtype)

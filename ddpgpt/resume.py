@@ -1,108 +1,127 @@
-"""The trainer's side of checkpoints: which one to resume from, restoring it, saving one, and
-`--reset`. File formats and atomicity live in `checkpoint.py`.
+"""Where a run starts: from scratch, from its run dir's newest checkpoint, or from an explicit one.
 
-A checkpoint holds the sum of the trainer's state: model weights, optimizer state, the step, the
-loader's global cursor, every rank's RNG state and the resolved config. Restoring all of it makes
-n straight steps equal k steps + resume + n-k steps, bitwise at the same world size.
+run.resume (`--resume`, `--reset`) is a rule for the job's first start; every restart (torchrun's
+elastic restarts, `--max-restarts`) continues from the run dir's newest complete checkpoint:
+
+    auto    the newest complete checkpoint in the run dir, if there is one
+    reset   first start: set the run dir's checkpoints and metrics aside (reset-<time>/), start over
+    never   first start: refuse a run dir that has checkpoints
+    PATH    first start: that checkpoint. If PATH is in the run dir, the checkpoints after it are
+            set aside (rollback-<time>/); another run's checkpoints in the run dir are refused.
+            Every checkpoint that descends from PATH names it as its `origin`, so a restart or a
+            rerun of the same command continues from the newest of those, not from PATH again.
+
+Choosing reads files only, so it runs before any process group exists (`verify=False`: meta.json
+only, for fast one-line errors) and again under the run's lock (`verify=True`: every file's hash).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import torch
-
-from ddpgpt import checkpoint, dist
+from ddpgpt import checkpoint
+from ddpgpt.checkpoint import CheckpointError
 from ddpgpt.config import TrainConfig
 from ddpgpt.errors import UserError
-
-if TYPE_CHECKING:
-    from ddpgpt.train import Trainer
+from ddpgpt.run_dir import RunDir
 
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
 
 
-def find_resume(cfg: TrainConfig, restart_count: int = 0) -> tuple[Path, dict] | None:
-    """The checkpoint to continue from under run.resume, shape-checked; reads files only, so every
-    rank can call it before the process group exists."""
+@dataclass
+class Start:
+    path: Path | None = None      # the checkpoint to load; None: from scratch
+    meta: dict | None = None
+    origin: dict | None = None    # {"path", "step"} of the explicit --resume PATH this run descends from
+    set_aside: list[Path] = field(default_factory=list)  # later checkpoints a roll-back moves away
+    data_switch: bool = False     # resumed on another dataset, with data.allow_switch
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"]) if self.meta else 0
+
+
+def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: str,
+           verify: bool = True) -> Start:
     mode = cfg.run.resume
-    existing = checkpoint.step_dirs(cfg.run.dir)
-    if mode == "reset" and restart_count == 0:
-        return None  # reset_run_dir moves them aside once the group exists
-    if mode == "never":
-        if existing:
-            raise UserError(f"run dir {cfg.run.dir} already has checkpoints (up to step {existing[-1][0]}) and "
-                            "run.resume = never; use --resume auto to continue, --reset to start over, or another --run-dir")
-        return None
-    if mode in ("auto", "reset"):  # reset after an elastic restart: continue what this job started
-        found = checkpoint.find_latest(cfg.run.dir)
+    if mode in ("auto", "reset", "never"):
+        existing = checkpoint.step_dirs(run_dir.checkpoints)
+        if first_start and mode == "reset":
+            return Start()  # the caller sets them aside
+        if first_start and mode == "never" and existing:
+            raise UserError(f"run dir {run_dir} already has checkpoints (up to step {existing[-1][0]}) and "
+                            "run.resume = never; use --resume auto to continue, --reset to start over, or "
+                            "another --run-dir")
+        found = _latest(run_dir.checkpoints, verify)
+        start = Start(*found, origin=found[1].get("origin")) if found else Start()
     else:
-        found = Path(mode), checkpoint.read_meta(Path(mode))
-    if found:
-        saved = found[1]["config"]["model"]
-        diff = [f"{k} {saved[k]} -> {getattr(cfg.model, k)}" for k in SHAPE_FIELDS if saved[k] != getattr(cfg.model, k)]
-        if diff:
-            raise UserError(f"run dir {cfg.run.dir}: refused to resume checkpoint {found[0].name}, which has another "
-                            f"model shape ({', '.join(diff)}); use another --run-dir, or --reset to set the old run aside")
-    return found
+        start = _explicit(run_dir, Path(mode), first_start, verify)
+    if start.path is not None:
+        _check_fit(cfg, start, run_dir, mode, fingerprint)
+    return start
 
 
-def reset_run_dir(run_dir: str | Path) -> Path | None:
-    """Moves checkpoints/ and metrics.jsonl into reset-<time>/ (rank 0, before training starts):
-    nothing is deleted."""
-    run_dir = Path(run_dir)
-    moving = [p for p in (run_dir / "checkpoints", run_dir / "metrics.jsonl") if p.exists()]
-    if not moving:
-        return None
-    aside = run_dir / time.strftime("reset-%Y%m%d-%H%M%S")
-    aside.mkdir()
-    for path in moving:
-        os.rename(path, aside / path.name)
-    print(f"ddpgpt: --reset: moved the previous checkpoints and metrics to {aside}", file=sys.stderr)
-    return aside
+def _latest(root: Path, verify: bool) -> tuple[Path, dict] | None:
+    if verify:
+        return checkpoint.find_latest(root)
+    for _, path in reversed(checkpoint.step_dirs(root)):
+        try:
+            return path, checkpoint.read_meta(path, verify=False)
+        except checkpoint.CheckpointVersionError:
+            raise
+        except CheckpointError:
+            continue
+    return checkpoint.find_latest(root)  # none parses: its error names the newest's problem
 
 
-def restore(t: Trainer, path: Path, meta: dict) -> None:
-    """Model, optimizer, loader cursor, step and RNG from checkpoint `path` (on every rank)."""
-    checkpoint.load_weights(path, t.raw)
-    state = checkpoint.load_trainer_state(path)
-    t.optimizer.load_state_dict(state["optimizer"])
-    if t.scaler is not None and state.get("scaler"):
-        t.scaler.load_state_dict(state["scaler"])
-    t.loader.load_state_dict(meta["loader"])
-    t.step = t.last_checkpoint = int(meta["step"])
-    t.elapsed_s, t.skipped = float(meta.get("elapsed_s", 0.0)), int(meta.get("skipped_steps", 0))
-    rng = state["rng"]
-    if meta["world_size"] == t.env.world_size:
-        # clone(): set_rng_state crashes (torch 2.13) on a row view with a storage offset.
-        torch.set_rng_state(rng["cpu"][t.env.rank].clone())
-        if rng.get("cuda") is not None and t.env.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"][t.env.rank].clone(), t.env.device)
-    else:  # another W: per-rank streams cannot carry over; start fresh ones from (seed, step, rank)
-        seed_rank_rng(t.cfg, t.env.rank, t.step)
-    if t.env.is_main:
-        print(f"resuming from {path} (step {t.step}, saved at world size {meta['world_size']})", file=sys.stderr)
+def _explicit(run_dir: RunDir, path: Path, first_start: bool, verify: bool) -> Start:
+    origin_path = str(path.resolve())
+    for _, candidate in reversed(checkpoint.step_dirs(run_dir.checkpoints)):
+        try:
+            meta = checkpoint.read_meta(candidate, verify=False)
+        except CheckpointError:
+            continue
+        origin = meta.get("origin")
+        if origin and origin["path"] == origin_path:  # this run already went on from PATH
+            if verify:
+                meta = checkpoint.read_meta(candidate)
+            return Start(candidate, meta, origin)
+    if not path.is_dir():
+        raise UserError(f"--resume {path}: no such checkpoint directory; give a step_NNNNNNN directory "
+                        "of a run's checkpoints/, or --resume auto")
+    meta = checkpoint.read_meta(path, verify=verify)
+    step = int(meta["step"])
+    existing = checkpoint.step_dirs(run_dir.checkpoints)
+    if path.resolve().parent != run_dir.checkpoints.resolve():
+        if existing:
+            raise UserError(f"--resume {path}: run dir {run_dir} already has checkpoints of another run "
+                            f"(up to step {existing[-1][0]}); resume into an empty --run-dir")
+        return Start(path, meta, {"path": origin_path, "step": step})
+    later = [p for s, p in existing if s > step] if first_start else []
+    return Start(path, meta, {"path": origin_path, "step": step}, later)
 
 
-def seed_rank_rng(cfg: TrainConfig, rank: int, step: int = 0) -> None:
-    """Seeds this rank's global RNG (dropout) from (seed, rank, step); model init never uses it."""
-    torch.manual_seed(cfg.run.seed + 1 + rank + 1_000_003 * step)
-
-
-def save(t: Trainer) -> None:
-    """Checkpoint at the current step: all ranks gather RNG states, rank 0 writes, all wait."""
-    rng = {"cpu": dist.all_gather(t.env, torch.get_rng_state().to(t.env.device)).cpu()}
-    if t.env.device.type == "cuda":
-        rng["cuda"] = dist.all_gather(t.env, torch.cuda.get_rng_state(t.env.device).to(t.env.device)).cpu()
-    if t.env.is_main:
-        state = {"optimizer": t.optimizer.state_dict(), "rng": rng,
-                 "scaler": t.scaler.state_dict() if t.scaler is not None else None}
-        meta = {"loader": t.loader.state_dict(), "config": t.cfg.to_dict(), "world_size": t.env.world_size,
-                "elapsed_s": t.elapsed_s, "skipped_steps": t.skipped, "data_fingerprint": t.dataset.fingerprint}
-        checkpoint.save(t.run_dir, t.step, t.raw, state, meta, t.cfg.run.keep_checkpoints)
-    t.last_checkpoint = t.step
-    dist.barrier(t.env)  # no rank runs ahead (or exits) while rank 0 is still writing
+def _check_fit(cfg: TrainConfig, start: Start, run_dir: RunDir, mode: str, fingerprint: str) -> None:
+    """The checkpoint must have this model's shape and, unless switching deliberately, this data."""
+    explicit = start.origin is not None and mode not in ("auto", "reset", "never")
+    saved = start.meta["config"]
+    diff = [f"{k} {saved['model'][k]} -> {getattr(cfg.model, k)}" for k in SHAPE_FIELDS
+            if saved["model"][k] != getattr(cfg.model, k)]
+    if diff and explicit:
+        raise UserError(f"--resume {mode}: refused: that checkpoint has another model shape "
+                        f"({', '.join(diff)}); resume it with the model settings in its meta.json")
+    if diff:
+        raise UserError(f"run dir {run_dir}: refused to resume checkpoint {start.path.name}, which has "
+                        f"another model shape ({', '.join(diff)}); use another --run-dir, or --reset to "
+                        "set the old run aside")
+    old = start.meta.get("data_fingerprint")
+    if old is None or old == fingerprint:
+        return
+    if cfg.data.allow_switch:
+        start.data_switch = True
+        return
+    where = f"--resume {mode}" if explicit else f"run dir {run_dir}: checkpoint {start.path.name}"
+    raise UserError(f"{where} was trained on another dataset ({saved['data']['dir']}, fingerprint "
+                    f"{old[:12]}) than data.dir = {cfg.data.dir} (fingerprint {fingerprint[:12]}); pass "
+                    "its --data, --reset to start over, or --data.allow-switch to go on with the new data")

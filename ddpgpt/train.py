@@ -11,337 +11,330 @@ The global batch G (data.global_batch sequences) is fixed by the config; with W 
 micro-batch b, each optimizer step accumulates A = G / (W·b) micro-steps. The windows of step k
 depend only on (seed, T, G, k), so the optimizer takes the same steps whatever W is.
 
-After every step the ranks exchange one small tensor: their loss, whether it and the gradient
-norm are finite, and whether a stop signal arrived. From it every rank logs the same global loss,
-skips or stops on a non-finite value, and stops for pre-emption, all at the same step.
+The loop reads: the batch and its forward/backward (gradients synced once, at the last
+micro-step) -> the health exchange (one all_gather: global loss, non-finite values, stop
+requests; see reliability.py) -> the update -> log, evaluate, save.
 """
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
+import contextlib
 import json
 import os
-import shutil
 import sys
-from dataclasses import dataclass
-from pathlib import Path
+import time
 
 import torch
 
-from ddpgpt import __version__, checkpoint, dist
-from ddpgpt.config import ConfigError, TrainConfig
-from ddpgpt.data.loader import EvalLoader, TokenStream, TrainLoader
+from ddpgpt import __version__, checkpoint, dist, resume
+from ddpgpt.config import TrainConfig
+from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.errors import DataError, UserError, warn
 from ddpgpt.evaluate import evaluate
-from ddpgpt.faults import Fault
 from ddpgpt.metrics import Metrics, peak_flops
-from ddpgpt.model import GPT, autocast_for, build_model, precision
+from ddpgpt.model import GPT
 from ddpgpt.optim import lr_at, make_optimizer, set_lr
-from ddpgpt.preempt import EXIT_PREEMPTED, StopSignal
-from ddpgpt.resume import find_resume, reset_run_dir, restore, save, seed_rank_rng
-
-# ---- checks that need no process group --------------------------------------------------------
-
-def accum_steps(cfg: TrainConfig, world_size: int) -> int:
-    """A = G / (W·b), or a ConfigError naming all four numbers."""
-    G, b, W = cfg.data.global_batch, cfg.data.micro_batch, world_size
-    if G % (W * b):
-        raise ConfigError(f"data.global_batch = {G} is not divisible by world size {W} × data.micro_batch "
-                          f"{b} = {W * b}; make the global batch a multiple of {W * b} or change the micro-batch")
-    return G // (W * b)
+from ddpgpt.preflight import accum_steps, preflight, shared
+from ddpgpt.reliability import Guard, StopSignal, collective_failed, preempted, resume_hint
+from ddpgpt.run_dir import RunDir
+from ddpgpt.runtime import autocast, configure, grad_scaler, matmul_dtype
 
 
-def for_dataset(cfg: TrainConfig, dataset: TokenDataset) -> TrainConfig:
-    """The config with the dataset-dependent fields resolved: vocab size and sequence length."""
-    vocab = cfg.model.vocab_size or -(-dataset.vocab_size // 64) * 64
-    if vocab < dataset.vocab_size:
-        raise ConfigError(f"dataset {dataset.path} has a vocabulary of {dataset.vocab_size} but model.vocab_size "
-                          f"= {vocab}; set model.vocab_size >= {dataset.vocab_size} (or 0 to follow the dataset)")
-    model = dataclasses.replace(cfg.model, vocab_size=vocab)
-    data = dataclasses.replace(cfg.data, seq_len=cfg.seq_len)
-    return dataclasses.replace(cfg, model=model, data=data)
-
-
-def preflight(cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, TokenDataset, int]:
-    """Every check that needs no process group, so bad input fails before one exists: batch
-    arithmetic, the dataset and its fit to the model and the batch. Returns the resolved config,
-    the dataset and A."""
-    accum = accum_steps(cfg, world_size)
-    dataset = TokenDataset(cfg.data.dir)
-    cfg = for_dataset(cfg, dataset)
-    T, G = cfg.seq_len, cfg.data.global_batch
-    for split, need in (("train", G), ("val", 1)):
-        have = TokenStream(dataset, split, T).num_windows
-        if have < need:
-            raise DataError(f"dataset {dataset.path}: the {split} split has {have} windows of {T + 1} tokens, fewer "
-                            f"than {'one global batch of ' if split == 'train' else ''}{need}; use a larger dataset, "
-                            "or a smaller data.seq_len" + (" / data.global_batch" if split == "train" else ""))
-    return cfg, dataset, accum
-
-
-def keep_freed_memory() -> None:
-    """On CPU with glibc: keep freed memory in the process for reuse (elsewhere a no-op).
-
-    Every step allocates and frees the same large tensors (the (b·T, V) logits, their softmax and
-    gradients: 32 MiB each for the tiny preset). glibc serves blocks that large with mmap and
-    unmaps them on free, so each step page-faults them in again: ~38k faults, ~8% of a tiny CPU
-    step, measured. With mmap and trimming off, freed blocks stay in the heap (+2% peak memory)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-    libc.mallopt(M_MMAP_MAX, 0)
-    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
-
-
-# ---- the trainer's state -------------------------------------------------------------------
-
-@dataclass
 class Trainer:
-    cfg: TrainConfig
-    env: dist.DistEnv
-    dataset: TokenDataset
-    raw: GPT                  # the single-device model: saved, evaluated
-    model: torch.nn.Module    # what trains: raw, or DDP(raw), possibly compiled
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler | None
-    loader: TrainLoader
-    val: EvalLoader
-    accum: int
-    autocast: object
-    fault: Fault
-    step: int = 0             # optimizer steps completed
-    elapsed_s: float = 0.0    # wall time of the run so far, across resumes
-    skipped: int = 0          # steps skipped for non-finite values
-    last_checkpoint: int = -1
+    """The training state and the step. Whatever resumes lives here, each part with its own
+    state_dict(): the model, the optimizer, the loss scaler, the loader's cursor, the guard's
+    count of skipped steps, the progress (step, elapsed time) and every rank's RNG."""
+
+    def __init__(self, cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, guard: Guard):
+        self.cfg, self.env, self.dataset, self.guard = cfg, env, dataset, guard
+        dev, data = env.device, cfg.data
+        self.accum = accum_steps(cfg, env.world_size)
+        # 1. The same weights on every rank: drawn from run.seed by the model's private generator,
+        #    never from a global RNG that some code might have seeded per rank.
+        self.raw = GPT(cfg.model, seed=cfg.run.seed).to(dev)  # the single-device model: saved, evaluated
+        self.model: torch.nn.Module = self.raw                 # what trains: raw or DDP(raw), maybe compiled
+        self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
+        self.optimizer = make_optimizer(self.raw, cfg.optim, dev)
+        self.scaler = grad_scaler(cfg.run.precision, dev)
+        self.autocast = autocast(cfg.run.precision, dev)
+        # 2. This rank's share of the data; the order is the loader's, not a per-rank seed's.
+        self.loader = TrainLoader(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,
+                                  world_size=env.world_size, rank=env.rank, accum_steps=self.accum,
+                                  seed=data.seed, shuffle=data.shuffle, device=dev)
+        self.val = EvalLoader(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,
+                              world_size=env.world_size, rank=env.rank, max_windows=data.eval_windows,
+                              device=dev)
+        self.step = 0                 # optimizer steps completed
+        self.last_checkpoint = -1     # the step of the newest checkpoint this run can fall back to
+        self.origin: dict | None = None  # the explicit --resume PATH this run descends from
+        self._elapsed_before, self._started = 0.0, time.perf_counter()
+        self._seed_rng(0)
 
     @property
-    def run_dir(self) -> Path:
-        return Path(self.cfg.run.dir)
+    def elapsed_s(self) -> float:
+        """Wall time of the run so far, across resumes."""
+        return self._elapsed_before + time.perf_counter() - self._started
+
+    def _seed_rng(self, step: int) -> None:
+        """This rank's global RNG (dropout) from (seed, rank, step): masks differ per rank."""
+        torch.manual_seed(self.cfg.run.seed + 1 + self.env.rank + 1_000_003 * step)
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Collective: every rank's RNG state is gathered, so every rank must call it."""
+        env = self.env
+        rng = {"cpu": dist.all_gather(env, torch.get_rng_state().to(env.device)).cpu()}
+        if env.device.type == "cuda":
+            rng["cuda"] = dist.all_gather(env, torch.cuda.get_rng_state(env.device).to(env.device)).cpu()
+        return {"model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler else None,
+                "loader": self.loader.state_dict(), "guard": self.guard.state_dict(), "rng": rng,
+                "progress": {"step": self.step, "elapsed_s": self.elapsed_s}}
+
+    def load_state_dict(self, state: dict, saved_world_size: int, new_data: bool = False) -> None:
+        """Before wrapping, so DDP sees the final weights. `new_data`: a deliberate switch to
+        another dataset, whose windows the loader starts from the beginning."""
+        self.raw.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if not new_data:
+            self.loader.load_state_dict(state["loader"])
+        self.guard.load_state_dict(state["guard"])
+        self.step = self.last_checkpoint = int(state["progress"]["step"])
+        self._elapsed_before, self._started = float(state["progress"]["elapsed_s"]), time.perf_counter()
+        if saved_world_size == self.env.world_size:
+            rng = state["rng"]  # clone(): set_rng_state crashes (torch 2.13) on a view with an offset
+            torch.set_rng_state(rng["cpu"][self.env.rank].clone())
+            if rng.get("cuda") is not None and self.env.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"][self.env.rank].clone(), self.env.device)
+        else:  # another W: per-rank streams cannot carry over; fresh ones from (seed, step, rank)
+            self._seed_rng(self.step)
+
+    def wrap(self) -> None:
+        """DDP first, then compile: dynamo's DDPOptimizer then splits the graph at DDP's bucket
+        boundaries, so each bucket's all-reduce overlaps the rest of the backward."""
+        self.model = dist.wrap_model(self.raw, self.env, self.cfg.run.bucket_mb)
+        if self.model is not self.raw:
+            self.ddp = self.model
+        if self.cfg.run.compile:
+            self.model = torch.compile(self.model)
+
+    def unwrap(self) -> None:
+        """No DDP wrapper may outlive the process group (see dist.shutdown)."""
+        self.model, self.ddp = self.raw, None
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward over this rank's A micro-batches, gradients synced once, at the last.
+        Returns (this rank's mean loss, the global gradient norm before clipping)."""
+        loss_sum = torch.zeros((), device=self.env.device)
+        for m, (x, y) in enumerate(self.loader.next_step()):
+            syncs = self.ddp is not None and m == self.accum - 1
+            # Before the last micro-step DDP skips its all-reduce: gradients accumulate locally.
+            skip_sync = self.ddp.no_sync() if self.ddp is not None and not syncs else contextlib.nullcontext()
+            with skip_sync:
+                with self.autocast():
+                    _, loss = self.model(x, y)  # mean over this micro-batch's b·T tokens
+                # /A: summed over micro-steps, then averaged over W ranks by DDP, the gradient is
+                # that of the mean loss over the global batch (every window has T targets).
+                scaled = loss / self.accum
+                # The synced backward is where DDP's all-reduces run, and where a lost peer shows.
+                with dist.collective() if syncs else contextlib.nullcontext():
+                    (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            loss_sum += loss.detach()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        # After the sync every rank holds the same gradients, so this is the global norm.
+        norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), self.cfg.optim.grad_clip or float("inf"))
+        return loss_sum / self.accum, norm
+
+    def update(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def skip_update(self) -> None:
+        """A step skipped for a non-finite value: its gradients are dropped. The scaler still
+        closes the step (update() lowers the scale after an overflow); without it the next
+        step's unscale_() would refuse to run."""
+        if self.scaler is not None:
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
 
 
-def verify_data(dataset: TokenDataset, env: dist.DistEnv) -> None:
-    """Re-hash the shards, each rank a 1/W share; a corrupt shard stops every rank."""
-    error = None
-    try:
-        dataset.verify(part=env.rank, parts=env.world_size)
-    except DataError as e:
-        error = e
-    dist.fail_together(env, error)
+# ---- saving ------------------------------------------------------------------------------------
+
+def save(trainer: Trainer, run_dir: RunDir, reason: str) -> None:
+    """A checkpoint of every rank's state: rank 0 writes, every rank stops if that failed."""
+    state, error = trainer.state_dict(), None  # collective
+    if trainer.env.is_main:
+        cfg, ds = trainer.cfg, trainer.dataset
+        meta = {"config": cfg.to_dict(), "world_size": trainer.env.world_size, "reason": reason,
+                "data_fingerprint": ds.fingerprint, "origin": trainer.origin}
+        try:
+            checkpoint.save(run_dir.checkpoints, trainer.step, state, meta, cfg.run.keep_checkpoints)
+        except checkpoint.WriteError as e:
+            kept = f"step {trainer.last_checkpoint}" if trainer.last_checkpoint >= 0 else "none yet"
+            error = type(e)(f"step {trainer.step}: {e}. The last complete checkpoint ({kept}) is intact: "
+                            f"free space, then {resume_hint(cfg.run.resume, str(run_dir))}")
+    dist.fail_together(trainer.env, error)  # no rank runs ahead (or exits) while rank 0 writes
+    trainer.last_checkpoint = trainer.step
 
 
-def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, accum: int,
-          found: tuple[Path, dict] | None) -> Trainer:
-    dev = env.device
-    if dev.type == "cpu":
-        keep_freed_memory()
-    torch.set_num_threads(cfg.run.threads or max(1, len(os.sched_getaffinity(0)) // env.local_world_size))
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if cfg.data.verify:
-        verify_data(dataset, env)
-    # 1. Model and optimizer, identical on every rank.
-    raw = build_model(cfg, dev)
-    optimizer = make_optimizer(raw, cfg.optim, dev)
-    scaler = torch.amp.GradScaler("cuda") if precision(cfg, dev) == "fp16" else None
-    # 2. This rank's share of the data; the order is the loader's, not a per-rank seed's.
-    loader = TrainLoader(dataset, seq_len=cfg.seq_len, micro_batch=cfg.data.micro_batch, world_size=env.world_size,
-                         rank=env.rank, accum_steps=accum, seed=cfg.data.seed, shuffle=cfg.data.shuffle, device=dev)
-    val = EvalLoader(dataset, seq_len=cfg.seq_len, micro_batch=cfg.data.micro_batch, world_size=env.world_size,
-                     rank=env.rank, max_windows=cfg.data.eval_windows, device=dev)
-    t = Trainer(cfg, env, dataset, raw, raw, optimizer, scaler, loader, val, accum, autocast_for(cfg, dev),
-                Fault.from_env(env.rank, env.restart_count))
-    # 3. Resume before wrapping, so DDP sees the final weights.
-    if found:
-        restore(t, *found)
-    else:
-        seed_rank_rng(cfg, env.rank)  # dropout masks differ per rank; weights do not
-    # 4. DDP first, then compile: dynamo's DDPOptimizer then splits the graph at DDP's bucket
-    #    boundaries, so each bucket's all-reduce overlaps the rest of the backward.
-    t.model = dist.wrap_model(raw, env, cfg.run.bucket_mb)
-    if cfg.run.compile:
-        t.model = torch.compile(t.model)
-    # 5. Every rank holds the same weights, config, data and code, or all stop together.
-    dist.agree(env, {
-        "the parameters after wrapping": (dist.params_digest(raw), "every rank must build the model from the same "
-                                          "seed (run.seed); do not seed ranks differently before init"),
-        "the resolved config": (dist.digest(json.dumps(cfg.to_dict(), sort_keys=True)),
-                                "start every rank with the same command line and config file"),
-        "the dataset (meta.json)": (bytes.fromhex(dataset.fingerprint),
-                                    "every node must see the same prepared dataset in data.dir"),
-        "the ddpgpt and torch versions": (dist.digest(__version__, torch.__version__),
-                                          "install the same versions on every node"),
-        "the checkpoint to resume from": (dist.digest(str(t.step)),
-                                          "put the run dir on a filesystem that every node shares"),
-    })
-    if env.is_main:
-        write_run_files(cfg, dataset)
-    return t
-
-
-def write_run_files(cfg: TrainConfig, dataset: TokenDataset) -> None:
-    """config.json (resolved), and the dataset's meta.json and tokenizer, so that `sample` needs
-    only the run dir."""
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
-    (run_dir / "data_meta.json").write_bytes(dataset.meta_bytes)
-    if (dataset.path / "tokenizer.json").is_file():
-        shutil.copyfile(dataset.path / "tokenizer.json", run_dir / "tokenizer.json")
-
-
-# ---- the step and the loop -------------------------------------------------------------------
-
-class Preempted(UserError):
-    """The ranks stopped together on a signal after writing a checkpoint."""
-
-    exit_code = EXIT_PREEMPTED
-    label = "stopped"
-
-
-def train_step(t: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward/backward over this rank's A micro-batches, gradients synced once at the last.
-    Returns (this rank's mean loss, the global gradient norm before clipping)."""
-    loss_sum = torch.zeros((), device=t.env.device)
-    for m, (x, y) in enumerate(t.loader.next_step()):
-        # DDP all-reduces only on the last micro-step; before it, gradients accumulate locally.
-        with dist.sync_gradients(t.model, enabled=m == t.accum - 1):
-            with t.autocast():
-                _, loss = t.model(x, y)  # mean over this micro-batch's b·T tokens
-            # /A: summed over micro-steps, then averaged over W ranks by DDP, the gradient is that
-            # of the mean loss over the global batch (every window has T targets).
-            scaled = loss / t.accum
-            (t.scaler.scale(scaled) if t.scaler else scaled).backward()
-        loss_sum += loss.detach()
-    if t.scaler is not None:
-        t.scaler.unscale_(t.optimizer)
-    # After the sync every rank holds the same gradients, so this is the global norm.
-    norm = torch.nn.utils.clip_grad_norm_(t.raw.parameters(), t.cfg.optim.grad_clip or float("inf"))
-    return loss_sum / t.accum, norm
-
-
-def agree_step(t: Trainer, loss: torch.Tensor, norm: torch.Tensor, stop: bool) -> tuple[float, list[int], bool]:
-    """The one collective after each step. Returns (the global mean loss, the ranks that saw a
-    non-finite loss or gradient norm, whether any rank was asked to stop)."""
-    # With fp16 the GradScaler itself skips steps whose gradients overflow; only the loss counts.
-    finite = torch.isfinite(loss) & (torch.isfinite(norm) | (t.scaler is not None))
-    mine = torch.stack([loss.float(), finite.float(), torch.tensor(float(stop), device=loss.device)])
-    every = dist.all_gather(t.env, mine).cpu()  # (W, 3)
-    bad = [r for r in range(t.env.world_size) if not every[r, 1]]
-    return every[:, 0].mean().item(), bad, bool(every[:, 2].any())
-
-
-def optimizer_step(t: Trainer, lr: float) -> None:
-    set_lr(t.optimizer, lr)
-    if t.scaler is not None:
-        t.scaler.step(t.optimizer)
-        t.scaler.update()
-    else:
-        t.optimizer.step()
-    t.optimizer.zero_grad(set_to_none=True)
-
-
-def skip_or_stop(t: Trainer, bad: list[int]) -> None:
-    """A non-finite loss or gradient norm on `bad` ranks: every rank takes the same branch."""
-    where = f"step {t.step + 1}: non-finite loss or gradient norm on rank {', '.join(map(str, bad))}"
-    kept = f"step {t.last_checkpoint}" if t.last_checkpoint >= 0 else "none yet"
-    if t.cfg.run.on_nonfinite == "stop" or t.skipped >= t.cfg.run.max_skipped:
-        why = "" if t.cfg.run.on_nonfinite == "stop" else f" after {t.skipped} skipped steps (run.max_skipped)"
-        raise dist.DistError(f"{where}; stopped before the optimizer step{why}. The last checkpoint ({kept}) is "
-                             "intact; lower optim.lr or raise optim.warmup_steps, or use --on-nonfinite skip",
-                             quiet=not t.env.is_main)
-    t.optimizer.zero_grad(set_to_none=True)
-    t.skipped += 1
-    if t.env.is_main:
-        warn(f"{where}; skipped ({t.skipped} of at most {t.cfg.run.max_skipped})")
-
+# ---- the loop ------------------------------------------------------------------------------------
 
 def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def loop(t: Trainer, metrics: Metrics, stop: StopSignal) -> None:
-    cfg, env, total = t.cfg, t.env, t.cfg.run.steps
-    while t.step < total:
-        t.fault.before_step(t.step)
-        lr = lr_at(t.step, cfg.optim, total)
-        loss, norm = train_step(t)
-        loss, bad, stopping = agree_step(t, t.fault.poison(loss, t.step), norm, stop.requested)
-        if bad:
-            skip_or_stop(t, bad)
+def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir) -> None:
+    cfg, env, total = trainer.cfg, trainer.env, trainer.cfg.run.steps
+    while trainer.step < total:
+        lr = lr_at(trainer.step, cfg.optim, total)
+        loss, norm = trainer.train_step()
+        health = trainer.guard.exchange(loss, norm, scaled=trainer.scaler is not None)
+        if health.bad:
+            trainer.guard.on_nonfinite(trainer.step + 1, health.bad, trainer.last_checkpoint)
+            trainer.skip_update()
         else:
-            optimizer_step(t, lr)
-        t.step += 1
-        t.elapsed_s = metrics.elapsed_s
-        if _due(t.step, cfg.run.log_every, total):
-            metrics.log_step(t.step, None if bad else loss, lr, None if bad else norm.item())
+            trainer.update(lr)
+        trainer.step += 1
+        if _due(trainer.step, cfg.run.log_every, total):
+            metrics.log_step(trainer.step, None if health.bad else health.loss, lr,
+                             None if health.bad else norm.item(), trainer.elapsed_s)
         with metrics.paused():
-            if _due(t.step, cfg.run.eval_every, total):
-                metrics.log_eval(t.step, evaluate(t.raw, t.val, env, t.autocast))
-            if _due(t.step, cfg.run.checkpoint_every, total) or stopping:
-                save(t)
-        if stopping and t.step < total:
-            raise Preempted(f"stopped at step {t.step} on {stop.name or 'a signal to another rank'}; checkpoint "
-                            f"{checkpoint.step_dir(t.run_dir, t.step)} is complete: run the same "
-                            "command to resume", quiet=not env.is_main)
+            if _due(trainer.step, cfg.run.eval_every, total):
+                metrics.log_eval(trainer.step, evaluate(trainer.raw, trainer.val, env, trainer.autocast))
+            if _due(trainer.step, cfg.run.checkpoint_every, total) or health.stop:
+                save(trainer, run_dir, "stop" if health.stop else "scheduled")
+        if health.stop and trainer.step < total:
+            raise preempted(trainer.step, trainer.guard.signal.name,
+                            checkpoint.step_dir(run_dir.checkpoints, trainer.step),
+                            resume_hint(cfg.run.resume, str(run_dir)), quiet=not env.is_main)
+
+
+# ---- a run, from its config to its end -------------------------------------------------------------
+
+def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv, fingerprint: str) -> resume.Start:
+    """The run dir for this run, and where it starts. Rank 0 takes the lock (unless the `--nproc`
+    launcher that started it holds it), applies the first-start rules (--reset, or a roll-back
+    for --resume PATH) and removes temporaries of interrupted saves; then every rank chooses."""
+    def choose(verify: bool) -> resume.Start:
+        return resume.choose(cfg, run_dir, env.first_attempt, fingerprint, verify=verify)
+
+    def take() -> None:
+        run_dir.lock(allow_parent=True)
+        start = choose(verify=False)
+        if env.first_attempt and cfg.run.resume == "reset":
+            run_dir.reset()
+        elif start.set_aside:
+            run_dir.roll_back(start.set_aside, start.step)
+        checkpoint.remove_temporaries(run_dir.checkpoints)
+
+    dist.together(env, lambda: choose(verify=False))  # bad input fails before anything is written
+    dist.together(env, take, main_only=True)
+    return dist.together(env, lambda: choose(verify=True))
+
+
+def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: resume.Start,
+          guard: Guard) -> Trainer:
+    configure(cfg.run.threads, env.device)
+    if cfg.data.verify:  # each rank re-hashes a 1/W share of the shards
+        dist.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
+    trainer = Trainer(cfg, env, dataset, guard)
+    trainer.origin = start.origin
+    if start.path is not None:
+        state = dist.together(env, lambda: checkpoint.load(start.path, start.meta))
+        dist.together(env, lambda: trainer.load_state_dict(state, start.meta["world_size"], start.data_switch))
+        if env.is_main:
+            print(f"resuming from {start.path} (step {trainer.step}, saved at world size "
+                  f"{start.meta['world_size']})", file=sys.stderr)
+    trainer.wrap()
+    # Every rank holds the same checkpoint, weights, config, data and code, or all stop together.
+    dist.agree(env, {  # causes before their effects: a differing checkpoint or config explains the weights
+        "the checkpoint to resume from": (dist.digest(str(trainer.step)),
+                                          "put the run dir on a filesystem that every node shares"),
+        "the resolved config": (dist.digest(json.dumps(shared(cfg), sort_keys=True)),
+                                "start every rank with the same command line and config file"),
+        "the dataset (meta.json)": (bytes.fromhex(dataset.fingerprint),
+                                    "every node must see the same prepared dataset in data.dir"),
+        "the ddpgpt and torch versions": (dist.digest(__version__, torch.__version__),
+                                          "install the same versions on every node"),
+        "the parameters after wrapping": (dist.params_digest(trainer.raw), "every rank must build the model "
+                                          "from the same seed (run.seed); do not seed ranks differently before init"),
+    })
+    return trainer
 
 
 def run(cfg: TrainConfig) -> None:
-    # 1. Everything that needs no process group is checked first: batch arithmetic, data, resume.
-    env0 = dist.detect()
-    cfg, dataset, accum = preflight(cfg, env0.world_size)
-    found = find_resume(cfg, env0.restart_count)
+    """Trains in this process: alone, as a torchrun worker, or as a `--nproc` worker."""
+    # 1. Everything that needs no process group: batch arithmetic, the data, every `auto`.
+    here = dist.detect()
+    cfg, dataset = preflight(cfg, here.world_size, here.local_world_size)
+    run_dir = RunDir(cfg.run.dir)
+    run_dir.check_creatable()
     # 2. Join the group (W > 1); it is destroyed on every way out of this block.
-    with dist.session(cfg.run.device, cfg.run.backend, cfg.run.dist_timeout_s) as env, StopSignal(env.is_main) as stop:
-        if cfg.run.resume == "reset" and env.restart_count == 0:
-            if env.is_main:
-                reset_run_dir(cfg.run.dir)
-            dist.barrier(env)
-        t = setup(cfg, env, dataset, accum, found)
-        tokens_per_step = cfg.data.global_batch * cfg.seq_len
-        peak = peak_flops(env.device, torch.bfloat16 if precision(cfg, env.device) != "fp32" else torch.float32)
-        # Every rank measures at once; a host hiccup can halve one reading, so take the best.
-        peak = dist.all_reduce(env, torch.tensor(peak, device=env.device), op="max").item()
-        metrics = Metrics(env.is_main, t.run_dir, t.step, cfg.run.steps, tokens_per_step,
-                          t.raw.flops_per_token(cfg.seq_len), peak, env.world_size, t.elapsed_s)
+    with dist.session(cfg.run.device, cfg.run.backend, cfg.run.dist_timeout_s) as env, \
+            StopSignal(env.is_main) as stop:
+        start = claim(run_dir, cfg, env, dataset.fingerprint)
+        trainer = setup(cfg, env, dataset, start, Guard(env, cfg.run, stop))
         if env.is_main:
-            print(summary(t), file=sys.stderr)
+            run_dir.write_config(cfg.to_dict())
+            run_dir.write_data_files(dataset.path, dataset.meta_bytes)
+        metrics = open_metrics(trainer, run_dir, start)
         try:
-            if t.step >= cfg.run.steps and env.is_main:
-                print(f"run {cfg.run.dir} is already at step {t.step} of {cfg.run.steps}; "
-                      "raise run.steps to train further", file=sys.stderr)
-            loop(t, metrics, stop)
-        except Exception as e:
-            if dist.is_collective_failure(e):
-                raise dist.collective_failure(e, env, t.step + 1, cfg.run.dist_timeout_s) from None
-            raise
+            _install_faults(trainer)
+            loop(trainer, metrics, run_dir)
+        except dist.CollectiveError as e:
+            raise collective_failed(e, env, trainer.step + 1, cfg.run.dist_timeout_s) from None
         finally:
             metrics.close()
-            t.model = t.raw  # no DDP wrapper may outlive the group (see dist.shutdown)
+            trainer.unwrap()
+            run_dir.unlock()
 
 
-def summary(t: Trainer) -> str:
+def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metrics:
+    cfg, env = trainer.cfg, trainer.env
+    peak = peak_flops(env.device, matmul_dtype(cfg.run.precision))
+    # Every rank measures at once; a host hiccup can halve one reading, so take the best.
+    peak = dist.all_reduce(env, torch.tensor(peak, device=env.device), op="max").item()
+    metrics = Metrics(env.is_main, run_dir.metrics, trainer.step, cfg.run.steps, cfg.data.global_batch * cfg.seq_len,
+                      trainer.raw.flops_per_token(cfg.seq_len), peak, env.world_size)
+    if start.data_switch:
+        metrics.log_event(trainer.step, "data_switch", checkpoint=str(start.path),
+                          old=start.meta["data_fingerprint"], new=trainer.dataset.fingerprint,
+                          data_dir=cfg.data.dir)
+    if env.is_main:
+        print(summary(trainer), file=sys.stderr)
+        if trainer.step >= cfg.run.steps:
+            print(f"run {run_dir} is already at step {trainer.step} of {cfg.run.steps}; raise run.steps to "
+                  "train further", file=sys.stderr)
+    return metrics
+
+
+def _install_faults(trainer: Trainer) -> None:
+    """Test-only fault injection (DDPGPT_FAULT), wrapped around the step from outside the loop."""
+    if os.environ.get("DDPGPT_FAULT"):
+        from ddpgpt import faults
+        faults.install(trainer)
+
+
+def summary(trainer: Trainer) -> str:
     """One line on what runs where: processes, nodes, batch arithmetic, model size."""
-    env, cfg = t.env, t.cfg
+    env, cfg = trainer.env, trainer.cfg
     nodes = env.world_size // env.local_world_size
     where = f"{env.world_size} process{'es' if env.world_size > 1 else ''}"
     if env.world_size > 1:
         where += f" ({nodes} node{'s' if nodes > 1 else ''} × {env.local_world_size}, {env.backend})"
-    return (f"ddpgpt: training on {where}, {env.device.type}, {precision(cfg, env.device)}; "
-            f"G={cfg.data.global_batch} sequences × T={cfg.seq_len} = {cfg.data.global_batch * cfg.seq_len:,} "
-            f"tokens per step = {env.world_size} × A={t.accum} micro-steps × b={cfg.data.micro_batch}; "
-            f"{t.raw.num_params() / 1e6:.2f}M parameters")
+    G, T = cfg.data.global_batch, cfg.seq_len
+    return (f"ddpgpt: training on {where}, {env.device.type}, {cfg.run.precision}; G={G} sequences × T={T} = "
+            f"{G * T:,} tokens per step = {env.world_size} × A={trainer.accum} micro-steps × "
+            f"b={cfg.data.micro_batch}; {trainer.raw.num_params() / 1e6:.2f}M parameters")
 
-
-def main(cfg: TrainConfig, nproc: int | None, max_restarts: int, argv: list[str]) -> None:
-    """From the command line: train here, or start --nproc local workers that run this same
-    command (checked here first, so bad input fails before any worker starts)."""
-    if nproc is None:
-        return run(cfg)
-    if nproc < 1:
-        raise ConfigError(f"--nproc {nproc} must be >= 1")
-    cfg, _, _ = preflight(cfg, nproc)
-    find_resume(cfg)
-    sys.exit(dist.launch(nproc, argv, ("--nproc", "--max-restarts"), max_restarts, cfg.run.device))

@@ -36,6 +36,7 @@ class TokenStream:
     """A split's shards as one indexable token stream, cut into windows of T+1 tokens."""
 
     def __init__(self, dataset: TokenDataset, split: str, seq_len: int):
+        self.dataset_path, self.split = dataset.path, split
         self.shards = [s for s in dataset.tokens(split) if len(s)]
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])  # token offset of each shard
         self.num_tokens = int(self.starts[-1])
@@ -68,6 +69,15 @@ def _new_buffer(rows: int, span: int, device: torch.device) -> torch.Tensor:
     return torch.empty((rows, span), dtype=torch.int64, pin_memory=device.type == "cuda")
 
 
+def require_windows(stream: TokenStream, need: int, what: str = "") -> None:
+    """A DataError unless the stream has `need` windows (`what` says what they are for)."""
+    if stream.num_windows < need:
+        batch = " / data.global_batch" if what else ""
+        raise DataError(f"dataset {stream.dataset_path}: the {stream.split} split has {stream.num_windows} "
+                        f"windows of {stream.seq_len + 1} tokens, fewer than {what}{need}; use a larger "
+                        f"dataset, or a smaller data.seq_len{batch}")
+
+
 class TrainLoader:
     """Yields each optimizer step's micro-batches for one rank; see the module docstring."""
 
@@ -82,12 +92,7 @@ class TrainLoader:
         self.global_batch = world_size * accum_steps * micro_batch
         self.seed, self.shuffle = seed, shuffle
         self.device = torch.device(device)
-        if self.stream.num_windows < self.global_batch:
-            raise DataError(
-                f"dataset {dataset.path} has {self.stream.num_windows} {split} windows of {seq_len + 1} tokens, "
-                f"fewer than one global batch of {self.global_batch} sequences; use a larger dataset "
-                "or a smaller data.global_batch / data.seq_len"
-            )
+        require_windows(self.stream, self.global_batch, "one global batch of ")
         self.epoch, self.consumed = 0, 0
         self._order_epoch, self._order = -1, None
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ddpgpt.errors import DataError
+from ddpgpt.files import sha256
 
 MAGIC = b"DDPGPTTK"
 FORMAT_VERSION = 1
@@ -41,14 +42,6 @@ REPREPARE = "re-run ddpgpt prepare"
 def dtype_for_vocab(vocab_size: int) -> str:
     """The smallest token dtype name that holds ids below `vocab_size`."""
     return "uint16" if vocab_size <= 2**16 else "uint32"
-
-
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -85,7 +78,7 @@ class ShardWriter:
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
-        return ShardInfo(self.path.name, self.count, file_sha256(self.path))
+        return ShardInfo(self.path.name, self.count, sha256(self.path))
 
 
 def read_header(path: Path) -> tuple[np.dtype, int]:
@@ -188,7 +181,7 @@ class TokenDataset:
         share the work); returns the number of shards checked."""
         mine = [info for infos in self.shards.values() for info in infos][part::parts]
         for info in mine:
-            actual = file_sha256(self.path / info.file)
+            actual = sha256(self.path / info.file)
             if actual != info.sha256:
                 raise DataError(
                     f"{self.path / info.file}: sha256 mismatch (file {actual[:16]}, meta.json "

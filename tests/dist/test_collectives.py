@@ -36,13 +36,15 @@ def test_gradients_sync_once_per_step(tiny_data, tmp_path):
 
 
 def test_startup_check_catches_different_init(tiny_data, tmp_path):
-    """Rank 1 builds its model from another seed: every rank stops with one line from rank 0."""
+    """Rank 1 builds its model from another seed: every rank stops with one line from rank 0 that
+    names both differences, the cause (the config) first."""
     args = [tiny_train_args(tiny_data, tmp_path / "run"), tiny_train_args(tiny_data, tmp_path / "run", run__seed=2)]
     results = run_ranks(args, tmp_path / "logs", check=False)
     assert codes(results)[0] == [1, 1], codes(results)[1]
     assert results[0].stderr == (
-        "ddpgpt: error: ranks disagree on the parameters after wrapping: rank 1 differs from rank 0; every rank "
-        "must build the model from the same seed (run.seed); do not seed ranks differently before init\n")
+        "ddpgpt: error: ranks disagree on the resolved config: rank 1 differs from rank 0; start every rank with "
+        "the same command line and config file; and on the parameters after wrapping: rank 1 differs from rank 0; "
+        "every rank must build the model from the same seed (run.seed); do not seed ranks differently before init\n")
     assert results[1].stderr == ""
     assert not (tmp_path / "run" / "checkpoints").exists()
 

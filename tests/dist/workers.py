@@ -34,32 +34,34 @@ def count_allreduces(env, data: str, run_dir: str, accum: int, steps: int) -> di
     step, by index (DDP re-buckets after its first iteration, so the count can change once)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from ddpgpt import train
-    from ddpgpt.layering import resolve
-    from ddpgpt.data.shards import TokenDataset
+    from ddpgpt.config_io import build
+    from ddpgpt.preflight import preflight
+    from ddpgpt.reliability import Guard, StopSignal
+    from ddpgpt.train import Trainer
 
     overrides = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
                  "data": {"dir": data, "micro_batch": 2, "global_batch": 2 * env.world_size * accum},
                  "run": {"dir": run_dir, "device": "cpu", "bucket_mb": 0.01}}
-    dataset = TokenDataset(data)
-    cfg = train.for_dataset(resolve(None, None, overrides), dataset)
-    t = train.setup(cfg, env, dataset, train.accum_steps(cfg, env.world_size), found=None)
+    cfg, dataset = preflight(build(None, None, overrides), env.world_size, env.local_world_size)
+    t = Trainer(cfg, env, dataset, Guard(env, cfg.run, StopSignal()))
+    t.wrap()
     calls = []
 
     def hook(state, bucket):
         calls.append(bucket.index())
         return default_hooks.allreduce_hook(None, bucket)
 
-    t.model.register_comm_hook(None, hook)
+    t.ddp.register_comm_hook(None, hook)
     per_step = []
     for _ in range(steps):
         calls.clear()
-        train.train_step(t)
+        t.train_step()
         per_step.append(list(calls))
         grads = torch.cat([p.grad.flatten() for p in t.raw.parameters()])
         digests = dist.all_gather(env, torch.tensor(list(dist.digest(grads.numpy().tobytes())), dtype=torch.uint8))
         assert all(torch.equal(d, digests[0]) for d in digests), "ranks hold different gradients after the step"
         t.optimizer.zero_grad(set_to_none=True)
+    t.unwrap()  # no DDP wrapper may outlive the process group
     return per_step
 
 

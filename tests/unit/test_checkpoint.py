@@ -19,8 +19,16 @@ def model(seed=0):
 
 
 def save(run, step, keep=10, seed=None):
-    return checkpoint.save(run, step, model(step if seed is None else seed), {"optimizer": {"step": step}},
-                           {"config": {}}, keep)
+    state = {"model": model(step if seed is None else seed).state_dict(), "optimizer": {"step": step}}
+    return checkpoint.save(run / "checkpoints", step, state, {"config": {}}, keep)
+
+
+def find_latest(run):
+    return checkpoint.find_latest(run / "checkpoints")
+
+
+def load_into(path, target):
+    checkpoint.load_weights(path, target, checkpoint.load(path, checkpoint.read_meta(path))["model"])
 
 
 def test_save_is_complete_and_validated(tmp_path):
@@ -31,24 +39,20 @@ def test_save_is_complete_and_validated(tmp_path):
     assert meta["step"] == 7 and set(meta["files"]) == {"model.safetensors", "trainer.pt"}
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0000007"]  # no temp dir left
     loaded = model(seed=99)
-    checkpoint.load_weights(path, loaded)
+    load_into(path, loaded)
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model(7).state_dict().values()))
-    assert checkpoint.load_trainer_state(path) == {"optimizer": {"step": 7}}
+    assert checkpoint.load(path, meta)["optimizer"] == {"step": 7}
 
 
 def test_files_and_directory_are_fsynced_before_the_rename(tmp_path, monkeypatch):
     events = []
-    real_fsync, real_rename, real_open = os.fsync, os.rename, os.open
-    fds = {}
+    real_fsync, real_rename = os.fsync, os.rename
 
-    def fake_open(path, flags, *a):
-        fd = real_open(path, flags, *a)
-        fds[fd] = os.fspath(path)
-        return fd
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
 
-    monkeypatch.setattr(os, "open", fake_open)
-    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.path.basename(fds.get(fd, "?")))),
-                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", os.path.basename(b))), real_rename(a, b))[1])
     save(tmp_path, 1)
     rename = events.index(("rename", "step_0000001"))
@@ -67,7 +71,7 @@ def test_latest_falls_back_past_partial_and_corrupt(tmp_path, capsys):
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))  # corrupt: sha256 no longer matches
-    path, meta = checkpoint.find_latest(tmp_path)
+    path, meta = find_latest(tmp_path)
     assert path.name == "step_0000002" and meta["step"] == 2
     assert capsys.readouterr().err.splitlines() == [
         f"ddpgpt: warning: skipping checkpoint: {root / 'step_0000004'}: incomplete checkpoint (no meta.json); "
@@ -82,7 +86,7 @@ def test_corrupt_meta_falls_back(tmp_path, capsys):
     save(tmp_path, 2)
     meta = tmp_path / "checkpoints" / "step_0000002" / "meta.json"
     meta.write_text('{"format_version": 1, "st')
-    assert checkpoint.find_latest(tmp_path)[0].name == "step_0000001"
+    assert find_latest(tmp_path)[0].name == "step_0000001"
     assert capsys.readouterr().err == (f"ddpgpt: warning: skipping checkpoint: {meta}: corrupt meta.json "
                                        f"({json_error(meta.read_text())}); falling back to step_0000001\n")
 
@@ -91,7 +95,7 @@ def test_no_valid_checkpoint_is_an_error(tmp_path):
     save(tmp_path, 1)
     (tmp_path / "checkpoints" / "step_0000001" / "trainer.pt").unlink()
     with pytest.raises(CheckpointError) as e:
-        checkpoint.find_latest(tmp_path)
+        find_latest(tmp_path)
     assert str(e.value) == (f"no valid checkpoint in {tmp_path}: {tmp_path / 'checkpoints' / 'step_0000001'}: "
                             "trainer.pt is missing; move the bad ones away, or pass --reset to set them aside "
                             "and start over")
@@ -103,17 +107,27 @@ def test_newer_format_is_refused(tmp_path):
     meta["format_version"] = 99
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError) as e:
-        checkpoint.find_latest(tmp_path)
-    assert str(e.value) == (f"{path}: checkpoint format version 99 is newer than this ddpgpt reads (1); "
+        find_latest(tmp_path)
+    assert str(e.value) == (f"{path}: checkpoint format version 99 is newer than this ddpgpt reads (2); "
                             "upgrade ddpgpt (pip install -U ddpgpt)")
 
 
-def test_keep_last_k_and_leftovers(tmp_path):
-    leftover = tmp_path / "checkpoints" / ".tmp-step_0000002-99999"
-    leftover.mkdir(parents=True)  # a save that crashed in another process
+def test_keep_last_k(tmp_path):
     for step in range(1, 6):
         save(tmp_path, step, keep=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000004", "step_0000005"]
+
+
+def test_temporaries_are_removed_at_startup(tmp_path):
+    """What interrupted saves and deletes leave behind; complete checkpoints stay."""
+    save(tmp_path, 1)
+    root = tmp_path / "checkpoints"
+    leftovers = [root / ".tmp-step_0000002-99999", root / ".old-step_0000001-5", root / ".del-step_0000001-6"]
+    for path in leftovers:
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"x" * 100)
+    assert sorted(checkpoint.remove_temporaries(root)) == sorted(leftovers)
+    assert [p.name for p in root.iterdir()] == ["step_0000001"]
 
 
 def test_failed_delete_warns_and_keeps_the_newest(tmp_path, monkeypatch, capsys):
@@ -121,13 +135,16 @@ def test_failed_delete_warns_and_keeps_the_newest(tmp_path, monkeypatch, capsys)
     real = shutil.rmtree
 
     def refuse(path, *a, **kw):
-        if os.path.basename(path) == "step_0000001":
+        if os.path.basename(path).startswith(".del-step_0000001"):
             raise PermissionError(13, "Permission denied")
         return real(path, *a, **kw)
 
     monkeypatch.setattr(shutil, "rmtree", refuse)
     save(tmp_path, 2, keep=1)  # does not raise
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000001", "step_0000002"]
+    # Renamed out of the way (so no reader takes it), deleted by the next start's cleanup.
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        f".del-step_0000001-{os.getpid()}", "step_0000002"]
+    assert find_latest(tmp_path)[0].name == "step_0000002"
     assert capsys.readouterr().err == (f"ddpgpt: warning: could not delete old checkpoint "
                                        f"{tmp_path / 'checkpoints' / 'step_0000001'} (Permission denied); "
                                        "training goes on\n")
@@ -137,7 +154,7 @@ def test_resaving_a_step_replaces_it(tmp_path):
     save(tmp_path, 3, seed=1)
     path = save(tmp_path, 3, seed=2)
     loaded = model(seed=99)
-    checkpoint.load_weights(path, loaded)
+    load_into(path, loaded)
     assert torch.equal(loaded.wte.weight, model(2).wte.weight)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0000003"]
 
@@ -146,4 +163,4 @@ def test_weights_of_another_shape_are_one_line(tmp_path):
     path = save(tmp_path, 1)
     other = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=16, block_size=4, vocab_size=16))
     with pytest.raises(CheckpointError, match=rf"^{path}: weights do not fit this model \(size mismatch"):
-        checkpoint.load_weights(path, other)
+        load_into(path, other)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddpgpt import cli, config, dist, presets, train
+from ddpgpt import cli, config, presets
 from ddpgpt.config import (
     ConfigError,
     DataConfig,
@@ -22,7 +22,9 @@ from ddpgpt.config import (
     TrainConfig,
 )
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.layering import field_docs, from_dict, resolve
+from ddpgpt.config_io import build as resolve
+from ddpgpt.config_io import field_docs, from_dict, nest
+from ddpgpt.preflight import accum_steps, resolve as resolve_autos
 from tests.helpers import run_cli, write_dataset
 
 if sys.version_info >= (3, 11):
@@ -46,9 +48,9 @@ def _error(fn, *args) -> str:
 
 
 def _parse_train(argv: list[str]) -> TrainConfig:
-    """The in-process twin of `ddpgpt train ARGV`: argparse -> train_overrides -> resolve."""
+    """The in-process twin of `ddpgpt train ARGV`: argparse -> nest -> build."""
     ns = cli._build_parser().parse_args(["train", *argv])
-    return resolve(ns.preset, ns.config, cli.train_overrides(cli._values(ns)))
+    return cli.train_config({k: v for k, v in vars(ns).items() if k not in ("command", "debug")})[0]
 
 
 # ---- layering --------------------------------------------------------------------------------
@@ -92,10 +94,9 @@ def test_command_line_parser_path(tmp_path):
     )
 
 
-def test_train_overrides_nests_sections_and_drops_the_rest():
+def test_nest_sections_and_drop_the_rest():
     values = {"optim.lr": "3e-4", "model.n_layer": "2", "data.dir": "d", "preset": "tiny", "nproc": 2}
-    assert cli.train_overrides(values) == {"optim": {"lr": "3e-4"}, "model": {"n_layer": "2"},
-                                           "data": {"dir": "d"}}
+    assert nest(values) == {"optim": {"lr": "3e-4"}, "model": {"n_layer": "2"}, "data": {"dir": "d"}}
 
 
 def test_int_in_toml_is_accepted_for_a_float(tmp_path):
@@ -258,12 +259,12 @@ def _batch(G: int, b: int) -> TrainConfig:
 @pytest.mark.parametrize("G, b, W, A", [(32, 8, 1, 4), (32, 8, 2, 2), (32, 8, 4, 1), (32, 4, 2, 4),
                                         (48, 2, 3, 8), (8, 8, 1, 1)])
 def test_accum_steps(G, b, W, A):
-    assert train.accum_steps(_batch(G, b), W) == A
+    assert accum_steps(_batch(G, b), W) == A
 
 
 @pytest.mark.parametrize("G, b, W", [(32, 8, 3), (32, 8, 8), (48, 4, 5)])
 def test_accum_steps_indivisible(G, b, W):
-    assert _error(train.accum_steps, _batch(G, b), W) == (
+    assert _error(accum_steps, _batch(G, b), W) == (
         f"data.global_batch = {G} is not divisible by world size {W} × data.micro_batch {b} = {W * b}; "
         f"make the global batch a multiple of {W * b} or change the micro-batch")
 
@@ -279,39 +280,65 @@ def _model(**fields) -> TrainConfig:
     return TrainConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, **fields))
 
 
-def test_for_dataset_rounds_vocab_up_to_64(dataset):
-    cfg = train.for_dataset(_model(), dataset)
+def _resolve(cfg, dataset, local_world_size=1):
+    return resolve_autos(cfg, dataset, local_world_size)
+
+
+def test_resolve_rounds_vocab_up_to_64(dataset):
+    cfg = _resolve(_model(), dataset)
     assert cfg.model.vocab_size == 128
     assert cfg.data.seq_len == 16  # 0 -> block_size
-    assert cfg == dataclasses.replace(_model(), model=dataclasses.replace(_model().model, vocab_size=128),
-                                      data=dataclasses.replace(_model().data, seq_len=16))
+    assert (cfg.model, cfg.data, cfg.optim) == (dataclasses.replace(_model().model, vocab_size=128),
+                                                dataclasses.replace(_model().data, seq_len=16), _model().optim)
 
 
 @pytest.mark.parametrize("vocab, rounded", [(64, 64), (65, 128), (256, 256), (257, 320)])
-def test_for_dataset_rounding(tmp_path, vocab, rounded):
+def test_resolve_rounding(tmp_path, vocab, rounded):
     ds = TokenDataset(write_dataset(tmp_path / "d", np.arange(300) % vocab, np.arange(50) % vocab, vocab))
-    assert train.for_dataset(_model(), ds).model.vocab_size == rounded
+    assert _resolve(_model(), ds).model.vocab_size == rounded
 
 
-def test_for_dataset_keeps_explicit_vocab_and_seq_len(dataset):
+def test_resolve_keeps_explicit_vocab_and_seq_len(dataset):
     cfg = _model(vocab_size=100)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=8))
-    resolved = train.for_dataset(cfg, dataset)
+    resolved = _resolve(cfg, dataset)
     assert (resolved.model.vocab_size, resolved.data.seq_len) == (100, 8)
-    assert train.for_dataset(_model(vocab_size=1000), dataset).model.vocab_size == 1000
+    assert _resolve(_model(vocab_size=1000), dataset).model.vocab_size == 1000
 
 
-def test_for_dataset_rejects_a_smaller_vocab(dataset):
-    assert _error(train.for_dataset, _model(vocab_size=99), dataset) == (
+def test_resolve_rejects_a_smaller_vocab(dataset):
+    assert _error(_resolve, _model(vocab_size=99), dataset) == (
         f"dataset {dataset.path} has a vocabulary of 100 but model.vocab_size = 99; "
         "set model.vocab_size >= 100 (or 0 to follow the dataset)")
 
 
-def test_strip_flags():
-    argv = ["train", "--nproc", "2", "--data", "d", "--nproc=4", "--max-restarts", "3", "--run.steps", "5",
-            "--max-restarts=1", "--nprocs-like", "x", "--preset", "tiny"]
-    assert dist.strip_flags(argv, ("--nproc", "--max-restarts")) == [
-        "train", "--data", "d", "--run.steps", "5", "--nprocs-like", "x", "--preset", "tiny"]
+def test_resolve_leaves_no_auto_and_is_idempotent(dataset, monkeypatch):
+    """Every `auto` (and 0 meaning auto) becomes a value: CPU here, so gloo and fp32; the threads
+    are the usable cores shared by the local processes. Resolving again changes nothing: what
+    the --nproc launcher writes is what its workers run."""
+    import os
+
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cores = len(os.sched_getaffinity(0))
+    cfg = _resolve(_model(), dataset, local_world_size=2)
+    assert (cfg.run.device, cfg.run.backend, cfg.run.precision) == ("cpu", "gloo", "fp32")
+    assert cfg.run.threads == max(1, cores // 2)
+    autos = [f"{sec}.{k}" for sec, fields in cfg.to_dict().items() for k, v in fields.items()
+             if v == "auto" or (v == 0 and k in ("vocab_size", "seq_len", "threads"))]
+    assert autos == ["run.resume"]  # a policy named auto, not a value left to resolve
+    assert _resolve(cfg, dataset, local_world_size=7) == cfg
+    assert _error(_resolve, dataclasses.replace(_model(), run=RunConfig(precision="fp16")), dataset) == \
+        "run.precision = fp16 needs CUDA; use bf16 or fp32 on CPU"
+
+
+def test_resolve_on_cuda(dataset, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = _resolve(_model(), dataset)
+    assert (cfg.run.device, cfg.run.backend, cfg.run.precision) == ("cuda", "nccl", "bf16")
+    cpu = _resolve(dataclasses.replace(_model(), run=RunConfig(device="cpu")), dataset)
+    assert (cpu.run.device, cpu.run.backend, cpu.run.precision) == ("cpu", "gloo", "fp32")
 
 
 # ---- field docstrings reach --help ------------------------------------------------------------
@@ -352,4 +379,4 @@ def test_example_configs_resolve():
     assert examples
     for path in examples:
         cfg = resolve(None, str(path), {})
-        assert train.accum_steps(cfg, 8) * 8 * cfg.data.micro_batch == cfg.data.global_batch
+        assert accum_steps(cfg, 8) * 8 * cfg.data.micro_batch == cfg.data.global_batch

@@ -127,8 +127,8 @@ def test_dataset_smaller_than_global_batch(ds):
     with pytest.raises(DataError) as e:
         make(ds, 4, 10, 5)
     assert str(e.value) == (
-        f"dataset {ds.path} has 187 train windows of 17 tokens, fewer than one global batch of 200 "
-        "sequences; use a larger dataset or a smaller data.global_batch / data.seq_len"
+        f"dataset {ds.path}: the train split has 187 windows of 17 tokens, fewer than one global batch of "
+        "200; use a larger dataset, or a smaller data.seq_len / data.global_batch"
     )
 
 

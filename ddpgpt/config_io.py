@@ -1,0 +1,196 @@
+"""Configs in and out of text: command-line flags, TOML files and config.json.
+
+    build("tiny", "run.toml", {"optim": {"lr": "3e-4"}})   # preset -> TOML file -> flags
+    from_dict(json.loads(path.read_text()))                 # a run's config.json, a checkpoint's
+
+A TOML file has sections [model] [data] [optim] [run] and an optional top-level `preset`. Flag
+values arrive as strings and are parsed into the field's type; TOML and JSON values must already
+have it ("4" is a string there, not an integer). Each layer is validated as it is applied, and an
+error names its source (the file, or "command line") and the field.
+
+The flags themselves are generated from the dataclasses (`add_flags`): `--section.name` with
+dashes or underscores, `--no-section.name` for booleans, a field's `alias` metadata as a short
+form, and the docstring written under each field as its `--help` text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from ddpgpt.config import SECTIONS, ConfigError, TrainConfig
+
+TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
+
+
+# ---- fields -----------------------------------------------------------------------------------
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (what `--help` shows); empty when
+    the package is installed without its sources."""
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    hints = get_type_hints(cls, vars(sys.modules[cls.__module__]))
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def base_type(tp: Any) -> Any:
+    """`str | None` -> str; `list[str]` -> list; plain types unchanged."""
+    if get_origin(tp) in (Union, types.UnionType):
+        return base_type(next(a for a in get_args(tp) if a is not type(None)))
+    return get_origin(tp) or tp
+
+
+# ---- values -----------------------------------------------------------------------------------
+
+def parse_text(value: str, tp: Any, where: str) -> Any:
+    """A command-line string as the field's type."""
+    kind = base_type(tp)
+    if kind in (str, list) or not isinstance(value, str):
+        return value
+    try:
+        if kind is bool:
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return value.lower() in ("true", "1", "yes")
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"{where}: expected {TYPE_NAMES[kind]}, got {value!r}") from None
+
+
+def check_type(value: Any, tp: Any, where: str) -> Any:
+    """A typed value (TOML, JSON) that must already have the field's type; an int is accepted
+    for a float."""
+    kind = base_type(tp)
+    if value is None and type(None) in get_args(tp):
+        return None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind in (int, float) and isinstance(value, bool)):
+        raise ConfigError(f"{where}: expected {TYPE_NAMES[kind]}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def overlay(cfg: TrainConfig, values: dict, source: str, convert: Callable = check_type) -> TrainConfig:
+    """A copy of `cfg` with the nested `values` ({section: {field: value}}) applied, each value
+    passed through `convert` (check_type or parse_text) and every section validated."""
+    sections = {}
+    for section, fields in values.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{source}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
+        if not isinstance(fields, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table of fields, got {fields!r}")
+        current = getattr(cfg, section)
+        types_ = field_types(type(current))
+        changes = {}
+        for name, value in fields.items():
+            if name not in types_:
+                raise ConfigError(f"{source}: unknown key {section}.{name}; known: {', '.join(types_)}")
+            changes[name] = convert(value, types_[name], f"{source}: {section}.{name}")
+        sections[section] = _replace(current, changes, source)
+    return _replace(cfg, sections, source)
+
+
+def _replace(obj, changes: dict, source: str):
+    """dataclasses.replace; a validation error (__post_init__) names the file it came from."""
+    try:
+        return dataclasses.replace(obj, **changes)
+    except ConfigError as e:
+        if source == "command line":
+            raise
+        raise ConfigError(f"{source}: {e}") from None
+
+
+# ---- sources ----------------------------------------------------------------------------------
+
+def load_toml(path: str | Path) -> dict:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+
+
+def from_dict(values: dict, source: str = "config.json") -> TrainConfig:
+    """Rebuilds a TrainConfig from `to_dict()` output (a run's config.json, a checkpoint's)."""
+    return overlay(TrainConfig(), values, source)
+
+
+def build(preset: str | None, config_file: str | None, flags: dict) -> TrainConfig:
+    """preset -> TOML file -> command-line flags ({section: {field: text}}), each validated."""
+    from ddpgpt.presets import get_preset
+
+    file_values = load_toml(config_file) if config_file else {}
+    file_preset = file_values.pop("preset", None)
+    preset = preset or file_preset
+    cfg = get_preset(preset) if preset else TrainConfig()
+    if file_values:
+        cfg = overlay(cfg, file_values, config_file)
+    return overlay(cfg, flags, "command line", parse_text)
+
+
+# ---- flags --------------------------------------------------------------------------------------
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, section: str | None = None) -> None:
+    """One flag per dataclass field: `--name` or, in a section, `--section.name` (dashes or
+    underscores). Values stay strings here; `parse_text` converts them and names the field."""
+    docs, types_ = field_docs(cls), field_types(cls)
+    group = parser.add_argument_group(section or "options", (cls.__doc__ or "").strip())
+    for f in dataclasses.fields(cls):
+        dest = f"{section}.{f.name}" if section else f.name
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        kind = base_type(types_[f.name])
+        help_ = f"{docs.get(f.name, '')} (default: {default})".lstrip()
+        if kind is list:  # the positional sources of `prepare`
+            group.add_argument(dest, nargs="*", default=argparse.SUPPRESS, help=help_,
+                               metavar=f.name.upper().rstrip("S"))
+            continue
+        flags = [f"--{dest.replace('_', '-')}"] + ([f"--{dest}"] if "_" in f.name else [])
+        if "alias" in f.metadata:
+            flags.insert(0, f.metadata["alias"])
+        action = argparse.BooleanOptionalAction if kind is bool else "store"
+        group.add_argument(*flags, dest=dest, action=action, default=argparse.SUPPRESS, help=help_,
+                           **({} if kind is bool else {"metavar": f.name.upper()}))
+
+
+def flat_config(cls: type, values: dict):
+    """A one-section config (prepare, sample, ...) from parsed flag values."""
+    types_ = field_types(cls)
+    return cls(**{k: parse_text(v, types_[k], f"--{k.replace('_', '-')}")
+                  for k, v in values.items() if k in types_})
+
+
+def nest(values: dict) -> dict:
+    """{"optim.lr": "3e-4"} -> {"optim": {"lr": "3e-4"}}; keys outside the sections are dropped."""
+    nested: dict = {}
+    for key, value in values.items():
+        section, _, name = key.partition(".")
+        if section in SECTIONS and name:
+            nested.setdefault(section, {})[name] = value
+    return nested

@@ -1,0 +1,101 @@
+"""`--nproc N`: N local worker processes through torch's elastic agent, exactly what
+`torchrun --standalone --nproc_per_node N -m ddpgpt ...` runs, and what the launcher reports.
+
+For training, the launcher first does everything that needs no worker: it resolves the config,
+checks the data, the run dir and where the run starts (bad input is one line before any worker
+exists), takes the run dir's lock and holds it for the whole job (restarts included), and writes
+the resolved config.json. The workers start from that file (`train --resolved-config`) rather
+than from the command line. A worker whose launcher dies is killed with it (dist.die_with_launcher).
+
+Exit codes: the workers' (0; 1 a run-time failure; 2 bad input; 75 stopped with a checkpoint),
+or 128+N when a worker or the launcher was ended by signal N without one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from ddpgpt import checkpoint, dist, resume
+from ddpgpt.config import TrainConfig
+from ddpgpt.errors import UserError
+from ddpgpt.preflight import preflight
+from ddpgpt.reliability import EXIT_PREEMPTED, resume_hint
+from ddpgpt.run_dir import RunDir
+
+
+def check_nproc(nproc: int, device: str) -> None:
+    if nproc < 1:
+        raise UserError(f"--nproc {nproc} must be >= 1")
+    if dist.detect().world_size > 1:
+        raise UserError("--nproc starts processes itself; under torchrun leave it out")
+    if device != "cpu" and torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise UserError(f"--nproc {nproc} but only {n} GPU{' is' if n == 1 else 's are'} visible; "
+                        "use --nproc <= that, or --device cpu")
+
+
+def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
+    """Checks, locks and starts `nproc` training workers; returns the exit code."""
+    check_nproc(nproc, cfg.run.device)
+    cfg, dataset = preflight(cfg, nproc, nproc)
+    run_dir = RunDir(cfg.run.dir)
+    run_dir.check_creatable()
+    resume.choose(cfg, run_dir, True, dataset.fingerprint, verify=False)
+    with run_dir.locked():
+        run_dir.write_config(cfg.to_dict())
+        started = time.time()
+        code, stopped_by = start(nproc, ["train", "--resolved-config", str(run_dir.config)], max_restarts)
+        if stopped_by is None:
+            return code
+        hint = resume_hint(cfg.run.resume, str(run_dir))
+        saved = stop_checkpoint(run_dir, since=started)
+        if saved is not None:
+            print(f"ddpgpt: stopped by {stopped_by.name}; the workers wrote checkpoint {saved} before "
+                  f"exiting: {hint}", file=sys.stderr)
+            return EXIT_PREEMPTED
+        found = checkpoint.find_latest(run_dir.checkpoints)
+        newest = f"the newest complete one is {found[0]}" if found else "there is none yet"
+        print(f"ddpgpt: stopped by {stopped_by.name} before the workers could write a checkpoint; "
+              f"{newest}: {hint}", file=sys.stderr)
+        return 128 + stopped_by.value
+
+
+def stop_checkpoint(run_dir: RunDir, since: float):
+    """The checkpoint the workers wrote on a stop request after `since`, if they did."""
+    found = checkpoint.find_latest(run_dir.checkpoints)
+    if found and found[1].get("reason") == "stop" and found[1].get("saved_at", 0) >= since:
+        return found[0]
+    return None
+
+
+def start(nproc: int, worker_args: list[str], max_restarts: int = 0) -> tuple[int, signal.Signals | None]:
+    """Runs `python -m ddpgpt WORKER_ARGS` on `nproc` local processes; returns (exit code, the
+    signal that stopped the launcher, if one did)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # Workers set their own thread count (run.threads); this also silences torchrun's banner.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+                       "--monitor-interval=0.5", "-m", "ddpgpt", *worker_args])
+    try:
+        run(args)
+    except SignalException as e:
+        # The agent forwarded the signal to every worker and waited for them to stop: each
+        # stops at its next step boundary and checkpoints first (see reliability.py).
+        return 128 + e.sigval.value, e.sigval
+    except ChildFailedError as e:
+        local_rank, failure = e.get_first_failure()
+        if failure.exitcode > 0:  # the worker said why itself
+            return failure.exitcode, None
+        name = signal.Signals(-failure.exitcode).name
+        print(f"ddpgpt: a worker was killed by {name} (local rank {failure.local_rank}); the group "
+              "was stopped", file=sys.stderr)
+        return 128 - failure.exitcode, None
+    return 0, None

@@ -1,0 +1,76 @@
+"""What a training run checks and resolves before any process group exists, so bad input fails
+at once, with one line, before anything is written:
+
+    cfg, dataset = preflight(cfg, world_size=2, local_world_size=2)
+
+Every `auto` is resolved here, once: the device kind, the backend, the precision, the sequence
+length, the vocabulary size and the CPU threads. Resolving a resolved config changes nothing, so
+the `--nproc` launcher resolves it, writes it as the run's config.json, and its workers start
+from that file. The accumulation A = G / (W·b) is derived here too, the one place that checks it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from ddpgpt import dist
+from ddpgpt.config import ConfigError, TrainConfig
+from ddpgpt.data.loader import TokenStream, require_windows
+from ddpgpt.data.shards import TokenDataset
+
+
+def accum_steps(cfg: TrainConfig, world_size: int) -> int:
+    """A = G / (W·b), or a ConfigError naming all four numbers."""
+    G, b, W = cfg.data.global_batch, cfg.data.micro_batch, world_size
+    if G % (W * b):
+        raise ConfigError(f"data.global_batch = {G} is not divisible by world size {W} × data.micro_batch "
+                          f"{b} = {W * b}; make the global batch a multiple of {W * b} or change the "
+                          "micro-batch")
+    return G // (W * b)
+
+
+def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> TrainConfig:
+    """`cfg` with no `auto` left: what config.json records and every process runs with."""
+    vocab = cfg.model.vocab_size or -(-dataset.vocab_size // 64) * 64  # a multiple of 64: fast matmuls
+    if vocab < dataset.vocab_size:
+        raise ConfigError(f"dataset {dataset.path} has a vocabulary of {dataset.vocab_size} but "
+                          f"model.vocab_size = {vocab}; set model.vocab_size >= {dataset.vocab_size} (or 0 "
+                          "to follow the dataset)")
+    device = cfg.run.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    precision = cfg.run.precision
+    if precision == "auto":
+        precision = "bf16" if device == "cuda" else "fp32"
+    if precision == "fp16" and device != "cuda":
+        raise ConfigError("run.precision = fp16 needs CUDA; use bf16 or fp32 on CPU")
+    threads = cfg.run.threads or max(1, len(os.sched_getaffinity(0)) // local_world_size)
+    run = dataclasses.replace(cfg.run, device=device, precision=precision, threads=threads,
+                              backend=dist.default_backend(device) if cfg.run.backend == "auto" else cfg.run.backend)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab),
+                               data=dataclasses.replace(cfg.data, seq_len=cfg.seq_len), run=run)
+
+
+def check_windows(cfg: TrainConfig, dataset: TokenDataset) -> None:
+    """Enough windows for one global batch (train) and one evaluation (val)."""
+    require_windows(TokenStream(dataset, "train", cfg.seq_len), cfg.data.global_batch, "one global batch of ")
+    require_windows(TokenStream(dataset, "val", cfg.seq_len), 1)
+
+
+def preflight(cfg: TrainConfig, world_size: int, local_world_size: int) -> tuple[TrainConfig, TokenDataset]:
+    """Batch arithmetic, the dataset and its fit to the model and the batch; the resolved config."""
+    accum_steps(cfg, world_size)
+    dataset = TokenDataset(cfg.data.dir)
+    cfg = resolve(cfg, dataset, local_world_size)
+    check_windows(cfg, dataset)
+    return cfg, dataset
+
+
+def shared(cfg: TrainConfig) -> dict:
+    """The config every rank must agree on: all of it but the per-node CPU thread count."""
+    values = cfg.to_dict()
+    del values["run"]["threads"]
+    return values

@@ -1,0 +1,191 @@
+"""The one place that knows a run directory's layout, and the lock that gives it to one run.
+
+    runs/NAME/
+      .lock              held (flock) by the run training into this directory; names its PID and host
+      config.json        the resolved config (no `auto` left); `--nproc` workers start from it
+      data_meta.json     the dataset's meta.json, and tokenizer.json (bpe): `sample` needs only this dir
+      metrics.jsonl      one row per logged step and per evaluation (see metrics.py)
+      checkpoints/       step_NNNNNNN/ (see checkpoint.py)
+      reset-<time>/      what --reset set aside; rollback-<time>/ what --resume PATH set aside
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+from ddpgpt.errors import UserError
+from ddpgpt.files import WriteError, describe, replace_text
+
+
+class RunDirBusy(UserError):
+    """Another run holds the run directory's lock."""
+
+
+class RunDir:
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._lock_fd: int | None = None
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def data_meta(self) -> Path:
+        return self.path / "data_meta.json"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.path / "tokenizer.json"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.path / ".lock"
+
+    # ---- creating and locking ---------------------------------------------------------------
+
+    def check_creatable(self) -> None:
+        """Bad paths as one line, before anything is written: a file where the directory or one
+        of its parents should be, or a parent that cannot be written."""
+        if self.path.exists():
+            if not self.path.is_dir():
+                raise UserError(f"run dir {self.path} is a file; give a directory (--run-dir)")
+            return
+        parent = self.path.parent
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise UserError(f"run dir {self.path}: {parent} is a file, not a directory; "
+                            "give another --run-dir")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise UserError(f"run dir {self.path}: cannot create it in {parent} (permission "
+                            "denied); give a writable --run-dir")
+
+    def create(self) -> None:
+        self.check_creatable()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"run dir {self.path}: cannot create it: {describe(e)}; give a "
+                            "writable --run-dir") from None
+
+    def lock(self, allow_parent: bool = False) -> None:
+        """Takes the run's lock, or raises RunDirBusy naming the holder. flock is advisory and
+        dies with the process that holds it: a SIGKILLed run leaves no stale lock. With
+        `allow_parent`, a lock held by this process's parent (the `--nproc` launcher) will do."""
+        self.create()
+        try:
+            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"run dir {self.path}: cannot create {self.lock_file.name}: {describe(e)}; "
+                            "give a writable --run-dir") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if allow_parent and self.held_by_parent():
+                return
+            raise RunDirBusy(f"run dir {self.path} is in use by another run ({self.holder()}); wait for "
+                             "it to end or stop it, or use another --run-dir") from None
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.write(fd, (json.dumps(holder) + "\n").encode())
+        self._lock_fd = fd
+
+    def holder(self) -> str:
+        """Who holds the lock, as its file says: "PID 123 on host h, since ..."."""
+        try:
+            info = json.loads(self.lock_file.read_text())
+            return f"PID {info['pid']} on host {info['host']}, since {info['since']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "holder unknown"
+
+    def held_by_parent(self) -> bool:
+        """The lock is held by this process's parent on this host: the `--nproc` launcher that
+        started this worker."""
+        try:
+            info = json.loads(self.lock_file.read_text())
+        except (OSError, ValueError):
+            return False
+        return info.get("pid") == os.getppid() and info.get("host") == socket.gethostname()
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    @contextlib.contextmanager
+    def locked(self):
+        self.lock()
+        try:
+            yield self
+        finally:
+            self.unlock()
+
+    # ---- what a run writes --------------------------------------------------------------------
+
+    def write_config(self, config: dict) -> None:
+        replace_text(self.config, json.dumps(config, indent=1) + "\n")
+
+    def write_data_files(self, dataset_dir: Path, meta_bytes: bytes) -> None:
+        """The dataset's meta.json and tokenizer, so that `sample` needs only the run dir."""
+        replace_text(self.data_meta, meta_bytes.decode())
+        if (dataset_dir / "tokenizer.json").is_file():
+            replace_text(self.tokenizer, (dataset_dir / "tokenizer.json").read_text())
+
+    def set_aside(self, kind: str, paths: list[Path]) -> Path | None:
+        """Moves `paths` (checkpoint dirs, metrics.jsonl) into a new `<kind>-<time>/`, keeping
+        their places below the run dir: nothing is deleted."""
+        paths = [p for p in paths if p.exists()]
+        if not paths:
+            return None
+        base = aside = self.path / time.strftime(f"{kind}-%Y%m%d-%H%M%S")
+        n = 1
+        while aside.exists():  # twice in one second
+            aside, n = base.with_name(f"{base.name}-{n}"), n + 1
+        try:
+            for path in paths:
+                target = aside / path.relative_to(self.path)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(path, target)
+        except OSError as e:
+            raise WriteError(f"cannot move {path} into {aside}: {describe(e)}") from None
+        return aside
+
+    def reset(self) -> None:
+        """--reset: the checkpoints and metrics go into reset-<time>/."""
+        aside = self.set_aside("reset", [self.checkpoints, self.metrics])
+        if aside:
+            print(f"ddpgpt: --reset: moved the previous checkpoints and metrics to {aside}",
+                  file=sys.stderr)
+
+    def roll_back(self, newer: list[Path], step: int) -> None:
+        """--resume PATH of this run dir: checkpoints after PATH, and a copy of the metrics,
+        go into rollback-<time>/ before the run continues from PATH (metrics are cut back)."""
+        aside = self.set_aside("rollback", newer)
+        if aside is None:
+            return
+        if self.metrics.is_file():
+            shutil.copy2(self.metrics, aside / self.metrics.name)
+        names = ", ".join(p.name for p in newer)
+        print(f"ddpgpt: --resume: continuing from step {step}; moved the later checkpoints ({names}) "
+              f"and a copy of the metrics to {aside}", file=sys.stderr)
