@@ -245,9 +245,6 @@ def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv, fingerprint: str
 
 def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: resume.Start,
           guard: Guard) -> Trainer:
-    configure(cfg.run.threads, env.device)
-    if cfg.data.verify:  # each rank re-hashes a 1/W share of the shards
-        dist.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
     trainer = Trainer(cfg, env, dataset, guard)
     trainer.origin = start.origin
     if start.path is not None:
@@ -283,6 +280,9 @@ def run(cfg: TrainConfig) -> None:
     # 2. Join the group (W > 1); it is destroyed on every way out of this block.
     with dist.session(cfg.run.device, cfg.run.backend, cfg.run.dist_timeout_s) as env, \
             StopSignal(env.is_main) as stop:
+        configure(cfg.run.threads, env.device)
+        if cfg.data.verify:  # each rank re-hashes a 1/W share of the shards
+            dist.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
         start = claim(run_dir, cfg, env, dataset.fingerprint)
         trainer = setup(cfg, env, dataset, start, Guard(env, cfg.run, stop))
         if env.is_main:

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from ddpgpt import checkpoint
-from ddpgpt.preempt import EXIT_PREEMPTED
+from ddpgpt.reliability import EXIT_PREEMPTED
 from tests.helpers import codes, Launch, read_metrics, run_ranks, tiny_train_args
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -82,14 +82,16 @@ def test_sigint_to_the_launcher_is_forwarded(straight, tiny_data, tmp_path):
     """The launcher gets SIGINT (rank 0 sends it to its parent after step 3): it forwards it to the
     workers, which stop together at a step boundary with a checkpoint."""
     run_dir = tmp_path / "run"
-    job = Launch(launch_args(tiny_data, run_dir), env={"DDPGPT_FAULT": "intparent@3"})
+    job = Launch(launch_args(tiny_data, run_dir), env={"DDPGPT_FAULT": "parent:INT@3"})
     code = job.wait(180)
-    signaled = job.when("fault: intparent at step 3")
+    signaled = job.when("fault: parent:INT at step 3")
     assert code == EXIT_PREEMPTED, job.text
-    assert "ddpgpt: stopped by SIGINT; the workers checkpointed before exiting: run the same command to resume" in job.text
     stopped_at = int(job.text.split("stopped at step ")[1].split()[0])
     assert 4 <= stopped_at < STEPS
-    assert checkpoint.find_latest(run_dir)[1]["step"] == stopped_at
+    saved = run_dir / "checkpoints" / f"step_{stopped_at:07d}"
+    assert (f"ddpgpt: stopped by SIGINT; the workers wrote checkpoint {saved} before exiting: run the same "
+            "command to resume") in job.text
+    assert checkpoint.find_latest(run_dir / "checkpoints")[1]["step"] == stopped_at
     print(f"\n[figure] SIGINT to the launcher -> job exited with its checkpoint: {job.end - signaled:.1f} s")
     again = Launch(launch_args(tiny_data, run_dir))
     assert again.wait(180) == 0, again.text
@@ -104,7 +106,7 @@ def test_second_signal_exits_at_once(tiny_data, tmp_path):
     assert ranks[1].returncode == -signal.SIGTERM
     assert ranks[0].returncode == 1
     assert ranks[0].stderr.splitlines()[-1].startswith("ddpgpt: error: step 4: a collective failed on rank 0 (")
-    assert [p.name for _, p in checkpoint.step_dirs(tmp_path / "run")] == ["step_0000003"]
+    assert [p.name for _, p in checkpoint.step_dirs(tmp_path / "run" / "checkpoints")] == ["step_0000003"]
 
 
 def test_stalled_rank_ends_the_job_after_the_timeout(tiny_data, tmp_path):
@@ -137,7 +139,7 @@ def test_nan_on_one_rank_stops_every_rank(tiny_data, tmp_path):
         "The last checkpoint (step 3) is intact; lower optim.lr or raise optim.warmup_steps, or use "
         "--on-nonfinite skip\n")
     assert ranks[1].stderr == ""
-    assert [p.name for _, p in checkpoint.step_dirs(run_dir)] == ["step_0000003"]
+    assert [p.name for _, p in checkpoint.step_dirs(run_dir / "checkpoints")] == ["step_0000003"]
     assert checkpoint.read_meta(run_dir / "checkpoints" / "step_0000003")["step"] == 3  # intact: hashes match
     assert [r["step"] for r in read_metrics(run_dir)[0]] == [1, 2, 3]
 
@@ -152,8 +154,9 @@ def test_nan_skip_and_its_limit(tiny_data, tmp_path):
     assert rows[3]["loss"] is None and rows[3]["grad_norm"] is None
     assert all(r["loss"] is not None for r in rows[:3] + rows[4:])
     final = run_dir / "checkpoints" / "step_0000006"
-    assert json.loads((final / "meta.json").read_text())["skipped_steps"] == 1
-    state = torch.load(final / "trainer.pt", weights_only=True)["optimizer"]["state"]
+    saved = torch.load(final / "trainer.pt", weights_only=True)
+    assert saved["guard"] == {"skipped": 1}
+    state = saved["optimizer"]["state"]
     assert {int(s["step"]) for s in state.values()} == {5}  # 6 steps, one without an update
 
     limited = tiny_train_args(tiny_data, tmp_path / "limit", 6, run__on_nonfinite="skip", run__max_skipped=0)

@@ -21,10 +21,11 @@ from ddpgpt.config import (
     RunConfig,
     TrainConfig,
 )
-from ddpgpt.data.shards import TokenDataset
 from ddpgpt.config_io import build as resolve
 from ddpgpt.config_io import field_docs, from_dict, nest
-from ddpgpt.preflight import accum_steps, resolve as resolve_autos
+from ddpgpt.data.shards import TokenDataset
+from ddpgpt.preflight import accum_steps
+from ddpgpt.preflight import resolve as resolve_autos
 from tests.helpers import run_cli, write_dataset
 
 if sys.version_info >= (3, 11):
