@@ -269,6 +269,19 @@ class Launch:
     def text(self) -> str:
         return "\n".join(line for _, line in self.lines)
 
+    def wait_for(self, fragment: str, timeout: float) -> float:
+        """Blocks until a line containing `fragment` arrives; returns its arrival time."""
+        return self.wait_for_value(lambda: next((t for t, line in self.lines if fragment in line), None), timeout)
+
+    def wait_for_value(self, probe, timeout: float):
+        """Polls `probe()` until it returns something other than None (while the command runs)."""
+        deadline = time.monotonic() + timeout
+        while (value := probe()) is None:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError(f"gave up waiting ({timeout} s, or the command ended):\n{self.text[-5000:]}")
+            time.sleep(0.02)
+        return value
+
     def when(self, fragment: str, after: float = 0.0) -> float:
         """Arrival time of the first line containing `fragment` (after time `after`)."""
         for t, line in self.lines:
