@@ -247,12 +247,16 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: res
           guard: Guard) -> Trainer:
     trainer = Trainer(cfg, env, dataset, guard)
     trainer.origin = start.origin
-    if start.path is not None:
-        state = dist.together(env, lambda: checkpoint.load(start.path, start.meta))
-        dist.together(env, lambda: trainer.load_state_dict(state, start.meta["world_size"], start.data_switch))
-        if env.is_main:
-            print(f"resuming from {start.path} (step {trainer.step}, saved at world size "
-                  f"{start.meta['world_size']})", file=sys.stderr)
+
+    def restore() -> None:
+        if start.path is not None:
+            state = checkpoint.load(start.path, start.meta)
+            trainer.load_state_dict(state, start.meta["world_size"], start.data_switch)
+
+    dist.together(env, restore)  # every rank calls it: ranks may disagree on the start (see agree)
+    if start.path is not None and env.is_main:
+        print(f"resuming from {start.path} (step {trainer.step}, saved at world size "
+              f"{start.meta['world_size']})", file=sys.stderr)
     trainer.wrap()
     # Every rank holds the same checkpoint, weights, config, data and code, or all stop together.
     dist.agree(env, {  # causes before their effects: a differing checkpoint or config explains the weights

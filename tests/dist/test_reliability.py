@@ -190,3 +190,21 @@ def test_doctor_probes_all_reduce(tmp_path):
     print(f"\n[figure] gloo all-reduce probe: {line}")
 
 
+
+
+def test_nodes_that_see_different_run_dirs(tiny_data, tmp_path):
+    """Two 'nodes' (working directories) with a relative --run-dir: only node 0's holds the
+    checkpoint. Every difference is named, the checkpoint first, not just the weights it causes."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    args = tiny_train_args(tiny_data, "run", 2)
+    r = run_ranks([args], tmp_path / "logs0", cwds=[tmp_path / "a"])  # node 0 alone trains 2 steps
+    args = tiny_train_args(tiny_data, "run", 4)
+    ranks = run_ranks([args] * 2, tmp_path / "logs", check=False, cwds=[tmp_path / "a", tmp_path / "b"])
+    assert codes(ranks)[0] == [1, 1], codes(ranks)[1]
+    assert ranks[0].stderr.splitlines()[-1] == (
+        "ddpgpt: error: ranks disagree on the checkpoint to resume from: rank 1 differs from rank 0; put the run "
+        "dir on a filesystem that every node shares; and on the parameters after wrapping: rank 1 differs from "
+        "rank 0; every rank must build the model from the same seed (run.seed); do not seed ranks differently "
+        "before init")
+    assert ranks[1].stderr == "" and r[0].returncode == 0

@@ -10,6 +10,7 @@ case exits with 2, the code for bad input.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -181,6 +182,43 @@ def corrupt_checkpoint_meta(ctx: Ctx) -> Case:
     return c
 
 
+def run_dir_below_a_file(ctx: Ctx) -> Case:
+    c = copied(ctx)
+    (ctx.tmp / "file").write_text("not a directory\n")
+    return Case(ctx.tmp, c.data, ctx.tmp / "file" / "run")
+
+
+def run_dir_is_a_file(ctx: Ctx) -> Case:
+    c = copied(ctx)
+    (ctx.tmp / "run").write_text("not a directory\n")
+    return c
+
+
+def run_dir_in_proc(ctx: Ctx) -> Case:
+    """A place where mkdir fails: the reason depends on the user (root: ENOENT, else EACCES)."""
+    c = copied(ctx)
+    c.run = Path("/proc/ddpgpt-run")
+    try:
+        os.mkdir(c.run)
+    except OSError as e:
+        c.facts["reason"] = f"{e.strerror} ({errno.errorcode[e.errno]})"
+    else:  # pragma: no cover
+        os.rmdir(c.run)
+        pytest.skip("/proc accepts directories here")
+    return c
+
+
+def other_dataset(ctx: Ctx) -> Case:
+    """The trained run, resumed on a dataset of the same size but other contents (fingerprint)."""
+    c = with_run(ctx)
+    meta = json.loads((c.data / "meta.json").read_text())
+    meta["source"]["specs"] = ["another corpus"]
+    (c.data / "meta.json").write_text(json.dumps(meta))
+    c.facts.update(old=sha256(ctx.tiny_data / "meta.json")[:12], new=sha256(c.data / "meta.json")[:12],
+                   trained_on=ctx.tiny_data)
+    return c
+
+
 def port_in_use(ctx: Ctx) -> Case:
     """Rank 0 of 2 as torchrun would start it, with MASTER_PORT held by a listening socket."""
     c = copied(ctx)
@@ -248,6 +286,16 @@ CASES = [
         lambda c: f"{E}dataset {c.data}: the train split has {(train_tokens(c) - 1) // 32} windows of 33 tokens, "
                   "fewer than one global batch of 4096; use a larger dataset, or a smaller data.seq_len / "
                   "data.global_batch"),
+    row("run-dir-below-a-file", run_dir_below_a_file, train,
+        lambda c: f"{E}run dir {c.run}: {c.tmp / 'file'} is a file, not a directory; give another --run-dir"),
+    row("run-dir-is-a-file", run_dir_is_a_file, train,
+        lambda c: f"{E}run dir {c.run} is a file; give a directory (--run-dir)"),
+    row("run-dir-unwritable", run_dir_in_proc, train,
+        lambda c: f"{E}run dir {c.run}: cannot create it: {c.facts['reason']}; give a writable --run-dir"),
+    row("resume-on-other-data", other_dataset, train,
+        lambda c: f"{E}run dir {c.run}: checkpoint {CKPT} was trained on another dataset ({c.facts['trained_on']}, "
+                  f"fingerprint {c.facts['old']}) than data.dir = {c.data} (fingerprint {c.facts['new']}); pass "
+                  "its --data, --reset to start over, or --data.allow-switch to go on with the new data"),
     row("rendezvous-port-in-use", port_in_use, lambda c: train(c, run__dist_timeout_s=20),
         lambda c: f"{E}rank 0: cannot open the rendezvous port 127.0.0.1:{c.facts['port']}: address already in "
                   "use; another job holds it: choose another MASTER_PORT / --rdzv-endpoint port"),

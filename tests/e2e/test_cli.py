@@ -1,12 +1,15 @@
 """The real command line end to end: prepare, train --nproc 2, resume, eval, sample; and two
 launchers forming one job through c10d rendezvous, as two nodes would."""
 
+import hashlib
 import json
 import re
+import shutil
 import sys
 
 import numpy as np
 import pytest
+import torch
 
 from tests.conftest import CORPUS, STDLIB
 from tests.helpers import (
@@ -94,3 +97,26 @@ def test_sample_and_eval_need_a_checkpoint(tmp_path, command):
     assert r.returncode == 2
     assert r.stderr == (f"ddpgpt: error: run {tmp_path / 'nothing'} has no complete checkpoint; train first "
                         f"(ddpgpt train --run-dir {tmp_path / 'nothing'})\n")
+
+
+def test_deliberate_switch_of_dataset_is_recorded(tiny_data, tmp_path):
+    """Resume on another dataset: refused without --data.allow-switch (see the bad-input table);
+    with it the run goes on, the loader starts the new data from its beginning, and
+    metrics.jsonl says so at the step of the switch."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    shutil.copytree(tiny_data, other)
+    meta = json.loads((other / "meta.json").read_text())
+    meta["source"]["specs"] = ["another corpus"]
+    (other / "meta.json").write_text(json.dumps(meta))
+    r = run_cli(*tiny_train_args(tiny_data, run, steps=2)[2:], timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = run_cli(*tiny_train_args(other, run, steps=4)[2:], "--data.allow-switch", timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (event,) = [row for row in rows if "event" in row]
+    assert event == {"step": 2, "event": "data_switch", "checkpoint": str(run / "checkpoints" / "step_0000002"),
+                     "old": hashlib.sha256((tiny_data / "meta.json").read_bytes()).hexdigest(),
+                     "new": hashlib.sha256((other / "meta.json").read_bytes()).hexdigest(), "data_dir": str(other)}
+    assert [row["step"] for row in rows if "loss" in row] == [1, 2, 3, 4]
+    state = torch.load(run / "checkpoints" / "step_0000004" / "trainer.pt", weights_only=True)
+    assert (state["loader"]["epoch"], state["loader"]["consumed"]) == (0, 2 * 8)  # 2 steps of G=8 on the new data

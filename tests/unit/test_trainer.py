@@ -1,0 +1,70 @@
+"""The Trainer in one process: its state round trip, and the skip path with a loss scaler."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ddpgpt.config_io import build
+from ddpgpt.dist import DistEnv
+from ddpgpt.preflight import preflight
+from ddpgpt.reliability import Guard, StopSignal
+from ddpgpt.train import Trainer
+
+
+def make(tiny_data, tmp_path, **run) -> Trainer:
+    flags = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
+             "data": {"dir": str(tiny_data), "micro_batch": 2, "global_batch": 4, "eval_windows": 4},
+             "run": {"dir": str(tmp_path / "run"), "device": "cpu", "threads": 1, **run}}
+    cfg, dataset = preflight(build(None, None, flags), 1, 1)
+    env = DistEnv()
+    return Trainer(cfg, env, dataset, Guard(env, cfg.run, StopSignal(announce=False)))
+
+
+def test_skipped_step_with_a_loss_scaler_lets_the_next_step_run(tiny_data, tmp_path, one_thread):
+    """fp16's GradScaler, a step skipped for a NaN loss: the skip must close the scaler's step
+    (update()), or the next step's unscale_() raises "unscale_() has already been called on
+    this optimizer since the last update()". (CPU GradScaler: same state machine as CUDA's.)"""
+    trainer = make(tiny_data, tmp_path)
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    trainer.train_step()
+    trainer.skip_update()  # the guard saw a non-finite loss on some rank
+    trainer.train_step()   # raised before the fix
+    trainer.update(1e-3)
+    steps = {int(s["step"]) for s in trainer.optimizer.state_dict()["state"].values()}
+    assert steps == {1}  # one update: the skipped step made none
+    assert all(p.grad is None for p in trainer.raw.parameters())
+
+
+def test_state_dict_round_trip(tiny_data, tmp_path, one_thread):
+    """3 steps, state saved; a fresh trainer loaded from it takes the same 4th step, bitwise."""
+    first = make(tiny_data, tmp_path)
+    for _ in range(3):
+        first.train_step()
+        first.update(1e-3)
+        first.step += 1
+    state = copy.deepcopy(first.state_dict())  # as from disk: no tensor shared with `first`
+    second = make(tiny_data, tmp_path)
+    second.load_state_dict(state, saved_world_size=1)
+    assert second.step == 3 and second.loader.state_dict() == first.loader.state_dict()
+    losses = []
+    for trainer in (first, second):
+        loss, _ = trainer.train_step()
+        trainer.update(1e-3)
+        losses.append(loss)
+    assert torch.equal(losses[0], losses[1])
+    for a, b in zip(first.raw.parameters(), second.raw.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("saved_world_size", [1, 2])
+def test_rng_carries_over_only_at_the_same_world_size(tiny_data, tmp_path, one_thread, saved_world_size):
+    first = make(tiny_data, tmp_path)
+    torch.rand(5)  # move the stream on
+    state = first.state_dict()
+    expected = torch.rand(3)
+    second = make(tiny_data, tmp_path)
+    second.load_state_dict(state, saved_world_size=saved_world_size)
+    assert torch.equal(torch.rand(3), expected) == (saved_world_size == 1)
