@@ -152,6 +152,8 @@ def read_meta(path: Path, verify: bool = True) -> dict:
     every file present with the sha256 meta.json lists."""
     meta_path = path / "meta.json"
     if not meta_path.is_file():
+        if not path.exists():
+            raise CheckpointGone(f"{path}: deleted while being read")
         raise CheckpointError(f"{path}: incomplete checkpoint (no meta.json)")
     try:
         meta = json.loads(meta_path.read_text())
@@ -241,11 +243,18 @@ def load_weights(path: Path, model: torch.nn.Module, weights: dict[str, torch.Te
 
 def load_latest(root: Path, weights_only: bool = True) -> tuple[Path, dict, dict] | None:
     """(path, meta, state) of the newest valid checkpoint in `root`, or None. A checkpoint pruned
-    by a running training while it is read is skipped for the next newest."""
-    for _ in range(10):
+    by a running training while it is read is skipped for the next newest. A directory listing
+    taken while checkpoints are renamed can miss both the new one and the old one, so an empty
+    listing of an existing directory is taken twice more before it counts as empty."""
+    empty = 0
+    for _ in range(20):
         found = find_latest(root)
         if found is None:
-            return None
+            empty += 1
+            if empty == 3 or not Path(root).is_dir():
+                return None
+            time.sleep(0.05)
+            continue
         try:
             return *found, load(*found, weights_only=weights_only)
         except CheckpointGone:

@@ -1,22 +1,18 @@
-"""The real command line end to end: prepare, train --nproc 2, resume, eval, sample; and two
-launchers forming one job through c10d rendezvous, as two nodes would."""
+"""The real command line end to end: prepare, train --nproc 2, resume, eval, sample, a deliberate
+switch of dataset. (Two launchers forming one job through c10d rendezvous, as two nodes would:
+tests/dist/test_recovery.py.)"""
 
 import hashlib
 import json
 import re
 import shutil
-import sys
 
-import numpy as np
 import pytest
 import torch
 
 from tests.conftest import CORPUS, STDLIB
 from tests.helpers import (
-    Launch,
-    free_port,
     read_metrics,
-    reference_training,
     run_cli,
     tiny_train_args,
 )
@@ -54,29 +50,6 @@ def test_prepare_train_resume_eval_sample(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("def ") and len(r.stdout) > 20
     assert r.stdout == again.stdout  # seeded
-
-
-def test_train_under_torchrun_two_nodes(tiny_data, tmp_path):
-    """Two launcher processes, --nnodes 2 --nproc-per-node 1, c10d rendezvous on 127.0.0.1: the
-    second node's worker has RANK 1 and LOCAL_RANK 0. Losses equal the one-process oracle, which
-    they would not if a rank sharded the data by LOCAL_RANK."""
-    run, port = tmp_path / "run", free_port()
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-                "--monitor-interval", "0.5"]
-    args = tiny_train_args(tiny_data, run, steps=4, run__checkpoint_every=0)[1:]  # "-m ddpgpt train ..."
-    nodes = [Launch(launcher + args) for _ in range(2)]
-    try:
-        returncodes = [n.wait(120) for n in nodes]
-    finally:
-        for n in nodes:
-            n.kill()  # the workers too: torchrun starts them in sessions of their own
-    outs = [n.text for n in nodes]
-    assert returncodes == [0, 0], outs
-    assert sum("training on 2 processes (2 nodes × 1, gloo)" in o for o in outs) == 1  # rank 0 only
-    rows, _ = read_metrics(run)
-    losses, _ = reference_training(tiny_data, 4)
-    np.testing.assert_allclose([r["loss"] for r in rows], losses, rtol=2e-5)
 
 
 def test_flags_pass_through_torchrun_parser():
