@@ -289,9 +289,7 @@ def run(cfg: TrainConfig) -> None:
             dist.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
         start = claim(run_dir, cfg, env, dataset.fingerprint)
         trainer = setup(cfg, env, dataset, start, Guard(env, cfg.run, stop))
-        if env.is_main:
-            run_dir.write_config(cfg.to_dict())
-            run_dir.write_data_files(dataset.path, dataset.meta_bytes)
+        dist.together(env, lambda: write_run_files(run_dir, cfg, dataset), main_only=True)
         metrics = open_metrics(trainer, run_dir, start)
         try:
             _install_faults(trainer)
@@ -304,22 +302,29 @@ def run(cfg: TrainConfig) -> None:
             run_dir.unlock()
 
 
+def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset) -> None:
+    """config.json, and the dataset's meta.json and tokenizer (so `sample` needs only the run dir)."""
+    run_dir.write_config(cfg.to_dict())
+    run_dir.write_data_files(dataset.path, dataset.meta_bytes)
+
+
 def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metrics:
     cfg, env = trainer.cfg, trainer.env
     peak = peak_flops(env.device, matmul_dtype(cfg.run.precision))
     # Every rank measures at once; a host hiccup can halve one reading, so take the best.
     peak = dist.all_reduce(env, torch.tensor(peak, device=env.device), op="max").item()
-    metrics = Metrics(env.is_main, run_dir.metrics, trainer.step, cfg.run.steps, cfg.data.global_batch * cfg.seq_len,
-                      trainer.raw.flops_per_token(cfg.seq_len), peak, env.world_size)
+    if env.is_main:
+        print(summary(trainer), file=sys.stderr)
+        if trainer.step >= cfg.run.steps:
+            print(f"run {run_dir} is already at step {trainer.step} of {cfg.run.steps}; raise run.steps "
+                  "to train further", file=sys.stderr)
+    metrics = Metrics(env.is_main, run_dir.metrics, trainer.step, cfg.run.steps,
+                      cfg.data.global_batch * cfg.seq_len, trainer.raw.flops_per_token(cfg.seq_len), peak,
+                      env.world_size)
     if start.data_switch:
         metrics.log_event(trainer.step, "data_switch", checkpoint=str(start.path),
                           old=start.meta["data_fingerprint"], new=trainer.dataset.fingerprint,
                           data_dir=cfg.data.dir)
-    if env.is_main:
-        print(summary(trainer), file=sys.stderr)
-        if trainer.step >= cfg.run.steps:
-            print(f"run {run_dir} is already at step {trainer.step} of {cfg.run.steps}; raise run.steps to "
-                  "train further", file=sys.stderr)
     return metrics
 
 
