@@ -47,11 +47,11 @@ from pathlib import Path
 import torch
 
 from ddpgpt.config import ConfigError
-from ddpgpt.layering import from_dict
+from ddpgpt.config_io import from_dict
 from ddpgpt.metrics import measure_matmul_flops, peak_flops
 from ddpgpt.model import GPT
 from ddpgpt.presets import get_preset
-from ddpgpt.train import accum_steps
+from ddpgpt.preflight import accum_steps
 
 MFU_TARGET, EFFICIENCY_TARGET = 0.80, 0.95
 
