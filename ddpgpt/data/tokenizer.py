@@ -2,6 +2,13 @@
 
 All three share one small interface: `vocab_size`, `eot_id`, `encode_batch(texts)` returning one
 uint32 array per text (no end-of-text tokens added; `prepare` places them), and `decode(ids)`.
+
+The bpe tokenizer splits text into pre-tokens (runs of letters, of digits, of other symbols, of
+whitespace; BPE never merges across them) with GPT-2's pattern, each run capped at
+`MAX_PRETOKEN_CHARS`: BPE work on one pre-token grows with the square of its length, and a line of
+megabytes without a space would otherwise be one pre-token that takes hours to train on. Below the
+cap the pre-tokens are exactly GPT-2's (the Python standard library's longest is 201 characters),
+so ordinary text tokenizes as with an uncapped tokenizer.
 """
 
 from __future__ import annotations
@@ -15,6 +22,11 @@ from ddpgpt.errors import DataError, UserError
 
 EOT_TEXT = "<|endoftext|>"
 MIN_BPE_VOCAB = 257  # 256 byte symbols + the end-of-text token
+MAX_PRETOKEN_CHARS = 1024  # far above ordinary pre-tokens; smaller is not much faster
+# GPT-2's pattern, which ByteLevel(use_regex=True) splits with, each run capped. (Capping after
+# ByteLevel instead would take a second regex pass over every pre-token: ~1.7x the CPU time.)
+PRETOKEN_PATTERN = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+                    .replace("+", f"{{1,{MAX_PRETOKEN_CHARS}}}"))
 
 
 class ByteTokenizer:
@@ -52,8 +64,9 @@ class BPETokenizer:
         self.eot_id = tok.token_to_id(EOT_TEXT)
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, show_progress: bool = True) -> BPETokenizer:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    def train(cls, texts: Iterable[str], vocab_size: int,
+              show_progress: bool = True) -> BPETokenizer:
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
         if vocab_size < MIN_BPE_VOCAB:
             raise UserError(
@@ -61,7 +74,10 @@ class BPETokenizer:
                 f"{MIN_BPE_VOCAB} (256 bytes + end-of-text); use e.g. --vocab-size 4096"
             )
         tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([  # saved in tokenizer.json, used by sample
+            pre_tokenizers.Split(Regex(PRETOKEN_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
@@ -80,7 +96,8 @@ class BPETokenizer:
         try:
             return cls(Tokenizer.from_file(str(path)))
         except Exception as e:  # tokenizers raises plain Exception for missing or bad files
-            raise DataError(f"{path}: cannot load the bpe tokenizer ({e}); re-run ddpgpt prepare") from None
+            raise DataError(f"{path}: cannot load the bpe tokenizer ({e}); "
+                            "re-run ddpgpt prepare") from None
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         # encode_batch_fast skips offset tracking; both release the GIL and use every core.
@@ -108,8 +125,8 @@ class GPT2Tokenizer:
             self._enc = tiktoken.get_encoding("gpt2")
         except Exception as e:
             raise UserError(
-                f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}); it downloads its files "
-                "once: connect to the network, or point TIKTOKEN_CACHE_DIR at a cached copy"
+                f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}); it downloads its "
+                "files once: connect to the network, or point TIKTOKEN_CACHE_DIR at a cached copy"
             ) from None
         self.vocab_size = self._enc.n_vocab
         self.eot_id = self._enc.eot_token

@@ -39,7 +39,8 @@ def corpus(tmp_path):
 
 def expected_documents(root):
     """Documents in the order prepare reads them: sorted walk, binary/empty/hidden skipped."""
-    order = ["a.py", "pkg/__init__.py", "pkg/latin1.py", "pkg/mod.py", "pkg/sub/deep.txt", "z_last.md"]
+    order = ["a.py", "pkg/__init__.py", "pkg/latin1.py", "pkg/mod.py", "pkg/sub/deep.txt",
+             "z_last.md"]
     return [(root / n).read_bytes().decode("utf-8", "replace") for n in order]
 
 
@@ -69,7 +70,7 @@ def test_bpe_round_trip(corpus, tmp_path, capsys):
     tok = load_tokenizer(ds.path, "bpe")
     assert ds.tokenizer == "bpe" and ds.vocab_size == tok.vocab_size <= 300
     docs = expected_documents(corpus)
-    for text, ids in zip(docs, tok.encode_batch(docs)):
+    for text, ids in zip(docs, tok.encode_batch(docs), strict=True):
         assert tok.decode(ids) == text
         assert ids.max() < ds.vocab_size
     # The shards hold exactly the encoded documents, EOT first.
@@ -100,14 +101,16 @@ def test_refuses_existing_output_and_force_replaces_atomically(corpus, tmp_path,
     out = tmp_path / "out"
     run(corpus, out, tokenizer="byte", val_fraction=0.3)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    with pytest.raises(UserError, match=f"--out {out} exists and is not empty; pass --force to replace it"):
+    refused = f"--out {out} exists and is not empty; pass --force to replace it"
+    with pytest.raises(UserError, match=refused):
         run(corpus, out, tokenizer="byte", val_fraction=0.3)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(UserError, match="no documents"):  # fails mid-way: old output untouched
         run(empty, out, tokenizer="byte", force=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "empty", "out"]  # no temp dirs left
+    # no temp dirs left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "empty", "out"]
     run(corpus, out, tokenizer="byte", val_fraction=0.5, force=True)
     assert TokenDataset(out).meta["source"]["val_fraction"] == 0.5
 
@@ -128,8 +131,10 @@ def test_output_inside_source_is_not_read(corpus, capsys):
 def test_hf_source_without_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import fails as if not installed
     with pytest.raises(UserError) as e:
-        prepare.run(PrepareConfig(sources=["hf:roneneldan/TinyStories"], out=str(tmp_path / "o"), tokenizer="byte"))
-    assert str(e.value) == "source hf:roneneldan/TinyStories needs the 'hf' extra: pip install 'ddpgpt[hf]'"
+        prepare.run(PrepareConfig(sources=["hf:roneneldan/TinyStories"], out=str(tmp_path / "o"),
+                                  tokenizer="byte"))
+    assert str(e.value) == ("source hf:roneneldan/TinyStories needs the 'hf' extra: "
+                            "pip install 'ddpgpt[hf]'")
     assert not (tmp_path / "o").exists()
 
 
@@ -137,13 +142,16 @@ def test_hf_source_without_extra(monkeypatch, tmp_path):
     (["{tmp}/missing", "--out", "{tmp}/o"],
      "source '{tmp}/missing' does not exist; give a file, a directory, a glob, stdlib or hf:NAME"),
     (["{tmp}/emptydir", "--out", "{tmp}/o"],
-     "no documents in {tmp}/emptydir (0 binary and 1 empty files skipped); give a source with text"),
+     "no documents in {tmp}/emptydir (0 binary and 1 empty files skipped); "
+     "give a source with text"),
     (["{corpus}", "--out", "{tmp}/o", "--vocab-size", "100"],
-     "--vocab-size 100 is too small: a byte-level BPE needs at least 257 (256 bytes + end-of-text); use e.g. --vocab-size 4096"),
+     "--vocab-size 100 is too small: a byte-level BPE needs at least 257 (256 bytes + "
+     "end-of-text); use e.g. --vocab-size 4096"),
     (["{corpus}", "--out", "{tmp}/o", "--val-fraction", "1.5"],
      "invalid config: --val-fraction 1.5 must be between 0 and 1"),
     (["{tmp}/onedoc", "--out", "{tmp}/o", "--tokenizer", "byte"],
-     "the training split is empty (1 documents, --val-fraction 0.01); give more documents or change --val-fraction"),
+     "the training split is empty (1 documents, --val-fraction 0.01); give more documents or "
+     "change --val-fraction"),
     (["{corpus}", "--out", "{tmp}/o", "--tokenizer", "wordpiece"],
      "invalid config: prepare.tokenizer = 'wordpiece'; choose one of bpe, byte, gpt2"),
     (["--verify", "{tmp}/missing"],
@@ -164,7 +172,8 @@ def test_cli_errors(corpus, tmp_path, args, message):
 
 def test_cli_prepare_and_verify(corpus, tmp_path):
     out = tmp_path / "o"
-    result = run_cli("prepare", corpus, "--out", out, "--tokenizer", "byte", "--val-fraction", "0.3")
+    result = run_cli("prepare", corpus, "--out", out, "--tokenizer", "byte",
+                     "--val-fraction", "0.3")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"prepared {out}: 6 documents (4 train, 2 val)")
     result = run_cli("prepare", "--verify", out)

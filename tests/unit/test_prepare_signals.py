@@ -1,0 +1,126 @@
+"""`ddpgpt prepare` stopped by SIGTERM leaves no partial output, and the next prepare into the same
+--out removes the partials of prepares that died without cleaning up."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ddpgpt.config import PrepareConfig
+from ddpgpt.data import prepare
+from ddpgpt.data.shards import TokenDataset
+from tests.helpers import kill_tree, run_cli
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped: no process has this pid until the kernel hands it out again
+    return proc.pid
+
+
+def wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def write_corpus(root, mb=12):
+    root.mkdir()
+    for i in range(mb):
+        (root / f"{i:02d}.txt").write_bytes(b"some text to tokenize\n" * ((1 << 20) // 22 + 1))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
+def test_a_signal_removes_the_partial_output_and_exits_128_plus_its_number(tmp_path, signum):
+    """The signal comes once the first shard is being written; the last source is a FIFO that
+    nobody writes, so the prepare is still running whenever it lands. SIGTERM exits 143."""
+    write_corpus(tmp_path / "corpus")
+    fifo = tmp_path / "never-ends"
+    os.mkfifo(fifo)
+    out = tmp_path / "o"
+    argv = ["prepare", tmp_path / "corpus", fifo, "--out", out, "--tokenizer", "byte"]
+    proc = subprocess.Popen([sys.executable, "-m", "ddpgpt", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    partial = tmp_path / f".o.partial-{proc.pid}"
+    try:
+        wait_for(lambda: any(partial.glob("*.bin")))
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 128 + signum
+    assert err == (f"ddpgpt: stopped: {signum.name} before prepare finished; removed the partial "
+                   f"output {partial} (--out {out} is unchanged); run the same command again to "
+                   "prepare it\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "never-ends"]
+
+
+@pytest.fixture
+def sigterm_recorder():
+    """A SIGTERM handler of the test's own, so a signal never ends the test process."""
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    yield received
+    signal.signal(signal.SIGTERM, previous)
+
+
+def corpus_of_two(tmp_path):
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(f"document {name}\n")
+    return [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
+
+
+def test_sigterm_in_process_raises_terminated_and_restores_the_handler(tmp_path, monkeypatch,
+                                                                       sigterm_recorder):
+    def signalled_tokenizer(cfg, corpus):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+
+    monkeypatch.setattr(prepare, "make_tokenizer", signalled_tokenizer)
+    cfg = PrepareConfig(sources=corpus_of_two(tmp_path), out=str(tmp_path / "o"), tokenizer="byte",
+                        val_fraction=0.5)
+    with pytest.raises(prepare.Terminated) as e:
+        prepare.run(cfg)
+    assert e.value.exit_code == 128 + signal.SIGTERM
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt"]
+    assert sigterm_recorder == []
+    assert signal.getsignal(signal.SIGTERM).__name__ == "<lambda>"  # the recorder is back
+
+
+def test_sigterm_while_publishing_waits_until_the_dataset_is_in_place(tmp_path, monkeypatch,
+                                                                      sigterm_recorder, capsys):
+    """Publishing is two renames; a signal between them would lose the old --out. It is held and
+    passed on to the previous handler once the dataset is complete."""
+    publish = prepare._publish
+
+    def signalled_publish(tmp, out):
+        os.kill(os.getpid(), signal.SIGTERM)
+        publish(tmp, out)
+
+    monkeypatch.setattr(prepare, "_publish", signalled_publish)
+    prepare.run(PrepareConfig(sources=corpus_of_two(tmp_path), out=str(tmp_path / "o"),
+                              tokenizer="byte", val_fraction=0.5))
+    assert TokenDataset(tmp_path / "o").verify() == 2
+    assert sigterm_recorder == [signal.SIGTERM]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "o"]
+
+
+def test_next_prepare_removes_partials_of_dead_prepares_only(tmp_path):
+    """Only `.o.partial-PID` for this --out whose PID is not alive goes; a live PID's stays
+    (whatever that process is now), and so do other --out names' partials."""
+    dead = dead_pid()
+    names = [f".o.partial-{dead}", f".o.partial-{os.getpid()}", f".other.partial-{dead}",
+             ".o.partial-x1", ".o.partial-99999999999"]
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train_000000.bin").write_bytes(b"partial")
+    result = run_cli("prepare", *corpus_of_two(tmp_path), "--out", tmp_path / "o",
+                     "--tokenizer", "byte", "--val-fraction", "0.5")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == (f"ddpgpt: warning: removed {tmp_path}/.o.partial-{dead}, the partial "
+                             f"output of a prepare (pid {dead}) that is no longer running\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a.txt", "b.txt", "o", *names[1:]])
