@@ -1,1 +1,2 @@
-"""Dataset preparation (`prepare`), shard files (`shards`), tokenizers and the distributed loader."""
+"""Dataset preparation (`prepare`), shard files (`shards`), tokenizers and the distributed
+loader."""

@@ -73,17 +73,17 @@ def require_windows(stream: TokenStream, need: int, what: str = "") -> None:
     """A DataError unless the stream has `need` windows (`what` says what they are for)."""
     if stream.num_windows < need:
         batch = " / data.global_batch" if what else ""
-        raise DataError(f"dataset {stream.dataset_path}: the {stream.split} split has {stream.num_windows} "
-                        f"windows of {stream.seq_len + 1} tokens, fewer than {what}{need}; use a larger "
-                        f"dataset, or a smaller data.seq_len{batch}")
+        raise DataError(f"dataset {stream.dataset_path}: the {stream.split} split has "
+                        f"{stream.num_windows} windows of {stream.seq_len + 1} tokens, fewer than "
+                        f"{what}{need}; use a larger dataset, or a smaller data.seq_len{batch}")
 
 
 class TrainLoader:
     """Yields each optimizer step's micro-batches for one rank; see the module docstring."""
 
-    def __init__(self, dataset: TokenDataset, *, seq_len: int, micro_batch: int, world_size: int = 1,
-                 rank: int = 0, accum_steps: int = 1, seed: int = 0, shuffle: bool = True,
-                 split: str = "train", device: str | torch.device = "cpu"):
+    def __init__(self, dataset: TokenDataset, *, seq_len: int, micro_batch: int,
+                 world_size: int = 1, rank: int = 0, accum_steps: int = 1, seed: int = 0,
+                 shuffle: bool = True, split: str = "train", device: str | torch.device = "cpu"):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.stream = TokenStream(dataset, split, seq_len)
@@ -137,11 +137,12 @@ class TrainLoader:
         """Continues from a saved cursor; W and A may differ from the saving run's."""
         for key in ("seed", "seq_len", "shuffle"):
             if state[key] != getattr(self, key):
-                raise DataError(f"loader state has {key} = {state[key]} but this run has {getattr(self, key)}; "
-                                "resume with the same data settings")
+                raise DataError(f"loader state has {key} = {state[key]} but this run has "
+                                f"{getattr(self, key)}; resume with the same data settings")
         if state["num_windows"] != self.stream.num_windows:
-            raise DataError(f"loader state counts {state['num_windows']} windows but the dataset has "
-                            f"{self.stream.num_windows}: the data changed; resume on the same dataset")
+            raise DataError(f"loader state counts {state['num_windows']} windows but the dataset "
+                            f"has {self.stream.num_windows}: the data changed; resume on the same "
+                            "dataset")
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
 
 
@@ -155,14 +156,15 @@ class EvalLoader:
     over ranks gives exactly the single-process token-weighted mean, up to float rounding.
     """
 
-    def __init__(self, dataset: TokenDataset, *, seq_len: int, micro_batch: int, world_size: int = 1,
-                 rank: int = 0, max_windows: int = 0, split: str = "val",
+    def __init__(self, dataset: TokenDataset, *, seq_len: int, micro_batch: int,
+                 world_size: int = 1, rank: int = 0, max_windows: int = 0, split: str = "val",
                  device: str | torch.device = "cpu"):
         self.stream = TokenStream(dataset, split, seq_len)
         n = self.stream.num_windows
         if n == 0:
-            raise DataError(f"dataset {dataset.path}: the {split} split has fewer than {seq_len + 1} tokens; "
-                            "re-run ddpgpt prepare with a larger --val-fraction or use a smaller data.seq_len")
+            raise DataError(f"dataset {dataset.path}: the {split} split has fewer than "
+                            f"{seq_len + 1} tokens; re-run ddpgpt prepare with a larger "
+                            "--val-fraction or use a smaller data.seq_len")
         self.windows = np.arange(n) if not max_windows or max_windows >= n else \
             np.linspace(0, n - 1, max_windows).round().astype(np.int64)
         self.micro_batch, self.seq_len = micro_batch, seq_len

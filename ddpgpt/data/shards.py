@@ -90,7 +90,8 @@ def read_header(path: Path) -> tuple[np.dtype, int]:
     except OSError as e:
         raise DataError(f"{path}: cannot read shard ({e.strerror}); {REPREPARE}") from None
     if len(raw) < _HEADER.size:
-        raise DataError(f"{path}: truncated shard ({size} bytes, shorter than its header); {REPREPARE}")
+        raise DataError(f"{path}: truncated shard ({size} bytes, shorter than its header); "
+                        f"{REPREPARE}")
     magic, version, code, count = _HEADER.unpack(raw)
     if magic != MAGIC:
         raise DataError(f"{path}: not a ddpgpt shard (bad magic {magic!r}); {REPREPARE}")
@@ -132,8 +133,10 @@ class TokenDataset:
         meta_path = self.path / "meta.json"
         if not meta_path.is_file():
             if not self.path.exists():
-                raise DataError(f"dataset {self.path} does not exist; create it with: ddpgpt prepare --out {self.path}")
-            raise DataError(f"dataset {self.path} has no meta.json (not prepared, or prepare did not finish); {REPREPARE} --out {self.path}")
+                raise DataError(f"dataset {self.path} does not exist; create it with: "
+                                f"ddpgpt prepare --out {self.path}")
+            raise DataError(f"dataset {self.path} has no meta.json (not prepared, or prepare did "
+                            f"not finish); {REPREPARE} --out {self.path}")
         self.meta_bytes = meta_path.read_bytes()
         try:
             self.meta = json.loads(self.meta_bytes)
@@ -142,26 +145,32 @@ class TokenDataset:
             self.dtype = np.dtype(self.meta["dtype"])
             self.tokenizer = str(self.meta["tokenizer"])
             version = int(self.meta["format_version"])
-            listed = {split: [ShardInfo(**s) for s in self.meta["shards"][split]] for split in ("train", "val")}
+            listed = {split: [ShardInfo(**s) for s in self.meta["shards"][split]]
+                      for split in ("train", "val")}
         except (ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{meta_path}: corrupt or incomplete meta.json ({type(e).__name__}: {e}); {REPREPARE}") from None
+            raise DataError(f"{meta_path}: corrupt or incomplete meta.json "
+                            f"({type(e).__name__}: {e}); {REPREPARE}") from None
         if version > META_FORMAT_VERSION:
             raise DataError(
                 f"{meta_path}: dataset format version {version} is newer than this ddpgpt reads "
                 f"({META_FORMAT_VERSION}); upgrade ddpgpt or {REPREPARE}"
             )
         self.shards = listed
-        self._tokens = {split: [self._open(info) for info in infos] for split, infos in listed.items()}
+        self._tokens = {split: [self._open(info) for info in infos]
+                        for split, infos in listed.items()}
 
     def _open(self, info: ShardInfo) -> np.ndarray:
         path = self.path / info.file
         if not path.is_file():
-            raise DataError(f"{self.path / 'meta.json'} lists {info.file} but the file is missing; {REPREPARE}")
+            raise DataError(f"{self.path / 'meta.json'} lists {info.file} but the file is "
+                            f"missing; {REPREPARE}")
         tokens = open_shard(path)
         if tokens.dtype != self.dtype:
-            raise DataError(f"{path}: header dtype {tokens.dtype.name} but meta.json says {self.dtype.name}; {REPREPARE}")
+            raise DataError(f"{path}: header dtype {tokens.dtype.name} but meta.json says "
+                            f"{self.dtype.name}; {REPREPARE}")
         if len(tokens) != info.tokens:
-            raise DataError(f"{path}: holds {len(tokens)} tokens but meta.json says {info.tokens}; {REPREPARE}")
+            raise DataError(f"{path}: holds {len(tokens)} tokens but meta.json says "
+                            f"{info.tokens}; {REPREPARE}")
         return tokens
 
     @property

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ddpgpt.config import PrepareConfig
-from ddpgpt.data import prepare, tokenizer
+from ddpgpt.data import prepare, sources, tokenizer
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import EOT_TEXT, BPETokenizer, load_tokenizer
 
@@ -19,7 +19,7 @@ CODE = "def f(x):\n    return x  # \u2713 caf\xe9\n\n\tclass A:  pass\r\n" * 40
 
 def small_pieces(monkeypatch, piece_chars, batch_bytes=None):
     # raising=False: the same test runs (and fails) on a prepare without pieces
-    monkeypatch.setattr(prepare, "PIECE_CHARS", piece_chars, raising=False)
+    monkeypatch.setattr(sources, "PIECE_CHARS", piece_chars)
     monkeypatch.setattr(prepare, "BATCH_BYTES", batch_bytes or 4 * piece_chars)
 
 
@@ -74,13 +74,13 @@ def test_byte_stream_is_the_files_bytes_whatever_the_pieces(tmp_path, monkeypatc
 
 def test_read_decodes_in_chunks_exactly_like_whole(tmp_path, monkeypatch):
     """Invalid UTF-8 and characters cut by a chunk boundary decode as in one piece."""
-    monkeypatch.setattr(prepare, "PIECE_CHARS", 7, raising=False)
+    monkeypatch.setattr(sources, "PIECE_CHARS", 7)
     rng = random.Random(1)
     for trial in range(50):
         data = random_bytes(rng, UTF8_SOUP, rng.randrange(1, 100))
         path = tmp_path / f"{trial}.txt"
         path.write_bytes(data)
-        assert "".join(prepare._read(path)) == data.decode("utf-8", "replace")
+        assert "".join(sources._read(path)) == data.decode("utf-8", "replace")
 
 
 WORDS = ["ab", " ", "\n", "  ", "\t", "x'", "'s", "9", "\u2713", "!!", "\r\n", "\u00a0", "\u2003",
@@ -95,7 +95,7 @@ def test_pieces_cut_before_a_word_keep_the_pre_tokens():
     for _ in range(200):
         text = "".join(rng.choice(WORDS) for _ in range(rng.randrange(1, 300)))
         size = rng.randrange(4, 60)
-        pieces = list(prepare._cut([text[:37], text[37:]], size))
+        pieces = list(sources._cut([text[:37], text[37:]], size))
         assert "".join(pieces) == text and all(0 < len(p) <= size for p in pieces)
         forced = [p for p in pieces[:-1] if len(p) == size]
         if not forced:

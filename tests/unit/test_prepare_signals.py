@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ddpgpt.config import PrepareConfig
-from ddpgpt.data import prepare
+from ddpgpt.data import output, prepare
 from ddpgpt.data.shards import TokenDataset
 from tests.helpers import kill_tree, run_cli
 
@@ -83,7 +83,7 @@ def test_sigterm_in_process_raises_terminated_and_restores_the_handler(tmp_path,
     monkeypatch.setattr(prepare, "make_tokenizer", signalled_tokenizer)
     cfg = PrepareConfig(sources=corpus_of_two(tmp_path), out=str(tmp_path / "o"), tokenizer="byte",
                         val_fraction=0.5)
-    with pytest.raises(prepare.Terminated) as e:
+    with pytest.raises(output.Terminated) as e:
         prepare.run(cfg)
     assert e.value.exit_code == 128 + signal.SIGTERM
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt"]
@@ -95,13 +95,13 @@ def test_sigterm_while_publishing_waits_until_the_dataset_is_in_place(tmp_path, 
                                                                       sigterm_recorder, capsys):
     """Publishing is two renames; a signal between them would lose the old --out. It is held and
     passed on to the previous handler once the dataset is complete."""
-    publish = prepare._publish
+    publish = output.publish
 
     def signalled_publish(tmp, out):
         os.kill(os.getpid(), signal.SIGTERM)
         publish(tmp, out)
 
-    monkeypatch.setattr(prepare, "_publish", signalled_publish)
+    monkeypatch.setattr(prepare, "publish", signalled_publish)
     prepare.run(PrepareConfig(sources=corpus_of_two(tmp_path), out=str(tmp_path / "o"),
                               tokenizer="byte", val_fraction=0.5))
     assert TokenDataset(tmp_path / "o").verify() == 2
