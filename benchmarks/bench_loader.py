@@ -32,8 +32,9 @@ def main() -> None:
         for x, _ in loader.next_step():
             tokens += x.numel()
     elapsed = time.perf_counter() - start
-    print(f"loader: {tokens / elapsed / 1e6:.1f}M tokens/s per rank (T={a.seq_len}, b={a.micro_batch}, "
-          f"rank 0 of {a.world_size}, A={a.accum}, {ds.tokenizer} {ds.dtype.name} shards)")
+    print(f"loader: {tokens / elapsed / 1e6:.1f}M tokens/s per rank (T={a.seq_len}, "
+          f"b={a.micro_batch}, rank 0 of {a.world_size}, A={a.accum}, {ds.tokenizer} "
+          f"{ds.dtype.name} shards)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""Training throughput and MFU of the real `ddpgpt train` path: CPU weak scaling W=1 -> W=2, or one GPU.
+"""Training throughput and MFU of the real `ddpgpt train` path: CPU weak scaling W=1 -> W=2, or
+one GPU.
 
-    python -m benchmarks.bench_train [--data data/stdlib] [--preset tiny] [--steps 25] [--json out.json]
-    python -m benchmarks.bench_train --gpu      # gpt2-124m, W=1, bf16, --compile; skips without CUDA
+    python -m benchmarks.bench_train [--data data/stdlib] [--preset tiny] [--steps 25] \\
+        [--json out.json]
+    python -m benchmarks.bench_train --gpu  # gpt2-124m, W=1, bf16, --compile; skips without CUDA
 
 CPU mode. Each run is a subprocess `python -m ddpgpt train --device cpu --run.threads 1
 --run.eval-every 0 --run.checkpoint-every 0` in a temporary run dir, plain at W=1 and `--nproc 2`
@@ -50,8 +52,8 @@ from ddpgpt.config import ConfigError
 from ddpgpt.config_io import from_dict
 from ddpgpt.metrics import measure_matmul_flops, peak_flops
 from ddpgpt.model import GPT
-from ddpgpt.presets import get_preset
 from ddpgpt.preflight import accum_steps
+from ddpgpt.presets import get_preset
 
 MFU_TARGET, EFFICIENCY_TARGET = 0.80, 0.95
 
@@ -83,11 +85,14 @@ def train(data: str, preset: str, world: int, steps: int, extra: list[str]) -> d
         busy0, own0, start = cpu_busy_s(), children_cpu_s(), time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wall = time.perf_counter() - start
-        # Children's CPU time counts the launcher's workers too: they are waited for before it exits.
+        # Children's CPU time counts the launcher's workers too: they are waited for before it
+        # exits.
         own, busy = children_cpu_s() - own0, cpu_busy_s()
         if proc.returncode:
-            sys.exit(f"bench_train: `{' '.join(cmd)}` failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+            sys.exit(f"bench_train: `{' '.join(cmd)}` failed (exit {proc.returncode}):\n"
+                     f"{proc.stderr[-3000:]}")
+        rows = [json.loads(line)
+                for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
         config = json.loads((Path(run_dir) / "config.json").read_text())
     other = None if busy is None else max(0.0, (busy - busy0 - own) / (wall * os.cpu_count()))
     return {"rows": [r for r in rows if "tokens_per_s" in r], "config": config, "wall_s": wall,
@@ -125,9 +130,11 @@ def cpu_peak() -> float:
 
 
 def run_line(i: int, r: dict) -> str:
-    other = "" if r["other_cpu_share"] is None else f", other processes {r['other_cpu_share']:.0%} of the CPUs"
-    return (f"  run {i}: W={r['world_size']} {r['tokens_per_s_per_process']:7,.0f} tokens/s per process, MFU "
-            f"{r['mfu']:6.1%} against {r['peak_flops'] / 1e9:.1f} GFLOP/s  (mfu column {r['mfu_column']:.1%}{other})")
+    other = ("" if r["other_cpu_share"] is None
+             else f", other processes {r['other_cpu_share']:.0%} of the CPUs")
+    return (f"  run {i}: W={r['world_size']} {r['tokens_per_s_per_process']:7,.0f} tokens/s per "
+            f"process, MFU {r['mfu']:6.1%} against {r['peak_flops'] / 1e9:.1f} GFLOP/s  "
+            f"(mfu column {r['mfu_column']:.1%}{other})")
 
 
 def bench_cpu(a: argparse.Namespace) -> dict:
@@ -138,27 +145,30 @@ def bench_cpu(a: argparse.Namespace) -> dict:
     except ConfigError as e:
         sys.exit(f"bench_train: preset {preset}: {e}")
     G = cfg.data.global_batch
-    print(f"bench_train: {preset} on CPU, 1 thread per process; W=1 and W=2 alternately, {a.repeats} × each, "
-          f"{a.steps} steps per run ({a.warmup} warm-up)", flush=True)
+    print(f"bench_train: {preset} on CPU, 1 thread per process; W=1 and W=2 alternately, "
+          f"{a.repeats} × each, {a.steps} steps per run ({a.warmup} warm-up)", flush=True)
     # W=1 trains G/2 and W=2 trains G: the same A micro-steps of b sequences in every process.
     flags = ["--device", "cpu", "--run.threads", "1"]
     runs = []
     for _ in range(a.repeats):
         for world, global_batch in ((1, G // 2), (2, G)):
             peak = cpu_peak()  # just before the run: this VM's speed drifts over minutes
-            run = train(a.data, preset, world, a.steps, [*flags, "--data.global-batch", str(global_batch)])
+            run = train(a.data, preset, world, a.steps,
+                        [*flags, "--data.global-batch", str(global_batch)])
             runs.append(summarize(run, world, a.warmup, peak) | {"peak_flops": peak})
             print(run_line(len(runs), runs[-1]), flush=True)
     w1, w2 = ([r for r in runs if r["world_size"] == w] for w in (1, 2))
     med = statistics.median
     figures = {"mode": "cpu", "preset": preset, "runs": runs, "mfu_target": MFU_TARGET,
-               "efficiency_target": EFFICIENCY_TARGET, "peak_flops_per_process": med(r["peak_flops"] for r in runs)}
+               "efficiency_target": EFFICIENCY_TARGET,
+               "peak_flops_per_process": med(r["peak_flops"] for r in runs)}
     for key, rs in (("w1", w1), ("w2", w2)):
         figures[key] = {"tokens_per_s_per_process": med(r["tokens_per_s_per_process"] for r in rs),
                         "mfu": med(r["mfu"] for r in rs), "accum_steps": rs[0]["accum_steps"],
                         "micro_batch": rs[0]["micro_batch"], "global_batch": rs[0]["global_batch"]}
     # Each W=2 run against the W=1 run just before it, so that slow drift cancels.
-    figures["efficiency"] = med(r2["tokens_per_s_per_process"] / r1["tokens_per_s_per_process"] for r1, r2 in zip(w1, w2))
+    figures["efficiency"] = med(r2["tokens_per_s_per_process"] / r1["tokens_per_s_per_process"]
+                                for r1, r2 in zip(w1, w2))
     figures["mfu_met"] = min(figures["w1"]["mfu"], figures["w2"]["mfu"]) >= MFU_TARGET
     figures["efficiency_met"] = figures["efficiency"] >= EFFICIENCY_TARGET
     report_cpu(figures, [r["peak_flops"] for r in runs])
@@ -166,11 +176,13 @@ def bench_cpu(a: argparse.Namespace) -> dict:
 
 
 def report_cpu(f: dict, peaks: list[float]) -> None:
-    print(f"medians over the runs:\n  matmul peak {f['peak_flops_per_process'] / 1e9:.1f} GFLOP/s per process (fp32 "
-          f"1024³, 1 thread; {min(peaks) / 1e9:.1f} to {max(peaks) / 1e9:.1f} over {len(peaks)} measurements)")
+    print(f"medians over the runs:\n  matmul peak {f['peak_flops_per_process'] / 1e9:.1f} GFLOP/s "
+          f"per process (fp32 1024³, 1 thread; {min(peaks) / 1e9:.1f} to {max(peaks) / 1e9:.1f} "
+          f"over {len(peaks)} measurements)")
     for w in (1, 2):
         r = f[f"w{w}"]
-        print(f"  W={w}: {r['tokens_per_s_per_process']:7,.0f} tokens/s per process, MFU {r['mfu']:6.1%}   "
+        print(f"  W={w}: {r['tokens_per_s_per_process']:7,.0f} tokens/s per process, "
+              f"MFU {r['mfu']:6.1%}   "
               f"(A={r['accum_steps']} × b={r['micro_batch']} per process, G={r['global_batch']})")
     print(f"  weak-scaling efficiency (W=2 total / 2 × W=1): {f['efficiency']:.1%}   "
           f"{verdict(f['efficiency'], EFFICIENCY_TARGET)}")
@@ -187,22 +199,28 @@ def bench_gpu(a: argparse.Namespace) -> dict | None:
     name = torch.cuda.get_device_name()
     print(f"bench_train: {preset}, W=1 on {name}, bf16, compiled; peak {peak / 1e12:.0f} TFLOP/s "
           "(data sheet, or measured if the GPU is not in metrics.GPU_BF16_PEAK)", flush=True)
-    run = train(a.data, preset, 1, a.steps, ["--device", "cuda", "--run.precision", "bf16", "--compile"])
+    run = train(a.data, preset, 1, a.steps,
+                ["--device", "cuda", "--run.precision", "bf16", "--compile"])
     r = summarize(run, 1, a.warmup, None)  # the first steps include compilation
     print(f"  {r['tokens_per_s_per_process']:,.0f} tokens/s   MFU {r['mfu_column']:.1%}   "
-          f"{verdict(r['mfu_column'], MFU_TARGET)}   (A={r['accum_steps']} × b={r['micro_batch']}, "
-          f"median of {r['steps_measured']} steps)")
-    return {"mode": "gpu", "preset": preset, "device": name, "peak_flops": peak, "w1": r, "mfu_target": MFU_TARGET}
+          f"{verdict(r['mfu_column'], MFU_TARGET)}   "
+          f"(A={r['accum_steps']} × b={r['micro_batch']}, median of {r['steps_measured']} steps)")
+    return {"mode": "gpu", "preset": preset, "device": name, "peak_flops": peak, "w1": r,
+            "mfu_target": MFU_TARGET}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="data/stdlib")
     p.add_argument("--preset", help="default: tiny on CPU, gpt2-124m with --gpu")
-    p.add_argument("--steps", type=int, help="optimizer steps per run (default: 25 on CPU, 30 with --gpu)")
-    p.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of the medians")
-    p.add_argument("--repeats", type=int, default=2, help="CPU: runs at each of W=1 and W=2, alternating")
-    p.add_argument("--gpu", action="store_true", help="gpt2-124m on one GPU instead of the CPU scaling runs")
+    p.add_argument("--steps", type=int,
+                   help="optimizer steps per run (default: 25 on CPU, 30 with --gpu)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="first steps of each run left out of the medians")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="CPU: runs at each of W=1 and W=2, alternating")
+    p.add_argument("--gpu", action="store_true",
+                   help="gpt2-124m on one GPU instead of the CPU scaling runs")
     p.add_argument("--json", help="also write the figures to this file")
     a = p.parse_args()
     a.steps = a.steps or (30 if a.gpu else 25)

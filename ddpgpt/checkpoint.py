@@ -2,7 +2,8 @@
 latest complete checkpoint, keep-last-k.
 
     checkpoints/step_0000100/
-        model.safetensors   state["model"]: the single-device model's weights (safetensors: no pickle)
+        model.safetensors   state["model"]: the single-device model's weights (safetensors:
+                            no pickle)
         trainer.pt          the rest of the state (optimizer, loader cursor, progress, every rank's
                             RNG, ...), read back with torch.load(weights_only=True)
         meta.json           written last: format version, step, each file's sha256, versions, the
@@ -63,7 +64,8 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := STEP_DIR.match(p.name)) and p.is_dir()]
     return sorted(found)
 
 
@@ -86,7 +88,8 @@ def save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
         tmp.mkdir()
         for name, data in files.items():
             write_bytes(tmp / name, data)
-        write_bytes(tmp / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())  # last: complete
+        write_bytes(tmp / "meta.json",
+                    (json.dumps(meta, indent=1) + "\n").encode())  # last: complete
         fsync(tmp)
         _publish(tmp, final)
         fsync(root)
@@ -164,8 +167,9 @@ def read_meta(path: Path, verify: bool = True) -> dict:
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{meta_path}: corrupt meta.json ({type(e).__name__}: {e})") from None
     if version > FORMAT_VERSION:
-        raise CheckpointVersionError(f"{path}: checkpoint format version {version} is newer than this "
-                                     f"ddpgpt reads ({FORMAT_VERSION}); upgrade ddpgpt (pip install -U ddpgpt)")
+        raise CheckpointVersionError(f"{path}: checkpoint format version {version} is newer "
+                                     f"than this ddpgpt reads ({FORMAT_VERSION}); upgrade ddpgpt "
+                                     "(pip install -U ddpgpt)")
     for name, expected in files.items() if verify else ():
         try:
             actual = sha256(path / name)
@@ -174,7 +178,8 @@ def read_meta(path: Path, verify: bool = True) -> dict:
                 raise CheckpointGone(f"{path}: deleted while being read") from None
             raise CheckpointError(f"{path}: {name} is missing") from None
         if actual != expected:
-            raise CheckpointError(f"{path}: {name} does not match its sha256 in meta.json (corrupt)")
+            raise CheckpointError(f"{path}: {name} does not match its sha256 in meta.json "
+                                  "(corrupt)")
     return meta
 
 
@@ -199,8 +204,9 @@ def find_latest(root: Path) -> tuple[Path, dict] | None:
     if problems:
         n = len(problems) - 1
         more = f" (and {n} older one{'s' if n > 1 else ''})" if n else ""
-        raise CheckpointError(f"no valid checkpoint in {Path(root).parent}: {problems[0]}{more}; move the "
-                              "bad ones away, or pass --reset to set them aside and start over")
+        raise CheckpointError(f"no valid checkpoint in {Path(root).parent}: {problems[0]}{more}; "
+                              "move the bad ones away, or pass --reset to set them aside and "
+                              "start over")
     return None
 
 
@@ -215,10 +221,12 @@ def load(path: Path, meta: dict, weights_only: bool = False) -> dict:
         except FileNotFoundError:
             raise CheckpointGone(f"{path}: deleted while being read") from None
         if hashlib.sha256(data[name]).hexdigest() != meta["files"][name]:
-            raise CheckpointError(f"{path}: {name} does not match its sha256 in meta.json (corrupt)")
+            raise CheckpointError(f"{path}: {name} does not match its sha256 in meta.json "
+                                  "(corrupt)")
     state = {"model": load_safetensors(data["model.safetensors"])}
     if not weights_only:
-        state.update(torch.load(io.BytesIO(data["trainer.pt"]), map_location="cpu", weights_only=True))
+        state.update(torch.load(io.BytesIO(data["trainer.pt"]), map_location="cpu",
+                                weights_only=True))
         if meta["format_version"] == 1:
             _upgrade_v1(state, meta)
     return state

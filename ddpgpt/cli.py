@@ -1,7 +1,8 @@
 """The `ddpgpt` command line: each subcommand parses into a config and calls `<module>.run(cfg)`.
 
     ddpgpt prepare [SOURCE ...] --out DIR          corpus -> token shards        (data/prepare.py)
-    ddpgpt train --data DIR [--preset tiny]        train, 1 process or --nproc N (train.py, launch.py)
+    ddpgpt train --data DIR [--preset tiny]        train, 1 process or --nproc N (train.py,
+                                                                                  launch.py)
     ddpgpt sample --run-dir DIR --prompt TEXT      generate from a checkpoint    (sample.py)
     ddpgpt eval --run-dir DIR                      validation loss               (evaluate.py)
     ddpgpt doctor [--nproc N]                      environment and all-reduce probe (doctor.py)
@@ -51,25 +52,29 @@ def _build_parser() -> argparse.ArgumentParser:
     add_flags(p, PrepareConfig)
 
     t = sub.add_parser("train", help="train a model (one process, --nproc N, or under torchrun)",
-                       allow_abbrev=False, description="Train a GPT with data parallelism (see README).")
+                       allow_abbrev=False,
+                       description="Train a GPT with data parallelism (see README).")
     t.add_argument("--preset", help="named config: tiny, small, gpt2-124m, gpt2-350m")
     t.add_argument("--config", help="TOML file with [model] [data] [optim] [run] sections")
-    t.add_argument("--nproc", type=int, help="start N local processes through torch's elastic launcher")
+    t.add_argument("--nproc", type=int,
+                   help="start N local processes through torch's elastic launcher")
     t.add_argument("--max-restarts", type=int,
                    help="with --nproc: restart the whole group up to K times after a worker dies; "
                         "each restart resumes from the latest complete checkpoint (default: 0)")
     t.add_argument("--reset", action="store_true",
-                   help="set the run dir's checkpoints and metrics aside (into reset-<time>/) and start "
-                        "over; same as --resume reset")
+                   help="set the run dir's checkpoints and metrics aside (into reset-<time>/) and "
+                        "start over; same as --resume reset")
     t.add_argument("--resolved-config", metavar="CONFIG_JSON",
                    help="start from a run's resolved config.json and nothing else (what --nproc "
                         "workers do)")
     for section, cls in SECTIONS.items():
         add_flags(t, cls, section)
 
-    for name, cls, help_ in (("sample", SampleConfig, "generate text from a run's latest checkpoint"),
+    for name, cls, help_ in (("sample", SampleConfig,
+                              "generate text from a run's latest checkpoint"),
                              ("eval", EvalConfig, "print a run's validation loss"),
-                             ("doctor", DoctorConfig, "print the environment; probe all-reduce bandwidth")):
+                             ("doctor", DoctorConfig,
+                              "print the environment; probe all-reduce bandwidth")):
         add_flags(sub.add_parser(name, help=help_, description=help_, allow_abbrev=False), cls)
     return parser
 
@@ -78,11 +83,12 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
     """(the config, --nproc, --max-restarts) from the parsed `train` flags."""
     options = {k: values.pop(k, None) for k in TRAIN_OPTIONS}
     if options["resolved_config"]:
-        others = [k for k, v in options.items() if v and k not in ("resolved_config", "nproc", "max_restarts")]
+        others = [k for k, v in options.items()
+                  if v and k not in ("resolved_config", "nproc", "max_restarts")]
         if values or others:
             flags = ", ".join(f"--{k.replace('_', '-')}" for k in [*others, *values])
-            raise UserError(f"--resolved-config takes no config flags beside it (got {flags}); edit the file, "
-                            "or build the config from flags instead")
+            raise UserError(f"--resolved-config takes no config flags beside it (got {flags}); "
+                            "edit the file, or build the config from flags instead")
         path = options["resolved_config"]
         try:
             text = open(path).read()
@@ -96,7 +102,8 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
     else:
         if options["reset"]:
             if values.get("run.resume") not in (None, "reset"):
-                raise UserError(f"--reset and --resume {values['run.resume']} contradict each other; give one")
+                raise UserError(f"--reset and --resume {values['run.resume']} contradict each "
+                                "other; give one")
             values["run.resume"] = "reset"
         cfg = build(options["preset"], options["config"], nest(values))
     return cfg, options["nproc"], options["max_restarts"] or 0

@@ -32,7 +32,8 @@ class PrepareConfig:
     """`ddpgpt prepare`: corpus sources -> tokenizer -> token shards."""
 
     sources: list[str] = field(default_factory=list)
-    """Corpus sources: `stdlib` (default), files, directories, globs, or hf:NAME[:CONFIG][:SPLIT]."""
+    """Corpus sources: `stdlib` (default), files, directories, globs, or
+    hf:NAME[:CONFIG][:SPLIT]."""
     out: str | None = None
     """Dataset directory to create (written to a temporary name, renamed when complete)."""
     tokenizer: str = "bpe"
@@ -46,13 +47,16 @@ class PrepareConfig:
     bpe_train_mb: int = 256
     """The bpe tokenizer is trained on at most this many MB of the corpus (the first documents)."""
     force: bool = False
-    """Replace a non-empty --out directory (the old one is removed only after the new one is complete)."""
+    """Replace a non-empty --out directory (the old one is removed only after the new one is
+    complete)."""
     verify: str | None = None
-    """Instead of preparing: re-check every shard of this dataset directory (header, size, sha256)."""
+    """Instead of preparing: re-check every shard of this dataset directory (header, size,
+    sha256)."""
 
     def __post_init__(self):
         _choice("prepare", "tokenizer", self.tokenizer, ("bpe", "byte", "gpt2"))
-        _require(0 < self.val_fraction < 1, f"--val-fraction {self.val_fraction} must be between 0 and 1")
+        _require(0 < self.val_fraction < 1,
+                 f"--val-fraction {self.val_fraction} must be between 0 and 1")
         _require(self.shard_tokens >= 1, f"--shard-tokens {self.shard_tokens} must be >= 1")
         _require(self.bpe_train_mb >= 1, f"--bpe-train-mb {self.bpe_train_mb} must be >= 1")
 
@@ -79,8 +83,10 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_embd", "block_size"):
             _require(getattr(self, name) >= 1, f"model.{name} = {getattr(self, name)} must be >= 1")
-        _require(self.vocab_size >= 0, f"model.vocab_size = {self.vocab_size} must be >= 0 (0: from the dataset)")
-        _require(self.n_embd % self.n_head == 0, f"model.n_head = {self.n_head} must divide model.n_embd = {self.n_embd}")
+        _require(self.vocab_size >= 0,
+                 f"model.vocab_size = {self.vocab_size} must be >= 0 (0: from the dataset)")
+        _require(self.n_embd % self.n_head == 0,
+                 f"model.n_head = {self.n_head} must divide model.n_embd = {self.n_embd}")
         _require(0 <= self.dropout < 1, f"model.dropout = {self.dropout} must be in [0, 1)")
 
 
@@ -114,7 +120,8 @@ class DataConfig:
     def __post_init__(self):
         for name in ("micro_batch", "global_batch"):
             _require(getattr(self, name) >= 1, f"data.{name} = {getattr(self, name)} must be >= 1")
-        _require(self.seq_len >= 0, f"data.seq_len = {self.seq_len} must be >= 0 (0: model.block_size)")
+        _require(self.seq_len >= 0,
+                 f"data.seq_len = {self.seq_len} must be >= 0 (0: model.block_size)")
         _require(self.eval_windows >= 0, f"data.eval_windows = {self.eval_windows} must be >= 0")
 
 
@@ -141,11 +148,13 @@ class OptimConfig:
 
     def __post_init__(self):
         _require(self.lr > 0, f"optim.lr = {self.lr} must be > 0")
-        _require(0 <= self.min_lr <= self.lr, f"optim.min_lr = {self.min_lr} must be in [0, optim.lr = {self.lr}]")
+        _require(0 <= self.min_lr <= self.lr,
+                 f"optim.min_lr = {self.min_lr} must be in [0, optim.lr = {self.lr}]")
         _require(self.warmup_steps >= 0, f"optim.warmup_steps = {self.warmup_steps} must be >= 0")
         _require(self.weight_decay >= 0, f"optim.weight_decay = {self.weight_decay} must be >= 0")
         for name in ("beta1", "beta2"):
-            _require(0 <= getattr(self, name) < 1, f"optim.{name} = {getattr(self, name)} must be in [0, 1)")
+            _require(0 <= getattr(self, name) < 1,
+                     f"optim.{name} = {getattr(self, name)} must be in [0, 1)")
         _require(self.eps > 0, f"optim.eps = {self.eps} must be > 0")
         _require(self.grad_clip >= 0, f"optim.grad_clip = {self.grad_clip} must be >= 0 (0: off)")
 
@@ -200,7 +209,8 @@ class RunConfig:
         _require(self.log_every >= 1, f"run.log_every = {self.log_every} must be >= 1")
         for name in ("eval_every", "checkpoint_every", "threads"):
             _require(getattr(self, name) >= 0, f"run.{name} = {getattr(self, name)} must be >= 0")
-        _require(self.keep_checkpoints >= 1, f"run.keep_checkpoints = {self.keep_checkpoints} must be >= 1")
+        _require(self.keep_checkpoints >= 1,
+                 f"run.keep_checkpoints = {self.keep_checkpoints} must be >= 1")
         _require(self.bucket_mb > 0, f"run.bucket_mb = {self.bucket_mb} must be > 0")
         _choice("run", "device", self.device, ("auto", "cpu", "cuda"))
         _choice("run", "backend", self.backend, ("auto", "nccl", "gloo"))
@@ -225,10 +235,12 @@ class TrainConfig:
 
     def __post_init__(self):
         _require(self.data.seq_len <= self.model.block_size,
-                 f"data.seq_len = {self.data.seq_len} exceeds model.block_size = {self.model.block_size}; "
-                 f"set data.seq_len <= {self.model.block_size} (0: model.block_size) or raise model.block_size")
+                 f"data.seq_len = {self.data.seq_len} exceeds model.block_size = "
+                 f"{self.model.block_size}; set data.seq_len <= {self.model.block_size} "
+                 "(0: model.block_size) or raise model.block_size")
         _require(self.data.global_batch % self.data.micro_batch == 0,
-                 f"data.global_batch = {self.data.global_batch} is not a multiple of data.micro_batch = {self.data.micro_batch}")
+                 f"data.global_batch = {self.data.global_batch} is not a multiple of "
+                 f"data.micro_batch = {self.data.micro_batch}")
 
     @property
     def seq_len(self) -> int:
@@ -290,7 +302,8 @@ class DoctorConfig:
     """`ddpgpt doctor`: environment report and, with several processes, an all-reduce probe."""
 
     nproc: int = 0
-    """Start this many local processes for the all-reduce probe (0: just this process, or torchrun's)."""
+    """Start this many local processes for the all-reduce probe (0: just this process, or
+    torchrun's)."""
     probe_mb: float = 64.0
     """Size of the all-reduce probe tensor in MB."""
 

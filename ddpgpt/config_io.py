@@ -28,7 +28,8 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from ddpgpt.config import SECTIONS, ConfigError, TrainConfig
 
-TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
+TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+              list: "a list"}
 
 
 # ---- fields -----------------------------------------------------------------------------------
@@ -44,7 +45,8 @@ def field_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)):
             docs[node.target.id] = " ".join(str(nxt.value.value).split())
     return docs
 
@@ -87,17 +89,20 @@ def check_type(value: Any, tp: Any, where: str) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, kind) or (kind in (int, float) and isinstance(value, bool)):
-        raise ConfigError(f"{where}: expected {TYPE_NAMES[kind]}, got {value!r} ({type(value).__name__})")
+        raise ConfigError(f"{where}: expected {TYPE_NAMES[kind]}, got {value!r} "
+                          f"({type(value).__name__})")
     return value
 
 
-def overlay(cfg: TrainConfig, values: dict, source: str, convert: Callable = check_type) -> TrainConfig:
+def overlay(cfg: TrainConfig, values: dict, source: str,
+            convert: Callable = check_type) -> TrainConfig:
     """A copy of `cfg` with the nested `values` ({section: {field: value}}) applied, each value
     passed through `convert` (check_type or parse_text) and every section validated."""
     sections = {}
     for section, fields in values.items():
         if section not in SECTIONS:
-            raise ConfigError(f"{source}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
+            raise ConfigError(f"{source}: unknown section [{section}]; known: "
+                              f"{', '.join(SECTIONS)}")
         if not isinstance(fields, dict):
             raise ConfigError(f"{source}: [{section}] must be a table of fields, got {fields!r}")
         current = getattr(cfg, section)
@@ -105,7 +110,8 @@ def overlay(cfg: TrainConfig, values: dict, source: str, convert: Callable = che
         changes = {}
         for name, value in fields.items():
             if name not in types_:
-                raise ConfigError(f"{source}: unknown key {section}.{name}; known: {', '.join(types_)}")
+                raise ConfigError(f"{source}: unknown key {section}.{name}; known: "
+                                  f"{', '.join(types_)}")
             changes[name] = convert(value, types_[name], f"{source}: {section}.{name}")
         sections[section] = _replace(current, changes, source)
     return _replace(cfg, sections, source)

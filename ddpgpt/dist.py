@@ -132,18 +132,18 @@ def init(device: str = "auto", backend: str = "auto", timeout_s: float = 600) ->
     name = backend if backend != "auto" else default_backend(dev.type)
     store = {}
     if job_store is not None:  # this attempt's own namespace: no key of an earlier one is seen
-        store = {"store": dist.PrefixStore(f"ddpgpt/attempt_{attempt}", job_store), "rank": env.rank,
-                 "world_size": env.world_size}
+        store = {"store": dist.PrefixStore(f"ddpgpt/attempt_{attempt}", job_store),
+                 "rank": env.rank, "world_size": env.world_size}
     try:
-        dist.init_process_group(name, timeout=timeout, device_id=dev if dev.type == "cuda" else None,
-                                **store)
+        dist.init_process_group(name, timeout=timeout,
+                                device_id=dev if dev.type == "cuda" else None, **store)
     except RuntimeError as e:  # DistNetworkError and friends
         if "address already in use" not in str(e).lower():
             raise
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        raise UserError(f"rank {env.rank}: cannot open the rendezvous port {where}: address already "
-                        "in use; another job holds it: choose another MASTER_PORT / --rdzv-endpoint "
-                        "port") from None
+        raise UserError(f"rank {env.rank}: cannot open the rendezvous port {where}: address "
+                        "already in use; another job holds it: choose another MASTER_PORT / "
+                        "--rdzv-endpoint port") from None
     return replace(env, backend=name)
 
 
@@ -187,8 +187,8 @@ def _attempt(store: dist.Store, rank: int, world_size: int, timeout_s: float) ->
                 waiting.discard(r)
         if time.monotonic() > deadline:
             raise DistError(f"rank 0: rank{'s' if len(waiting) > 1 else ''} "
-                            f"{', '.join(map(str, sorted(waiting)))} did not start within {timeout_s:g} s "
-                            "(run.dist_timeout_s)")
+                            f"{', '.join(map(str, sorted(waiting)))} did not start within "
+                            f"{timeout_s:g} s (run.dist_timeout_s)")
         time.sleep(0.01)
     return attempt
 
@@ -324,7 +324,8 @@ def agree(env: DistEnv, items: dict[str, tuple[bytes, str]]) -> None:
     gathered = all_gather(env, local).cpu()  # (W, items, 32)
     problems = []
     for i, (what, (_, fix)) in enumerate(items.items()):
-        differ = [r for r in range(env.world_size) if not torch.equal(gathered[r, i], gathered[0, i])]
+        differ = [r for r in range(env.world_size)
+                  if not torch.equal(gathered[r, i], gathered[0, i])]
         if differ:
             ranks = ", ".join(map(str, differ))
             problems.append(f"{what}: rank{'s' if len(differ) > 1 else ''} {ranks} "

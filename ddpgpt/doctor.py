@@ -25,7 +25,8 @@ from ddpgpt.config import DoctorConfig
 
 def report() -> list[str]:
     lines = [f"ddpgpt {__version__}, python {platform.python_version()}, torch {torch.__version__}",
-             f"cpu: {len(os.sched_getaffinity(0))} usable cores, torch threads {torch.get_num_threads()}"]
+             f"cpu: {len(os.sched_getaffinity(0))} usable cores, torch threads "
+             f"{torch.get_num_threads()}"]
     if torch.cuda.is_available():
         lines.append(f"cuda {torch.version.cuda}: {torch.cuda.device_count()} device(s)")
         for i in range(torch.cuda.device_count()):
@@ -34,7 +35,8 @@ def report() -> list[str]:
                          f"bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
     else:
         lines.append("cuda: not available (training runs on CPU with gloo)")
-    backends = [name for name, ok in (("gloo", tdist.is_gloo_available()), ("nccl", tdist.is_nccl_available()),
+    backends = [name for name, ok in (("gloo", tdist.is_gloo_available()),
+                                      ("nccl", tdist.is_nccl_available()),
                                       ("mpi", tdist.is_mpi_available())) if ok]
     lines.append(f"torch.distributed: {'available' if tdist.is_available() else 'missing'}; "
                  f"backends {', '.join(backends) or 'none'}")
@@ -67,9 +69,11 @@ def run(cfg: DoctorConfig) -> None:
         if env.world_size == 1:
             for line in report():
                 print(line)
-            print("all-reduce probe: one process; run `ddpgpt doctor --nproc N` or under torchrun to measure it")
+            print("all-reduce probe: one process; run `ddpgpt doctor --nproc N` or under "
+                  "torchrun to measure it")
             return
         seconds, busbw = probe(env, cfg.probe_mb)
         if env.is_main:
-            print(f"all-reduce {cfg.probe_mb:g} MB over {env.world_size} processes ({env.backend}, {env.device.type}): "
+            print(f"all-reduce {cfg.probe_mb:g} MB over {env.world_size} processes "
+                  f"({env.backend}, {env.device.type}): "
                   f"{seconds * 1e3:.1f} ms, bus bandwidth {busbw / 1e9:.2f} GB/s")

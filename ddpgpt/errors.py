@@ -13,8 +13,8 @@ def warn(message: str) -> None:
 
 
 class UserError(Exception):
-    """Bad input, reported as one line on stderr ("ddpgpt: <label>: ...") with exit code `exit_code`.
-    `quiet` errors print nothing: another rank reports the same event."""
+    """Bad input, reported as one line on stderr ("ddpgpt: <label>: ...") with exit code
+    `exit_code`. `quiet` errors print nothing: another rank reports the same event."""
 
     exit_code = 2
     label = "error"

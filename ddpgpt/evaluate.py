@@ -53,18 +53,22 @@ def run(cfg: EvalConfig) -> None:
         model = GPT(train_cfg.model).to(env.device)
         checkpoint.load_weights(path, model, state["model"])
         windows = train_cfg.data.eval_windows if cfg.windows < 0 else cfg.windows
-        loader = EvalLoader(dataset, seq_len=train_cfg.seq_len, micro_batch=train_cfg.data.micro_batch,
-                            world_size=env.world_size, rank=env.rank, max_windows=windows, device=env.device)
+        loader = EvalLoader(dataset, seq_len=train_cfg.seq_len,
+                            micro_batch=train_cfg.data.micro_batch, world_size=env.world_size,
+                            rank=env.rank, max_windows=windows, device=env.device)
         precision = inference_precision(train_cfg.run, env.device)
         loss = evaluate(model, loader, env, autocast(precision, env.device))
         if env.is_main:
             print(f"val_loss {loss:.4f} (step {meta['step']}, {len(loader.windows)} windows of "
-                  f"{train_cfg.seq_len} tokens, {env.world_size} process{'es' if env.world_size > 1 else ''})")
+                  f"{train_cfg.seq_len} tokens, {env.world_size} "
+                  f"process{'es' if env.world_size > 1 else ''})")
 
 
 def latest_checkpoint(run_dir: RunDir) -> tuple[Path, dict, dict]:
-    """(path, meta, weights) of a run's newest complete checkpoint, or one line saying there is none."""
+    """(path, meta, weights) of a run's newest complete checkpoint, or one line saying there is
+    none."""
     found = checkpoint.load_latest(run_dir.checkpoints)
     if found is None:
-        raise UserError(f"run {run_dir} has no complete checkpoint; train first (ddpgpt train --run-dir {run_dir})")
+        raise UserError(f"run {run_dir} has no complete checkpoint; train first "
+                        f"(ddpgpt train --run-dir {run_dir})")
     return found

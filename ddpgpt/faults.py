@@ -30,7 +30,8 @@ def parse(spec: str, rank: int) -> tuple[str, int] | None:
     """(action, step) for this rank, or None."""
     action, step, *who = spec.split("@")
     if action not in ACTIONS and not action.startswith("parent:"):
-        raise ValueError(f"DDPGPT_FAULT: unknown action {action!r}; one of {', '.join(ACTIONS)}, parent:SIG")
+        raise ValueError(f"DDPGPT_FAULT: unknown action {action!r}; one of "
+                         f"{', '.join(ACTIONS)}, parent:SIG")
     return (action, int(step)) if int(who[0] if who else 0) == rank else None
 
 

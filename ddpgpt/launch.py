@@ -49,14 +49,15 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
     with run_dir.locked():
         run_dir.write_config(cfg.to_dict())
         started = time.time()
-        code, stopped_by = start(nproc, ["train", "--resolved-config", str(run_dir.config)], max_restarts)
+        code, stopped_by = start(nproc, ["train", "--resolved-config", str(run_dir.config)],
+                                 max_restarts)
         if stopped_by is None:
             return code
         hint = resume_hint(cfg.run.resume, str(run_dir))
         saved = stop_checkpoint(run_dir, since=started)
         if saved is not None:
-            print(f"ddpgpt: stopped by {stopped_by.name}; the workers wrote checkpoint {saved} before "
-                  f"exiting: {hint}", file=sys.stderr)
+            print(f"ddpgpt: stopped by {stopped_by.name}; the workers wrote checkpoint {saved} "
+                  f"before exiting: {hint}", file=sys.stderr)
             return EXIT_PREEMPTED
         found = checkpoint.find_latest(run_dir.checkpoints)
         newest = f"the newest complete one is {found[0]}" if found else "there is none yet"
@@ -73,7 +74,8 @@ def stop_checkpoint(run_dir: RunDir, since: float):
     return None
 
 
-def start(nproc: int, worker_args: list[str], max_restarts: int = 0) -> tuple[int, signal.Signals | None]:
+def start(nproc: int, worker_args: list[str],
+          max_restarts: int = 0) -> tuple[int, signal.Signals | None]:
     """Runs `python -m ddpgpt WORKER_ARGS` on `nproc` local processes; returns (exit code, the
     signal that stopped the launcher, if one did)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -82,7 +84,8 @@ def start(nproc: int, worker_args: list[str], max_restarts: int = 0) -> tuple[in
 
     # Workers set their own thread count (run.threads); this also silences torchrun's banner.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    args = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+    args = parse_args(["--standalone", f"--nproc-per-node={nproc}",
+                       f"--max-restarts={max_restarts}",
                        "--monitor-interval=0.5", "-m", "ddpgpt", *worker_args])
     try:
         run(args)

@@ -3,11 +3,11 @@
 metrics.jsonl holds one JSON object per logged step,
     {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s"}
 one per evaluation, {"step", "val_loss"}, and one per event a reader of the curves must know
-about, {"step", "event", ...} (a deliberate switch of dataset on resume). `step` counts optimizer steps completed (the row
-after the first step says 1); `tokens` is the global count so far; `tokens_per_s` is global, over
-the steps since the previous row; `mfu` is the model FLOPs per second per process divided by one
-device's peak. On resume the file is cut back to the checkpoint's step, so it never holds a step
-twice or skips one.
+about, {"step", "event", ...} (a deliberate switch of dataset on resume). `step` counts optimizer
+steps completed (the row after the first step says 1); `tokens` is the global count so far;
+`tokens_per_s` is global, over the steps since the previous row; `mfu` is the model FLOPs per
+second per process divided by one device's peak. On resume the file is cut back to the
+checkpoint's step, so it never holds a step twice or skips one.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from tqdm import tqdm
 from ddpgpt.files import WriteError, describe
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets.
-GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "4090": 165e12}
+GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12,
+                 "4090": 165e12}
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
@@ -31,7 +32,8 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
     """FLOP/s of an n×n matmul on `device` with the current thread settings: the peak MFU is
     measured against on CPU. The best of several short windows: on a shared or virtual machine a
     single window often reads low."""
-    gen = torch.Generator(device).manual_seed(0)  # private: the global RNG (dropout) stays untouched
+    # private: the global RNG (dropout) stays untouched
+    gen = torch.Generator(device).manual_seed(0)
     a, b = (torch.randn(n, n, dtype=dtype, device=device, generator=gen) for _ in range(2))
     for _ in range(3):
         a @ b
@@ -86,7 +88,8 @@ class Metrics:
         self.path = Path(path)
         cut_log(self.path, start_step)
         self.file = open(self.path, "a")
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                        dynamic_ncols=True)
 
     def _write(self, row: dict) -> None:
         try:
@@ -106,7 +109,8 @@ class Metrics:
                "mfu": tps * self.flops_per_token / self.peak_total, "elapsed_s": elapsed_s}
         if self.enabled:
             self._write(row)
-            self.bar.set_postfix(loss="skipped" if loss is None else f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+            self.bar.set_postfix(loss="skipped" if loss is None else f"{loss:.4f}",
+                                 tok_s=f"{tps:,.0f}", refresh=False)
             self.bar.update(step - self.bar.n)
         return row
 

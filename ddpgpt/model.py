@@ -31,9 +31,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, D)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in (q, k, v))  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,  # (B, H, T, D)
+                                           dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_drop(self.proj(y))
 
@@ -67,7 +68,8 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, seed: int = 0):
         super().__init__()
         if cfg.vocab_size < 1:
-            raise ValueError("GPT needs a resolved vocab_size (the dataset's, see preflight.resolve)")
+            raise ValueError("GPT needs a resolved vocab_size (the dataset's, see "
+                             "preflight.resolve)")
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
@@ -127,7 +129,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                 top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
         """Appends `max_new_tokens` sampled tokens to idx (B, T); the context is cropped to
         block_size. No KV cache: each token re-reads the context, fine for short samples."""
         for _ in range(max_new_tokens):

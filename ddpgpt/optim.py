@@ -24,10 +24,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, cfg: OptimConfig,
+                   device: torch.device) -> torch.optim.AdamW:
     """torch's AdamW; the fused kernel on CUDA (one launch for all parameters)."""
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             eps=cfg.eps, fused=device.type == "cuda")
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=device.type == "cuda")
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:

@@ -26,19 +26,20 @@ def accum_steps(cfg: TrainConfig, world_size: int) -> int:
     """A = G / (W·b), or a ConfigError naming all four numbers."""
     G, b, W = cfg.data.global_batch, cfg.data.micro_batch, world_size
     if G % (W * b):
-        raise ConfigError(f"data.global_batch = {G} is not divisible by world size {W} × data.micro_batch "
-                          f"{b} = {W * b}; make the global batch a multiple of {W * b} or change the "
-                          "micro-batch")
+        raise ConfigError(f"data.global_batch = {G} is not divisible by world size {W} × "
+                          f"data.micro_batch {b} = {W * b}; make the global batch a multiple of "
+                          f"{W * b} or change the micro-batch")
     return G // (W * b)
 
 
 def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> TrainConfig:
     """`cfg` with no `auto` left: what config.json records and every process runs with."""
-    vocab = cfg.model.vocab_size or -(-dataset.vocab_size // 64) * 64  # a multiple of 64: fast matmuls
+    # a multiple of 64: fast matmuls
+    vocab = cfg.model.vocab_size or -(-dataset.vocab_size // 64) * 64
     if vocab < dataset.vocab_size:
         raise ConfigError(f"dataset {dataset.path} has a vocabulary of {dataset.vocab_size} but "
-                          f"model.vocab_size = {vocab}; set model.vocab_size >= {dataset.vocab_size} (or 0 "
-                          "to follow the dataset)")
+                          f"model.vocab_size = {vocab}; set model.vocab_size >= "
+                          f"{dataset.vocab_size} (or 0 to follow the dataset)")
     device = cfg.run.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,18 +50,21 @@ def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> T
         raise ConfigError("run.precision = fp16 needs CUDA; use bf16 or fp32 on CPU")
     threads = cfg.run.threads or max(1, len(os.sched_getaffinity(0)) // local_world_size)
     run = dataclasses.replace(cfg.run, device=device, precision=precision, threads=threads,
-                              backend=dist.default_backend(device) if cfg.run.backend == "auto" else cfg.run.backend)
+                              backend=(dist.default_backend(device) if cfg.run.backend == "auto"
+                                       else cfg.run.backend))
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab),
                                data=dataclasses.replace(cfg.data, seq_len=cfg.seq_len), run=run)
 
 
 def check_windows(cfg: TrainConfig, dataset: TokenDataset) -> None:
     """Enough windows for one global batch (train) and one evaluation (val)."""
-    require_windows(TokenStream(dataset, "train", cfg.seq_len), cfg.data.global_batch, "one global batch of ")
+    require_windows(TokenStream(dataset, "train", cfg.seq_len), cfg.data.global_batch,
+                    "one global batch of ")
     require_windows(TokenStream(dataset, "val", cfg.seq_len), 1)
 
 
-def preflight(cfg: TrainConfig, world_size: int, local_world_size: int) -> tuple[TrainConfig, TokenDataset]:
+def preflight(cfg: TrainConfig, world_size: int,
+              local_world_size: int) -> tuple[TrainConfig, TokenDataset]:
     """Batch arithmetic, the dataset and its fit to the model and the batch; the resolved config."""
     accum_steps(cfg, world_size)
     dataset = TokenDataset(cfg.data.dir)

@@ -26,7 +26,8 @@ from ddpgpt import dist
 from ddpgpt.config import RunConfig
 from ddpgpt.errors import UserError, warn
 
-EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped early on request, checkpoint saved; rerun to resume
+# sysexits' EX_TEMPFAIL: stopped early on request, checkpoint saved; rerun to resume
+EXIT_PREEMPTED = 75
 GRACE_S = 1.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
@@ -60,8 +61,8 @@ class StopSignal:
         if self.signum is None:
             self.signum, self.when = signum, now
             if self.announce:
-                print(f"ddpgpt: {signal.Signals(signum).name}: stopping after this step with a checkpoint; "
-                      "send it again to exit at once", file=sys.stderr, flush=True)
+                print(f"ddpgpt: {signal.Signals(signum).name}: stopping after this step with a "
+                      "checkpoint; send it again to exit at once", file=sys.stderr, flush=True)
         elif now - self.when > GRACE_S:  # a second, deliberate signal: die by it now
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
@@ -83,7 +84,8 @@ def resume_hint(resume: str, run_dir: str) -> str:
     if resume == "never":
         return "run the same command with --resume auto to resume"
     if resume != "auto":  # an explicit checkpoint: reruns continue from the run dir (see resume.py)
-        return f"run the same command to resume (it continues from {run_dir}, not from --resume again)"
+        return (f"run the same command to resume (it continues from {run_dir}, not from "
+                "--resume again)")
     return "run the same command to resume"
 
 
@@ -108,7 +110,8 @@ class Guard:
         whose gradients overflow by itself, so only the loss counts."""
         finite = torch.isfinite(loss) & (torch.isfinite(norm) | scaled)
         stop = torch.tensor(float(self.signal.requested), device=loss.device)
-        rows = dist.all_gather(self.env, torch.stack([loss.float(), finite.float(), stop])).cpu()  # (W, 3)
+        rows = dist.all_gather(self.env,
+                               torch.stack([loss.float(), finite.float(), stop])).cpu()  # (W, 3)
         bad = [r for r in range(self.env.world_size) if not rows[r, 1]]
         return Health(rows[:, 0].mean().item(), bad, bool(rows[:, 2].any()))
 
@@ -117,9 +120,11 @@ class Guard:
         where = f"step {step}: non-finite loss or gradient norm on rank {', '.join(map(str, bad))}"
         kept = f"step {last_checkpoint}" if last_checkpoint >= 0 else "none yet"
         if self.cfg.on_nonfinite == "stop" or self.skipped >= self.cfg.max_skipped:
-            why = "" if self.cfg.on_nonfinite == "stop" else f" after {self.skipped} skipped steps (run.max_skipped)"
-            raise dist.DistError(f"{where}; stopped before the optimizer step{why}. The last checkpoint ({kept}) "
-                                 "is intact; lower optim.lr or raise optim.warmup_steps, or use --on-nonfinite skip",
+            why = ("" if self.cfg.on_nonfinite == "stop"
+                   else f" after {self.skipped} skipped steps (run.max_skipped)")
+            raise dist.DistError(f"{where}; stopped before the optimizer step{why}. The last "
+                                 f"checkpoint ({kept}) is intact; lower optim.lr or raise "
+                                 "optim.warmup_steps, or use --on-nonfinite skip",
                                  quiet=not self.env.is_main)
         self.skipped += 1
         if self.env.is_main:
@@ -133,11 +138,13 @@ class Guard:
 
 
 def preempted(step: int, signal_name: str, checkpoint_dir, hint: str, quiet: bool) -> Preempted:
-    return Preempted(f"stopped at step {step} on {signal_name or 'a signal to another rank'}; checkpoint "
-                     f"{checkpoint_dir} is complete: {hint}", quiet=quiet)
+    return Preempted(f"stopped at step {step} on {signal_name or 'a signal to another rank'}; "
+                     f"checkpoint {checkpoint_dir} is complete: {hint}", quiet=quiet)
 
 
-def collective_failed(error: dist.CollectiveError, env: dist.DistEnv, step: int, timeout_s: float) -> dist.DistError:
+def collective_failed(error: dist.CollectiveError, env: dist.DistEnv, step: int,
+                      timeout_s: float) -> dist.DistError:
     """The one line for a collective that failed during `step`: this rank lost a peer."""
-    return dist.DistError(f"step {step}: a collective failed on rank {env.rank} ({error}); another rank stalled "
-                          f"or died (see its log). Collectives wait at most run.dist_timeout_s = {timeout_s:g} s")
+    return dist.DistError(f"step {step}: a collective failed on rank {env.rank} ({error}); "
+                          f"another rank stalled or died (see its log). Collectives wait at most "
+                          f"run.dist_timeout_s = {timeout_s:g} s")

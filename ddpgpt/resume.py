@@ -33,7 +33,8 @@ SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias
 class Start:
     path: Path | None = None      # the checkpoint to load; None: from scratch
     meta: dict | None = None
-    origin: dict | None = None    # {"path", "step"} of the explicit --resume PATH this run descends from
+    origin: dict | None = None    # {"path", "step"} of the explicit --resume PATH this run
+                                  # descends from
     set_aside: list[Path] = field(default_factory=list)  # later checkpoints a roll-back moves away
     data_switch: bool = False     # resumed on another dataset, with data.allow_switch
 
@@ -50,9 +51,9 @@ def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: st
         if first_start and mode == "reset":
             return Start()  # the caller sets them aside
         if first_start and mode == "never" and existing:
-            raise UserError(f"run dir {run_dir} already has checkpoints (up to step {existing[-1][0]}) and "
-                            "run.resume = never; use --resume auto to continue, --reset to start over, or "
-                            "another --run-dir")
+            raise UserError(f"run dir {run_dir} already has checkpoints (up to step "
+                            f"{existing[-1][0]}) and run.resume = never; use --resume auto to "
+                            "continue, --reset to start over, or another --run-dir")
         found = _latest(run_dir.checkpoints, verify)
         start = Start(*found, origin=found[1].get("origin")) if found else Start()
     else:
@@ -88,21 +89,23 @@ def _explicit(run_dir: RunDir, path: Path, first_start: bool, verify: bool) -> S
                 meta = checkpoint.read_meta(candidate)
             return Start(candidate, meta, origin)
     if not path.is_dir():
-        raise UserError(f"--resume {path}: no such checkpoint directory; give a step_NNNNNNN directory "
-                        "of a run's checkpoints/, or --resume auto")
+        raise UserError(f"--resume {path}: no such checkpoint directory; give a step_NNNNNNN "
+                        "directory of a run's checkpoints/, or --resume auto")
     meta = checkpoint.read_meta(path, verify=verify)
     step = int(meta["step"])
     existing = checkpoint.step_dirs(run_dir.checkpoints)
     if path.resolve().parent != run_dir.checkpoints.resolve():
         if existing:
-            raise UserError(f"--resume {path}: run dir {run_dir} already has checkpoints of another run "
-                            f"(up to step {existing[-1][0]}); resume into an empty --run-dir")
+            raise UserError(f"--resume {path}: run dir {run_dir} already has checkpoints of "
+                            f"another run (up to step {existing[-1][0]}); resume into an empty "
+                            "--run-dir")
         return Start(path, meta, {"path": origin_path, "step": step})
     later = [p for s, p in existing if s > step] if first_start else []
     return Start(path, meta, {"path": origin_path, "step": step}, later)
 
 
-def _check_fit(cfg: TrainConfig, start: Start, run_dir: RunDir, mode: str, fingerprint: str) -> None:
+def _check_fit(cfg: TrainConfig, start: Start, run_dir: RunDir, mode: str,
+               fingerprint: str) -> None:
     """The checkpoint must have this model's shape and, unless switching deliberately, this data."""
     explicit = start.origin is not None and mode not in ("auto", "reset", "never")
     saved = start.meta["config"]
@@ -112,9 +115,9 @@ def _check_fit(cfg: TrainConfig, start: Start, run_dir: RunDir, mode: str, finge
         raise UserError(f"--resume {mode}: refused: that checkpoint has another model shape "
                         f"({', '.join(diff)}); resume it with the model settings in its meta.json")
     if diff:
-        raise UserError(f"run dir {run_dir}: refused to resume checkpoint {start.path.name}, which has "
-                        f"another model shape ({', '.join(diff)}); use another --run-dir, or --reset to "
-                        "set the old run aside")
+        raise UserError(f"run dir {run_dir}: refused to resume checkpoint {start.path.name}, "
+                        f"which has another model shape ({', '.join(diff)}); use another "
+                        "--run-dir, or --reset to set the old run aside")
     old = start.meta.get("data_fingerprint")
     if old is None or old == fingerprint:
         return
@@ -123,5 +126,6 @@ def _check_fit(cfg: TrainConfig, start: Start, run_dir: RunDir, mode: str, finge
         return
     where = f"--resume {mode}" if explicit else f"run dir {run_dir}: checkpoint {start.path.name}"
     raise UserError(f"{where} was trained on another dataset ({saved['data']['dir']}, fingerprint "
-                    f"{old[:12]}) than data.dir = {cfg.data.dir} (fingerprint {fingerprint[:12]}); pass "
-                    "its --data, --reset to start over, or --data.allow-switch to go on with the new data")
+                    f"{old[:12]}) than data.dir = {cfg.data.dir} (fingerprint {fingerprint[:12]}); "
+                    "pass its --data, --reset to start over, or --data.allow-switch to go on with "
+                    "the new data")

@@ -1,9 +1,11 @@
 """The one place that knows a run directory's layout, and the lock that gives it to one run.
 
     runs/NAME/
-      .lock              held (flock) by the run training into this directory; names its PID and host
+      .lock              held (flock) by the run training into this directory; names its PID
+                         and host
       config.json        the resolved config (no `auto` left); `--nproc` workers start from it
-      data_meta.json     the dataset's meta.json, and tokenizer.json (bpe): `sample` needs only this dir
+      data_meta.json     the dataset's meta.json, and tokenizer.json (bpe): `sample` needs only
+                         this dir
       metrics.jsonl      one row per logged step and per evaluation (see metrics.py)
       checkpoints/       step_NNNNNNN/ (see checkpoint.py)
       reset-<time>/      what --reset set aside; rollback-<time>/ what --resume PATH set aside
@@ -93,17 +95,18 @@ class RunDir:
         try:
             fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise UserError(f"run dir {self.path}: cannot create {self.lock_file.name}: {describe(e)}; "
-                            "give a writable --run-dir") from None
+            raise UserError(f"run dir {self.path}: cannot create {self.lock_file.name}: "
+                            f"{describe(e)}; give a writable --run-dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             if allow_parent and self.held_by_parent():
                 return
-            raise RunDirBusy(f"run dir {self.path} is in use by another run ({self.holder()}); wait for "
-                             "it to end or stop it, or use another --run-dir") from None
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+            raise RunDirBusy(f"run dir {self.path} is in use by another run ({self.holder()}); "
+                             "wait for it to end or stop it, or use another --run-dir") from None
+        holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         os.ftruncate(fd, 0)
         os.write(fd, (json.dumps(holder) + "\n").encode())
         self._lock_fd = fd
@@ -184,5 +187,5 @@ class RunDir:
         if self.metrics.is_file():
             shutil.copy2(self.metrics, aside / self.metrics.name)
         names = ", ".join(p.name for p in newer)
-        print(f"ddpgpt: --resume: continuing from step {step}; moved the later checkpoints ({names}) "
-              f"and a copy of the metrics to {aside}", file=sys.stderr)
+        print(f"ddpgpt: --resume: continuing from step {step}; moved the later checkpoints "
+              f"({names}) and a copy of the metrics to {aside}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """`ddpgpt sample`: generate text from a run's latest checkpoint, with the run's tokenizer.
 
-    ddpgpt sample --run-dir runs/demo --prompt "def " --max-new-tokens 200 --temperature 0.8 --top-k 50
+    ddpgpt sample --run-dir runs/demo --prompt "def " --max-new-tokens 200 --temperature 0.8 \\
+        --top-k 50
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def run(cfg: SampleConfig) -> None:
     context = torch.tensor([ids] * cfg.num_samples, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     with autocast(inference_precision(train_cfg.run, device), device)():
-        out = model.generate(context, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, generator=gen)
+        out = model.generate(context, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None,
+                             generator=gen)
     for i, row in enumerate(out.tolist()):
         text = tok.decode(row[0 if cfg.prompt else 1:])
         if cfg.num_samples > 1:

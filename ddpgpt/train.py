@@ -51,8 +51,10 @@ class Trainer:
         self.accum = accum_steps(cfg, env.world_size)
         # 1. The same weights on every rank: drawn from run.seed by the model's private generator,
         #    never from a global RNG that some code might have seeded per rank.
-        self.raw = GPT(cfg.model, seed=cfg.run.seed).to(dev)  # the single-device model: saved, evaluated
-        self.model: torch.nn.Module = self.raw                 # what trains: raw or DDP(raw), maybe compiled
+        self.raw = GPT(cfg.model, seed=cfg.run.seed).to(dev)  # the single-device model: saved,
+                                                               # evaluated
+        self.model: torch.nn.Module = self.raw                 # what trains: raw or DDP(raw),
+                                                               # maybe compiled
         self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self.optimizer = make_optimizer(self.raw, cfg.optim, dev)
         self.scaler = grad_scaler(cfg.run.precision, dev)
@@ -62,8 +64,8 @@ class Trainer:
                                   world_size=env.world_size, rank=env.rank, accum_steps=self.accum,
                                   seed=data.seed, shuffle=data.shuffle, device=dev)
         self.val = EvalLoader(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,
-                              world_size=env.world_size, rank=env.rank, max_windows=data.eval_windows,
-                              device=dev)
+                              world_size=env.world_size, rank=env.rank,
+                              max_windows=data.eval_windows, device=dev)
         self.step = 0                 # optimizer steps completed
         self.last_checkpoint = -1     # the step of the newest checkpoint this run can fall back to
         self.origin: dict | None = None  # the explicit --resume PATH this run descends from
@@ -86,7 +88,8 @@ class Trainer:
         env = self.env
         rng = {"cpu": dist.all_gather(env, torch.get_rng_state().to(env.device)).cpu()}
         if env.device.type == "cuda":
-            rng["cuda"] = dist.all_gather(env, torch.cuda.get_rng_state(env.device).to(env.device)).cpu()
+            rng["cuda"] = dist.all_gather(env,
+                                          torch.cuda.get_rng_state(env.device).to(env.device)).cpu()
         return {"model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler else None,
                 "loader": self.loader.state_dict(), "guard": self.guard.state_dict(), "rng": rng,
@@ -103,9 +106,11 @@ class Trainer:
             self.loader.load_state_dict(state["loader"])
         self.guard.load_state_dict(state["guard"])
         self.step = self.last_checkpoint = int(state["progress"]["step"])
-        self._elapsed_before, self._started = float(state["progress"]["elapsed_s"]), time.perf_counter()
+        self._elapsed_before, self._started = (float(state["progress"]["elapsed_s"]),
+                                               time.perf_counter())
         if saved_world_size == self.env.world_size:
-            rng = state["rng"]  # clone(): set_rng_state crashes (torch 2.13) on a view with an offset
+            # clone(): set_rng_state crashes (torch 2.13) on a view with an offset
+            rng = state["rng"]
             torch.set_rng_state(rng["cpu"][self.env.rank].clone())
             if rng.get("cuda") is not None and self.env.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"][self.env.rank].clone(), self.env.device)
@@ -134,7 +139,8 @@ class Trainer:
         for m, (x, y) in enumerate(self.loader.next_step()):
             syncs = self.ddp is not None and m == self.accum - 1
             # Before the last micro-step DDP skips its all-reduce: gradients accumulate locally.
-            skip_sync = self.ddp.no_sync() if self.ddp is not None and not syncs else contextlib.nullcontext()
+            skip_sync = (self.ddp.no_sync() if self.ddp is not None and not syncs
+                         else contextlib.nullcontext())
             with skip_sync:
                 with self.autocast():
                     _, loss = self.model(x, y)  # mean over this micro-batch's b·T tokens
@@ -148,7 +154,8 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         # After the sync every rank holds the same gradients, so this is the global norm.
-        norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), self.cfg.optim.grad_clip or float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(),
+                                              self.cfg.optim.grad_clip or float("inf"))
         return loss_sum / self.accum, norm
 
     def update(self, lr: float) -> None:
@@ -179,11 +186,12 @@ def save(trainer: Trainer, run_dir: RunDir, reason: str) -> None:
         meta = {"config": cfg.to_dict(), "world_size": trainer.env.world_size, "reason": reason,
                 "data_fingerprint": ds.fingerprint, "origin": trainer.origin}
         try:
-            checkpoint.save(run_dir.checkpoints, trainer.step, state, meta, cfg.run.keep_checkpoints)
+            checkpoint.save(run_dir.checkpoints, trainer.step, state, meta,
+                            cfg.run.keep_checkpoints)
         except checkpoint.WriteError as e:
             kept = f"step {trainer.last_checkpoint}" if trainer.last_checkpoint >= 0 else "none yet"
-            error = type(e)(f"step {trainer.step}: {e}. The last complete checkpoint ({kept}) is intact: "
-                            f"free space, then {resume_hint(cfg.run.resume, str(run_dir))}")
+            error = type(e)(f"step {trainer.step}: {e}. The last complete checkpoint ({kept}) is "
+                            f"intact: free space, then {resume_hint(cfg.run.resume, str(run_dir))}")
     dist.fail_together(trainer.env, error)  # no rank runs ahead (or exits) while rank 0 writes
     trainer.last_checkpoint = trainer.step
 
@@ -211,7 +219,8 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir) -> None:
                              None if health.bad else norm.item(), trainer.elapsed_s)
         with metrics.paused():
             if _due(trainer.step, cfg.run.eval_every, total):
-                metrics.log_eval(trainer.step, evaluate(trainer.raw, trainer.val, env, trainer.autocast))
+                metrics.log_eval(trainer.step,
+                                 evaluate(trainer.raw, trainer.val, env, trainer.autocast))
             if _due(trainer.step, cfg.run.checkpoint_every, total) or health.stop:
                 save(trainer, run_dir, "stop" if health.stop else "scheduled")
         if health.stop and trainer.step < total:
@@ -220,7 +229,7 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir) -> None:
                             resume_hint(cfg.run.resume, str(run_dir)), quiet=not env.is_main)
 
 
-# ---- a run, from its config to its end -------------------------------------------------------------
+# ---- a run, from its config to its end -----------------------------------------------------------
 
 def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv, fingerprint: str) -> resume.Start:
     """The run dir for this run, and where it starts. Rank 0 takes the lock (unless the `--nproc`
@@ -259,7 +268,8 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: res
               f"{start.meta['world_size']})", file=sys.stderr)
     trainer.wrap()
     # Every rank holds the same checkpoint, weights, config, data and code, or all stop together.
-    dist.agree(env, {  # causes before their effects: a differing checkpoint or config explains the weights
+    dist.agree(env, {  # causes before their effects: a differing checkpoint or config explains
+                       # the weights
         "the checkpoint to resume from": (dist.digest(str(trainer.step)),
                                           "put the run dir on a filesystem that every node shares"),
         "the resolved config": (dist.digest(json.dumps(shared(cfg), sort_keys=True)),
@@ -268,8 +278,9 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: res
                                     "every node must see the same prepared dataset in data.dir"),
         "the ddpgpt and torch versions": (dist.digest(__version__, torch.__version__),
                                           "install the same versions on every node"),
-        "the parameters after wrapping": (dist.params_digest(trainer.raw), "every rank must build the model "
-                                          "from the same seed (run.seed); do not seed ranks differently before init"),
+        "the parameters after wrapping": (dist.params_digest(trainer.raw),
+                                          "every rank must build the model from the same seed "
+                                          "(run.seed); do not seed ranks differently before init"),
     })
     return trainer
 
@@ -303,7 +314,8 @@ def run(cfg: TrainConfig) -> None:
 
 
 def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset) -> None:
-    """config.json, and the dataset's meta.json and tokenizer (so `sample` needs only the run dir)."""
+    """config.json, and the dataset's meta.json and tokenizer (so `sample` needs only the run
+    dir)."""
     run_dir.write_config(cfg.to_dict())
     run_dir.write_data_files(dataset.path, dataset.meta_bytes)
 
@@ -316,11 +328,11 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
     if env.is_main:
         print(summary(trainer), file=sys.stderr)
         if trainer.step >= cfg.run.steps:
-            print(f"run {run_dir} is already at step {trainer.step} of {cfg.run.steps}; raise run.steps "
-                  "to train further", file=sys.stderr)
+            print(f"run {run_dir} is already at step {trainer.step} of {cfg.run.steps}; raise "
+                  "run.steps to train further", file=sys.stderr)
     metrics = Metrics(env.is_main, run_dir.metrics, trainer.step, cfg.run.steps,
-                      cfg.data.global_batch * cfg.seq_len, trainer.raw.flops_per_token(cfg.seq_len), peak,
-                      env.world_size)
+                      cfg.data.global_batch * cfg.seq_len, trainer.raw.flops_per_token(cfg.seq_len),
+                      peak, env.world_size)
     if start.data_switch:
         metrics.log_event(trainer.step, "data_switch", checkpoint=str(start.path),
                           old=start.meta["data_fingerprint"], new=trainer.dataset.fingerprint,
@@ -341,9 +353,11 @@ def summary(trainer: Trainer) -> str:
     nodes = env.world_size // env.local_world_size
     where = f"{env.world_size} process{'es' if env.world_size > 1 else ''}"
     if env.world_size > 1:
-        where += f" ({nodes} node{'s' if nodes > 1 else ''} × {env.local_world_size}, {env.backend})"
+        where += (f" ({nodes} node{'s' if nodes > 1 else ''} × {env.local_world_size}, "
+                  f"{env.backend})")
     G, T = cfg.data.global_batch, cfg.seq_len
-    return (f"ddpgpt: training on {where}, {env.device.type}, {cfg.run.precision}; G={G} sequences × T={T} = "
+    return (f"ddpgpt: training on {where}, {env.device.type}, {cfg.run.precision}; "
+            f"G={G} sequences × T={T} = "
             f"{G * T:,} tokens per step = {env.world_size} × A={trainer.accum} micro-steps × "
             f"b={cfg.data.micro_batch}; {trainer.raw.num_params() / 1e6:.2f}M parameters")
 

@@ -11,13 +11,14 @@ from ddpgpt.config import PrepareConfig
 from ddpgpt.data import prepare
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-CORPUS = ["textwrap.py", "shlex.py", "bisect.py", "heapq.py", "fnmatch.py", "glob.py", "colorsys.py", "keyword.py"]
+CORPUS = ["textwrap.py", "shlex.py", "bisect.py", "heapq.py", "fnmatch.py", "glob.py",
+          "colorsys.py", "keyword.py"]
 
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """~90 KB of standard-library source as a byte-level dataset (2 val documents)."""
     out = tmp_path_factory.mktemp("data") / "tiny"
-    prepare.run(PrepareConfig(sources=[str(STDLIB / f) for f in CORPUS], out=str(out), tokenizer="byte",
-                              val_fraction=0.2))
+    prepare.run(PrepareConfig(sources=[str(STDLIB / f) for f in CORPUS], out=str(out),
+                              tokenizer="byte", val_fraction=0.2))
     return out

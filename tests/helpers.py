@@ -20,7 +20,8 @@ from ddpgpt.data.prepare import SplitWriter, make_meta
 from ddpgpt.data.shards import dtype_for_vocab
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)  # unit tests' model
+# unit tests' model
+SMALL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
 
 
 def write_dataset(path: Path, train: np.ndarray, val: np.ndarray, vocab_size: int,
@@ -56,14 +57,16 @@ def free_port() -> int:
 def run_cli(*args: str, timeout: float = 60, env: dict | None = None, cwd: Path | None = None):
     """Runs `python -m ddpgpt ARGS` and returns the CompletedProcess (text output)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "ddpgpt", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=full_env, cwd=cwd)
+    proc = subprocess.Popen([sys.executable, "-m", "ddpgpt", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env, cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)  # with --nproc the workers are not in its process group
         out, err = proc.communicate()
-        raise AssertionError(f"ddpgpt {' '.join(map(str, args))} still running after {timeout} s:\n{err[-3000:]}") from None
+        raise AssertionError(f"ddpgpt {' '.join(map(str, args))} still running after {timeout} s:\n"
+                             f"{err[-3000:]}") from None
     except BaseException:  # pytest-timeout or Ctrl-C: leave nothing running
         kill_tree(proc.pid)
         raise
@@ -75,7 +78,8 @@ def reference_step(stream: np.ndarray, seed: int, seq_len: int, G: int, k: int) 
     n = (len(stream) - 1) // seq_len
     epoch, pos = divmod(k, n // G)
     order = np.random.default_rng([seed, epoch]).permutation(n)
-    return np.stack([stream[w * seq_len:w * seq_len + seq_len + 1] for w in order[pos * G:(pos + 1) * G]])
+    return np.stack([stream[w * seq_len:w * seq_len + seq_len + 1]
+                     for w in order[pos * G:(pos + 1) * G]])
 
 
 class Ranks:
@@ -94,9 +98,11 @@ class Ranks:
                  "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
             out, err = open(workdir / f"rank{r}.out", "w"), open(workdir / f"rank{r}.err", "w")
             self.outs.append((out, err))
-            e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-            self.procs.append(subprocess.Popen([sys.executable, *argv], stdout=out, stderr=err, env=e,
-                                               cwd=cwds[r] if cwds else None, start_new_session=True))
+            e["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+            self.procs.append(subprocess.Popen([sys.executable, *argv], stdout=out, stderr=err,
+                                               env=e, cwd=cwds[r] if cwds else None,
+                                               start_new_session=True))
 
     def wait(self, timeout: float = 120) -> list[SimpleNamespace]:
         deadline = time.monotonic() + timeout
@@ -105,7 +111,8 @@ class Ranks:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"ranks still running after {timeout} s:\n{self.report()}") from None
+            raise AssertionError(f"ranks still running after {timeout} s:\n"
+                                 f"{self.report()}") from None
         except BaseException:  # pytest-timeout or Ctrl-C: the ranks run in their own sessions
             self.kill()
             raise
@@ -116,7 +123,8 @@ class Ranks:
         return self.results()
 
     def results(self) -> list[SimpleNamespace]:
-        return [SimpleNamespace(returncode=p.returncode, stdout=(self.workdir / f"rank{r}.out").read_text(),
+        return [SimpleNamespace(returncode=p.returncode,
+                                stdout=(self.workdir / f"rank{r}.out").read_text(),
                                 stderr=(self.workdir / f"rank{r}.err").read_text())
                 for r, p in enumerate(self.procs)]
 
@@ -142,8 +150,9 @@ def codes(results: list[SimpleNamespace]) -> tuple[list[int], str]:
     return [r.returncode for r in results], rank_report(results)
 
 
-def run_ranks(argv_per_rank: list[list[str]], workdir: Path, timeout: float = 120, env: dict | None = None,
-              check: bool = True, cwds: list[Path] | None = None) -> list[SimpleNamespace]:
+def run_ranks(argv_per_rank: list[list[str]], workdir: Path, timeout: float = 120,
+              env: dict | None = None, check: bool = True,
+              cwds: list[Path] | None = None) -> list[SimpleNamespace]:
     ranks = Ranks(argv_per_rank, workdir, env, cwds)
     results = ranks.wait(timeout)
     if check and any(r.returncode for r in results):
@@ -159,17 +168,19 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 def tiny_train_args(data: Path, run_dir: Path, steps: int = 6, **overrides) -> list[str]:
     """`-m ddpgpt train` with a 2-layer, 32-wide model, T=32, G=8 sequences, b=2."""
-    args = {"--data": data, "--run-dir": run_dir, "--model.n-layer": 2, "--model.n-head": 2, "--model.n-embd": 32,
-            "--model.block-size": 32, "--data.micro-batch": 2, "--data.global-batch": 8,
-            "--data.eval-windows": 16, "--run.steps": steps, "--optim.warmup-steps": 2, "--optim.lr": 1e-2,
-            "--run.eval-every": 0, "--run.checkpoint-every": 3, "--device": "cpu", "--run.threads": 1}
+    args = {"--data": data, "--run-dir": run_dir, "--model.n-layer": 2, "--model.n-head": 2,
+            "--model.n-embd": 32, "--model.block-size": 32, "--data.micro-batch": 2,
+            "--data.global-batch": 8, "--data.eval-windows": 16, "--run.steps": steps,
+            "--optim.warmup-steps": 2, "--optim.lr": 1e-2, "--run.eval-every": 0,
+            "--run.checkpoint-every": 3, "--device": "cpu", "--run.threads": 1}
     args.update({f"--{k.replace('__', '.').replace('_', '-')}": v for k, v in overrides.items()})
     return ["-m", "ddpgpt", "train"] + [str(x) for kv in args.items() for x in kv]
 
 
 def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32):
     """The oracle for `tiny_train_args` runs: plain PyTorch, one process, the full global batch of
-    step k (from the documented order) in one forward and one backward. Returns (losses, weights)."""
+    step k (from the documented order) in one forward and one backward. Returns (losses,
+    weights)."""
     import torch
 
     from ddpgpt.config import ModelConfig, OptimConfig
@@ -181,17 +192,20 @@ def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32):
     torch.set_num_threads(1)  # as the ranks run; restored below for the rest of the session
     ds = TokenDataset(data_dir)
     stream = np.concatenate(ds.tokens("train")).astype(np.int64)
-    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=320), seed=1337)
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=320),
+                seed=1337)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     ocfg = OptimConfig(lr=1e-2, warmup_steps=2)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
                             lr=ocfg.lr, betas=(0.9, 0.95), eps=1e-8)
     losses = []
     for k in range(steps):
         batch = torch.from_numpy(reference_step(stream, 1337, T, G, k))
         logits = model(batch[:, :-1])[0]
-        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)),
+                                                 batch[:, 1:].reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for group in opt.param_groups:
@@ -237,9 +251,10 @@ class Launch:
     def __init__(self, argv: list[str], env: dict | None = None, cwd: Path | None = None):
         self.lines: list[tuple[float, str]] = []
         self.start = time.monotonic()
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=cwd or REPO,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                     cwd=cwd or REPO, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -271,14 +286,16 @@ class Launch:
 
     def wait_for(self, fragment: str, timeout: float) -> float:
         """Blocks until a line containing `fragment` arrives; returns its arrival time."""
-        return self.wait_for_value(lambda: next((t for t, line in self.lines if fragment in line), None), timeout)
+        return self.wait_for_value(
+            lambda: next((t for t, line in self.lines if fragment in line), None), timeout)
 
     def wait_for_value(self, probe, timeout: float):
         """Polls `probe()` until it returns something other than None (while the command runs)."""
         deadline = time.monotonic() + timeout
         while (value := probe()) is None:
             if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise AssertionError(f"gave up waiting ({timeout} s, or the command ended):\n{self.text[-5000:]}")
+                raise AssertionError(f"gave up waiting ({timeout} s, or the command ended):\n"
+                                     f"{self.text[-5000:]}")
             time.sleep(0.02)
         return value
 

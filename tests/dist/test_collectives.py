@@ -1,4 +1,5 @@
-"""Gradient sync once per step, eval all-reduce equal to one process, the startup agreement check."""
+"""Gradient sync once per step, eval all-reduce equal to one process, the startup agreement
+check."""
 
 import json
 
@@ -13,7 +14,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
 def worker(tmp_path, W, name, **args):
     out = tmp_path / f"{name}.json"
-    run_ranks([["-m", "tests.dist.workers", name, json.dumps(args), str(out)]] * W, tmp_path / f"{name}-logs")
+    run_ranks([["-m", "tests.dist.workers", name, json.dumps(args), str(out)]] * W,
+              tmp_path / f"{name}-logs")
     return json.loads(out.read_text())
 
 
@@ -21,14 +23,15 @@ def worker(tmp_path, W, name, **args):
 def test_eval_all_reduce_equals_single_process(tiny_data, tmp_path, max_windows):
     single = workers.eval_loss(DistEnv(), str(tiny_data), max_windows)  # one process: every window
     # W=3 and b=3: the windows do not divide evenly, so some ranks evaluate padding rows.
-    assert worker(tmp_path, 3, "eval_loss", data=str(tiny_data), max_windows=max_windows) == pytest.approx(single, rel=1e-6)
+    assert worker(tmp_path, 3, "eval_loss", data=str(tiny_data),
+                  max_windows=max_windows) == pytest.approx(single, rel=1e-6)
 
 
 def test_gradients_sync_once_per_step(tiny_data, tmp_path):
     """A = 3 micro-steps: in each step DDP all-reduces every bucket once (not three times), and
     the ranks end every step with identical gradients (checked in the worker)."""
-    per_step = worker(tmp_path, 2, "count_allreduces", data=str(tiny_data), run_dir=str(tmp_path / "run"),
-                      accum=3, steps=3)
+    per_step = worker(tmp_path, 2, "count_allreduces", data=str(tiny_data),
+                      run_dir=str(tmp_path / "run"), accum=3, steps=3)
     assert len(per_step) == 3
     for buckets in per_step:
         assert sorted(buckets) == list(range(len(buckets)))  # each bucket index exactly once
@@ -38,20 +41,24 @@ def test_gradients_sync_once_per_step(tiny_data, tmp_path):
 def test_startup_check_catches_different_init(tiny_data, tmp_path):
     """Rank 1 builds its model from another seed: every rank stops with one line from rank 0 that
     names both differences, the cause (the config) first."""
-    args = [tiny_train_args(tiny_data, tmp_path / "run"), tiny_train_args(tiny_data, tmp_path / "run", run__seed=2)]
+    args = [tiny_train_args(tiny_data, tmp_path / "run"),
+            tiny_train_args(tiny_data, tmp_path / "run", run__seed=2)]
     results = run_ranks(args, tmp_path / "logs", check=False)
     assert codes(results)[0] == [1, 1], codes(results)[1]
     assert results[0].stderr == (
-        "ddpgpt: error: ranks disagree on the resolved config: rank 1 differs from rank 0; start every rank with "
-        "the same command line and config file; and on the parameters after wrapping: rank 1 differs from rank 0; "
-        "every rank must build the model from the same seed (run.seed); do not seed ranks differently before init\n")
+        "ddpgpt: error: ranks disagree on the resolved config: rank 1 differs from rank 0; start "
+        "every rank with the same command line and config file; and on the parameters after "
+        "wrapping: rank 1 differs from rank 0; every rank must build the model from the same "
+        "seed (run.seed); do not seed ranks differently before init\n")
     assert results[1].stderr == ""
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_startup_check_catches_different_config(tiny_data, tmp_path):
-    same, other = tiny_train_args(tiny_data, tmp_path / "run"), tiny_train_args(tiny_data, tmp_path / "run", optim__lr=0.02)
+    same, other = (tiny_train_args(tiny_data, tmp_path / "run"),
+                   tiny_train_args(tiny_data, tmp_path / "run", optim__lr=0.02))
     results = run_ranks([same, other], tmp_path / "logs", check=False)
     assert codes(results)[0] == [1, 1], codes(results)[1]
-    assert results[0].stderr == ("ddpgpt: error: ranks disagree on the resolved config: rank 1 differs from rank 0; "
-                                 "start every rank with the same command line and config file\n")
+    assert results[0].stderr == ("ddpgpt: error: ranks disagree on the resolved config: rank 1 "
+                                 "differs from rank 0; start every rank with the same command "
+                                 "line and config file\n")

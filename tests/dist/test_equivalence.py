@@ -36,7 +36,7 @@ def runs(tiny_data, tmp_path_factory):
 
 
 def test_runs_log_every_step(runs):
-    for W, (_, _, rows) in runs.items():
+    for _, _, rows in runs.values():
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
         assert [r["tokens"] for r in rows] == [G * T * s for s in range(1, STEPS + 1)]
 
@@ -53,4 +53,5 @@ def test_final_parameters_agree_across_world_sizes_and_with_oracle(runs, tiny_da
     for W, (_, weights, _) in runs.items():
         assert weights.keys() == ref_params.keys()
         for name, p in ref_params.items():
-            torch.testing.assert_close(weights[name], p, rtol=0, atol=PARAM_TOL, msg=f"W={W} {name}")
+            torch.testing.assert_close(weights[name], p, rtol=0, atol=PARAM_TOL,
+                                       msg=f"W={W} {name}")

@@ -70,7 +70,8 @@ def source(straight):
 
 def assert_same_as_straight(run_dir, straight, first_step=1):
     rows, ref = read_metrics(run_dir)[0], read_metrics(straight)[0]
-    assert [r["step"] for r in rows] == list(range(first_step, STEPS + 1))  # no step twice, none missing
+    # no step twice, none missing
+    assert [r["step"] for r in rows] == list(range(first_step, STEPS + 1))
     for key in ("loss", "grad_norm", "lr"):
         assert [r[key] for r in rows] == [r[key] for r in ref[first_step - 1:]], key
     final = f"checkpoints/step_{STEPS:07d}/model.safetensors"
@@ -78,25 +79,28 @@ def assert_same_as_straight(run_dir, straight, first_step=1):
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
 
 
-# ---- 1, 2, 10: first-start rules apply once -------------------------------------------------------
+# ---- 1, 2, 10: first-start rules apply once ------------------------------------------------------
 
 def test_explicit_resume_applies_to_the_first_start_only(straight, source, tiny_data, tmp_path):
     """--resume PATH, stopped after step 6: the message's command (the same one) continues from
     the run dir's step 6, not from PATH, and metrics.jsonl keeps steps 5-6."""
     run_dir = tmp_path / "run"
-    job = Launch(train_args(tiny_data, run_dir, "--resume", source), env={"DDPGPT_FAULT": "term@5@1"})
+    job = Launch(train_args(tiny_data, run_dir, "--resume", source),
+                 env={"DDPGPT_FAULT": "term@5@1"})
     assert job.wait(180) == EXIT_PREEMPTED, job.text
     assert f"resuming from {source} (step 4" in job.text
     stop = run_dir / "checkpoints" / "step_0000006"
-    assert (f"ddpgpt: stopped: stopped at step 6 on a signal to another rank; checkpoint {stop} is complete: "
-            f"run the same command to resume (it continues from {run_dir}, not from --resume again)") in job.text
+    assert (f"ddpgpt: stopped: stopped at step 6 on a signal to another rank; checkpoint {stop} "
+            f"is complete: run the same command to resume (it continues from {run_dir}, not from "
+            "--resume again)") in job.text
     again = Launch(train_args(tiny_data, run_dir, "--resume", source))
     assert again.wait(180) == 0, again.text
     assert f"resuming from {stop} (step 6" in again.text
     assert_same_as_straight(run_dir, straight, first_step=5)
 
 
-def test_restart_after_explicit_resume_continues_from_the_run_dir(straight, source, tiny_data, tmp_path):
+def test_restart_after_explicit_resume_continues_from_the_run_dir(straight, source, tiny_data,
+                                                                  tmp_path):
     """--resume PATH --max-restarts 1, rank 1 killed after step 7 (the run dir has step 6): the
     restarted group resumes from the run dir's step 6, not from PATH's step 4."""
     run_dir = tmp_path / "run"
@@ -141,7 +145,7 @@ def test_reset_stop_hint_does_not_repeat_reset(straight, tiny_data, tmp_path):
     assert steps(aside) == list(range(1, STEPS + 1))  # the straight run's metrics, set aside whole
 
 
-# ---- 3: one run per run dir -------------------------------------------------------------------------
+# ---- 3: one run per run dir ----------------------------------------------------------------------
 
 def test_second_run_in_the_same_dir_is_refused(tiny_data, tmp_path):
     """A second `train` into a run dir that a running job holds exits 2 at once, naming the
@@ -158,14 +162,14 @@ def test_second_run_in_the_same_dir_is_refused(tiny_data, tmp_path):
     assert code == EXIT_PREEMPTED, first.text
     assert second.returncode == 2, second.stderr
     holder = first.proc.pid  # the --nproc launcher holds the lock for its workers
-    assert second.stderr.startswith(f"ddpgpt: error: run dir {run_dir} is in use by another run (PID {holder} "
-                                    f"on host {os.uname().nodename}, since ")
+    assert second.stderr.startswith(f"ddpgpt: error: run dir {run_dir} is in use by another run "
+                                    f"(PID {holder} on host {os.uname().nodename}, since ")
     assert second.stderr.endswith("); wait for it to end or stop it, or use another --run-dir\n")
     done = steps(run_dir)
     assert done == list(range(1, len(done) + 1)) and len(done) > 1
 
 
-# ---- 7, 11: the launcher hung up on, or killed ------------------------------------------------------
+# ---- 7, 11: the launcher hung up on, or killed ---------------------------------------------------
 
 def test_sighup_to_the_launcher_stops_with_a_checkpoint(straight, tiny_data, tmp_path):
     """A hang-up (the terminal closed): the launcher forwards SIGHUP; the workers treat it as a stop
@@ -176,8 +180,8 @@ def test_sighup_to_the_launcher_stops_with_a_checkpoint(straight, tiny_data, tmp
     assert job.wait(180) == EXIT_PREEMPTED, job.text
     stopped_at = int(job.text.split("stopped at step ")[1].split()[0])
     saved = run_dir / "checkpoints" / f"step_{stopped_at:07d}"
-    assert (f"ddpgpt: stopped by SIG{sig}; the workers wrote checkpoint {saved} before exiting: run the same "
-            "command to resume") in job.text
+    assert (f"ddpgpt: stopped by SIG{sig}; the workers wrote checkpoint {saved} before exiting: "
+            "run the same command to resume") in job.text
     assert checkpoint.read_meta(saved)["reason"] == "stop"
     again = Launch(train_args(tiny_data, run_dir))
     assert again.wait(180) == 0, again.text
@@ -188,8 +192,10 @@ def test_workers_die_with_their_launcher(straight, tiny_data, tmp_path):
     """SIGKILL to the launcher (after step 3): its workers are gone within seconds, write nothing
     more, and leave no stale lock: the same command takes the run dir and resumes."""
     run_dir = tmp_path / "run"
-    job = Launch(train_args(tiny_data, run_dir, run__checkpoint_every=3), env={"DDPGPT_FAULT": "parent:KILL@3"})
-    workers = job.wait_for_value(lambda: workers_of(run_dir) if len(workers_of(run_dir)) == 2 else None, 120)
+    job = Launch(train_args(tiny_data, run_dir, run__checkpoint_every=3),
+                 env={"DDPGPT_FAULT": "parent:KILL@3"})
+    workers = job.wait_for_value(
+        lambda: workers_of(run_dir) if len(workers_of(run_dir)) == 2 else None, 120)
     assert job.wait(120) == -signal.SIGKILL, job.text
     killed = job.when("fault: parent:KILL at step 3")
     deadline = time.monotonic() + 10
@@ -198,7 +204,8 @@ def test_workers_die_with_their_launcher(straight, tiny_data, tmp_path):
     gone = time.monotonic()
     assert not any(Path(f"/proc/{p}").exists() for p in workers), "workers outlived their launcher"
     assert [p.name for _, p in checkpoint.step_dirs(run_dir / "checkpoints")] == ["step_0000003"]
-    print(f"\n[figure] SIGKILL of the --nproc launcher -> its workers gone {gone - killed:.1f} s after the fault")
+    print(f"\n[figure] SIGKILL of the --nproc launcher -> its workers gone {gone - killed:.1f} s "
+          "after the fault")
     again = Launch(train_args(tiny_data, run_dir, run__checkpoint_every=3))
     assert again.wait(180) == 0, again.text
     assert f"resuming from {run_dir / 'checkpoints' / 'step_0000003'} (step 3" in again.text
@@ -207,17 +214,20 @@ def test_workers_die_with_their_launcher(straight, tiny_data, tmp_path):
 def test_worker_killed_by_a_signal_exits_128_plus_n(tiny_data, tmp_path):
     job = Launch(train_args(tiny_data, tmp_path / "run"), env={"DDPGPT_FAULT": "kill@3@1"})
     assert job.wait(120) == 128 + 9, job.text
-    assert "ddpgpt: a worker was killed by SIGKILL (local rank 1); the group was stopped" in job.text
+    assert ("ddpgpt: a worker was killed by SIGKILL (local rank 1); the group was stopped"
+            in job.text)
 
 
 def test_an_error_every_rank_hits_is_printed_once(straight, tiny_data, tmp_path):
-    """Resuming with another data.seed: both workers refuse the loader state; the line appears once."""
+    """Resuming with another data.seed: both workers refuse the loader state; the line appears
+    once."""
     run_dir = tmp_path / "run"
     shutil.copytree(straight, run_dir)
     r = run_cli(*train_args(tiny_data, run_dir, data__seed=7, run__steps=10)[3:], timeout=120)
     assert r.returncode == 2, r.stderr
     assert [line for line in r.stderr.splitlines() if "error" in line] == [
-        "ddpgpt: error: loader state has seed = 1337 but this run has 7; resume with the same data settings"]
+        "ddpgpt: error: loader state has seed = 1337 but this run has 7; "
+        "resume with the same data settings"]
 
 
 # ---- 8: a full disk ------------------------------------------------------------------------------
@@ -248,8 +258,8 @@ def test_full_disk_during_a_checkpoint(tiny_data, tmp_path):
     run_dir = disk / "run"
     args = train_args(tiny_data, run_dir, run__checkpoint_every=1, run__keep_checkpoints=100,
                       run__steps=40)
-    script = (f"mount -t tmpfs -o size=1200k tmpfs {disk} && {' '.join(map(str, args))}; echo exit=$?; "
-              f"ls -A {run_dir / 'checkpoints'}")
+    script = (f"mount -t tmpfs -o size=1200k tmpfs {disk} && {' '.join(map(str, args))}; "
+              f"echo exit=$?; ls -A {run_dir / 'checkpoints'}")
     out = subprocess.run([*prefix, "sh", "-c", script], capture_output=True, text=True, timeout=240)
     text = out.stdout + out.stderr
     assert "exit=1" in text, text
@@ -257,9 +267,10 @@ def test_full_disk_during_a_checkpoint(tiny_data, tmp_path):
     assert len(failed) == 1, text  # rank 0 says it; rank 1 stops quietly; the launcher adds nothing
     step = int(failed[0].split("step ")[1].split(":")[0])
     assert failed[0] == (
-        f"ddpgpt: error: step {step}: cannot write checkpoint {run_dir / 'checkpoints' / f'step_{step:07d}'}: "
-        f"No space left on device (ENOSPC); its temporary files were removed. The last complete checkpoint "
-        f"(step {step - 1}) is intact: free space, then run the same command to resume")
+        f"ddpgpt: error: step {step}: cannot write checkpoint "
+        f"{run_dir / 'checkpoints' / f'step_{step:07d}'}: "
+        f"No space left on device (ENOSPC); its temporary files were removed. The last complete "
+        f"checkpoint (step {step - 1}) is intact: free space, then run the same command to resume")
     listing = out.stdout.split("exit=1\n")[1].split()
     assert listing == [f"step_{s:07d}" for s in range(1, step)]  # no .tmp-step_* left behind
     assert "Traceback" not in text
@@ -270,15 +281,18 @@ def test_full_disk_during_a_checkpoint(tiny_data, tmp_path):
 def test_two_nodes_restart_after_a_worker_is_killed(straight, tiny_data, tmp_path):
     """Two launchers (--nnodes 2, c10d rendezvous on loopback, --max-restarts 1 each), as two
     nodes would run them: the second node's worker has RANK 1 and LOCAL_RANK 0 (sharding the data
-    by LOCAL_RANK would change every loss). Rank 1 is SIGKILLed after step 5. Only its agent counts the restart (the other restarts for the
-    membership change), so the nodes' TORCHELASTIC_RESTART_COUNT differ; the workers still agree
-    on the attempt, form the group again and finish equal to the uninterrupted run."""
+    by LOCAL_RANK would change every loss). Rank 1 is SIGKILLed after step 5. Only its agent counts
+    the restart (the other restarts for the membership change), so the nodes'
+    TORCHELASTIC_RESTART_COUNT differ; the workers still agree on the attempt, form the group again
+    and finish equal to the uninterrupted run."""
     run_dir, port = tmp_path / "run", free_port()
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{port}",
                 "--rdzv-id", "two-nodes", "--monitor-interval", "0.5"]
     args = train_args(tiny_data, run_dir, nproc=0)[1:]  # "-m ddpgpt train ..."
-    nodes = [Launch(launcher + args, env={"DDPGPT_FAULT": "kill@5@1", "OMP_NUM_THREADS": "1"}) for _ in range(2)]
+    nodes = [Launch(launcher + args, env={"DDPGPT_FAULT": "kill@5@1", "OMP_NUM_THREADS": "1"})
+             for _ in range(2)]
     try:
         codes = [n.wait(240) for n in nodes]
     finally:
@@ -287,10 +301,12 @@ def test_two_nodes_restart_after_a_worker_is_killed(straight, tiny_data, tmp_pat
     text = "\n".join(n.text for n in nodes)
     assert codes == [0, 0], text
     assert "fault: kill at step 5" in text
-    assert text.count("ddpgpt: training on 2 processes (2 nodes × 1, gloo)") == 2  # rank 0 only, per attempt
+    # rank 0 only, per attempt
+    assert text.count("ddpgpt: training on 2 processes (2 nodes × 1, gloo)") == 2
     assert f"resuming from {run_dir / 'checkpoints' / 'step_0000004'} (step 4" in text
     assert "Traceback" not in text
     assert_same_as_straight(run_dir, straight)
     killed = min(t for n in nodes for t, line in n.lines if "fault: kill at step 5" in line)
     resumed = min(t for n in nodes for t, line in n.lines if "resuming from" in line)
-    print(f"\n[figure] two nodes, rank 1 SIGKILLed -> the restarted job resuming: {resumed - killed:.1f} s")
+    print(f"\n[figure] two nodes, rank 1 SIGKILLed -> the restarted job resuming: "
+          f"{resumed - killed:.1f} s")

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from ddpgpt import checkpoint
 from ddpgpt.reliability import EXIT_PREEMPTED
-from tests.helpers import codes, Launch, read_metrics, run_ranks, tiny_train_args
+from tests.helpers import Launch, codes, read_metrics, run_ranks, tiny_train_args
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 STEPS = 8
@@ -26,7 +26,8 @@ STEPS = 8
 def launch_args(data, run_dir, *extra, **overrides):
     """`python -m ddpgpt train --nproc 2 ...`: through torch's elastic launcher."""
     overrides.setdefault("run__checkpoint_every", 4)
-    return [sys.executable, *tiny_train_args(data, run_dir, STEPS, **overrides), "--nproc", "2", *extra]
+    return [sys.executable, *tiny_train_args(data, run_dir, STEPS, **overrides), "--nproc", "2",
+            *extra]
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +53,12 @@ def test_sigkill_of_a_worker_restarts_and_resumes(straight, tiny_data, tmp_path)
     """Rank 1 is SIGKILLed after step 5 (checkpoint at 4): with --max-restarts 1 the group restarts,
     resumes from step 4 and finishes as if nothing had happened. One step is recomputed."""
     run_dir = tmp_path / "run"
-    job = Launch(launch_args(tiny_data, run_dir, "--max-restarts", "1"), env={"DDPGPT_FAULT": "kill@5@1"})
+    job = Launch(launch_args(tiny_data, run_dir, "--max-restarts", "1"),
+                 env={"DDPGPT_FAULT": "kill@5@1"})
     assert job.wait(240) == 0, job.text
     killed = job.when("fault: kill at step 5")
-    resumed = job.when(f"resuming from {run_dir / 'checkpoints' / 'step_0000004'} (step 4", after=killed)
+    resumed = job.when(f"resuming from {run_dir / 'checkpoints' / 'step_0000004'} (step 4",
+                       after=killed)
     assert_same_as(run_dir, straight)
     print(f"\n[figure] SIGKILL of a worker -> restarted group resuming: {resumed - killed:.1f} s; "
           f"steps lost: 5 - 4 = 1; whole job {job.end - job.start:.1f} s")
@@ -68,8 +71,8 @@ def test_sigterm_to_one_rank_checkpoints_and_stops_all(straight, tiny_data, tmp_
     job = Launch(launch_args(tiny_data, run_dir), env={"DDPGPT_FAULT": "term@5@1"})
     assert job.wait(180) == EXIT_PREEMPTED, job.text
     stop = run_dir / "checkpoints" / "step_0000006"
-    assert (f"ddpgpt: stopped: stopped at step 6 on a signal to another rank; checkpoint {stop} is complete: "
-            "run the same command to resume") in job.text
+    assert (f"ddpgpt: stopped: stopped at step 6 on a signal to another rank; checkpoint {stop} "
+            "is complete: run the same command to resume") in job.text
     assert checkpoint.read_meta(stop)["step"] == 6
     assert [r["step"] for r in read_metrics(run_dir)[0]] == [1, 2, 3, 4, 5, 6]
     again = Launch(launch_args(tiny_data, run_dir))
@@ -89,10 +92,11 @@ def test_sigint_to_the_launcher_is_forwarded(straight, tiny_data, tmp_path):
     stopped_at = int(job.text.split("stopped at step ")[1].split()[0])
     assert 4 <= stopped_at < STEPS
     saved = run_dir / "checkpoints" / f"step_{stopped_at:07d}"
-    assert (f"ddpgpt: stopped by SIGINT; the workers wrote checkpoint {saved} before exiting: run the same "
-            "command to resume") in job.text
+    assert (f"ddpgpt: stopped by SIGINT; the workers wrote checkpoint {saved} before exiting: "
+            "run the same command to resume") in job.text
     assert checkpoint.find_latest(run_dir / "checkpoints")[1]["step"] == stopped_at
-    print(f"\n[figure] SIGINT to the launcher -> job exited with its checkpoint: {job.end - signaled:.1f} s")
+    print(f"\n[figure] SIGINT to the launcher -> job exited with its checkpoint: "
+          f"{job.end - signaled:.1f} s")
     again = Launch(launch_args(tiny_data, run_dir))
     assert again.wait(180) == 0, again.text
     assert_same_as(run_dir, straight)
@@ -105,8 +109,10 @@ def test_second_signal_exits_at_once(tiny_data, tmp_path):
     ranks = run_ranks([args] * 2, tmp_path / "logs", env={"DDPGPT_FAULT": "term2@3@1"}, check=False)
     assert ranks[1].returncode == -signal.SIGTERM
     assert ranks[0].returncode == 1
-    assert ranks[0].stderr.splitlines()[-1].startswith("ddpgpt: error: step 4: a collective failed on rank 0 (")
-    assert [p.name for _, p in checkpoint.step_dirs(tmp_path / "run" / "checkpoints")] == ["step_0000003"]
+    assert ranks[0].stderr.splitlines()[-1].startswith(
+        "ddpgpt: error: step 4: a collective failed on rank 0 (")
+    assert [p.name for _, p in checkpoint.step_dirs(tmp_path / "run" / "checkpoints")] == [
+        "step_0000003"]
 
 
 def test_stalled_rank_ends_the_job_after_the_timeout(tiny_data, tmp_path):
@@ -118,15 +124,16 @@ def test_stalled_rank_ends_the_job_after_the_timeout(tiny_data, tmp_path):
                  env={"DDPGPT_FAULT": "stall@3@1"})
     assert job.wait(120) == 1, job.text
     stalled = job.when("fault: stall at step 3")
-    message = ("ddpgpt: error: step 4: a collective failed on rank 0 (Timed out waiting 4000ms for recv operation to "
-               "complete); another rank stalled or died (see its log). Collectives wait at most "
-               "run.dist_timeout_s = 4 s")
+    message = ("ddpgpt: error: step 4: a collective failed on rank 0 (Timed out waiting 4000ms "
+               "for recv operation to complete); another rank stalled or died (see its log). "
+               "Collectives wait at most run.dist_timeout_s = 4 s")
     gave_up = job.when(message)
-    # Rank 0's wait can begin a moment before rank 1 announces its stall (the lines are read as they come).
+    # Rank 0's wait can begin a moment before rank 1 announces its stall (the lines are read as
+    # they come).
     assert 4 - 0.5 <= gave_up - stalled < 4 + 5
     assert job.end - stalled < 4 + 30 + 10
-    print(f"\n[figure] stalled rank, timeout 4 s -> rank 0 exited {gave_up - stalled:.1f} s after the stall, "
-          f"the job {job.end - stalled:.1f} s after it")
+    print(f"\n[figure] stalled rank, timeout 4 s -> rank 0 exited {gave_up - stalled:.1f} s "
+          f"after the stall, the job {job.end - stalled:.1f} s after it")
 
 
 def test_nan_on_one_rank_stops_every_rank(tiny_data, tmp_path):
@@ -135,12 +142,13 @@ def test_nan_on_one_rank_stops_every_rank(tiny_data, tmp_path):
     ranks = run_ranks([args] * 2, tmp_path / "logs", env={"DDPGPT_FAULT": "nan@3@1"}, check=False)
     assert codes(ranks)[0] == [1, 1], codes(ranks)[1]
     assert ranks[0].stderr.endswith(
-        "ddpgpt: error: step 4: non-finite loss or gradient norm on rank 1; stopped before the optimizer step. "
-        "The last checkpoint (step 3) is intact; lower optim.lr or raise optim.warmup_steps, or use "
-        "--on-nonfinite skip\n")
+        "ddpgpt: error: step 4: non-finite loss or gradient norm on rank 1; stopped before the "
+        "optimizer step. The last checkpoint (step 3) is intact; lower optim.lr or raise "
+        "optim.warmup_steps, or use --on-nonfinite skip\n")
     assert ranks[1].stderr == ""
     assert [p.name for _, p in checkpoint.step_dirs(run_dir / "checkpoints")] == ["step_0000003"]
-    assert checkpoint.read_meta(run_dir / "checkpoints" / "step_0000003")["step"] == 3  # intact: hashes match
+    # intact: hashes match
+    assert checkpoint.read_meta(run_dir / "checkpoints" / "step_0000003")["step"] == 3
     assert [r["step"] for r in read_metrics(run_dir)[0]] == [1, 2, 3]
 
 
@@ -148,7 +156,8 @@ def test_nan_skip_and_its_limit(tiny_data, tmp_path):
     run_dir = tmp_path / "skip"
     args = tiny_train_args(tiny_data, run_dir, 6, run__checkpoint_every=0, run__on_nonfinite="skip")
     ranks = run_ranks([args] * 2, tmp_path / "logs", env={"DDPGPT_FAULT": "nan@3@1"})
-    assert "ddpgpt: warning: step 4: non-finite loss or gradient norm on rank 1; skipped (1 of at most 10)" in ranks[0].stderr
+    assert ("ddpgpt: warning: step 4: non-finite loss or gradient norm on rank 1; "
+            "skipped (1 of at most 10)" in ranks[0].stderr)
     rows = read_metrics(run_dir)[0]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert rows[3]["loss"] is None and rows[3]["grad_norm"] is None
@@ -159,10 +168,13 @@ def test_nan_skip_and_its_limit(tiny_data, tmp_path):
     state = saved["optimizer"]["state"]
     assert {int(s["step"]) for s in state.values()} == {5}  # 6 steps, one without an update
 
-    limited = tiny_train_args(tiny_data, tmp_path / "limit", 6, run__on_nonfinite="skip", run__max_skipped=0)
-    ranks = run_ranks([limited] * 2, tmp_path / "logs2", env={"DDPGPT_FAULT": "nan@3@1"}, check=False)
+    limited = tiny_train_args(tiny_data, tmp_path / "limit", 6, run__on_nonfinite="skip",
+                              run__max_skipped=0)
+    ranks = run_ranks([limited] * 2, tmp_path / "logs2", env={"DDPGPT_FAULT": "nan@3@1"},
+                      check=False)
     assert codes(ranks)[0] == [1, 1], codes(ranks)[1]
-    assert "stopped before the optimizer step after 0 skipped steps (run.max_skipped)" in ranks[0].stderr
+    assert ("stopped before the optimizer step after 0 skipped steps (run.max_skipped)"
+            in ranks[0].stderr)
 
 
 def test_ranks_must_see_the_same_dataset(tiny_data, tmp_path):
@@ -174,10 +186,12 @@ def test_ranks_must_see_the_same_dataset(tiny_data, tmp_path):
         meta["source"]["val_fraction"] = float(fraction)  # another preparation: another fingerprint
         (node / "data" / "meta.json").write_text(json.dumps(meta))
     args = tiny_train_args("data", tmp_path / "run")
-    ranks = run_ranks([args] * 2, tmp_path / "logs", check=False, cwds=[tmp_path / "a", tmp_path / "b"])
+    ranks = run_ranks([args] * 2, tmp_path / "logs", check=False,
+                      cwds=[tmp_path / "a", tmp_path / "b"])
     assert codes(ranks)[0] == [1, 1], codes(ranks)[1]
-    assert ranks[0].stderr == ("ddpgpt: error: ranks disagree on the dataset (meta.json): rank 1 differs from "
-                               "rank 0; every node must see the same prepared dataset in data.dir\n")
+    assert ranks[0].stderr == ("ddpgpt: error: ranks disagree on the dataset (meta.json): rank 1 "
+                               "differs from rank 0; every node must see the same prepared "
+                               "dataset in data.dir\n")
 
 
 def test_doctor_probes_all_reduce(tmp_path):
@@ -200,11 +214,12 @@ def test_nodes_that_see_different_run_dirs(tiny_data, tmp_path):
     args = tiny_train_args(tiny_data, "run", 2)
     r = run_ranks([args], tmp_path / "logs0", cwds=[tmp_path / "a"])  # node 0 alone trains 2 steps
     args = tiny_train_args(tiny_data, "run", 4)
-    ranks = run_ranks([args] * 2, tmp_path / "logs", check=False, cwds=[tmp_path / "a", tmp_path / "b"])
+    ranks = run_ranks([args] * 2, tmp_path / "logs", check=False,
+                      cwds=[tmp_path / "a", tmp_path / "b"])
     assert codes(ranks)[0] == [1, 1], codes(ranks)[1]
     assert ranks[0].stderr.splitlines()[-1] == (
-        "ddpgpt: error: ranks disagree on the checkpoint to resume from: rank 1 differs from rank 0; put the run "
-        "dir on a filesystem that every node shares; and on the parameters after wrapping: rank 1 differs from "
-        "rank 0; every rank must build the model from the same seed (run.seed); do not seed ranks differently "
-        "before init")
+        "ddpgpt: error: ranks disagree on the checkpoint to resume from: rank 1 differs from "
+        "rank 0; put the run dir on a filesystem that every node shares; and on the parameters "
+        "after wrapping: rank 1 differs from rank 0; every rank must build the model from the "
+        "same seed (run.seed); do not seed ranks differently before init")
     assert ranks[1].stderr == "" and r[0].returncode == 0

@@ -31,7 +31,8 @@ def resumed(straight, tiny_data, tmp_path, W):
     shutil.copytree(straight, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / f"step_{STEPS:07d}")
     results = run_ranks([tiny_train_args(tiny_data, run_dir, STEPS)] * W, tmp_path / "logs")
-    assert f"resuming from {run_dir / 'checkpoints' / f'step_{K:07d}'} (step {K}, saved at world size 2)" in results[0].stderr
+    assert (f"resuming from {run_dir / 'checkpoints' / f'step_{K:07d}'} "
+            f"(step {K}, saved at world size 2)" in results[0].stderr)
     return run_dir
 
 
@@ -43,7 +44,8 @@ def final(run_dir):
 def test_resume_same_world_size_is_bitwise(straight, tiny_data, tmp_path):
     run_dir = resumed(straight, tiny_data, tmp_path, W=2)
     rows, ref_rows = read_metrics(run_dir)[0], read_metrics(straight)[0]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # cut back to 3, then 4..6 once each
+    # cut back to 3, then 4..6 once each
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for key in ("loss", "grad_norm", "lr", "tokens"):
         assert [r[key] for r in rows] == [r[key] for r in ref_rows], key
     (weights, state), (ref_weights, ref_state) = final(run_dir), final(straight)
@@ -59,7 +61,8 @@ def test_resume_at_another_world_size(straight, tiny_data, tmp_path):
     run_dir = resumed(straight, tiny_data, tmp_path, W=1)
     rows, ref_rows = read_metrics(run_dir)[0], read_metrics(straight)[0]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert [r["loss"] for r in rows[:K]] == [r["loss"] for r in ref_rows[:K]]  # rows before the resume kept
+    # rows before the resume kept
+    assert [r["loss"] for r in rows[:K]] == [r["loss"] for r in ref_rows[:K]]
     np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in ref_rows], rtol=2e-5)
     weights, ref_weights = final(run_dir)[0], final(straight)[0]
     for name in ref_weights:

@@ -24,8 +24,8 @@ def eval_loss(env, data: str, max_windows: int) -> float:
     from ddpgpt.model import GPT
 
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=320), seed=5)
-    loader = EvalLoader(TokenDataset(data), seq_len=32, micro_batch=3, world_size=env.world_size, rank=env.rank,
-                        max_windows=max_windows)
+    loader = EvalLoader(TokenDataset(data), seq_len=32, micro_batch=3, world_size=env.world_size,
+                        rank=env.rank, max_windows=max_windows)
     return evaluate(model, loader, env)
 
 
@@ -40,7 +40,8 @@ def count_allreduces(env, data: str, run_dir: str, accum: int, steps: int) -> di
     from ddpgpt.train import Trainer
 
     overrides = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
-                 "data": {"dir": data, "micro_batch": 2, "global_batch": 2 * env.world_size * accum},
+                 "data": {"dir": data, "micro_batch": 2,
+                          "global_batch": 2 * env.world_size * accum},
                  "run": {"dir": run_dir, "device": "cpu", "bucket_mb": 0.01}}
     cfg, dataset = preflight(build(None, None, overrides), env.world_size, env.local_world_size)
     t = Trainer(cfg, env, dataset, Guard(env, cfg.run, StopSignal()))
@@ -58,8 +59,10 @@ def count_allreduces(env, data: str, run_dir: str, accum: int, steps: int) -> di
         t.train_step()
         per_step.append(list(calls))
         grads = torch.cat([p.grad.flatten() for p in t.raw.parameters()])
-        digests = dist.all_gather(env, torch.tensor(list(dist.digest(grads.numpy().tobytes())), dtype=torch.uint8))
-        assert all(torch.equal(d, digests[0]) for d in digests), "ranks hold different gradients after the step"
+        digests = dist.all_gather(env, torch.tensor(list(dist.digest(grads.numpy().tobytes())),
+                                                    dtype=torch.uint8))
+        assert all(torch.equal(d, digests[0]) for d in digests), \
+            "ranks hold different gradients after the step"
         t.optimizer.zero_grad(set_to_none=True)
     t.unwrap()  # no DDP wrapper may outlive the process group
     return per_step

@@ -30,7 +30,8 @@ from tests.helpers import json_error, run_cli, tiny_train_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-CKPT = "step_0000002"  # the only checkpoint of `trained_run`: 2 steps, checkpoint_every 3 -> the end
+# the only checkpoint of `trained_run`: 2 steps, checkpoint_every 3 -> the end
+CKPT = "step_0000002"
 SHARD = "train_000000.bin"
 REPREPARE = "re-run ddpgpt prepare"
 
@@ -82,11 +83,13 @@ def snapshot(root: Path) -> tuple[set[str], dict[str, tuple[int, str]]] | None:
 
 def train_tokens(c: Case) -> int:
     """Tokens in the dataset's train split, as its meta.json lists them."""
-    return sum(s["tokens"] for s in json.loads((c.data / "meta.json").read_text())["shards"]["train"])
+    return sum(s["tokens"]
+               for s in json.loads((c.data / "meta.json").read_text())["shards"]["train"])
 
 
 def truncate_half(path: Path) -> str:
-    """Cuts a JSON file to its first half (a write cut short); returns the parse error it now has."""
+    """Cuts a JSON file to its first half (a write cut short); returns the parse error it now
+    has."""
     text = path.read_text()
     path.write_text(text[: len(text) // 2])
     return json_error(text[: len(text) // 2])
@@ -214,8 +217,8 @@ def other_dataset(ctx: Ctx) -> Case:
     meta = json.loads((c.data / "meta.json").read_text())
     meta["source"]["specs"] = ["another corpus"]
     (c.data / "meta.json").write_text(json.dumps(meta))
-    c.facts.update(old=sha256(ctx.tiny_data / "meta.json")[:12], new=sha256(c.data / "meta.json")[:12],
-                   trained_on=ctx.tiny_data)
+    c.facts.update(old=sha256(ctx.tiny_data / "meta.json")[:12],
+                   new=sha256(c.data / "meta.json")[:12], trained_on=ctx.tiny_data)
     return c
 
 
@@ -234,7 +237,8 @@ def port_in_use(ctx: Ctx) -> Case:
 
 # ---- the catalogue ------------------------------------------------------------------------
 
-def row(id_: str, setup: Callable[[Ctx], Case], command: Callable[[Case], list], expected: Callable[[Case], str]):
+def row(id_: str, setup: Callable[[Ctx], Case], command: Callable[[Case], list],
+        expected: Callable[[Case], str]):
     return pytest.param(setup, command, expected, id=id_)
 
 
@@ -242,29 +246,34 @@ E = "ddpgpt: error: "
 
 CASES = [
     row("missing-dataset", missing_dataset, train,
-        lambda c: f"{E}dataset {c.data} does not exist; create it with: ddpgpt prepare --out {c.data}"),
+        lambda c: f"{E}dataset {c.data} does not exist; create it with: "
+                  f"ddpgpt prepare --out {c.data}"),
     row("empty-dataset", empty_dataset, train,
-        lambda c: f"{E}dataset {c.data} has no meta.json (not prepared, or prepare did not finish); "
-                  f"{REPREPARE} --out {c.data}"),
+        lambda c: f"{E}dataset {c.data} has no meta.json (not prepared, or prepare did not "
+                  f"finish); {REPREPARE} --out {c.data}"),
     row("shard-bad-magic", bad_magic, train,
         lambda c: f"{E}{c.data / SHARD}: not a ddpgpt shard (bad magic b'NOTASHRD'); {REPREPARE}"),
     row("shard-truncated", truncated_shard, train,
         lambda c: f"{E}{c.data / SHARD}: truncated: header says {c.facts['tokens']} uint16 tokens "
-                  f"({c.facts['size']} bytes) but the file has {c.facts['size'] - 100} bytes; {REPREPARE}"),
+                  f"({c.facts['size']} bytes) but the file has {c.facts['size'] - 100} bytes; "
+                  f"{REPREPARE}"),
     row("shard-checksum", flipped_byte, train,
-        lambda c: f"{E}{c.data / SHARD}: sha256 mismatch (file {c.facts['file']}, meta.json {c.facts['meta']}): "
-                  f"the shard changed after prepare; {REPREPARE}"),
+        lambda c: f"{E}{c.data / SHARD}: sha256 mismatch (file {c.facts['file']}, "
+                  f"meta.json {c.facts['meta']}): the shard changed after prepare; {REPREPARE}"),
     row("dataset-meta-corrupt", corrupt_dataset_meta, train,
-        lambda c: f"{E}{c.data / 'meta.json'}: corrupt or incomplete meta.json ({c.facts['error']}); {REPREPARE}"),
+        lambda c: f"{E}{c.data / 'meta.json'}: corrupt or incomplete meta.json "
+                  f"({c.facts['error']}); {REPREPARE}"),
     row("vocab-above-model", copied, lambda c: train(c, model__vocab_size=64),
         lambda c: f"{E}dataset {c.data} has a vocabulary of 257 but model.vocab_size = 64; "
                   "set model.vocab_size >= 257 (or 0 to follow the dataset)"),
-    row("seq-len-above-block-size", copied, lambda c: train(c, data__seq_len=64, model__block_size=32),
+    row("seq-len-above-block-size", copied,
+        lambda c: train(c, data__seq_len=64, model__block_size=32),
         lambda c: f"{E}invalid config: data.seq_len = 64 exceeds model.block_size = 32; "
                   "set data.seq_len <= 32 (0: model.block_size) or raise model.block_size"),
-    row("global-batch-indivisible", copied, lambda c: train(c, "--nproc", "2", data__global_batch=6),
-        lambda c: f"{E}data.global_batch = 6 is not divisible by world size 2 × data.micro_batch 2 = 4; "
-                  "make the global batch a multiple of 4 or change the micro-batch"),
+    row("global-batch-indivisible", copied,
+        lambda c: train(c, "--nproc", "2", data__global_batch=6),
+        lambda c: f"{E}data.global_batch = 6 is not divisible by world size 2 × data.micro_batch "
+                  "2 = 4; make the global batch a multiple of 4 or change the micro-batch"),
     row("toml-unknown-key", toml_unknown_key, lambda c: train(c, "--config", c.tmp / "run.toml"),
         lambda c: f"{E}{c.tmp / 'run.toml'}: unknown key optim.learning_rate; "
                   "known: lr, min_lr, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip"),
@@ -273,32 +282,38 @@ CASES = [
     row("cli-out-of-range", copied, lambda c: train(c, optim__warmup_steps=-1),
         lambda c: f"{E}invalid config: optim.warmup_steps = -1 must be >= 0"),
     row("checkpoint-other-shape", with_run, lambda c: train(c, model__n_embd=64),
-        lambda c: f"{E}run dir {c.run}: refused to resume checkpoint {CKPT}, which has another model shape "
-                  "(n_embd 32 -> 64); use another --run-dir, or --reset to set the old run aside"),
+        lambda c: f"{E}run dir {c.run}: refused to resume checkpoint {CKPT}, which has another "
+                  "model shape (n_embd 32 -> 64); use another --run-dir, or --reset to "
+                  "set the old run aside"),
     row("checkpoint-newer-format", newer_checkpoint, train,
-        lambda c: f"{E}{c.run / 'checkpoints' / CKPT}: checkpoint format version 99 is newer than this ddpgpt "
-                  "reads (2); upgrade ddpgpt (pip install -U ddpgpt)"),
+        lambda c: f"{E}{c.run / 'checkpoints' / CKPT}: checkpoint format version 99 is newer "
+                  "than this ddpgpt reads (2); upgrade ddpgpt (pip install -U ddpgpt)"),
     row("checkpoint-meta-corrupt", corrupt_checkpoint_meta, train,
-        lambda c: f"{E}no valid checkpoint in {c.run}: {c.run / 'checkpoints' / CKPT / 'meta.json'}: corrupt "
-                  f"meta.json ({c.facts['error']}); move the bad ones away, or pass --reset to set them aside "
-                  "and start over"),
+        lambda c: f"{E}no valid checkpoint in {c.run}: "
+                  f"{c.run / 'checkpoints' / CKPT / 'meta.json'}: corrupt meta.json "
+                  f"({c.facts['error']}); move the bad ones away, or pass --reset to set them "
+                  "aside and start over"),
     row("dataset-below-global-batch", copied, lambda c: train(c, data__global_batch=4096),
-        lambda c: f"{E}dataset {c.data}: the train split has {(train_tokens(c) - 1) // 32} windows of 33 tokens, "
-                  "fewer than one global batch of 4096; use a larger dataset, or a smaller data.seq_len / "
-                  "data.global_batch"),
+        lambda c: f"{E}dataset {c.data}: the train split has {(train_tokens(c) - 1) // 32} "
+                  "windows of 33 tokens, fewer than one global batch of 4096; use a larger "
+                  "dataset, or a smaller data.seq_len / data.global_batch"),
     row("run-dir-below-a-file", run_dir_below_a_file, train,
-        lambda c: f"{E}run dir {c.run}: {c.tmp / 'file'} is a file, not a directory; give another --run-dir"),
+        lambda c: f"{E}run dir {c.run}: {c.tmp / 'file'} is a file, not a directory; "
+                  "give another --run-dir"),
     row("run-dir-is-a-file", run_dir_is_a_file, train,
         lambda c: f"{E}run dir {c.run} is a file; give a directory (--run-dir)"),
     row("run-dir-unwritable", run_dir_in_proc, train,
-        lambda c: f"{E}run dir {c.run}: cannot create it: {c.facts['reason']}; give a writable --run-dir"),
+        lambda c: f"{E}run dir {c.run}: cannot create it: {c.facts['reason']}; "
+                  "give a writable --run-dir"),
     row("resume-on-other-data", other_dataset, train,
-        lambda c: f"{E}run dir {c.run}: checkpoint {CKPT} was trained on another dataset ({c.facts['trained_on']}, "
-                  f"fingerprint {c.facts['old']}) than data.dir = {c.data} (fingerprint {c.facts['new']}); pass "
-                  "its --data, --reset to start over, or --data.allow-switch to go on with the new data"),
+        lambda c: f"{E}run dir {c.run}: checkpoint {CKPT} was trained on another dataset "
+                  f"({c.facts['trained_on']}, fingerprint {c.facts['old']}) than data.dir = "
+                  f"{c.data} (fingerprint {c.facts['new']}); pass its --data, --reset to start "
+                  "over, or --data.allow-switch to go on with the new data"),
     row("rendezvous-port-in-use", port_in_use, lambda c: train(c, run__dist_timeout_s=20),
-        lambda c: f"{E}rank 0: cannot open the rendezvous port 127.0.0.1:{c.facts['port']}: address already in "
-                  "use; another job holds it: choose another MASTER_PORT / --rdzv-endpoint port"),
+        lambda c: f"{E}rank 0: cannot open the rendezvous port 127.0.0.1:{c.facts['port']}: "
+                  "address already in use; another job holds it: choose another MASTER_PORT / "
+                  "--rdzv-endpoint port"),
 ]
 
 
@@ -310,13 +325,16 @@ def test_bad_input(setup, command, expected, tiny_data, tmp_path, request):
         start = time.monotonic()
         r = run_cli(*command(c), env=c.env, timeout=60)
         elapsed = time.monotonic() - start
-    output = f"exit {r.returncode} after {elapsed:.1f} s\nstdout: {r.stdout!r}\nstderr: {r.stderr!r}"
+    output = (f"exit {r.returncode} after {elapsed:.1f} s\nstdout: {r.stdout!r}\n"
+              f"stderr: {r.stderr!r}")
     assert "Traceback" not in r.stdout + r.stderr, output
     assert r.returncode == 2, output
     assert elapsed < 30, output
     assert r.stdout == "", output
-    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(E) and r.stderr.endswith("\n"), output
-    assert (snapshot(c.data), snapshot(c.run)) == before, "the failing command changed the data or run dir"
+    assert (len(r.stderr.splitlines()) == 1 and r.stderr.startswith(E)
+            and r.stderr.endswith("\n")), output
+    assert (snapshot(c.data), snapshot(c.run)) == before, \
+        "the failing command changed the data or run dir"
     if before[1] is None:
         assert not c.run.exists()
     line = expected(c)
@@ -334,5 +352,6 @@ def test_nproc_above_visible_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(UserError) as info:
         launch.check_nproc(2, "auto")
-    assert str(info.value) == "--nproc 2 but only 1 GPU is visible; use --nproc <= that, or --device cpu"
+    assert str(info.value) == ("--nproc 2 but only 1 GPU is visible; use --nproc <= that, or "
+                               "--device cpu")
     launch.check_nproc(2, "cpu")  # CPU workers: no limit

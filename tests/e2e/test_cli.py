@@ -22,31 +22,42 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 def test_prepare_train_resume_eval_sample(tmp_path):
     data, run = tmp_path / "data", tmp_path / "run"
-    r = run_cli("prepare", *[STDLIB / f for f in CORPUS], "--out", data, "--tokenizer", "byte", "--val-fraction", "0.2")
+    r = run_cli("prepare", *[STDLIB / f for f in CORPUS], "--out", data, "--tokenizer", "byte",
+                "--val-fraction", "0.2")
     assert r.returncode == 0, r.stderr
     train = tiny_train_args(data, run, steps=4, run__eval_every=2)[3:]  # drop "-m ddpgpt train"
 
     r = run_cli("train", "--nproc", "2", *train, timeout=180)
     assert r.returncode == 0, r.stderr
-    assert "ddpgpt: training on 2 processes (1 node × 2, gloo), cpu, fp32; G=8 sequences × T=32" in r.stderr
+    assert ("ddpgpt: training on 2 processes (1 node × 2, gloo), cpu, fp32; G=8 sequences × T=32"
+            in r.stderr)
     rows, evals = read_metrics(run)
     assert [x["step"] for x in rows] == [1, 2, 3, 4] and [e["step"] for e in evals] == [2, 4]
-    assert set(rows[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s"}
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000003", "step_0000004"]
-    assert json.loads((run / "config.json").read_text())["model"]["vocab_size"] == 320  # resolved: 257 -> 320
+    assert set(rows[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu",
+                            "elapsed_s"}
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_0000003", "step_0000004"]
+    # resolved: 257 -> 320
+    assert json.loads((run / "config.json").read_text())["model"]["vocab_size"] == 320
 
-    r = run_cli("train", "--nproc", "2", *train[:-2], "--run.steps", "6", timeout=180)  # continue to step 6
+    # continue to step 6
+    r = run_cli("train", "--nproc", "2", *train[:-2], "--run.steps", "6", timeout=180)
     assert r.returncode == 0, r.stderr
-    assert f"resuming from {run / 'checkpoints' / 'step_0000004'} (step 4, saved at world size 2)" in r.stderr
+    assert (f"resuming from {run / 'checkpoints' / 'step_0000004'} (step 4, saved at world size 2)"
+            in r.stderr)
     rows, evals = read_metrics(run)
-    assert [x["step"] for x in rows] == [1, 2, 3, 4, 5, 6] and [e["step"] for e in evals] == [2, 4, 6]
+    assert ([x["step"] for x in rows] == [1, 2, 3, 4, 5, 6]
+            and [e["step"] for e in evals] == [2, 4, 6])
 
     r = run_cli("eval", "--run", run, "--device", "cpu", timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout == f"val_loss {evals[-1]['val_loss']:.4f} (step 6, 16 windows of 32 tokens, 1 process)\n"
+    assert r.stdout == (f"val_loss {evals[-1]['val_loss']:.4f} (step 6, 16 windows of 32 tokens, "
+                        "1 process)\n")
 
-    r = run_cli("sample", "--run", run, "--prompt", "def ", "--max-new-tokens", "40", "--device", "cpu")
-    again = run_cli("sample", "--run", run, "--prompt", "def ", "--max-new-tokens", "40", "--device", "cpu")
+    r = run_cli("sample", "--run", run, "--prompt", "def ", "--max-new-tokens", "40",
+                "--device", "cpu")
+    again = run_cli("sample", "--run", run, "--prompt", "def ", "--max-new-tokens", "40",
+                    "--device", "cpu")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("def ") and len(r.stdout) > 20
     assert r.stdout == again.stdout  # seeded
@@ -58,7 +69,8 @@ def test_flags_pass_through_torchrun_parser():
     from torch.distributed.run import parse_args
 
     help_text = run_cli("train", "--help").stdout + run_cli("eval", "--help").stdout
-    flags = sorted(set(re.findall(r"(?<![\w-])--[a-z][\w.-]*", help_text)) - {"--help", "--run", "--nproc", "--max-restarts"})
+    flags = sorted(set(re.findall(r"(?<![\w-])--[a-z][\w.-]*", help_text))
+                   - {"--help", "--run", "--nproc", "--max-restarts"})
     assert "--run-dir" in flags and "--optim.lr" in flags
     args = parse_args(["--standalone", "-m", "ddpgpt", "train", *flags])
     assert args.training_script_args == ["train", *flags]
@@ -68,8 +80,8 @@ def test_flags_pass_through_torchrun_parser():
 def test_sample_and_eval_need_a_checkpoint(tmp_path, command):
     r = run_cli(command, "--run", tmp_path / "nothing", "--device", "cpu")
     assert r.returncode == 2
-    assert r.stderr == (f"ddpgpt: error: run {tmp_path / 'nothing'} has no complete checkpoint; train first "
-                        f"(ddpgpt train --run-dir {tmp_path / 'nothing'})\n")
+    assert r.stderr == (f"ddpgpt: error: run {tmp_path / 'nothing'} has no complete checkpoint; "
+                        f"train first (ddpgpt train --run-dir {tmp_path / 'nothing'})\n")
 
 
 def test_deliberate_switch_of_dataset_is_recorded(tiny_data, tmp_path):
@@ -87,9 +99,12 @@ def test_deliberate_switch_of_dataset_is_recorded(tiny_data, tmp_path):
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     (event,) = [row for row in rows if "event" in row]
-    assert event == {"step": 2, "event": "data_switch", "checkpoint": str(run / "checkpoints" / "step_0000002"),
+    assert event == {"step": 2, "event": "data_switch",
+                     "checkpoint": str(run / "checkpoints" / "step_0000002"),
                      "old": hashlib.sha256((tiny_data / "meta.json").read_bytes()).hexdigest(),
-                     "new": hashlib.sha256((other / "meta.json").read_bytes()).hexdigest(), "data_dir": str(other)}
+                     "new": hashlib.sha256((other / "meta.json").read_bytes()).hexdigest(),
+                     "data_dir": str(other)}
     assert [row["step"] for row in rows if "loss" in row] == [1, 2, 3, 4]
     state = torch.load(run / "checkpoints" / "step_0000004" / "trainer.pt", weights_only=True)
-    assert (state["loader"]["epoch"], state["loader"]["consumed"]) == (0, 2 * 8)  # 2 steps of G=8 on the new data
+    # 2 steps of G=8 on the new data
+    assert (state["loader"]["epoch"], state["loader"]["consumed"]) == (0, 2 * 8)

@@ -9,7 +9,8 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.model import GPT
 from tests.helpers import read_metrics, run_cli, tiny_train_args
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.timeout(600)]
 
 
@@ -19,12 +20,15 @@ def test_loader_copies_to_the_gpu_unchanged(tiny_data):
     gpu = TrainLoader(ds, seq_len=32, micro_batch=4, accum_steps=2, seed=3, device="cuda")
     for _ in range(3):
         for (xc, yc), (xg, yg) in zip(cpu.next_step(), gpu.next_step()):
-            assert xg.device.type == "cuda" and torch.equal(xg.cpu(), xc) and torch.equal(yg.cpu(), yc)
+            assert (xg.device.type == "cuda" and torch.equal(xg.cpu(), xc)
+                    and torch.equal(yg.cpu(), yc))
 
 
 def test_bf16_matches_fp32_closely():
-    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=128), seed=0).cuda()
-    idx = torch.randint(0, 128, (4, 32), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=128),
+                seed=0).cuda()
+    idx = torch.randint(0, 128, (4, 32), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(0))
     _, fp32 = model(idx, idx)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         _, bf16 = model(idx, idx)
@@ -54,4 +58,5 @@ def test_nccl_two_gpus_match_one(tiny_data, tmp_path):
         results[n] = [x["loss"] for x in read_metrics(run)[0]]
         if n == 2:
             assert "(1 node × 2, nccl), cuda, fp32" in r.stderr
-    torch.testing.assert_close(torch.tensor(results[2]), torch.tensor(results[1]), rtol=1e-4, atol=0)
+    torch.testing.assert_close(torch.tensor(results[2]), torch.tensor(results[1]), rtol=1e-4,
+                               atol=0)

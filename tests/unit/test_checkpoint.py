@@ -19,7 +19,8 @@ def model(seed=0):
 
 
 def save(run, step, keep=10, seed=None):
-    state = {"model": model(step if seed is None else seed).state_dict(), "optimizer": {"step": step}}
+    state = {"model": model(step if seed is None else seed).state_dict(),
+             "optimizer": {"step": step}}
     return checkpoint.save(run / "checkpoints", step, state, {"config": {}}, keep)
 
 
@@ -28,19 +29,23 @@ def find_latest(run):
 
 
 def load_into(path, target):
-    checkpoint.load_weights(path, target, checkpoint.load(path, checkpoint.read_meta(path))["model"])
+    checkpoint.load_weights(path, target,
+                            checkpoint.load(path, checkpoint.read_meta(path))["model"])
 
 
 def test_save_is_complete_and_validated(tmp_path):
     path = save(tmp_path, 7)
     assert path == tmp_path / "checkpoints" / "step_0000007"
-    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "model.safetensors", "trainer.pt"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "meta.json", "model.safetensors", "trainer.pt"]
     meta = checkpoint.read_meta(path)
     assert meta["step"] == 7 and set(meta["files"]) == {"model.safetensors", "trainer.pt"}
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0000007"]  # no temp dir left
+    # no temp dir left
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0000007"]
     loaded = model(seed=99)
     load_into(path, loaded)
-    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model(7).state_dict().values()))
+    assert all(torch.equal(a, b)
+               for a, b in zip(loaded.state_dict().values(), model(7).state_dict().values()))
     assert checkpoint.load(path, meta)["optimizer"] == {"step": 7}
 
 
@@ -53,7 +58,8 @@ def test_files_and_directory_are_fsynced_before_the_rename(tmp_path, monkeypatch
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", os.path.basename(b))), real_rename(a, b))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", os.path.basename(b))),
+                                                    real_rename(a, b))[1])
     save(tmp_path, 1)
     rename = events.index(("rename", "step_0000001"))
     synced = {name for kind, name in events[:rename] if kind == "fsync"}
@@ -74,10 +80,10 @@ def test_latest_falls_back_past_partial_and_corrupt(tmp_path, capsys):
     path, meta = find_latest(tmp_path)
     assert path.name == "step_0000002" and meta["step"] == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"ddpgpt: warning: skipping checkpoint: {root / 'step_0000004'}: incomplete checkpoint (no meta.json); "
-        "falling back to step_0000002",
-        f"ddpgpt: warning: skipping checkpoint: {root / 'step_0000003'}: model.safetensors does not match its "
-        "sha256 in meta.json (corrupt); falling back to step_0000002",
+        f"ddpgpt: warning: skipping checkpoint: {root / 'step_0000004'}: incomplete checkpoint "
+        "(no meta.json); falling back to step_0000002",
+        f"ddpgpt: warning: skipping checkpoint: {root / 'step_0000003'}: model.safetensors does "
+        "not match its sha256 in meta.json (corrupt); falling back to step_0000002",
     ]
 
 
@@ -87,8 +93,9 @@ def test_corrupt_meta_falls_back(tmp_path, capsys):
     meta = tmp_path / "checkpoints" / "step_0000002" / "meta.json"
     meta.write_text('{"format_version": 1, "st')
     assert find_latest(tmp_path)[0].name == "step_0000001"
-    assert capsys.readouterr().err == (f"ddpgpt: warning: skipping checkpoint: {meta}: corrupt meta.json "
-                                       f"({json_error(meta.read_text())}); falling back to step_0000001\n")
+    assert capsys.readouterr().err == (f"ddpgpt: warning: skipping checkpoint: {meta}: corrupt "
+                                       f"meta.json ({json_error(meta.read_text())}); falling back "
+                                       "to step_0000001\n")
 
 
 def test_no_valid_checkpoint_is_an_error(tmp_path):
@@ -96,8 +103,9 @@ def test_no_valid_checkpoint_is_an_error(tmp_path):
     (tmp_path / "checkpoints" / "step_0000001" / "trainer.pt").unlink()
     with pytest.raises(CheckpointError) as e:
         find_latest(tmp_path)
-    assert str(e.value) == (f"no valid checkpoint in {tmp_path}: {tmp_path / 'checkpoints' / 'step_0000001'}: "
-                            "trainer.pt is missing; move the bad ones away, or pass --reset to set them aside "
+    assert str(e.value) == (f"no valid checkpoint in {tmp_path}: "
+                            f"{tmp_path / 'checkpoints' / 'step_0000001'}: trainer.pt is missing; "
+                            "move the bad ones away, or pass --reset to set them aside "
                             "and start over")
 
 
@@ -108,21 +116,23 @@ def test_newer_format_is_refused(tmp_path):
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError) as e:
         find_latest(tmp_path)
-    assert str(e.value) == (f"{path}: checkpoint format version 99 is newer than this ddpgpt reads (2); "
-                            "upgrade ddpgpt (pip install -U ddpgpt)")
+    assert str(e.value) == (f"{path}: checkpoint format version 99 is newer than this ddpgpt "
+                            "reads (2); upgrade ddpgpt (pip install -U ddpgpt)")
 
 
 def test_keep_last_k(tmp_path):
     for step in range(1, 6):
         save(tmp_path, step, keep=2)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000004", "step_0000005"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_0000004", "step_0000005"]
 
 
 def test_temporaries_are_removed_at_startup(tmp_path):
     """What interrupted saves and deletes leave behind; complete checkpoints stay."""
     save(tmp_path, 1)
     root = tmp_path / "checkpoints"
-    leftovers = [root / ".tmp-step_0000002-99999", root / ".old-step_0000001-5", root / ".del-step_0000001-6"]
+    leftovers = [root / ".tmp-step_0000002-99999", root / ".old-step_0000001-5",
+                 root / ".del-step_0000001-6"]
     for path in leftovers:
         path.mkdir()
         (path / "model.safetensors").write_bytes(b"x" * 100)
@@ -146,8 +156,8 @@ def test_failed_delete_warns_and_keeps_the_newest(tmp_path, monkeypatch, capsys)
         f".del-step_0000001-{os.getpid()}", "step_0000002"]
     assert find_latest(tmp_path)[0].name == "step_0000002"
     assert capsys.readouterr().err == (f"ddpgpt: warning: could not delete old checkpoint "
-                                       f"{tmp_path / 'checkpoints' / 'step_0000001'} (Permission denied); "
-                                       "training goes on\n")
+                                       f"{tmp_path / 'checkpoints' / 'step_0000001'} "
+                                       "(Permission denied); training goes on\n")
 
 
 def test_resaving_a_step_replaces_it(tmp_path):
@@ -162,7 +172,8 @@ def test_resaving_a_step_replaces_it(tmp_path):
 def test_weights_of_another_shape_are_one_line(tmp_path):
     path = save(tmp_path, 1)
     other = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=16, block_size=4, vocab_size=16))
-    with pytest.raises(CheckpointError, match=rf"^{path}: weights do not fit this model \(size mismatch"):
+    with pytest.raises(CheckpointError,
+                       match=rf"^{path}: weights do not fit this model \(size mismatch"):
         load_into(path, other)
 
 

@@ -83,8 +83,9 @@ def test_file_preset_loses_to_explicit_preset(tmp_path):
 
 def test_command_line_parser_path(tmp_path):
     path = _toml(tmp_path, "[data]\nmicro_batch = 4\nglobal_batch = 8\n[optim]\nwarmup_steps = 5\n")
-    cfg = _parse_train(["--data", "d", "--preset", "tiny", "--config", path, "--optim.warmup-steps", "7",
-                        "--model.n_layer", "3", "--no-model.bias", "--run-dir", "r", "--compile"])
+    cfg = _parse_train(["--data", "d", "--preset", "tiny", "--config", path,
+                        "--optim.warmup-steps", "7", "--model.n_layer", "3", "--no-model.bias",
+                        "--run-dir", "r", "--compile"])
     tiny = presets.tiny()
     assert cfg == dataclasses.replace(
         tiny,
@@ -96,8 +97,10 @@ def test_command_line_parser_path(tmp_path):
 
 
 def test_nest_sections_and_drop_the_rest():
-    values = {"optim.lr": "3e-4", "model.n_layer": "2", "data.dir": "d", "preset": "tiny", "nproc": 2}
-    assert nest(values) == {"optim": {"lr": "3e-4"}, "model": {"n_layer": "2"}, "data": {"dir": "d"}}
+    values = {"optim.lr": "3e-4", "model.n_layer": "2", "data.dir": "d", "preset": "tiny",
+              "nproc": 2}
+    assert nest(values) == {"optim": {"lr": "3e-4"}, "model": {"n_layer": "2"},
+                            "data": {"dir": "d"}}
 
 
 def test_int_in_toml_is_accepted_for_a_float(tmp_path):
@@ -110,12 +113,14 @@ def test_int_in_toml_is_accepted_for_a_float(tmp_path):
 
 def test_unknown_key_in_toml(tmp_path):
     path = _toml(tmp_path, "[model]\nn_layers = 2\n")
-    assert _error(resolve, None, path, {}) == f"{path}: unknown key model.n_layers; known: {MODEL_KEYS}"
+    assert _error(resolve, None, path, {}) == (f"{path}: unknown key model.n_layers; known: "
+                                               f"{MODEL_KEYS}")
 
 
 def test_unknown_section_in_toml(tmp_path):
     path = _toml(tmp_path, "[training]\nsteps = 2\n")
-    assert _error(resolve, None, path, {}) == f"{path}: unknown section [training]; known: model, data, optim, run"
+    assert _error(resolve, None, path, {}) == (f"{path}: unknown section [training]; known: "
+                                               "model, data, optim, run")
 
 
 def test_section_that_is_not_a_table(tmp_path):
@@ -167,18 +172,21 @@ def test_unknown_flag_is_a_one_line_user_error():
 @pytest.mark.parametrize("build, message", [
     (lambda: ModelConfig(n_layer=0), "model.n_layer = 0 must be >= 1"),
     (lambda: ModelConfig(n_head=3, n_embd=64), "model.n_head = 3 must divide model.n_embd = 64"),
-    (lambda: ModelConfig(vocab_size=-1), "model.vocab_size = -1 must be >= 0 (0: from the dataset)"),
+    (lambda: ModelConfig(vocab_size=-1),
+     "model.vocab_size = -1 must be >= 0 (0: from the dataset)"),
     (lambda: ModelConfig(dropout=1.0), "model.dropout = 1.0 must be in [0, 1)"),
-    (lambda: OptimConfig(lr=1e-3, min_lr=2e-3), "optim.min_lr = 0.002 must be in [0, optim.lr = 0.001]"),
+    (lambda: OptimConfig(lr=1e-3, min_lr=2e-3),
+     "optim.min_lr = 0.002 must be in [0, optim.lr = 0.001]"),
     (lambda: OptimConfig(lr=0.0), "optim.lr = 0.0 must be > 0"),
     (lambda: OptimConfig(beta2=1.0), "optim.beta2 = 1.0 must be in [0, 1)"),
     (lambda: DataConfig(micro_batch=0), "data.micro_batch = 0 must be >= 1"),
     (lambda: TrainConfig(model=ModelConfig(block_size=64), data=DataConfig(seq_len=128)),
-     "data.seq_len = 128 exceeds model.block_size = 64; set data.seq_len <= 64 (0: model.block_size) "
-     "or raise model.block_size"),
+     "data.seq_len = 128 exceeds model.block_size = 64; set data.seq_len <= 64 "
+     "(0: model.block_size) or raise model.block_size"),
     (lambda: TrainConfig(data=DataConfig(micro_batch=8, global_batch=20)),
      "data.global_batch = 20 is not a multiple of data.micro_batch = 8"),
-    (lambda: RunConfig(precision="fp8"), "run.precision = 'fp8'; choose one of auto, fp32, bf16, fp16"),
+    (lambda: RunConfig(precision="fp8"),
+     "run.precision = 'fp8'; choose one of auto, fp32, bf16, fp16"),
     (lambda: RunConfig(steps=0), "run.steps = 0 must be >= 1"),
 ])
 def test_out_of_range(build, message):
@@ -228,7 +236,8 @@ def test_missing_config_file(tmp_path):
 def test_cli_rejects_bad_input_in_one_line(tmp_path, extra, message):
     (tmp_path / "bad.toml").write_text("[model]\nn_layers = 2\n")
     result = run_cli("train", "--data", "data", "--run-dir", "run", *extra, cwd=tmp_path)
-    assert (result.returncode, result.stderr, result.stdout) == (2, f"ddpgpt: error: {message}\n", "")
+    assert (result.returncode, result.stderr, result.stdout) == (
+        2, f"ddpgpt: error: {message}\n", "")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.toml"]
 
 
@@ -242,8 +251,10 @@ def test_to_dict_from_dict_round_trip(name):
 
 def test_round_trip_through_json_of_a_non_default_config():
     import json
-    cfg = TrainConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False),
-                      data=DataConfig(dir="x", seq_len=16, micro_batch=2, global_batch=6, shuffle=False),
+    cfg = TrainConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16,
+                                        vocab_size=64, bias=False),
+                      data=DataConfig(dir="x", seq_len=16, micro_batch=2, global_batch=6,
+                                      shuffle=False),
                       optim=OptimConfig(lr=3.0, min_lr=0.5, warmup_steps=0),
                       run=RunConfig(dir="r", precision="bf16", bucket_mb=1.5, compile=True))
     back = from_dict(json.loads(json.dumps(cfg.to_dict())))
@@ -266,8 +277,8 @@ def test_accum_steps(G, b, W, A):
 @pytest.mark.parametrize("G, b, W", [(32, 8, 3), (32, 8, 8), (48, 4, 5)])
 def test_accum_steps_indivisible(G, b, W):
     assert _error(accum_steps, _batch(G, b), W) == (
-        f"data.global_batch = {G} is not divisible by world size {W} × data.micro_batch {b} = {W * b}; "
-        f"make the global batch a multiple of {W * b} or change the micro-batch")
+        f"data.global_batch = {G} is not divisible by world size {W} × data.micro_batch {b} = "
+        f"{W * b}; make the global batch a multiple of {W * b} or change the micro-batch")
 
 
 @pytest.fixture
@@ -290,12 +301,14 @@ def test_resolve_rounds_vocab_up_to_64(dataset):
     assert cfg.model.vocab_size == 128
     assert cfg.data.seq_len == 16  # 0 -> block_size
     assert (cfg.model, cfg.data, cfg.optim) == (dataclasses.replace(_model().model, vocab_size=128),
-                                                dataclasses.replace(_model().data, seq_len=16), _model().optim)
+                                                dataclasses.replace(_model().data, seq_len=16),
+                                                _model().optim)
 
 
 @pytest.mark.parametrize("vocab, rounded", [(64, 64), (65, 128), (256, 256), (257, 320)])
 def test_resolve_rounding(tmp_path, vocab, rounded):
-    ds = TokenDataset(write_dataset(tmp_path / "d", np.arange(300) % vocab, np.arange(50) % vocab, vocab))
+    ds = TokenDataset(write_dataset(tmp_path / "d", np.arange(300) % vocab, np.arange(50) % vocab,
+                                    vocab))
     assert _resolve(_model(), ds).model.vocab_size == rounded
 
 
@@ -329,8 +342,8 @@ def test_resolve_leaves_no_auto_and_is_idempotent(dataset, monkeypatch):
              if v == "auto" or (v == 0 and k in ("vocab_size", "seq_len", "threads"))]
     assert autos == ["run.resume"]  # a policy named auto, not a value left to resolve
     assert _resolve(cfg, dataset, local_world_size=7) == cfg
-    assert _error(_resolve, dataclasses.replace(_model(), run=RunConfig(precision="fp16")), dataset) == \
-        "run.precision = fp16 needs CUDA; use bf16 or fp32 on CPU"
+    assert _error(_resolve, dataclasses.replace(_model(), run=RunConfig(precision="fp16")),
+                  dataset) == "run.precision = fp16 needs CUDA; use bf16 or fp32 on CPU"
 
 
 def test_resolve_on_cuda(dataset, monkeypatch):
@@ -351,15 +364,17 @@ CONFIG_CLASSES = [c for _, c in inspect.getmembers(config, inspect.isclass)
 def test_field_docs():
     assert field_docs(ModelConfig)["n_layer"] == "Transformer blocks."
     assert field_docs(DataConfig)["global_batch"] == (
-        "Sequences per optimizer step (G), fixed whatever the number of processes W; the accumulation "
-        "steps are G / (W * b).")
+        "Sequences per optimizer step (G), fixed whatever the number of processes W; the "
+        "accumulation steps are G / (W * b).")
 
 
 def test_help_shows_field_docs_and_defaults():
     sub = next(a for a in cli._build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     text = " ".join(sub.choices["train"].format_help().split())
-    assert "--model.n-layer N_LAYER, --model.n_layer N_LAYER Transformer blocks. (default: 4)" in text
-    assert "--data DIR, --data.dir DIR Dataset directory made by `ddpgpt prepare`. (default: data/stdlib)" in text
+    assert ("--model.n-layer N_LAYER, --model.n_layer N_LAYER Transformer blocks. (default: 4)"
+            in text)
+    assert ("--data DIR, --data.dir DIR Dataset directory made by `ddpgpt prepare`. "
+            "(default: data/stdlib)" in text)
 
 
 @pytest.mark.parametrize("cls", CONFIG_CLASSES, ids=lambda c: c.__name__)

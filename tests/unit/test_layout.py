@@ -8,7 +8,9 @@ from tests.helpers import REPO
 
 def test_every_test_directory_is_collected():
     """pytest skips directories named `dist` by default; pyproject's norecursedirs must not."""
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                          "-p", "no:cacheprovider"],
                          cwd=REPO, capture_output=True, text=True, timeout=120).stdout
-    collected = {line.split("::")[0].split("/")[1] for line in out.splitlines() if line.startswith("tests/")}
+    collected = {line.split("::")[0].split("/")[1] for line in out.splitlines()
+                 if line.startswith("tests/")}
     assert collected == {"dist", "e2e", "gpu", "unit"}

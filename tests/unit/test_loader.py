@@ -20,7 +20,8 @@ SEED = 7
 
 @pytest.fixture(scope="module")
 def ds(tmp_path_factory):
-    # 3 train shards of uneven size so windows cross shard boundaries; N = 3000 tokens -> 187 windows.
+    # 3 train shards of uneven size so windows cross shard boundaries; N = 3000 tokens -> 187
+    # windows.
     path = tmp_path_factory.mktemp("data") / "d"
     train = np.arange(3000)
     val = np.arange(1_000_000, 1_000_000 + 533)
@@ -29,16 +30,19 @@ def ds(tmp_path_factory):
 
 
 def make(ds, W, A, b, r=0, **kw):
-    return TrainLoader(ds, seq_len=T, micro_batch=b, world_size=W, rank=r, accum_steps=A, seed=SEED, **kw)
+    return TrainLoader(ds, seq_len=T, micro_batch=b, world_size=W, rank=r, accum_steps=A,
+                       seed=SEED, **kw)
 
 
 def step_rows(loaders) -> list[list[np.ndarray]]:
-    """One step from each rank's loader: rows[rank] = that rank's windows, micro-step by micro-step."""
+    """One step from each rank's loader: rows[rank] = that rank's windows, micro-step by
+    micro-step."""
     out = []
     for loader in loaders:
         rows = []
         for x, y in loader.next_step():
-            assert x.shape == y.shape == (loader.micro_batch, T) and x.dtype == y.dtype == torch.int64
+            assert (x.shape == y.shape == (loader.micro_batch, T)
+                    and x.dtype == y.dtype == torch.int64)
             torch.testing.assert_close(x[:, 1:], y[:, :-1], rtol=0, atol=0)
             rows += [np.concatenate([xr.numpy(), yr[-1:].numpy()]) for xr, yr in zip(x, y)]
         out.append(rows)
@@ -99,7 +103,8 @@ def test_resume_same_and_other_world_size(ds):
     n, k, G = 40, 17, 12  # crosses the epoch boundary (15 steps per epoch)
 
     def flat(rows_per_step):
-        return [sorted(int(row[0]) for rank_rows in rows for row in rank_rows) for rows in rows_per_step]
+        return [sorted(int(row[0]) for rank_rows in rows for row in rank_rows)
+                for rows in rows_per_step]
 
     straight = [make(ds, 2, 3, 2, r) for r in range(2)]
     reference = flat([step_rows(straight) for _ in range(n)])
@@ -127,8 +132,8 @@ def test_dataset_smaller_than_global_batch(ds):
     with pytest.raises(DataError) as e:
         make(ds, 4, 10, 5)
     assert str(e.value) == (
-        f"dataset {ds.path}: the train split has 187 windows of 17 tokens, fewer than one global batch of "
-        "200; use a larger dataset, or a smaller data.seq_len / data.global_batch"
+        f"dataset {ds.path}: the train split has 187 windows of 17 tokens, fewer than one global "
+        "batch of 200; use a larger dataset, or a smaller data.seq_len / data.global_batch"
     )
 
 
@@ -148,12 +153,14 @@ def _val_windows(loader):
 @pytest.mark.parametrize("W", [1, 2, 3, 4])
 def test_val_split_union_equals_single_process(ds, W, max_windows):
     single = _val_windows(EvalLoader(ds, seq_len=T, micro_batch=4, max_windows=max_windows))
-    loaders = [EvalLoader(ds, seq_len=T, micro_batch=4, world_size=W, rank=r, max_windows=max_windows)
+    loaders = [EvalLoader(ds, seq_len=T, micro_batch=4, world_size=W, rank=r,
+                          max_windows=max_windows)
                for r in range(W)]
     assert len({lo.num_batches for lo in loaders}) == 1  # no rank is left with fewer batches
     parts = [_val_windows(lo) for lo in loaders]
     assert sorted(sum(parts, [])) == sorted(single)
     assert len(sum(parts, [])) == len(single)
     n = (533 - 1) // T
-    expected = range(n) if not max_windows else np.linspace(0, n - 1, max_windows).round().astype(int)
+    expected = (range(n) if not max_windows
+                else np.linspace(0, n - 1, max_windows).round().astype(int))
     assert sorted(single) == [1_000_000 + w * T for w in expected]

@@ -42,7 +42,8 @@ def test_init_depends_on_the_seed_only():
     c = GPT(SMALL, seed=6)
     assert _states_equal(a, b)
     sa, sc = a.state_dict(), c.state_dict()
-    assert all(not torch.equal(sa[k], sc[k]) for k in sa if k.endswith("weight") and sa[k].dim() == 2)
+    assert all(not torch.equal(sa[k], sc[k])
+               for k in sa if k.endswith("weight") and sa[k].dim() == 2)
 
 
 def test_init_statistics():
@@ -89,7 +90,8 @@ def test_causal(model):
         changed[:, t] = (changed[:, t] + 1) % SMALL.vocab_size
         logits = model(changed)[0]
         assert torch.equal(logits[:, :t], base[:, :t]), t
-        assert not torch.allclose(logits[:, t], base[:, t]), t  # the change is visible where it happens
+        # the change is visible where it happens
+        assert not torch.allclose(logits[:, t], base[:, t]), t
 
 
 def test_head_is_tied_to_the_token_embedding(model):
@@ -121,7 +123,8 @@ def test_head_gradient_reaches_the_embedding(model):
 def test_loss_is_cross_entropy(model):
     idx, targets = _tokens(3, 12), _tokens(3, 12, seed=1)
     logits, loss = model(idx, targets)
-    assert torch.equal(loss, F.cross_entropy(logits.reshape(-1, SMALL.vocab_size), targets.reshape(-1)))
+    assert torch.equal(loss, F.cross_entropy(logits.reshape(-1, SMALL.vocab_size),
+                                             targets.reshape(-1)))
     _, total = model(idx, targets, reduction="sum")
     torch.testing.assert_close(total, loss * targets.numel(), rtol=1e-5, atol=0)
 
@@ -132,7 +135,8 @@ def test_targets_of_minus_one_are_ignored(model):
     targets[0, :3] = -1
     logits, loss = model(idx, targets)
     _, total = model(idx, targets, reduction="sum")
-    kept = F.cross_entropy(logits[0, 3:], targets[0, 3:], reduction="none")  # the 9 counted positions
+    # the 9 counted positions
+    kept = F.cross_entropy(logits[0, 3:], targets[0, 3:], reduction="none")
     torch.testing.assert_close(loss, kept.mean(), rtol=1e-6, atol=0)
     torch.testing.assert_close(total, kept.sum(), rtol=1e-6, atol=0)
 
@@ -147,9 +151,11 @@ def test_longer_than_block_size_is_rejected(model):
 
 def test_num_params_and_flops(model):
     C, V, L, T = SMALL.n_embd, SMALL.vocab_size, SMALL.n_layer, SMALL.block_size
-    per_block = 2 * 2 * C + (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) + (4 * C * C + C)
+    per_block = (2 * 2 * C + (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C)
+                 + (4 * C * C + C))
     total = V * C + T * C + L * per_block + 2 * C
-    assert model.num_params(non_embedding=False) == total == sum(p.numel() for p in model.parameters())
+    assert (model.num_params(non_embedding=False) == total
+            == sum(p.numel() for p in model.parameters()))
     assert model.num_params() == total - T * C  # the position embedding only
     for seq_len in (1, 8, 16):
         assert model.flops_per_token(seq_len) == 6 * model.num_params() + 12 * L * seq_len * C
@@ -175,7 +181,8 @@ def test_generate_keeps_the_prompt_and_appends(model):
 
 def test_generate_top_k_1_is_greedy(model):
     prompt = _tokens(2, 4)
-    out = model.generate(prompt, 8, temperature=0.7, top_k=1, generator=torch.Generator().manual_seed(3))
+    out = model.generate(prompt, 8, temperature=0.7, top_k=1,
+                         generator=torch.Generator().manual_seed(3))
     assert torch.equal(out, _greedy(model, prompt, 8))
 
 

@@ -26,7 +26,8 @@ def _decayed_by_module(model: nn.Module) -> set[int]:
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_param_groups(bias):
-    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=bias))
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64,
+                            bias=bias))
     decay, no_decay = param_groups(model, 0.25)
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.25, 0.0)
     assert {id(p) for p in decay["params"]} == _decayed_by_module(model)
@@ -34,9 +35,11 @@ def test_param_groups(bias):
     grouped = [id(p) for p in decay["params"] + no_decay["params"]]
     assert sorted(grouped) == sorted(everything)  # each parameter exactly once
     names = {id(p): n for n, p in model.named_parameters()}
-    expected_no_decay = {n for n in names.values() if ".ln" in n or n.startswith("ln_f") or n.endswith(".bias")}
+    expected_no_decay = {n for n in names.values()
+                         if ".ln" in n or n.startswith("ln_f") or n.endswith(".bias")}
     assert {names[id(p)] for p in no_decay["params"]} == expected_no_decay
-    L = 2  # LayerNorm gains (2 per block + ln_f), and with bias: LayerNorm biases + 4 linear biases per block
+    L = 2  # LayerNorm gains (2 per block + ln_f), and with bias: LayerNorm biases + 4 linear
+           # biases per block
     assert len(no_decay["params"]) == (2 * L + 1) * (2 if bias else 1) + (4 * L if bias else 0)
 
 
@@ -53,19 +56,22 @@ def test_param_groups_skip_frozen_parameters():
 # ---- the optimizer against torch.optim.AdamW --------------------------------------------------
 
 def test_make_optimizer_matches_adamw_by_hand():
-    cfg = OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2, weight_decay=0.2, beta1=0.8, beta2=0.9, eps=1e-6)
+    cfg = OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2, weight_decay=0.2, beta1=0.8,
+                      beta2=0.9, eps=1e-6)
     ours, ref = GPT(SMALL, seed=1), GPT(SMALL, seed=1)
     opt = make_optimizer(ours, cfg, torch.device("cpu"))
     decay = [p for p in ref.parameters() if id(p) in _decayed_by_module(ref)]
     no_decay = [p for p in ref.parameters() if id(p) not in _decayed_by_module(ref)]
-    ref_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.2}, {"params": no_decay, "weight_decay": 0.0}],
+    ref_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.2},
+                                 {"params": no_decay, "weight_decay": 0.0}],
                                 lr=3e-3, betas=(0.8, 0.9), eps=1e-6)
     assert [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in opt.param_groups] == \
         [(3e-3, (0.8, 0.9), 1e-6, 0.2), (3e-3, (0.8, 0.9), 1e-6, 0.0)]
     gen = torch.Generator().manual_seed(0)
     steps = 4
     for step in range(steps):
-        idx, targets = (torch.randint(0, SMALL.vocab_size, (2, 12), generator=gen) for _ in range(2))
+        idx, targets = (torch.randint(0, SMALL.vocab_size, (2, 12), generator=gen)
+                        for _ in range(2))
         lr = lr_at(step, cfg, steps)
         for model, optimizer in ((ours, opt), (ref, ref_opt)):
             model(idx, targets)[1].backward()

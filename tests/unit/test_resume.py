@@ -23,8 +23,10 @@ def config(resume_mode: str = "auto", allow_switch: bool = False) -> TrainConfig
 
 
 def save(run: RunDir, step: int, origin: dict | None = None, fingerprint: str = FP):
-    meta = {"config": config().to_dict(), "world_size": 1, "data_fingerprint": fingerprint, "origin": origin}
-    return checkpoint.save(run.checkpoints, step, {"model": GPT(SMALL).state_dict()}, meta, keep=100)
+    meta = {"config": config().to_dict(), "world_size": 1, "data_fingerprint": fingerprint,
+            "origin": origin}
+    return checkpoint.save(run.checkpoints, step, {"model": GPT(SMALL).state_dict()}, meta,
+                           keep=100)
 
 
 def choose(run: RunDir, mode: str = "auto", first: bool = True, **kw) -> resume.Start:
@@ -57,7 +59,8 @@ def test_explicit_path_then_its_continuation(run, other):
     assert (start.path, start.origin) == (path, {"path": str(path.resolve()), "step": 4})
     save(run, 6, origin=start.origin)  # the run goes on from PATH...
     save(run, 8, origin=start.origin)
-    for first in (True, False):  # ...so a rerun (first start) or a restart continues from the run dir
+    for first in (True, False):  # ...so a rerun (first start) or a restart continues from
+                                 # the run dir
         assert choose(run, str(path), first=first).path.name == "step_0000008"
 
 
@@ -66,8 +69,8 @@ def test_explicit_path_into_another_runs_dir_is_refused(run, other):
     path = other.checkpoints / "step_0000004"
     with pytest.raises(UserError) as e:
         choose(run, str(path))
-    assert str(e.value) == (f"--resume {path}: run dir {run} already has checkpoints of another run (up to "
-                            "step 10); resume into an empty --run-dir")
+    assert str(e.value) == (f"--resume {path}: run dir {run} already has checkpoints of another "
+                            "run (up to step 10); resume into an empty --run-dir")
 
 
 def test_explicit_path_inside_the_run_dir_rolls_back_once(run):
@@ -75,20 +78,23 @@ def test_explicit_path_inside_the_run_dir_rolls_back_once(run):
         save(run, step)
     path = run.checkpoints / "step_0000002"
     start = choose(run, str(path))
-    assert start.path == path and start.set_aside == [run.checkpoints / "step_0000004", run.checkpoints / "step_0000006"]
-    assert choose(run, str(path), first=False).set_aside == []  # a restart never sets anything aside
+    assert start.path == path and start.set_aside == [run.checkpoints / "step_0000004",
+                                                      run.checkpoints / "step_0000006"]
+    # a restart never sets anything aside
+    assert choose(run, str(path), first=False).set_aside == []
 
 
 def test_explicit_path_that_is_not_there(run, tmp_path):
     with pytest.raises(UserError) as e:
         choose(run, str(tmp_path / "nope"))
-    assert str(e.value) == (f"--resume {tmp_path / 'nope'}: no such checkpoint directory; give a step_NNNNNNN "
-                            "directory of a run's checkpoints/, or --resume auto")
+    assert str(e.value) == (f"--resume {tmp_path / 'nope'}: no such checkpoint directory; give a "
+                            "step_NNNNNNN directory of a run's checkpoints/, or --resume auto")
 
 
 def test_never_and_reset_are_first_start_rules(run):
     save(run, 4)
-    with pytest.raises(UserError, match=r"already has checkpoints \(up to step 4\) and run.resume = never"):
+    with pytest.raises(UserError,
+                       match=r"already has checkpoints \(up to step 4\) and run.resume = never"):
         choose(run, "never")
     assert choose(run, "never", first=False).path.name == "step_0000004"
     assert choose(run, "reset").path is None  # the caller sets the checkpoints aside
@@ -99,9 +105,10 @@ def test_another_dataset_is_refused_unless_allowed(run):
     save(run, 4, fingerprint="cd" * 32)
     with pytest.raises(UserError) as e:
         choose(run)
-    assert str(e.value) == (f"run dir {run}: checkpoint step_0000004 was trained on another dataset (data, "
-                            f"fingerprint {'cd' * 6}) than data.dir = data (fingerprint {'ab' * 6}); pass its "
-                            "--data, --reset to start over, or --data.allow-switch to go on with the new data")
+    assert str(e.value) == (f"run dir {run}: checkpoint step_0000004 was trained on another "
+                            f"dataset (data, fingerprint {'cd' * 6}) than data.dir = data "
+                            f"(fingerprint {'ab' * 6}); pass its --data, --reset to start over, "
+                            "or --data.allow-switch to go on with the new data")
     assert choose(run, allow_switch=True).data_switch
 
 
@@ -111,5 +118,6 @@ def test_explicit_path_of_another_shape(run, other):
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_embd=64))
     with pytest.raises(UserError) as e:
         resume.choose(cfg, run, True, FP)
-    assert str(e.value) == (f"--resume {path}: refused: that checkpoint has another model shape (n_embd 32 -> 64); "
-                            "resume it with the model settings in its meta.json")
+    assert str(e.value) == (f"--resume {path}: refused: that checkpoint has another model shape "
+                            "(n_embd 32 -> 64); resume it with the model settings in its "
+                            "meta.json")

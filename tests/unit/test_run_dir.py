@@ -18,12 +18,14 @@ from ddpgpt.model import GPT
 from ddpgpt.run_dir import RunDir, RunDirBusy
 from tests.helpers import REPO
 
-HOLD = "import sys, time; from ddpgpt.run_dir import RunDir; RunDir(sys.argv[1]).lock(); print('locked', flush=True); time.sleep(60)"
+HOLD = ("import sys, time; from ddpgpt.run_dir import RunDir; RunDir(sys.argv[1]).lock(); "
+        "print('locked', flush=True); time.sleep(60)")
 
 
 def holder(path):
     """Another process that takes the lock and keeps it."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE,
+                            text=True, cwd=REPO)
     assert proc.stdout.readline() == "locked\n"
     return proc
 
@@ -35,9 +37,9 @@ def test_second_lock_names_the_holder_and_none_is_left_after_sigkill(tmp_path):
         with pytest.raises(RunDirBusy) as e:
             run.lock()
         info = json.loads(run.lock_file.read_text())
-        assert str(e.value) == (f"run dir {run.path} is in use by another run (PID {proc.pid} on host "
-                                f"{os.uname().nodename}, since {info['since']}); wait for it to end or stop it, "
-                                "or use another --run-dir")
+        assert str(e.value) == (f"run dir {run.path} is in use by another run (PID {proc.pid} on "
+                                f"host {os.uname().nodename}, since {info['since']}); wait for it "
+                                "to end or stop it, or use another --run-dir")
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -53,7 +55,8 @@ def test_a_worker_accepts_its_launchers_lock(tmp_path):
     child = ("import sys; from ddpgpt.run_dir import RunDir, RunDirBusy\n"
              "r = RunDir(sys.argv[1]); r.lock(allow_parent=True)\n"
              "try:\n    r.lock()\nexcept RunDirBusy:\n    print('busy')\n")
-    out = subprocess.run([sys.executable, "-c", child, str(run.path)], capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run([sys.executable, "-c", child, str(run.path)], capture_output=True,
+                         text=True, cwd=REPO)
     assert (out.returncode, out.stdout) == (0, "busy\n"), out.stderr
     run.unlock()
 
@@ -65,7 +68,8 @@ def test_set_aside_keeps_everything(tmp_path):
     first = run.set_aside("reset", [run.checkpoints, run.metrics])
     second_checkpoints = run.checkpoints / "step_0000004"
     second_checkpoints.mkdir(parents=True)
-    second = run.set_aside("reset", [run.checkpoints])  # the same second: a new name, nothing merged
+    # the same second: a new name, nothing merged
+    second = run.set_aside("reset", [run.checkpoints])
     assert first != second and first.parent == second.parent == run.path
     assert (first / "checkpoints" / "step_0000002").is_dir() and (first / "metrics.jsonl").is_file()
     assert (second / "checkpoints" / "step_0000004").is_dir()
@@ -73,8 +77,8 @@ def test_set_aside_keeps_everything(tmp_path):
 
 
 def save(root, step, reason, saved_at=None):
-    model = GPT(build(None, None, {"model": {"n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 4,
-                                             "vocab_size": 16}}).model)
+    model = GPT(build(None, None, {"model": {"n_layer": 1, "n_head": 1, "n_embd": 8,
+                                             "block_size": 4, "vocab_size": 16}}).model)
     path = checkpoint.save(root, step, {"model": model.state_dict()}, {"reason": reason}, keep=10)
     if saved_at is not None:
         meta = json.loads((path / "meta.json").read_text())
@@ -96,7 +100,8 @@ def test_launcher_claims_only_a_stop_checkpoint_written_since_it_started(tmp_pat
     assert launch.stop_checkpoint(run, since=started) == path
 
 
-def test_launcher_starts_workers_from_the_resolved_config_under_its_lock(tiny_data, tmp_path, monkeypatch):
+def test_launcher_starts_workers_from_the_resolved_config_under_its_lock(tiny_data, tmp_path,
+                                                                         monkeypatch):
     """--nproc: the argv is parsed and resolved once; the workers get only the run's config.json
     (no `auto` in it), and the run dir is locked while they run."""
     seen = {}
@@ -110,7 +115,8 @@ def test_launcher_starts_workers_from_the_resolved_config_under_its_lock(tiny_da
 
     monkeypatch.setattr(launch, "start", start)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cfg = build("tiny", None, {"data": {"dir": str(tiny_data)}, "run": {"dir": str(tmp_path / "run")}})
+    cfg = build("tiny", None, {"data": {"dir": str(tiny_data)},
+                               "run": {"dir": str(tmp_path / "run")}})
     assert launch.train(cfg, 2, 1) == 0
     assert seen["args"] == ["train", "--resolved-config", str(tmp_path / "run" / "config.json")]
     assert (seen["nproc"], seen["max_restarts"]) == (2, 1)

@@ -29,7 +29,8 @@ def test_round_trip(tmp_path, dtype):
 def test_dataset_splits_into_shards(tmp_path):
     train, val = np.arange(2500) % 300, np.arange(700) % 300
     ds = TokenDataset(write_dataset(tmp_path / "d", train, val, vocab_size=300, shard_tokens=1000))
-    assert [s.file for s in ds.shards["train"]] == ["train_000000.bin", "train_000001.bin", "train_000002.bin"]
+    assert [s.file for s in ds.shards["train"]] == ["train_000000.bin", "train_000001.bin",
+                                                    "train_000002.bin"]
     assert [len(t) for t in ds.tokens("train")] == [1000, 1000, 500]
     np.testing.assert_array_equal(np.concatenate(ds.tokens("train")), train)
     np.testing.assert_array_equal(np.concatenate(ds.tokens("val")), val)
@@ -38,7 +39,8 @@ def test_dataset_splits_into_shards(tmp_path):
 
 @pytest.fixture
 def dataset(tmp_path):
-    return write_dataset(tmp_path / "d", np.arange(1000) % 500, np.arange(200) % 500, vocab_size=500)
+    return write_dataset(tmp_path / "d", np.arange(1000) % 500, np.arange(200) % 500,
+                         vocab_size=500)
 
 
 def _error(path):
@@ -60,14 +62,16 @@ def test_truncated(dataset):
     data = shard.read_bytes()
     shard.write_bytes(data[:-10])
     assert _error(dataset) == (
-        f"{shard}: truncated: header says 1000 uint16 tokens (3024 bytes) but the file has 3014 bytes; {REPREPARE}"
+        f"{shard}: truncated: header says 1000 uint16 tokens (3024 bytes) but the file has 3014 "
+        f"bytes; {REPREPARE}"
     )
 
 
 def test_shorter_than_header(dataset):
     shard = dataset / "val_000000.bin"
     shard.write_bytes(b"DDPG")
-    assert _error(dataset) == f"{shard}: truncated shard (4 bytes, shorter than its header); {REPREPARE}"
+    assert _error(dataset) == (f"{shard}: truncated shard (4 bytes, shorter than its header); "
+                               f"{REPREPARE}")
 
 
 def test_wrong_dtype(dataset):
@@ -96,7 +100,8 @@ def test_count_differs_from_meta(dataset):
 
 def test_missing_shard(dataset):
     (dataset / "val_000000.bin").unlink()
-    assert _error(dataset) == f"{dataset / 'meta.json'} lists val_000000.bin but the file is missing; {REPREPARE}"
+    assert _error(dataset) == (f"{dataset / 'meta.json'} lists val_000000.bin but the file is "
+                               f"missing; {REPREPARE}")
 
 
 def test_checksum_mismatch(dataset):
@@ -127,10 +132,12 @@ def test_newer_shard_version(dataset):
 
 def test_missing_dataset(tmp_path):
     missing = tmp_path / "nope"
-    assert _error(missing) == f"dataset {missing} does not exist; create it with: ddpgpt prepare --out {missing}"
+    assert _error(missing) == (f"dataset {missing} does not exist; create it with: "
+                               f"ddpgpt prepare --out {missing}")
 
 
 def test_corrupt_meta(dataset):
     text = '{"format_version": 1, "tok'
     (dataset / "meta.json").write_text(text)
-    assert _error(dataset) == f"{dataset / 'meta.json'}: corrupt or incomplete meta.json ({json_error(text)}); {REPREPARE}"
+    assert _error(dataset) == (f"{dataset / 'meta.json'}: corrupt or incomplete meta.json "
+                               f"({json_error(text)}); {REPREPARE}")

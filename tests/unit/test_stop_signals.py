@@ -19,6 +19,7 @@ def test_each_stop_signal_is_a_stop_request(sig):
     with StopSignal(announce=False) as stop:
         assert not stop.requested
         os.kill(os.getpid(), sig)
-        os.kill(os.getpid(), sig)  # a launcher forwarding what the worker already got: the same event
+        # a launcher forwarding what the worker already got: the same event
+        os.kill(os.getpid(), sig)
         assert stop.requested and stop.name == sig.name
     assert signal.getsignal(sig) == before  # handlers restored after the run

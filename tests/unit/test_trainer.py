@@ -16,7 +16,8 @@ from ddpgpt.train import Trainer
 
 def make(tiny_data, tmp_path, **run) -> Trainer:
     flags = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
-             "data": {"dir": str(tiny_data), "micro_batch": 2, "global_batch": 4, "eval_windows": 4},
+             "data": {"dir": str(tiny_data), "micro_batch": 2, "global_batch": 4,
+                      "eval_windows": 4},
              "run": {"dir": str(tmp_path / "run"), "device": "cpu", "threads": 1, **run}}
     cfg, dataset = preflight(build(None, None, flags), 1, 1)
     env = DistEnv()
@@ -60,7 +61,8 @@ def test_state_dict_round_trip(tiny_data, tmp_path, one_thread):
 
 
 @pytest.mark.parametrize("saved_world_size", [1, 2])
-def test_rng_carries_over_only_at_the_same_world_size(tiny_data, tmp_path, one_thread, saved_world_size):
+def test_rng_carries_over_only_at_the_same_world_size(tiny_data, tmp_path, one_thread,
+                                                      saved_world_size):
     first = make(tiny_data, tmp_path)
     torch.rand(5)  # move the stream on
     state = first.state_dict()
