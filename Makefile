@@ -26,8 +26,8 @@ test: $(STAMP)
 # finished, only evaluates and samples); `rm -rf $(RUN)` to train from scratch.
 demo: $(STAMP) data
 	$(PY) -m ddpgpt train --data $(DATA) --preset tiny --run-dir $(RUN) --nproc $(NPROC) --device cpu
-	$(PY) -m ddpgpt eval --run $(RUN) --device cpu
-	$(PY) -m ddpgpt sample --run $(RUN) --device cpu --prompt "def " --max-new-tokens 150
+	$(PY) -m ddpgpt eval --run-dir $(RUN) --device cpu
+	$(PY) -m ddpgpt sample --run-dir $(RUN) --device cpu --prompt "def " --max-new-tokens 150
 
 data: $(STAMP)
 	test -f $(DATA)/meta.json || $(PY) -m ddpgpt prepare --out $(DATA)
