@@ -261,6 +261,29 @@ def all_gather_text(env: DistEnv, text: str | None) -> list[str | None]:
     return out
 
 
+def all_reduce_async(env: DistEnv, tensor: torch.Tensor) -> dist.Work:
+    """Sum in place, issued now, done when the returned work's wait() returns."""
+    with collective():
+        return dist.all_reduce(tensor, async_op=True)
+
+
+# torch 2.13 names them *_single; 2.4 has only the *_tensor names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter_async(env: DistEnv, shard: torch.Tensor, full: torch.Tensor) -> dist.Work:
+    """shard (n/W,) <- the sum over ranks of this rank's n/W slice of `full` (n,)."""
+    with collective():
+        return _reduce_scatter(shard, full, async_op=True)
+
+
+def all_gather_async(env: DistEnv, full: torch.Tensor, shard: torch.Tensor) -> dist.Work:
+    """full (n,) <- every rank's shard (n/W,), in rank order."""
+    with collective():
+        return _all_gather(full, shard, async_op=True)
+
+
 def barrier(env: DistEnv) -> None:
     if env.world_size > 1:
         with collective():

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from ddpgpt import __version__, checkpoint, dist, resume
+from ddpgpt import __version__, checkpoint, dist, resume, sync
 from ddpgpt.config import TrainConfig
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
@@ -51,11 +51,9 @@ class Trainer:
         self.accum = accum_steps(cfg, env.world_size)
         # 1. The same weights on every rank: drawn from run.seed by the model's private generator,
         #    never from a global RNG that some code might have seeded per rank.
-        self.raw = GPT(cfg.model, seed=cfg.run.seed).to(dev)  # the single-device model: saved,
-                                                               # evaluated
-        self.model: torch.nn.Module = self.raw                 # what trains: raw or DDP(raw),
-                                                               # maybe compiled
-        self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
+        self.raw = GPT(cfg.model, seed=cfg.run.seed).to(dev)  # the single-device model, saved
+        self.model: torch.nn.Module = self.raw  # what runs the forward: raw or DDP(raw), compiled?
+        self.sync = sync.Local(self.raw)        # how gradients are synced (run.sync), see wrap()
         self.optimizer = make_optimizer(self.raw, cfg.optim, dev)
         self.scaler = grad_scaler(cfg.run.precision, dev)
         self.autocast = autocast(cfg.run.precision, dev)
@@ -118,17 +116,17 @@ class Trainer:
             self._seed_rng(self.step)
 
     def wrap(self) -> None:
-        """DDP first, then compile: dynamo's DDPOptimizer then splits the graph at DDP's bucket
-        boundaries, so each bucket's all-reduce overlaps the rest of the backward."""
-        self.model = dist.wrap_model(self.raw, self.env, self.cfg.run.bucket_mb)
-        if self.model is not self.raw:
-            self.ddp = self.model
+        """The sync mode first, then compile: for DDP, dynamo's DDPOptimizer then splits the
+        graph at DDP's bucket boundaries, so each bucket's all-reduce overlaps the backward."""
+        self.sync = sync.make(self.cfg.run.sync, self.raw, self.env, self.cfg.run.bucket_mb)
+        self.model = self.sync.model
         if self.cfg.run.compile:
             self.model = torch.compile(self.model)
 
     def unwrap(self) -> None:
-        """No DDP wrapper may outlive the process group (see dist.shutdown)."""
-        self.model, self.ddp = self.raw, None
+        """No DDP wrapper or hook may outlive the process group (see dist.shutdown)."""
+        self.sync.close()
+        self.model, self.sync = self.raw, sync.Local(self.raw)
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -137,20 +135,19 @@ class Trainer:
         Returns (this rank's mean loss, the global gradient norm before clipping)."""
         loss_sum = torch.zeros((), device=self.env.device)
         for m, (x, y) in enumerate(self.loader.next_step()):
-            syncs = self.ddp is not None and m == self.accum - 1
-            # Before the last micro-step DDP skips its all-reduce: gradients accumulate locally.
-            skip_sync = (self.ddp.no_sync() if self.ddp is not None and not syncs
-                         else contextlib.nullcontext())
-            with skip_sync:
+            last = m == self.accum - 1
+            # Before the last micro-step no gradient is synced: they accumulate locally.
+            with self.sync.micro_step(last):
                 with self.autocast():
                     _, loss = self.model(x, y)  # mean over this micro-batch's b·T tokens
-                # /A: summed over micro-steps, then averaged over W ranks by DDP, the gradient is
-                # that of the mean loss over the global batch (every window has T targets).
+                # /A: summed over micro-steps, then averaged over W ranks by the sync, the gradient
+                # is that of the mean loss over the global batch (every window has T targets).
                 scaled = loss / self.accum
-                # The synced backward is where DDP's all-reduces run, and where a lost peer shows.
-                with dist.collective() if syncs else contextlib.nullcontext():
+                # The last backward is where the sync's collectives start, and a lost peer shows.
+                with dist.collective() if last else contextlib.nullcontext():
                     (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach()
+        self.sync.finish()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         # After the sync every rank holds the same gradients, so this is the global norm.
@@ -165,7 +162,7 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.sync.zero_grad(self.optimizer)
 
     def skip_update(self) -> None:
         """A step skipped for a non-finite value: its gradients are dropped. The scaler still
@@ -173,7 +170,7 @@ class Trainer:
         step's unscale_() would refuse to run."""
         if self.scaler is not None:
             self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.sync.zero_grad(self.optimizer)
 
 
 # ---- saving ------------------------------------------------------------------------------------

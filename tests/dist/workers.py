@@ -52,7 +52,7 @@ def count_allreduces(env, data: str, run_dir: str, accum: int, steps: int) -> di
         calls.append(bucket.index())
         return default_hooks.allreduce_hook(None, bucket)
 
-    t.ddp.register_comm_hook(None, hook)
+    t.sync.model.register_comm_hook(None, hook)
     per_step = []
     for _ in range(steps):
         calls.clear()
@@ -74,6 +74,87 @@ def main() -> None:
         result = globals()[name](env, **args)
         if env.is_main:
             out.write_text(json.dumps(result))
+
+
+
+def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: list[str],
+               resume_from: str, resume_at: int) -> dict:
+    """Trains `steps` steps of the tiny config (G = 8, b = 2) under each mode from the same init.
+    Returns per mode: the global losses, the final parameters' largest difference from the first
+    mode's, whether every rank holds the same parameters, and the collectives issued per step;
+    the order in which the first allreduce step's gradients became final and its buckets were
+    issued; and the losses of a run that trains `resume_at` steps under `resume_from`, then
+    goes on under the first mode from that state."""
+    import copy
+
+    from ddpgpt.config_io import build
+    from ddpgpt.optim import lr_at
+    from ddpgpt.preflight import preflight
+    from ddpgpt.reliability import Guard, StopSignal
+    from ddpgpt.train import Trainer
+
+    def trainer(mode):
+        flags = {"model": {"n_layer": 2, "n_head": 2, "n_embd": n_embd, "block_size": 32},
+                 "data": {"dir": data, "micro_batch": 2, "global_batch": 8},
+                 "optim": {"lr": 1e-2, "warmup_steps": 2},
+                 "run": {"dir": run_dir, "device": "cpu", "threads": 1, "sync": mode,
+                         "bucket_mb": 0.01}}
+        cfg, dataset = preflight(build(None, None, flags), env.world_size, env.local_world_size)
+        return Trainer(cfg, env, dataset, Guard(env, cfg.run, StopSignal(announce=False)))
+
+    issued, events = [], []
+    real = {name: getattr(dist, name) for name in
+            ("all_reduce_async", "reduce_scatter_async", "all_gather_async")}
+
+    def recorder(name):
+        def issue(*args):
+            issued.append(name)
+            events.append(("issue", name))
+            return real[name](*args)
+        return issue
+
+    for name in real:
+        setattr(dist, name, recorder(name))
+
+    def train(t, first, last, trace=False):
+        losses, per_step = [], []
+        for k in range(first, last):
+            issued.clear()
+            if trace and k == first:
+                for i, p in enumerate(t.raw.parameters()):  # after the sync's own hooks
+                    p.register_post_accumulate_grad_hook(lambda p, i=i: events.append(("ready", i)))
+            loss, _ = t.train_step()
+            losses.append((dist.all_reduce(env, loss.detach().clone()) / env.world_size).item())
+            per_step.append(list(issued))
+            t.update(lr_at(k, t.cfg.optim, steps))
+            t.step += 1
+        return losses, per_step
+
+    out, final = {}, {}
+    for mode in modes:
+        t = trainer(mode)
+        t.wrap()
+        losses, per_step = train(t, 0, steps, trace=mode == "allreduce")
+        final[mode] = torch.cat([p.detach().flatten() for p in t.raw.parameters()])
+        same = dist.all_gather(env, final[mode])
+        out[mode] = {"losses": losses, "collectives": per_step,
+                     "buckets": len(getattr(t.sync, "buckets", [])),
+                     "max_param_diff": (final[mode] - final[modes[0]]).abs().max().item(),
+                     "ranks_agree": all(torch.equal(s, same[0]) for s in same)}
+        t.unwrap()
+    out["events"] = events
+    first = trainer(resume_from)
+    first.wrap()
+    head, _ = train(first, 0, resume_at)
+    state = copy.deepcopy(first.state_dict())
+    first.unwrap()
+    second = trainer(modes[0])
+    second.load_state_dict(state, saved_world_size=env.world_size)
+    second.wrap()
+    tail, _ = train(second, resume_at, steps)
+    second.unwrap()
+    out["resumed"] = head + tail
+    return out
 
 
 if __name__ == "__main__":

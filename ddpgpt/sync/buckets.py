@@ -1,0 +1,126 @@
+"""run.sync = allreduce | rs-ag: data parallelism without DDP, on flat bucketed gradient buffers.
+
+Layout. The parameters are grouped, last registered first (gradients become ready roughly in the
+reverse order of the forward), into buckets of at most run.bucket_mb. Each bucket is one flat
+buffer (padded to a multiple of W for rs-ag), and every parameter's `.grad` is a view into it:
+autograd accumulates the micro-steps' gradients straight into the buffer, and a collective moves
+one tensor per bucket, never one per parameter.
+
+Overlap. Each parameter has a post-accumulate-grad hook. In the last micro-step's backward the
+hook counts the bucket's gradients as they become final; when the last one is, the bucket's
+collective is issued asynchronously, while the backward goes on with earlier layers. `finish`
+waits for every bucket and divides by W once: the sum is exact, then one division, as the mean
+needs (DDP divides each rank's gradient by W before summing, so the two differ by rounding).
+
+rs-ag. A bucket's reduce-scatter is issued from the hook, its all-gather in `finish` once the
+reduce-scatter is done (two collectives on one buffer must not run at once). Padding elements are
+zero on every rank, so they sum to zero, and no parameter's gradient is ever a view of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from ddpgpt import dist
+
+
+def plan(sizes: list[int], bucket_elems: int, multiple: int) -> list[tuple[list[int], int]]:
+    """Groups consecutive parameter indices into buckets of at most `bucket_elems` elements (a
+    larger parameter gets a bucket of its own); returns (indices, buffer size) per bucket, the
+    size rounded up to a multiple of `multiple`."""
+    buckets, current, filled = [], [], 0
+    for i, n in enumerate(sizes):
+        if current and filled + n > bucket_elems:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += n
+    if current:
+        buckets.append(current)
+    return [(b, -(-sum(sizes[i] for i in b) // multiple) * multiple) for b in buckets]
+
+
+@dataclass
+class Bucket:
+    params: list[torch.nn.Parameter]
+    buffer: torch.Tensor              # (size,): every parameter's gradient, then zero padding
+    shard: torch.Tensor | None        # (size / W,): this rank's summed slice (rs-ag)
+    ready: int = 0                    # gradients final in this backward
+    works: list = field(default_factory=list)
+
+
+class BucketSync:
+    def __init__(self, model: torch.nn.Module, env: dist.DistEnv, bucket_mb: float,
+                 reduce_scatter: bool):
+        self.model, self.env, self.reduce_scatter = model, env, reduce_scatter
+        params = [p for p in model.parameters() if p.requires_grad][::-1]
+        dtype = params[0].dtype
+        assert all(p.dtype == dtype for p in params), "one gradient dtype per model"
+        bucket_elems = max(1, int(bucket_mb * 2**20) // params[0].element_size())
+        multiple = env.world_size if reduce_scatter else 1
+        self.buckets: list[Bucket] = []
+        self._hooks = []
+        for indices, size in plan([p.numel() for p in params], bucket_elems, multiple):
+            buffer = torch.zeros(size, dtype=dtype, device=params[0].device)
+            shard = torch.zeros(size // env.world_size, dtype=dtype, device=buffer.device) \
+                if reduce_scatter else None
+            bucket = Bucket([params[i] for i in indices], buffer, shard)
+            offset = 0
+            for p in bucket.params:
+                p.grad = buffer[offset:offset + p.numel()].view_as(p)  # accumulates in place
+                offset += p.numel()
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    functools.partial(self._ready, bucket)))
+            self.buckets.append(bucket)
+        self.syncing = False
+
+    def micro_step(self, last: bool):
+        self.syncing = last  # the hooks issue collectives only in the last micro-step's backward
+        return contextlib.nullcontext()
+
+    def _ready(self, bucket: Bucket, param: torch.nn.Parameter) -> None:
+        if self.syncing:
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._issue(bucket)
+
+    def _issue(self, bucket: Bucket) -> None:
+        if self.reduce_scatter:
+            bucket.works.append(dist.reduce_scatter_async(self.env, bucket.shard, bucket.buffer))
+        else:
+            bucket.works.append(dist.all_reduce_async(self.env, bucket.buffer))
+
+    def finish(self) -> None:
+        """Waits for every bucket (issuing those whose gradients never all arrived: a parameter
+        unused in this forward has no hook call) and leaves the mean gradient in every `.grad`."""
+        for bucket in self.buckets:
+            if not bucket.works:
+                self._issue(bucket)
+        for bucket in self.buckets:
+            with dist.collective():
+                for work in bucket.works:
+                    work.wait()
+            if self.reduce_scatter:
+                bucket.works = [dist.all_gather_async(self.env, bucket.buffer, bucket.shard)]
+        for bucket in self.buckets:
+            with dist.collective():
+                for work in bucket.works:
+                    work.wait()
+            bucket.buffer.div_(self.env.world_size)
+            bucket.ready, bucket.works = 0, []
+        self.syncing = False
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """In place: the gradients must stay views of the buffers (never set to None)."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
