@@ -105,7 +105,9 @@ def save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
 
 
 def _weights_bytes(weights: dict[str, torch.Tensor]) -> bytes:
-    return save_safetensors({k: v.detach().cpu().contiguous() for k, v in weights.items()})
+    # A copy each: with zero1 the parameters are views of shared flat buffers, which
+    # safetensors refuses to write as they are.
+    return save_safetensors({k: v.detach().to("cpu", copy=True) for k, v in weights.items()})
 
 
 def _torch_bytes(obj) -> bytes:

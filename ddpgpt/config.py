@@ -192,10 +192,11 @@ class RunConfig:
     """Apply torch.compile to the model."""
     sync: str = "ddp"
     """How gradients are synchronized: ddp (DistributedDataParallel), allreduce (our own flat
-    buckets, one asynchronous all_reduce each, overlapping the backward) or rs-ag (the same
-    buckets, reduce-scatter then all-gather). The same training whatever the mode."""
+    buckets, one asynchronous all_reduce each, overlapping the backward), rs-ag (the same
+    buckets, reduce-scatter then all-gather) or zero1 (reduce-scatter; each rank steps AdamW on
+    its 1/W of the parameters and state; all-gather). The same training whatever the mode."""
     bucket_mb: float = 25.0
-    """Gradient bucket size in MB (ddp, allreduce, rs-ag)."""
+    """Gradient bucket size in MB (every sync mode)."""
     threads: int = 0
     """torch CPU threads per process; 0 uses the machine's cores divided by the local processes
     (resolved per node: nodes may differ)."""
@@ -218,7 +219,7 @@ class RunConfig:
         _require(self.bucket_mb > 0, f"run.bucket_mb = {self.bucket_mb} must be > 0")
         _choice("run", "device", self.device, ("auto", "cpu", "cuda"))
         _choice("run", "backend", self.backend, ("auto", "nccl", "gloo"))
-        _choice("run", "sync", self.sync, ("ddp", "allreduce", "rs-ag"))
+        _choice("run", "sync", self.sync, ("ddp", "allreduce", "rs-ag", "zero1"))
         _choice("run", "precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _choice("run", "on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         _require(self.dist_timeout_s > 0, f"run.dist_timeout_s = {self.dist_timeout_s} must be > 0")

@@ -53,8 +53,8 @@ class Trainer:
         #    never from a global RNG that some code might have seeded per rank.
         self.raw = GPT(cfg.model, seed=cfg.run.seed).to(dev)  # the single-device model, saved
         self.model: torch.nn.Module = self.raw  # what runs the forward: raw or DDP(raw), compiled?
-        self.sync = sync.Local(self.raw)        # how gradients are synced (run.sync), see wrap()
         self.optimizer = make_optimizer(self.raw, cfg.optim, dev)
+        self.sync = sync.Sync(self.raw, self.optimizer)  # how gradients are synced: see wrap()
         self.scaler = grad_scaler(cfg.run.precision, dev)
         self.autocast = autocast(cfg.run.precision, dev)
         # 2. This rank's share of the data; the order is the loader's, not a per-rank seed's.
@@ -88,7 +88,7 @@ class Trainer:
         if env.device.type == "cuda":
             rng["cuda"] = dist.all_gather(env,
                                           torch.cuda.get_rng_state(env.device).to(env.device)).cpu()
-        return {"model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
+        return {"model": self.raw.state_dict(), "optimizer": self.sync.optimizer_state(),
                 "scaler": self.scaler.state_dict() if self.scaler else None,
                 "loader": self.loader.state_dict(), "guard": self.guard.state_dict(), "rng": rng,
                 "progress": {"step": self.step, "elapsed_s": self.elapsed_s}}
@@ -117,16 +117,18 @@ class Trainer:
 
     def wrap(self) -> None:
         """The sync mode first, then compile: for DDP, dynamo's DDPOptimizer then splits the
-        graph at DDP's bucket boundaries, so each bucket's all-reduce overlaps the backward."""
-        self.sync = sync.make(self.cfg.run.sync, self.raw, self.env, self.cfg.run.bucket_mb)
-        self.model = self.sync.model
+        graph at DDP's bucket boundaries, so each bucket's all-reduce overlaps the backward.
+        zero1 replaces the optimizer by its own, over this rank's shards."""
+        self.sync = sync.make(self.cfg.run.sync, self.raw, self.env, self.cfg.run.bucket_mb,
+                              self.optimizer)
+        self.model, self.optimizer = self.sync.model, self.sync.optimizer
         if self.cfg.run.compile:
             self.model = torch.compile(self.model)
 
     def unwrap(self) -> None:
         """No DDP wrapper or hook may outlive the process group (see dist.shutdown)."""
         self.sync.close()
-        self.model, self.sync = self.raw, sync.Local(self.raw)
+        self.model = self.raw
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -151,8 +153,7 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         # After the sync every rank holds the same gradients, so this is the global norm.
-        norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(),
-                                              self.cfg.optim.grad_clip or float("inf"))
+        norm = self.sync.clip(self.cfg.optim.grad_clip or float("inf"))
         return loss_sum / self.accum, norm
 
     def update(self, lr: float) -> None:
@@ -162,7 +163,8 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
-        self.sync.zero_grad(self.optimizer)
+        self.sync.after_update()  # zero1: every rank gets the updated parameters back
+        self.sync.zero_grad()
 
     def skip_update(self) -> None:
         """A step skipped for a non-finite value: its gradients are dropped. The scaler still
@@ -170,7 +172,7 @@ class Trainer:
         step's unscale_() would refuse to run."""
         if self.scaler is not None:
             self.scaler.update()
-        self.sync.zero_grad(self.optimizer)
+        self.sync.zero_grad()
 
 
 # ---- saving ------------------------------------------------------------------------------------

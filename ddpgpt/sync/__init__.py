@@ -1,13 +1,16 @@
 """How gradients are synchronized across ranks: one small interface that the Trainer calls the
 same way whatever the mode (run.sync).
 
-    sync = make(cfg.run.sync, model, env, bucket_mb)
-    sync.model                      # what runs the forward: DDP(model), or the model itself
+    sync = make(cfg.run.sync, model, env, bucket_mb, optimizer)
+    sync.model, sync.optimizer      # what runs the forward (DDP(model), or the model itself), and
+                                    # what steps (the optimizer, or zero1's over its shards)
     for each micro-step m of A:
         with sync.micro_step(last=m == A - 1):
             forward, backward       # on the last one, the gradient sync starts during backward
-    sync.finish()                   # every rank now holds the mean gradient over all ranks
-    optimizer.step(); sync.zero_grad(optimizer)
+    sync.finish()                   # every rank now holds the mean gradient (zero1: its shards)
+    norm = sync.clip(max_norm)      # the global gradient norm
+    sync.optimizer.step(); sync.after_update(); sync.zero_grad()
+    sync.optimizer_state()          # for checkpoints: torch's AdamW layout, whatever the mode
 
 Modes:
     ddp        torch's DistributedDataParallel: its buckets all-reduce during the last backward
@@ -16,6 +19,8 @@ Modes:
     rs-ag      the same buckets, each synced as a reduce-scatter (every rank sums its 1/W slice)
                then an all-gather (every rank gets every slice back): the two halves of a ring
                all-reduce, and what the sharded modes are made of
+    zero1      the reduce-scatter half only: each rank steps AdamW on its 1/W of the parameters,
+               with its 1/W of the optimizer state, then the parameters are all-gathered
 
 At world size 1 every mode is the model itself, with no collective. The optimizer and the
 checkpoint never see the mode: the gradients are plain `.grad` tensors of the single-device model.
@@ -29,14 +34,14 @@ import torch
 
 from ddpgpt import dist
 
-MODES = ("ddp", "allreduce", "rs-ag")
+MODES = ("ddp", "allreduce", "rs-ag", "zero1")
 
 
-class Local:
-    """World size 1: nothing to synchronize."""
+class Sync:
+    """What every mode does unless it says otherwise; at world size 1, all of it."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
 
     def micro_step(self, last: bool):
         return contextlib.nullcontext()
@@ -44,20 +49,40 @@ class Local:
     def finish(self) -> None:
         pass
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Every rank holds the whole mean gradient: this is the global norm."""
+        params = [p for p in self.optimizer_params() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def optimizer_params(self) -> list[torch.nn.Parameter]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def after_update(self) -> None:
+        pass
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_state(self) -> dict:
+        return self.optimizer.state_dict()
 
     def close(self) -> None:
         pass
 
 
-def make(mode: str, model: torch.nn.Module, env: dist.DistEnv, bucket_mb: float):
+def make(mode: str, model: torch.nn.Module, env: dist.DistEnv, bucket_mb: float,
+         optimizer: torch.optim.Optimizer):
     if mode not in MODES:
         raise ValueError(f"unknown sync mode {mode!r}")
     if env.world_size == 1:
-        return Local(model)
+        return Sync(model, optimizer)
     if mode == "ddp":
         from ddpgpt.sync.ddp import DDPSync
-        return DDPSync(model, env, bucket_mb)
+        return DDPSync(model, env, bucket_mb, optimizer)
+    if mode == "zero1":
+        from ddpgpt.sync.zero1 import Zero1Sync
+        return Zero1Sync(model, env, bucket_mb, optimizer)
     from ddpgpt.sync.buckets import BucketSync
-    return BucketSync(model, env, bucket_mb, reduce_scatter=mode == "rs-ag")
+    groups = [g["params"] for g in optimizer.param_groups]
+    return BucketSync(model, groups, env, bucket_mb, reduce_scatter=mode == "rs-ag",
+                      optimizer=optimizer)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddpgpt import dist
+from ddpgpt.sync import Sync
 
 
 def plan(sizes: list[int], bucket_elems: int, multiple: int) -> list[tuple[list[int], int]]:
@@ -52,31 +53,46 @@ class Bucket:
     ready: int = 0                    # gradients final in this backward
     works: list = field(default_factory=list)
 
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's piece of a flat tensor laid out like the buffer, in its shape."""
+        out, offset = [], 0
+        for p in self.params:
+            out.append(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return out
 
-class BucketSync:
-    def __init__(self, model: torch.nn.Module, env: dist.DistEnv, bucket_mb: float,
-                 reduce_scatter: bool):
-        self.model, self.env, self.reduce_scatter = model, env, reduce_scatter
-        params = [p for p in model.parameters() if p.requires_grad][::-1]
+
+class BucketSync(Sync):
+    def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]],
+                 env: dist.DistEnv, bucket_mb: float, reduce_scatter: bool,
+                 optimizer: torch.optim.Optimizer):
+        """`groups`: the parameters, in groups that a bucket never mixes (the optimizer's
+        parameter groups: zero1 steps a bucket's slice as one tensor), each in the model's order."""
+        super().__init__(model, optimizer)
+        self.env, self.reduce_scatter = env, reduce_scatter
+        params = [p for group in groups for p in group]
         dtype = params[0].dtype
         assert all(p.dtype == dtype for p in params), "one gradient dtype per model"
         bucket_elems = max(1, int(bucket_mb * 2**20) // params[0].element_size())
         multiple = env.world_size if reduce_scatter else 1
         self.buckets: list[Bucket] = []
         self._hooks = []
-        for indices, size in plan([p.numel() for p in params], bucket_elems, multiple):
-            buffer = torch.zeros(size, dtype=dtype, device=params[0].device)
-            shard = torch.zeros(size // env.world_size, dtype=dtype, device=buffer.device) \
-                if reduce_scatter else None
-            bucket = Bucket([params[i] for i in indices], buffer, shard)
-            offset = 0
-            for p in bucket.params:
-                p.grad = buffer[offset:offset + p.numel()].view_as(p)  # accumulates in place
-                offset += p.numel()
-                self._hooks.append(p.register_post_accumulate_grad_hook(
-                    functools.partial(self._ready, bucket)))
-            self.buckets.append(bucket)
+        for group in groups:
+            group = group[::-1]
+            for indices, size in plan([p.numel() for p in group], bucket_elems, multiple):
+                self.buckets.append(self._bucket([group[i] for i in indices], size))
         self.syncing = False
+
+    def _bucket(self, params: list[torch.nn.Parameter], size: int) -> Bucket:
+        W = self.env.world_size
+        buffer = torch.zeros(size, dtype=params[0].dtype, device=params[0].device)
+        shard = buffer.new_zeros(size // W) if self.reduce_scatter else None
+        bucket = Bucket(params, buffer, shard)
+        for p, view in zip(params, bucket.views(buffer)):
+            p.grad = view  # autograd accumulates into it in place
+            self._hooks.append(p.register_post_accumulate_grad_hook(
+                functools.partial(self._ready, bucket)))
+        return bucket
 
     def micro_step(self, last: bool):
         self.syncing = last  # the hooks issue collectives only in the last micro-step's backward
@@ -114,7 +130,7 @@ class BucketSync:
             bucket.ready, bucket.works = 0, []
         self.syncing = False
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+    def zero_grad(self) -> None:
         """In place: the gradients must stay views of the buffers (never set to None)."""
         for bucket in self.buckets:
             bucket.buffer.zero_()

@@ -19,7 +19,8 @@ from tests.helpers import reference_training, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 STEPS = 10
-MODES = ["ddp", "allreduce", "rs-ag"]
+MODES = ["ddp", "allreduce", "rs-ag", "zero1"]
+RESUMES = [["zero1", "ddp"], ["ddp", "zero1"], ["rs-ag", "allreduce"]]
 LOSS_TOL, PARAM_TOL = 1e-6, 2e-5
 
 
@@ -27,7 +28,7 @@ def train_modes(tmp_path, tiny_data, W, n_embd):
     out = tmp_path / "out.json"
     args = {"data": str(tiny_data), "run_dir": str(tmp_path / "run"), "steps": STEPS,
             "n_embd": n_embd,
-            "modes": MODES, "resume_from": "rs-ag", "resume_at": 4}
+            "modes": MODES, "resumes": RESUMES, "resume_at": 4}
     run_ranks([["-m", "tests.dist.workers", "sync_modes", json.dumps(args), str(out)]] * W,
               tmp_path / "logs", timeout=200)
     return json.loads(out.read_text())
@@ -64,11 +65,12 @@ def test_every_mode_trains_like_ddp(world, request, tiny_data):
 
 @pytest.mark.parametrize("world", ["two", "four"])
 def test_one_collective_per_bucket_per_step(world, request):
-    """allreduce: one all_reduce per bucket in each step; rs-ag: one reduce-scatter and one
-    all-gather per bucket; several buckets, so "once" is not trivial."""
+    """allreduce: one all_reduce per bucket in each step; rs-ag and zero1: one reduce-scatter and
+    one all-gather per bucket; several buckets, so "once" is not trivial."""
     runs = request.getfixturevalue(world)
-    for mode, kinds in (("allreduce", {"all_reduce_async": 1}),
-                        ("rs-ag", {"reduce_scatter_async": 1, "all_gather_async": 1})):
+    halves = {"reduce_scatter_async": 1, "all_gather_async": 1}
+    for mode, kinds in (("allreduce", {"all_reduce_async": 1}), ("rs-ag", halves),
+                        ("zero1", halves)):  # zero1 all-gathers parameters, not gradients
         buckets = runs[mode]["buckets"]
         assert buckets >= 3
         for step in runs[mode]["collectives"]:
@@ -89,7 +91,23 @@ def test_buckets_are_issued_while_the_backward_runs(two):
 
 @pytest.mark.parametrize("world", ["two", "four"])
 def test_resume_across_modes(world, request):
-    """4 steps under rs-ag, its state loaded into a ddp trainer, 6 more: the losses of the
-    straight ddp run."""
+    """4 steps under one mode, its state (the one checkpoint layout) loaded under another, 6
+    more: the losses of the straight run under the second mode."""
     runs = request.getfixturevalue(world)
-    np.testing.assert_allclose(runs["resumed"], runs["ddp"]["losses"], rtol=LOSS_TOL, atol=0)
+    for pair, losses in runs["resumed"].items():
+        target = pair.split("->")[1]
+        np.testing.assert_allclose(losses, runs[target]["losses"], rtol=LOSS_TOL, atol=0,
+                                   err_msg=pair)
+
+
+@pytest.mark.parametrize("world, W", [("two", 2), ("four", 4)])
+def test_zero1_holds_its_shard_of_the_optimizer_state(world, W, request):
+    """Each rank's AdamW moments cover exactly its 1/W of every (padded) bucket: 2 × P / W
+    elements, against ddp's 2 × P; and the gradient norm it clips with is ddp's global one."""
+    runs = request.getfixturevalue(world)
+    P, zero1 = runs["ddp"]["params"], runs["zero1"]
+    padded = zero1["buffer_elements"]  # P plus fewer than W padding elements per bucket
+    assert P <= padded < P + W * zero1["buckets"]
+    assert runs["ddp"]["state_elements"] == 2 * P
+    assert zero1["state_elements"] * W == 2 * padded
+    np.testing.assert_allclose(zero1["norms"], runs["ddp"]["norms"], rtol=LOSS_TOL)

@@ -78,13 +78,14 @@ def main() -> None:
 
 
 def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: list[str],
-               resume_from: str, resume_at: int) -> dict:
+               resumes: list[list], resume_at: int) -> dict:
     """Trains `steps` steps of the tiny config (G = 8, b = 2) under each mode from the same init.
-    Returns per mode: the global losses, the final parameters' largest difference from the first
-    mode's, whether every rank holds the same parameters, and the collectives issued per step;
-    the order in which the first allreduce step's gradients became final and its buckets were
-    issued; and the losses of a run that trains `resume_at` steps under `resume_from`, then
-    goes on under the first mode from that state."""
+    Returns per mode: the global losses and gradient norms, the final parameters' largest
+    difference from the first mode's, whether every rank holds the same parameters, the
+    collectives issued per step and the optimizer-state elements this rank holds; the order in
+    which the first allreduce step's gradients became final and its buckets were issued; and,
+    for each (from, to) in `resumes`, the losses of a run that trains `resume_at` steps under
+    `from`, then goes on under `to` from that state (saved and loaded in memory)."""
     import copy
 
     from ddpgpt.config_io import build
@@ -117,45 +118,57 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
         setattr(dist, name, recorder(name))
 
     def train(t, first, last, trace=False):
-        losses, per_step = [], []
+        losses, norms, per_step = [], [], []
         for k in range(first, last):
             issued.clear()
             if trace and k == first:
                 for i, p in enumerate(t.raw.parameters()):  # after the sync's own hooks
                     p.register_post_accumulate_grad_hook(lambda p, i=i: events.append(("ready", i)))
-            loss, _ = t.train_step()
+            loss, norm = t.train_step()
             losses.append((dist.all_reduce(env, loss.detach().clone()) / env.world_size).item())
-            per_step.append(list(issued))
+            norms.append(norm.item())
             t.update(lr_at(k, t.cfg.optim, steps))
+            per_step.append(list(issued))
             t.step += 1
-        return losses, per_step
+        return losses, norms, per_step
+
+    def state_elements(optimizer):
+        return sum(v.numel() for s in optimizer.state.values() for v in s.values()
+                   if torch.is_tensor(v) and v.dim() > 0)
 
     out, final = {}, {}
     for mode in modes:
         t = trainer(mode)
         t.wrap()
-        losses, per_step = train(t, 0, steps, trace=mode == "allreduce")
+        losses, norms, per_step = train(t, 0, steps, trace=mode == "allreduce")
         final[mode] = torch.cat([p.detach().flatten() for p in t.raw.parameters()])
         same = dist.all_gather(env, final[mode])
-        out[mode] = {"losses": losses, "collectives": per_step,
+        out[mode] = {"losses": losses, "norms": norms, "collectives": per_step,
                      "buckets": len(getattr(t.sync, "buckets", [])),
+                     "buffer_elements": sum(b.buffer.numel()
+                                            for b in getattr(t.sync, "buckets", [])),
+                     "state_elements": state_elements(t.optimizer),
+                     "params": sum(p.numel() for p in t.raw.parameters()),
                      "max_param_diff": (final[mode] - final[modes[0]]).abs().max().item(),
                      "ranks_agree": all(torch.equal(s, same[0]) for s in same)}
         t.unwrap()
+    for name in real:
+        setattr(dist, name, real[name])
     out["events"] = events
-    first = trainer(resume_from)
-    first.wrap()
-    head, _ = train(first, 0, resume_at)
-    state = copy.deepcopy(first.state_dict())
-    first.unwrap()
-    second = trainer(modes[0])
-    second.load_state_dict(state, saved_world_size=env.world_size)
-    second.wrap()
-    tail, _ = train(second, resume_at, steps)
-    second.unwrap()
-    out["resumed"] = head + tail
+    out["resumed"] = {}
+    for source, target in resumes:
+        first = trainer(source)
+        first.wrap()
+        head, _, _ = train(first, 0, resume_at)
+        state = copy.deepcopy(first.state_dict())
+        first.unwrap()
+        second = trainer(target)
+        second.load_state_dict(state, saved_world_size=env.world_size)
+        second.wrap()
+        tail, _, _ = train(second, resume_at, steps)
+        second.unwrap()
+        out["resumed"][f"{source}->{target}"] = head + tail
     return out
-
 
 if __name__ == "__main__":
     main()
