@@ -197,6 +197,9 @@ class RunConfig:
     its 1/W of the parameters and state; all-gather). The same training whatever the mode."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MB (every sync mode)."""
+    grad_compress: str = "none"
+    """none, or bf16: gradients travel between ranks in bfloat16 (half the bytes; the sum over
+    ranks is rounded to bf16) and still accumulate over micro-steps in fp32."""
     threads: int = 0
     """torch CPU threads per process; 0 uses the machine's cores divided by the local processes
     (resolved per node: nodes may differ)."""
@@ -220,6 +223,7 @@ class RunConfig:
         _choice("run", "device", self.device, ("auto", "cpu", "cuda"))
         _choice("run", "backend", self.backend, ("auto", "nccl", "gloo"))
         _choice("run", "sync", self.sync, ("ddp", "allreduce", "rs-ag", "zero1"))
+        _choice("run", "grad_compress", self.grad_compress, ("none", "bf16"))
         _choice("run", "precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _choice("run", "on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         _require(self.dist_timeout_s > 0, f"run.dist_timeout_s = {self.dist_timeout_s} must be > 0")

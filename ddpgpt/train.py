@@ -119,8 +119,9 @@ class Trainer:
         """The sync mode first, then compile: for DDP, dynamo's DDPOptimizer then splits the
         graph at DDP's bucket boundaries, so each bucket's all-reduce overlaps the backward.
         zero1 replaces the optimizer by its own, over this rank's shards."""
-        self.sync = sync.make(self.cfg.run.sync, self.raw, self.env, self.cfg.run.bucket_mb,
-                              self.optimizer)
+        run = self.cfg.run
+        self.sync = sync.make(run.sync, self.raw, self.env, run.bucket_mb, self.optimizer,
+                              run.grad_compress)
         self.model, self.optimizer = self.sync.model, self.sync.optimizer
         if self.cfg.run.compile:
             self.model = torch.compile(self.model)

@@ -71,18 +71,20 @@ class Sync:
 
 
 def make(mode: str, model: torch.nn.Module, env: dist.DistEnv, bucket_mb: float,
-         optimizer: torch.optim.Optimizer):
+         optimizer: torch.optim.Optimizer, compress: str = "none"):
+    """`compress`: bf16 sends the gradients in bfloat16 (they still accumulate in fp32)."""
     if mode not in MODES:
         raise ValueError(f"unknown sync mode {mode!r}")
     if env.world_size == 1:
         return Sync(model, optimizer)
+    wire = torch.bfloat16 if compress == "bf16" else None
     if mode == "ddp":
         from ddpgpt.sync.ddp import DDPSync
-        return DDPSync(model, env, bucket_mb, optimizer)
+        return DDPSync(model, env, bucket_mb, optimizer, compress=wire is not None)
     if mode == "zero1":
         from ddpgpt.sync.zero1 import Zero1Sync
-        return Zero1Sync(model, env, bucket_mb, optimizer)
+        return Zero1Sync(model, env, bucket_mb, optimizer, wire_dtype=wire)
     from ddpgpt.sync.buckets import BucketSync
     groups = [g["params"] for g in optimizer.param_groups]
     return BucketSync(model, groups, env, bucket_mb, reduce_scatter=mode == "rs-ag",
-                      optimizer=optimizer)
+                      optimizer=optimizer, wire_dtype=wire)

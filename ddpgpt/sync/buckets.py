@@ -49,7 +49,9 @@ def plan(sizes: list[int], bucket_elems: int, multiple: int) -> list[tuple[list[
 class Bucket:
     params: list[torch.nn.Parameter]
     buffer: torch.Tensor              # (size,): every parameter's gradient, then zero padding
-    shard: torch.Tensor | None        # (size / W,): this rank's summed slice (rs-ag)
+    shard: torch.Tensor | None        # (size / W,): this rank's summed slice (rs-ag, zero1)
+    wire: torch.Tensor                # what the collectives move: the buffer, or a bf16 copy
+    wire_shard: torch.Tensor | None   # the shard as it travels: `shard`, or a bf16 copy
     ready: int = 0                    # gradients final in this backward
     works: list = field(default_factory=list)
 
@@ -65,11 +67,11 @@ class Bucket:
 class BucketSync(Sync):
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]],
                  env: dist.DistEnv, bucket_mb: float, reduce_scatter: bool,
-                 optimizer: torch.optim.Optimizer):
+                 optimizer: torch.optim.Optimizer, wire_dtype: torch.dtype | None = None):
         """`groups`: the parameters, in groups that a bucket never mixes (the optimizer's
         parameter groups: zero1 steps a bucket's slice as one tensor), each in the model's order."""
         super().__init__(model, optimizer)
-        self.env, self.reduce_scatter = env, reduce_scatter
+        self.env, self.reduce_scatter, self.wire_dtype = env, reduce_scatter, wire_dtype
         params = [p for group in groups for p in group]
         dtype = params[0].dtype
         assert all(p.dtype == dtype for p in params), "one gradient dtype per model"
@@ -87,7 +89,11 @@ class BucketSync(Sync):
         W = self.env.world_size
         buffer = torch.zeros(size, dtype=params[0].dtype, device=params[0].device)
         shard = buffer.new_zeros(size // W) if self.reduce_scatter else None
-        bucket = Bucket(params, buffer, shard)
+        wire, wire_shard = buffer, shard
+        if self.wire_dtype is not None:  # gradients travel in bf16, accumulate in fp32
+            wire = buffer.to(self.wire_dtype)
+            wire_shard = shard.to(self.wire_dtype) if shard is not None else None
+        bucket = Bucket(params, buffer, shard, wire, wire_shard)
         for p, view in zip(params, bucket.views(buffer)):
             p.grad = view  # autograd accumulates into it in place
             self._hooks.append(p.register_post_accumulate_grad_hook(
@@ -105,10 +111,12 @@ class BucketSync(Sync):
                 self._issue(bucket)
 
     def _issue(self, bucket: Bucket) -> None:
+        if bucket.wire is not bucket.buffer:
+            bucket.wire.copy_(bucket.buffer)
         if self.reduce_scatter:
-            bucket.works.append(dist.reduce_scatter_async(self.env, bucket.shard, bucket.buffer))
+            bucket.works.append(dist.reduce_scatter_async(self.env, bucket.wire_shard, bucket.wire))
         else:
-            bucket.works.append(dist.all_reduce_async(self.env, bucket.buffer))
+            bucket.works.append(dist.all_reduce_async(self.env, bucket.wire))
 
     def finish(self) -> None:
         """Waits for every bucket (issuing those whose gradients never all arrived: a parameter
@@ -121,11 +129,13 @@ class BucketSync(Sync):
                 for work in bucket.works:
                     work.wait()
             if self.reduce_scatter:
-                bucket.works = [dist.all_gather_async(self.env, bucket.buffer, bucket.shard)]
+                bucket.works = [dist.all_gather_async(self.env, bucket.wire, bucket.wire_shard)]
         for bucket in self.buckets:
             with dist.collective():
                 for work in bucket.works:
                     work.wait()
+            if bucket.wire is not bucket.buffer:
+                bucket.buffer.copy_(bucket.wire)
             bucket.buffer.div_(self.env.world_size)
             bucket.ready, bucket.works = 0, []
         self.syncing = False

@@ -12,8 +12,10 @@ from ddpgpt.sync import Sync
 
 class DDPSync(Sync):
     def __init__(self, model: torch.nn.Module, env: dist.DistEnv, bucket_mb: float,
-                 optimizer: torch.optim.Optimizer):
+                 optimizer: torch.optim.Optimizer, compress: bool = False):
         super().__init__(dist.wrap_model(model, env, bucket_mb), optimizer)
+        if compress:
+            self.model.register_comm_hook(None, bf16_hook(env))
 
     def micro_step(self, last: bool):
         """Before the last micro-step DDP skips its all-reduce: gradients accumulate locally."""
@@ -22,3 +24,18 @@ class DDPSync(Sync):
     def close(self) -> None:
         """No DDP wrapper may outlive the process group (see dist.shutdown)."""
         self.model = None
+
+
+def bf16_hook(env: dist.DistEnv):
+    """A DDP comm hook: each bucket travels in bf16 (summed, then divided by W in fp32). Ours
+    rather than torch's bf16_compress_hook, which needs NCCL: this one runs on gloo too."""
+    def hook(state, bucket):
+        grads = bucket.buffer()
+        wire = grads.to(torch.bfloat16)
+
+        def unpack(fut):
+            return grads.copy_(fut.value()[0]).div_(env.world_size)
+
+        return dist.all_reduce_async(env, wire).get_future().then(unpack)
+
+    return hook

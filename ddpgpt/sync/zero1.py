@@ -29,9 +29,9 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 class Zero1Sync(BucketSync):
     def __init__(self, model: torch.nn.Module, env: dist.DistEnv, bucket_mb: float,
-                 optimizer: torch.optim.Optimizer):
+                 optimizer: torch.optim.Optimizer, wire_dtype: torch.dtype | None = None):
         super().__init__(model, [g["params"] for g in optimizer.param_groups], env, bucket_mb,
-                         reduce_scatter=True, optimizer=optimizer)
+                         reduce_scatter=True, optimizer=optimizer, wire_dtype=wire_dtype)
         self.full = optimizer  # over the whole model: the layout checkpoints hold
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         shards: list[list[torch.nn.Parameter]] = [[] for _ in optimizer.param_groups]
@@ -60,6 +60,8 @@ class Zero1Sync(BucketSync):
             with dist.collective():
                 for work in bucket.works:
                     work.wait()
+            if bucket.wire_shard is not bucket.shard:
+                bucket.shard.copy_(bucket.wire_shard)
             bucket.shard.div_(self.env.world_size)
             bucket.ready, bucket.works = 0, []
         self.syncing = False

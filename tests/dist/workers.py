@@ -78,14 +78,15 @@ def main() -> None:
 
 
 def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: list[str],
-               resumes: list[list], resume_at: int) -> dict:
+               resumes: list[list], resume_at: int, compressed: list[str]) -> dict:
     """Trains `steps` steps of the tiny config (G = 8, b = 2) under each mode from the same init.
     Returns per mode: the global losses and gradient norms, the final parameters' largest
     difference from the first mode's, whether every rank holds the same parameters, the
     collectives issued per step and the optimizer-state elements this rank holds; the order in
     which the first allreduce step's gradients became final and its buckets were issued; and,
     for each (from, to) in `resumes`, the losses of a run that trains `resume_at` steps under
-    `from`, then goes on under `to` from that state (saved and loaded in memory)."""
+    `from`, then goes on under `to` from that state (saved and loaded in memory); and the
+    losses and the dtypes sent of each mode in `compressed` with run.grad_compress = bf16."""
     import copy
 
     from ddpgpt.config_io import build
@@ -94,22 +95,23 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
     from ddpgpt.reliability import Guard, StopSignal
     from ddpgpt.train import Trainer
 
-    def trainer(mode):
+    def trainer(mode, compress="none"):
         flags = {"model": {"n_layer": 2, "n_head": 2, "n_embd": n_embd, "block_size": 32},
                  "data": {"dir": data, "micro_batch": 2, "global_batch": 8},
                  "optim": {"lr": 1e-2, "warmup_steps": 2},
                  "run": {"dir": run_dir, "device": "cpu", "threads": 1, "sync": mode,
-                         "bucket_mb": 0.01}}
+                         "bucket_mb": 0.01, "grad_compress": compress}}
         cfg, dataset = preflight(build(None, None, flags), env.world_size, env.local_world_size)
         return Trainer(cfg, env, dataset, Guard(env, cfg.run, StopSignal(announce=False)))
 
-    issued, events = [], []
+    issued, events, sent = [], [], set()
     real = {name: getattr(dist, name) for name in
             ("all_reduce_async", "reduce_scatter_async", "all_gather_async")}
 
     def recorder(name):
         def issue(*args):
             issued.append(name)
+            sent.add(str(args[-1].dtype))
             events.append(("issue", name))
             return real[name](*args)
         return issue
@@ -152,6 +154,14 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
                      "max_param_diff": (final[mode] - final[modes[0]]).abs().max().item(),
                      "ranks_agree": all(torch.equal(s, same[0]) for s in same)}
         t.unwrap()
+    out["compressed"] = {}
+    for mode in compressed:
+        sent.clear()
+        t = trainer(mode, "bf16")
+        t.wrap()
+        losses, _, _ = train(t, 0, steps)
+        t.unwrap()
+        out["compressed"][mode] = {"losses": losses, "sent": sorted(sent)}
     for name in real:
         setattr(dist, name, real[name])
     out["events"] = events
