@@ -193,8 +193,9 @@ class RunConfig:
     sync: str = "ddp"
     """How gradients are synchronized: ddp (DistributedDataParallel), allreduce (our own flat
     buckets, one asynchronous all_reduce each, overlapping the backward), rs-ag (the same
-    buckets, reduce-scatter then all-gather) or zero1 (reduce-scatter; each rank steps AdamW on
-    its 1/W of the parameters and state; all-gather). The same training whatever the mode."""
+    buckets, reduce-scatter then all-gather), zero1 (reduce-scatter; each rank steps AdamW on
+    its 1/W of the parameters and state; all-gather) or fsdp2 (torch's fully_shard: parameters,
+    gradients and optimizer state sharded). The same training whatever the mode."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MB (every sync mode)."""
     grad_compress: str = "none"
@@ -222,7 +223,7 @@ class RunConfig:
         _require(self.bucket_mb > 0, f"run.bucket_mb = {self.bucket_mb} must be > 0")
         _choice("run", "device", self.device, ("auto", "cpu", "cuda"))
         _choice("run", "backend", self.backend, ("auto", "nccl", "gloo"))
-        _choice("run", "sync", self.sync, ("ddp", "allreduce", "rs-ag", "zero1"))
+        _choice("run", "sync", self.sync, ("ddp", "allreduce", "rs-ag", "zero1", "fsdp2"))
         _choice("run", "grad_compress", self.grad_compress, ("none", "bf16"))
         _choice("run", "precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _choice("run", "on_nonfinite", self.on_nonfinite, ("stop", "skip"))

@@ -48,10 +48,13 @@ def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> T
         precision = "bf16" if device == "cuda" else "fp32"
     if precision == "fp16" and device != "cuda":
         raise ConfigError("run.precision = fp16 needs CUDA; use bf16 or fp32 on CPU")
-    if precision == "fp16" and cfg.run.sync == "zero1":
-        raise ConfigError("run.sync = zero1 cannot use run.precision = fp16: its loss scaler "
-                          "would check only this rank's shard of the gradients for overflow; use "
-                          "bf16")
+    if precision == "fp16" and cfg.run.sync in ("zero1", "fsdp2"):
+        raise ConfigError(f"run.sync = {cfg.run.sync} cannot use run.precision = fp16: its loss "
+                          "scaler would check only this rank's shard of the gradients for "
+                          "overflow; use bf16")
+    if cfg.run.sync == "fsdp2" and cfg.run.grad_compress != "none":
+        raise ConfigError("run.sync = fsdp2 reduces gradients itself: run.grad_compress must be "
+                          "none")
     threads = cfg.run.threads or max(1, len(os.sched_getaffinity(0)) // local_world_size)
     run = dataclasses.replace(cfg.run, device=device, precision=precision, threads=threads,
                               backend=(dist.default_backend(device) if cfg.run.backend == "auto"

@@ -88,7 +88,7 @@ class Trainer:
         if env.device.type == "cuda":
             rng["cuda"] = dist.all_gather(env,
                                           torch.cuda.get_rng_state(env.device).to(env.device)).cpu()
-        return {"model": self.raw.state_dict(), "optimizer": self.sync.optimizer_state(),
+        return {"model": self.sync.model_state(self.raw), "optimizer": self.sync.optimizer_state(),
                 "scaler": self.scaler.state_dict() if self.scaler else None,
                 "loader": self.loader.state_dict(), "guard": self.guard.state_dict(), "rng": rng,
                 "progress": {"step": self.step, "elapsed_s": self.elapsed_s}}
@@ -266,10 +266,11 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: res
     if start.path is not None and env.is_main:
         print(f"resuming from {start.path} (step {trainer.step}, saved at world size "
               f"{start.meta['world_size']})", file=sys.stderr)
+    weights = dist.params_digest(trainer.raw)  # before sharding (fsdp2): every rank's whole model
     trainer.wrap()
     # Every rank holds the same checkpoint, weights, config, data and code, or all stop together.
-    dist.agree(env, {  # causes before their effects: a differing checkpoint or config explains
-                       # the weights
+    # Causes before their effects: a differing checkpoint or config explains the weights.
+    dist.agree(env, {
         "the checkpoint to resume from": (dist.digest(str(trainer.step)),
                                           "put the run dir on a filesystem that every node shares"),
         "the resolved config": (dist.digest(json.dumps(shared(cfg), sort_keys=True)),
@@ -278,7 +279,7 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: res
                                     "every node must see the same prepared dataset in data.dir"),
         "the ddpgpt and torch versions": (dist.digest(__version__, torch.__version__),
                                           "install the same versions on every node"),
-        "the parameters after wrapping": (dist.params_digest(trainer.raw),
+        "the parameters before training": (weights,
                                           "every rank must build the model from the same seed "
                                           "(run.seed); do not seed ranks differently before init"),
     })

@@ -10,7 +10,8 @@ same way whatever the mode (run.sync).
     sync.finish()                   # every rank now holds the mean gradient (zero1: its shards)
     norm = sync.clip(max_norm)      # the global gradient norm
     sync.optimizer.step(); sync.after_update(); sync.zero_grad()
-    sync.optimizer_state()          # for checkpoints: torch's AdamW layout, whatever the mode
+    sync.model_state(), sync.optimizer_state()   # for checkpoints: full tensors, torch's AdamW
+                                                 # layout, whatever the mode
 
 Modes:
     ddp        torch's DistributedDataParallel: its buckets all-reduce during the last backward
@@ -21,6 +22,8 @@ Modes:
                all-reduce, and what the sharded modes are made of
     zero1      the reduce-scatter half only: each rank steps AdamW on its 1/W of the parameters,
                with its 1/W of the optimizer state, then the parameters are all-gathered
+    fsdp2      torch's fully_shard on each block and the root: parameters, gradients and
+               optimizer state all sharded 1/W
 
 At world size 1 every mode is the model itself, with no collective. The optimizer and the
 checkpoint never see the mode: the gradients are plain `.grad` tensors of the single-device model.
@@ -34,7 +37,7 @@ import torch
 
 from ddpgpt import dist
 
-MODES = ("ddp", "allreduce", "rs-ag", "zero1")
+MODES = ("ddp", "allreduce", "rs-ag", "zero1", "fsdp2")
 
 
 class Sync:
@@ -66,6 +69,10 @@ class Sync:
     def optimizer_state(self) -> dict:
         return self.optimizer.state_dict()
 
+    def model_state(self, raw: torch.nn.Module) -> dict:
+        """The whole single-device model's weights (collective for the sharded modes)."""
+        return raw.state_dict()
+
     def close(self) -> None:
         pass
 
@@ -81,6 +88,11 @@ def make(mode: str, model: torch.nn.Module, env: dist.DistEnv, bucket_mb: float,
     if mode == "ddp":
         from ddpgpt.sync.ddp import DDPSync
         return DDPSync(model, env, bucket_mb, optimizer, compress=wire is not None)
+    if mode == "fsdp2":
+        if compress != "none":
+            raise ValueError("fsdp2 reduces gradients in its own dtype (no grad_compress)")
+        from ddpgpt.sync.fsdp2 import FSDP2Sync
+        return FSDP2Sync(model, env, optimizer)
     if mode == "zero1":
         from ddpgpt.sync.zero1 import Zero1Sync
         return Zero1Sync(model, env, bucket_mb, optimizer, wire_dtype=wire)

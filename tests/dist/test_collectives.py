@@ -47,8 +47,8 @@ def test_startup_check_catches_different_init(tiny_data, tmp_path):
     assert codes(results)[0] == [1, 1], codes(results)[1]
     assert results[0].stderr == (
         "ddpgpt: error: ranks disagree on the resolved config: rank 1 differs from rank 0; start "
-        "every rank with the same command line and config file; and on the parameters after "
-        "wrapping: rank 1 differs from rank 0; every rank must build the model from the same "
+        "every rank with the same command line and config file; and on the parameters before "
+        "training: rank 1 differs from rank 0; every rank must build the model from the same "
         "seed (run.seed); do not seed ranks differently before init\n")
     assert results[1].stderr == ""
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -220,6 +220,6 @@ def test_nodes_that_see_different_run_dirs(tiny_data, tmp_path):
     assert ranks[0].stderr.splitlines()[-1] == (
         "ddpgpt: error: ranks disagree on the checkpoint to resume from: rank 1 differs from "
         "rank 0; put the run dir on a filesystem that every node shares; and on the parameters "
-        "after wrapping: rank 1 differs from rank 0; every rank must build the model from the "
+        "before training: rank 1 differs from rank 0; every rank must build the model from the "
         "same seed (run.seed); do not seed ranks differently before init")
     assert ranks[1].stderr == "" and r[0].returncode == 0

@@ -19,8 +19,9 @@ from tests.helpers import reference_training, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 STEPS = 10
-MODES = ["ddp", "allreduce", "rs-ag", "zero1"]
-RESUMES = [["zero1", "ddp"], ["ddp", "zero1"], ["rs-ag", "allreduce"]]
+MODES = ["ddp", "allreduce", "rs-ag", "zero1", "fsdp2"]
+RESUMES = [["zero1", "ddp"], ["ddp", "zero1"], ["rs-ag", "allreduce"], ["fsdp2", "zero1"],
+           ["ddp", "fsdp2"]]
 LOSS_TOL, PARAM_TOL = 1e-6, 2e-5
 
 
@@ -127,3 +128,15 @@ def test_bf16_gradients_on_the_wire(two):
         assert run["sent"] == expected, mode
         print(f"\n[figure] bf16 gradients, {mode}: losses within "
               f"{max(abs(a / b - 1) for a, b in zip(run['losses'], ddp)):.1e} of fp32 ddp")
+
+
+@pytest.mark.parametrize("world, W", [("two", 2), ("four", 4)])
+def test_fsdp2_shards_parameters_and_state(world, W, request):
+    """fsdp2: each rank holds about 1/W of the parameters and of AdamW's moments (FSDP2 pads each
+    tensor's first dimension to a multiple of W, so a rank may hold a few rows fewer or more)."""
+    runs = request.getfixturevalue(world)
+    P, local = runs["ddp"]["params"], runs["fsdp2"]["local"]
+    assert abs(local["params"] * W - P) <= 0.05 * P
+    assert abs(local["state"] * W - 2 * P) <= 0.1 * P
+    # The norm follows the parameters, which drift apart by rounding (above): 1e-5, not 1e-6.
+    np.testing.assert_allclose(runs["fsdp2"]["norms"], runs["ddp"]["norms"], rtol=1e-5)

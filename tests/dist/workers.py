@@ -143,13 +143,15 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
         t = trainer(mode)
         t.wrap()
         losses, norms, per_step = train(t, 0, steps, trace=mode == "allreduce")
-        final[mode] = torch.cat([p.detach().flatten() for p in t.raw.parameters()])
+        weights = t.sync.model_state(t.raw)  # whole tensors, whatever the mode shards
+        final[mode] = torch.cat([weights[k].detach().flatten() for k in sorted(weights)])
         same = dist.all_gather(env, final[mode])
         out[mode] = {"losses": losses, "norms": norms, "collectives": per_step,
                      "buckets": len(getattr(t.sync, "buckets", [])),
                      "buffer_elements": sum(b.buffer.numel()
                                             for b in getattr(t.sync, "buckets", [])),
                      "state_elements": state_elements(t.optimizer),
+                     "local": getattr(t.sync, "local_elements", dict)(),
                      "params": sum(p.numel() for p in t.raw.parameters()),
                      "max_param_diff": (final[mode] - final[modes[0]]).abs().max().item(),
                      "ranks_agree": all(torch.equal(s, same[0]) for s in same)}
