@@ -6,6 +6,7 @@
     ddpgpt sample --run-dir DIR --prompt TEXT      generate from a checkpoint    (sample.py)
     ddpgpt eval --run-dir DIR                      validation loss               (evaluate.py)
     ddpgpt doctor [--nproc N]                      environment and all-reduce probe (doctor.py)
+    ddpgpt bench [--nproc N] [--sync MODES]        what each sync mode costs (bench.py)
 
 Flags are generated from the config dataclasses (config_io.py), so `--help` shows each field's
 docstring. Bad input (unknown flag, bad value, missing data) is one line on stderr and exit code
@@ -21,6 +22,7 @@ import sys
 
 from ddpgpt.config import (
     SECTIONS,
+    BenchConfig,
     DoctorConfig,
     EvalConfig,
     PrepareConfig,
@@ -74,7 +76,9 @@ def _build_parser() -> argparse.ArgumentParser:
                               "generate text from a run's latest checkpoint"),
                              ("eval", EvalConfig, "print a run's validation loss"),
                              ("doctor", DoctorConfig,
-                              "print the environment; probe all-reduce bandwidth")):
+                              "print the environment; probe all-reduce bandwidth"),
+                             ("bench", BenchConfig,
+                              "measure each gradient-sync mode: time, bytes, memory")):
         add_flags(sub.add_parser(name, help=help_, description=help_, allow_abbrev=False), cls)
     return parser
 
@@ -129,6 +133,9 @@ def dispatch(argv: list[str]) -> None:
     elif ns.command == "eval":
         from ddpgpt import evaluate
         evaluate.run(flat_config(EvalConfig, values))
+    elif ns.command == "bench":
+        from ddpgpt import bench
+        bench.run(flat_config(BenchConfig, values))
     elif ns.command == "doctor":
         from ddpgpt import doctor
         doctor.run(flat_config(DoctorConfig, values))

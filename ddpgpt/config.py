@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from ddpgpt.errors import UserError
 
+SYNC_MODES = ("ddp", "allreduce", "rs-ag", "zero1", "fsdp2")  # see ddpgpt/sync/
+
 
 class ConfigError(UserError):
     """A config value that is unknown, of the wrong type, or out of range."""
@@ -223,7 +225,7 @@ class RunConfig:
         _require(self.bucket_mb > 0, f"run.bucket_mb = {self.bucket_mb} must be > 0")
         _choice("run", "device", self.device, ("auto", "cpu", "cuda"))
         _choice("run", "backend", self.backend, ("auto", "nccl", "gloo"))
-        _choice("run", "sync", self.sync, ("ddp", "allreduce", "rs-ag", "zero1", "fsdp2"))
+        _choice("run", "sync", self.sync, SYNC_MODES)
         _choice("run", "grad_compress", self.grad_compress, ("none", "bf16"))
         _choice("run", "precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _choice("run", "on_nonfinite", self.on_nonfinite, ("stop", "skip"))
@@ -321,6 +323,38 @@ class DoctorConfig:
     def __post_init__(self):
         _require(self.nproc >= 0, f"--nproc {self.nproc} must be >= 0")
         _require(self.probe_mb > 0, f"--probe-mb {self.probe_mb} must be > 0")
+
+
+@dataclass
+class BenchConfig:
+    """`ddpgpt bench`: what each gradient-sync mode costs on this machine or cluster."""
+
+    data: str = "data/stdlib"
+    """Dataset directory made by `ddpgpt prepare`."""
+    preset: str = "tiny"
+    """Named config to measure (tiny, small, gpt2-124m, gpt2-350m)."""
+    config: str | None = None
+    """TOML file laid over the preset (as `train --config`), e.g. another model shape."""
+    sync: str = "ddp,allreduce,rs-ag,zero1,fsdp2"
+    """Comma-separated sync modes to measure."""
+    steps: int = 10
+    """Optimizer steps timed per mode (the median is reported)."""
+    warmup: int = 2
+    """Optimizer steps run first and not timed."""
+    nproc: int = 0
+    """Start this many local processes (0: just this one, or torchrun's)."""
+    out: str = "bench"
+    """Directory for bench.json and bench.png."""
+    device: str = "auto"
+    """auto (cuda:LOCAL_RANK when available), cpu or cuda."""
+
+    def __post_init__(self):
+        for mode in self.sync.split(","):
+            _choice("bench", "sync", mode, SYNC_MODES)
+        _require(self.steps >= 1, f"--steps {self.steps} must be >= 1")
+        _require(self.warmup >= 0, f"--warmup {self.warmup} must be >= 0")
+        _require(self.nproc >= 0, f"--nproc {self.nproc} must be >= 0")
+        _choice("bench", "device", self.device, ("auto", "cpu", "cuda"))
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig}

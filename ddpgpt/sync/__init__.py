@@ -36,15 +36,18 @@ import contextlib
 import torch
 
 from ddpgpt import dist
+from ddpgpt.config import SYNC_MODES
 
-MODES = ("ddp", "allreduce", "rs-ag", "zero1", "fsdp2")
+MODES = SYNC_MODES
 
 
 class Sync:
     """What every mode does unless it says otherwise; at world size 1, all of it."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 raw: torch.nn.Module | None = None):
         self.model, self.optimizer = model, optimizer
+        self.raw = model if raw is None else raw  # the single-device model
 
     def micro_step(self, last: bool):
         return contextlib.nullcontext()
@@ -73,8 +76,24 @@ class Sync:
         """The whole single-device model's weights (collective for the sharded modes)."""
         return raw.state_dict()
 
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds for the parameters, their gradients and the optimizer state."""
+        params = list(self.raw.parameters())
+        return {"params": nbytes(params), "grads": nbytes(p.grad for p in params),
+                "state": nbytes(v for s in self.optimizer.state.values() for v in s.values())}
+
     def close(self) -> None:
         pass
+
+
+def nbytes(tensors) -> int:
+    """Bytes of the tensors (a DTensor's local shard; scalars such as AdamW's step excluded)."""
+    total = 0
+    for t in tensors:
+        if torch.is_tensor(t) and t.dim() > 0:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            total += t.numel() * t.element_size()
+    return total
 
 
 def make(mode: str, model: torch.nn.Module, env: dist.DistEnv, bucket_mb: float,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddpgpt import dist
-from ddpgpt.sync import Sync
+from ddpgpt.sync import Sync, nbytes
 
 
 def plan(sizes: list[int], bucket_elems: int, multiple: int) -> list[tuple[list[int], int]]:
@@ -144,6 +144,13 @@ class BucketSync(Sync):
         """In place: the gradients must stay views of the buffers (never set to None)."""
         for bucket in self.buckets:
             bucket.buffer.zero_()
+
+    def memory(self) -> dict[str, int]:
+        held = super().memory()
+        buffers = {id(t): t for b in self.buckets for t in (b.buffer, b.shard, b.wire, b.wire_shard)
+                   if t is not None}  # without compression the wire is the buffer itself
+        held["grads"] = nbytes(buffers.values())
+        return held
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -13,7 +13,7 @@ from ddpgpt.sync import Sync
 class DDPSync(Sync):
     def __init__(self, model: torch.nn.Module, env: dist.DistEnv, bucket_mb: float,
                  optimizer: torch.optim.Optimizer, compress: bool = False):
-        super().__init__(dist.wrap_model(model, env, bucket_mb), optimizer)
+        super().__init__(dist.wrap_model(model, env, bucket_mb), optimizer, raw=model)
         if compress:
             self.model.register_comm_hook(None, bf16_hook(env))
 

@@ -22,6 +22,7 @@ import math
 import torch
 
 from ddpgpt import dist
+from ddpgpt.sync import nbytes
 from ddpgpt.sync.buckets import BucketSync
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -121,6 +122,11 @@ class Zero1Sync(BucketSync):
         state_dict = self.full.state_dict()
         self.full.state.clear()
         return state_dict
+
+    def memory(self) -> dict[str, int]:
+        held = super().memory()  # the buffers: whole gradients and shards; the sharded state
+        held["params"] = nbytes(b.flat for b in self.buckets)  # the model: views of these
+        return held
 
     def state_elements(self) -> int:
         """Optimizer-state elements this rank holds (for tests and `ddpgpt bench`)."""

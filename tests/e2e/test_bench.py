@@ -1,0 +1,42 @@
+"""`ddpgpt bench`: every sync mode measured on 2 processes, a table, bench.json and the chart."""
+
+import json
+import sys
+
+import pytest
+
+from ddpgpt import bench
+from tests.helpers import run_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.dist, pytest.mark.timeout(240)]
+MODES = ["ddp", "allreduce", "rs-ag", "zero1", "fsdp2"]
+
+
+def test_bench_measures_every_mode(tiny_data, tmp_path):
+    (tmp_path / "small.toml").write_text(
+        "[model]\nn_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\n"
+        "[data]\nmicro_batch = 2\nglobal_batch = 8\n")
+    r = run_cli("bench", "--nproc", "2", "--data", tiny_data, "--config", tmp_path / "small.toml",
+                "--steps", "3", "--warmup", "1", "--out", tmp_path / "out", timeout=200)
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    rows = {row["mode"]: row for row in result["rows"]}
+    assert list(rows) == ["no sync", *MODES] and result["world_size"] == 2
+    assert all(row["step_s"] > 0 and row["exposed_s"] >= 0 for row in rows.values())
+    N = rows["ddp"]["params"]
+    # A ring all-reduce sends (W-1)/W of the gradients twice: N fp32 values per rank at W=2.
+    assert rows["ddp"]["sent_bytes"] == rows["allreduce"]["sent_bytes"] == 4 * N
+    full, zero1, fsdp2 = rows["ddp"]["memory"], rows["zero1"]["memory"], rows["fsdp2"]["memory"]
+    assert full["state"] == 2 * 4 * N  # AdamW's two fp32 moments
+    assert abs(zero1["state"] - full["state"] / 2) <= 4 * 2 * 2 * 16  # half, but for bucket padding
+    assert abs(sum(fsdp2.values()) - sum(full.values()) / 2) <= 0.1 * sum(full.values())
+    assert (tmp_path / "out" / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "fsdp2" in r.stdout and "exposed ms" in r.stdout
+
+
+def test_no_chart_without_matplotlib(tmp_path, monkeypatch):
+    """matplotlib is an optional extra: without it bench writes its table and JSON only."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    row = {"mode": "ddp", "step_s": 1.0, "exposed_s": 0.1, "memory": {"params": 1}}
+    assert bench.plot([row], tmp_path / "bench.png", "test") is None
+    assert not (tmp_path / "bench.png").exists()
