@@ -35,6 +35,8 @@ data: $(STAMP)
 bench: $(STAMP) data
 	$(PY) -m benchmarks.bench_loader --data $(DATA)
 	$(PY) -m benchmarks.bench_train --data $(DATA)
+	$(PY) -m ddpgpt bench --nproc $(NPROC) --data $(DATA) --repeats 3 --out bench
+	$(PY) -m benchmarks.scaling --out bench/scaling.png
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ddpgpt tests benchmarks

@@ -2,10 +2,12 @@
 
     ddpgpt bench --nproc 2 --data data/stdlib                       # CPU: 2 gloo processes, tiny
     torchrun --standalone --nproc_per_node 8 -m ddpgpt bench --data data/fineweb --preset gpt2-124m
-    ddpgpt bench --nproc 2 --sync ddp,zero1 --steps 20 --out bench/
+    ddpgpt bench --nproc 2 --sync ddp,zero1 --steps 20 --repeats 3 --out bench/
+    ddpgpt bench --device cuda --group --preset gpt2-124m      # one GPU: a one-rank NCCL group
 
 For each mode, with the preset's batch (A micro-steps per step):
-- the median step time (forward, backward, sync, clip, update) over `--steps` steps;
+- the median step time (forward, backward, sync, clip, update) over `--steps` steps of each of
+  `--repeats` rounds (the modes take turns, so a machine's drift does not favour one);
 - the exposed communication: that time minus the median of the same steps with no collective
   at all (every rank computing its own micro-batches: the work that no mode can hide);
 - the bytes each rank sends per step, computed for ring algorithms from the mode and N (not
@@ -72,7 +74,7 @@ def time_steps(trainer: Trainer, warmup: int, steps: int) -> tuple[list[float], 
 
 
 def measure(cfg: BenchConfig, env: dist.DistEnv, mode: str | None, run_dir: str) -> dict:
-    """One mode (None: no collective at all) on a fresh trainer."""
+    """One mode (None: no collective at all) on a fresh trainer: its step times."""
     flags = {"data": {"dir": cfg.data, "verify": False},
              "run": {"dir": run_dir, "device": env.device.type, "sync": mode or "ddp"}}
     train_cfg, dataset = preflight(build(cfg.preset, cfg.config, flags), env.world_size,
@@ -88,8 +90,9 @@ def measure(cfg: BenchConfig, env: dist.DistEnv, mode: str | None, run_dir: str)
     times, held = time_steps(trainer, cfg.warmup, cfg.steps)
     if env.device.type == "cuda":
         held["activations"] = torch.cuda.max_memory_allocated(env.device) - sum(held.values())
+    runs_as = type(trainer.sync).__name__  # Sync: no collective at all
     trainer.unwrap()
-    return {"mode": mode or "no sync", "step_s": statistics.median(times),
+    return {"mode": mode or "no sync", "runs_as": runs_as, "times": times,
             "sent_bytes": sent_bytes(mode, n, env.world_size, trainer.accum, False) if mode else 0,
             "memory": held, "accum": trainer.accum, "params": n}
 
@@ -97,11 +100,24 @@ def measure(cfg: BenchConfig, env: dist.DistEnv, mode: str | None, run_dir: str)
 def run(cfg: BenchConfig) -> None:
     if cfg.nproc:
         launch.check_nproc(cfg.nproc, cfg.device)
-        args = ["bench", *(f"--{k.replace('_', '-')}={v}" for k, v in vars(cfg).items()
-                           if k != "nproc" and v is not None)]
+        args = ["bench"]
+        for key, value in vars(cfg).items():
+            flag = key.replace("_", "-")
+            if isinstance(value, bool):
+                args.append(f"--{flag}" if value else f"--no-{flag}")
+            elif key != "nproc" and value is not None:
+                args.append(f"--{flag}={value}")
         sys.exit(launch.start(cfg.nproc, args)[0])
-    with dist.session(cfg.device) as env, tempfile.TemporaryDirectory() as run_dir:
-        rows = [measure(cfg, env, mode, run_dir) for mode in [None, *cfg.sync.split(",")]]
+    with dist.session(cfg.device, group_at_one=cfg.group) as env, \
+            tempfile.TemporaryDirectory() as run_dir:
+        modes = [None, *cfg.sync.split(",")]
+        rounds = [[measure(cfg, env, mode, run_dir) for mode in modes]
+                  for _ in range(cfg.repeats)]
+        rows = rounds[-1]
+        for i, row in enumerate(rows):
+            row["step_s"] = statistics.median(t for r in rounds for t in r[i]["times"])
+        for row in rows:
+            del row["times"]
         # A step is as slow as its slowest rank: report the maximum over ranks.
         slowest = dist.all_reduce(env, torch.tensor([r["step_s"] for r in rows]), op="max")
         for row, step_s in zip(rows, slowest.tolist()):
@@ -114,13 +130,15 @@ def report(cfg: BenchConfig, env: dist.DistEnv, rows: list[dict]) -> None:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     where = {"world_size": env.world_size, "device": env.device.type, "backend": env.backend,
-             "preset": cfg.preset, "config": cfg.config, "torch": torch.__version__}
+             "preset": cfg.preset, "config": cfg.config, "torch": torch.__version__,
+             "steps": cfg.steps, "repeats": cfg.repeats}
     (out / "bench.json").write_text(json.dumps({**where, "rows": rows}, indent=1) + "\n")
     mb = 2**20
     print(f"ddpgpt bench: {env.world_size} process{'es' if env.world_size > 1 else ''}, "
           f"{env.device.type} ({env.backend or 'no group'}), preset {cfg.preset}, "
           f"A={rows[0]['accum']}, {rows[0]['params'] / 1e6:.2f}M parameters; medians of "
-          f"{cfg.steps} steps")
+          f"{cfg.steps * cfg.repeats} steps" + (f" in {cfg.repeats} rounds" if cfg.repeats > 1
+                                                else ""))
     print(f"{'mode':10s} {'step ms':>9s} {'exposed ms':>11s} {'sent MB/step':>13s} "
           f"{'params MB':>10s} {'grads MB':>9s} {'state MB':>9s}")
     for r in rows:

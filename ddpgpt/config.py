@@ -338,9 +338,14 @@ class BenchConfig:
     sync: str = "ddp,allreduce,rs-ag,zero1,fsdp2"
     """Comma-separated sync modes to measure."""
     steps: int = 10
-    """Optimizer steps timed per mode (the median is reported)."""
+    """Optimizer steps timed per mode and round (the median over all rounds is reported)."""
     warmup: int = 2
     """Optimizer steps run first and not timed."""
+    repeats: int = 1
+    """Rounds over the modes: the modes take turns, so a machine's drift reaches all of them."""
+    group: bool = False
+    """Join a process group even at world size 1, so each mode's own collectives run for real
+    (one GPU: a one-rank NCCL group)."""
     nproc: int = 0
     """Start this many local processes (0: just this one, or torchrun's)."""
     out: str = "bench"
@@ -353,6 +358,7 @@ class BenchConfig:
             _choice("bench", "sync", mode, SYNC_MODES)
         _require(self.steps >= 1, f"--steps {self.steps} must be >= 1")
         _require(self.warmup >= 0, f"--warmup {self.warmup} must be >= 0")
+        _require(self.repeats >= 1, f"--repeats {self.repeats} must be >= 1")
         _require(self.nproc >= 0, f"--nproc {self.nproc} must be >= 0")
         _choice("bench", "device", self.device, ("auto", "cpu", "cuda"))
 

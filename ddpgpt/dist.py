@@ -3,7 +3,7 @@
 
     env = detect()                      # environment only: usable before any group exists
     with session(device="cpu") as env:  # group created (W > 1), destroyed on every exit path
-        model = wrap_model(model, env)  # DDP when W > 1, the model itself otherwise
+        model = wrap_model(model, env)  # DDP with a process group, the model itself otherwise
         all_reduce(env, t)              # no-op at W = 1, so callers never branch on W
 
 A `DistEnv`'s defaults describe world size 1: rank 0 of 1, CPU, no process group, attempt 1.
@@ -112,11 +112,13 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def init(device: str = "auto", backend: str = "auto", timeout_s: float = 600) -> DistEnv:
+def init(device: str = "auto", backend: str = "auto", timeout_s: float = 600,
+         group_at_one: bool = False) -> DistEnv:
     """Binds this process to its device and, when W > 1, joins the process group.
 
     `timeout_s` bounds every collective: a rank that dies or stalls ends the others with an error
-    after that long instead of a hang (gloo's default would be 30 minutes)."""
+    after that long instead of a hang (gloo's default would be 30 minutes). `group_at_one` makes
+    a one-rank group when W = 1 (`ddpgpt bench --group`: the sync modes' collectives for real)."""
     env = detect()
     if under_launcher():
         die_with_launcher()
@@ -127,11 +129,13 @@ def init(device: str = "auto", backend: str = "auto", timeout_s: float = 600) ->
     job_store = _job_store(env, timeout)
     attempt = _attempt(job_store, env.rank, env.world_size, timeout_s) if job_store else 1
     env = replace(env, device=dev, attempt=attempt)
-    if env.world_size == 1:
+    if env.world_size == 1 and not group_at_one:
         return env
     name = backend if backend != "auto" else default_backend(dev.type)
     store = {}
-    if job_store is not None:  # this attempt's own namespace: no key of an earlier one is seen
+    if env.world_size == 1 and job_store is None:  # nobody to meet: an in-process store
+        store = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    elif job_store is not None:  # this attempt's own namespace: no key of an earlier one is seen
         store = {"store": dist.PrefixStore(f"ddpgpt/attempt_{attempt}", job_store),
                  "rank": env.rank, "world_size": env.world_size}
     try:
@@ -203,9 +207,10 @@ def shutdown() -> None:
 
 
 @contextlib.contextmanager
-def session(device: str = "auto", backend: str = "auto", timeout_s: float = 600):
+def session(device: str = "auto", backend: str = "auto", timeout_s: float = 600,
+            group_at_one: bool = False):
     """`init` on entry; `destroy_process_group` on every exit: normal end, exception, Ctrl-C."""
-    env = init(device, backend, timeout_s)
+    env = init(device, backend, timeout_s, group_at_one)
     try:
         yield env
     except BaseException as e:
@@ -360,12 +365,12 @@ def agree(env: DistEnv, items: dict[str, tuple[bytes, str]]) -> None:
 # ---- data parallelism ---------------------------------------------------------------------
 
 def wrap_model(model: torch.nn.Module, env: DistEnv, bucket_mb: float = 25.0) -> torch.nn.Module:
-    """DDP when W > 1, else the model itself.
+    """DDP when there is a process group (W > 1, or bench's one-rank group), else the model.
 
     init_sync=False: DDP would otherwise broadcast rank 0's weights and hide a rank that built
     different ones; ranks instead build identical weights from one seed and `agree` proves it.
     No buffer broadcast: the model has no buffers that change during training."""
-    if env.world_size == 1:
+    if env.backend is None:
         return model
     # torch >= 2.12 renames broadcast_buffers to forward_sync_buffers (and warns on the old name).
     params = inspect.signature(DistributedDataParallel.__init__).parameters

@@ -25,7 +25,8 @@ Modes:
     fsdp2      torch's fully_shard on each block and the root: parameters, gradients and
                optimizer state all sharded 1/W
 
-At world size 1 every mode is the model itself, with no collective. The optimizer and the
+At world size 1 every mode is the model itself, with no collective (unless a one-rank group was
+asked for: `ddpgpt bench --group`). The optimizer and the
 checkpoint never see the mode: the gradients are plain `.grad` tensors of the single-device model.
 """
 
@@ -101,7 +102,7 @@ def make(mode: str, model: torch.nn.Module, env: dist.DistEnv, bucket_mb: float,
     """`compress`: bf16 sends the gradients in bfloat16 (they still accumulate in fp32)."""
     if mode not in MODES:
         raise ValueError(f"unknown sync mode {mode!r}")
-    if env.world_size == 1:
+    if env.backend is None:  # world size 1 without a group (a one-rank group runs the mode)
         return Sync(model, optimizer)
     wire = torch.bfloat16 if compress == "bf16" else None
     if mode == "ddp":

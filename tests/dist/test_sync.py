@@ -1,5 +1,5 @@
-"""Gradient sync modes (run.sync): ddp, allreduce (our flat buckets) and rs-ag (reduce-scatter +
-all-gather) train the same model, step for step, at W=2 and W=4 with the global batch fixed.
+"""Gradient sync modes (run.sync): ddp, allreduce (our flat buckets), rs-ag (reduce-scatter +
+all-gather), zero1 and fsdp2 train the same model, step for step, at W=2 and W=4 with G fixed.
 
 Tolerances: the modes differ only in the order float sums are taken (DDP divides each rank's
 gradient by W before summing, ours sums, then divides once; and gloo's all-reduce adds up each

@@ -12,16 +12,20 @@ pytestmark = [pytest.mark.e2e, pytest.mark.dist, pytest.mark.timeout(240)]
 MODES = ["ddp", "allreduce", "rs-ag", "zero1", "fsdp2"]
 
 
+SMALL = ("[model]\nn_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\n"
+         "[data]\nmicro_batch = 2\nglobal_batch = 8\n")
+
+
 def test_bench_measures_every_mode(tiny_data, tmp_path):
-    (tmp_path / "small.toml").write_text(
-        "[model]\nn_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\n"
-        "[data]\nmicro_batch = 2\nglobal_batch = 8\n")
+    (tmp_path / "small.toml").write_text(SMALL)
     r = run_cli("bench", "--nproc", "2", "--data", tiny_data, "--config", tmp_path / "small.toml",
                 "--steps", "3", "--warmup", "1", "--out", tmp_path / "out", timeout=200)
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "out" / "bench.json").read_text())
     rows = {row["mode"]: row for row in result["rows"]}
     assert list(rows) == ["no sync", *MODES] and result["world_size"] == 2
+    assert [row["runs_as"] for row in rows.values()] == [
+        "Sync", "DDPSync", "BucketSync", "BucketSync", "Zero1Sync", "FSDP2Sync"]
     assert all(row["step_s"] > 0 and row["exposed_s"] >= 0 for row in rows.values())
     N = rows["ddp"]["params"]
     # A ring all-reduce sends (W-1)/W of the gradients twice: N fp32 values per rank at W=2.
@@ -32,6 +36,24 @@ def test_bench_measures_every_mode(tiny_data, tmp_path):
     assert abs(sum(fsdp2.values()) - sum(full.values()) / 2) <= 0.1 * sum(full.values())
     assert (tmp_path / "out" / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "fsdp2" in r.stdout and "exposed ms" in r.stdout
+
+
+def test_one_rank_group_runs_each_mode_for_real(tiny_data, tmp_path):
+    """--group at world size 1: a one-rank gloo group, and each mode's own code (DDP, the
+    buckets, zero1's shards), as a single GPU measures them under NCCL; rounds take turns."""
+    (tmp_path / "small.toml").write_text(SMALL)
+    r = run_cli("bench", "--group", "--data", tiny_data, "--config", tmp_path / "small.toml",
+                "--sync", "ddp,rs-ag,zero1", "--steps", "2", "--warmup", "0", "--repeats", "2",
+                "--device", "cpu", "--out", tmp_path / "out", timeout=120)
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert (result["world_size"], result["backend"], result["repeats"]) == (1, "gloo", 2)
+    rows = {row["mode"]: row for row in result["rows"]}
+    assert [row["runs_as"] for row in rows.values()] == [
+        "Sync", "DDPSync", "BucketSync", "Zero1Sync"]
+    assert all(row["sent_bytes"] == 0 for row in rows.values())  # (W-1)/W of anything
+    assert rows["zero1"]["memory"]["state"] == rows["ddp"]["memory"]["state"]  # 1/W of it
+    assert "medians of 4 steps in 2 rounds" in r.stdout
 
 
 def test_no_chart_without_matplotlib(tmp_path, monkeypatch):
