@@ -22,12 +22,14 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # The quick start: prepare the standard-library corpus (once), train the tiny preset on $(NPROC)
-# CPU processes, then print the validation loss and a sample. Run again: it resumes (or, when
-# finished, only evaluates and samples); `rm -rf $(RUN)` to train from scratch.
+# CPU processes, then print the validation loss and a sample, and draw its curves ($(RUN).png).
+# Run again: it resumes (or, when finished, only evaluates and samples); `rm -rf $(RUN)` to train
+# from scratch.
 demo: $(STAMP) data
 	$(PY) -m ddpgpt train --data $(DATA) --preset tiny --run-dir $(RUN) --nproc $(NPROC) --device cpu
 	$(PY) -m ddpgpt eval --run-dir $(RUN) --device cpu
 	$(PY) -m ddpgpt sample --run-dir $(RUN) --device cpu --prompt "def " --max-new-tokens 150
+	$(PY) -m ddpgpt plot $(RUN)
 
 data: $(STAMP)
 	test -f $(DATA)/meta.json || $(PY) -m ddpgpt prepare --out $(DATA)

@@ -7,6 +7,7 @@
     ddpgpt eval --run-dir DIR                      validation loss               (evaluate.py)
     ddpgpt doctor [--nproc N]                      environment and all-reduce probe (doctor.py)
     ddpgpt bench [--nproc N] [--sync MODES]        what each sync mode costs (bench.py)
+    ddpgpt plot RUN [RUN ...] [--out FILE.png]     loss curves and tokens/s of runs (plot.py)
 
 Flags are generated from the config dataclasses (config_io.py), so `--help` shows each field's
 docstring. Bad input (unknown flag, bad value, missing data) is one line on stderr and exit code
@@ -25,6 +26,7 @@ from ddpgpt.config import (
     BenchConfig,
     DoctorConfig,
     EvalConfig,
+    PlotConfig,
     PrepareConfig,
     SampleConfig,
     TrainConfig,
@@ -78,7 +80,9 @@ def _build_parser() -> argparse.ArgumentParser:
                              ("doctor", DoctorConfig,
                               "print the environment; probe all-reduce bandwidth"),
                              ("bench", BenchConfig,
-                              "measure each gradient-sync mode: time, bytes, memory")):
+                              "measure each gradient-sync mode: time, bytes, memory"),
+                             ("plot", PlotConfig,
+                              "draw runs' loss curves and tokens/s into one PNG")):
         add_flags(sub.add_parser(name, help=help_, description=help_, allow_abbrev=False), cls)
     return parser
 
@@ -136,6 +140,9 @@ def dispatch(argv: list[str]) -> None:
     elif ns.command == "bench":
         from ddpgpt import bench
         bench.run(flat_config(BenchConfig, values))
+    elif ns.command == "plot":
+        from ddpgpt import plot
+        plot.run(flat_config(PlotConfig, values))
     elif ns.command == "doctor":
         from ddpgpt import doctor
         doctor.run(flat_config(DoctorConfig, values))

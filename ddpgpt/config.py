@@ -129,8 +129,12 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay, gradient clipping."""
+    """AdamW, or Muon for the blocks' matrices with AdamW for the rest; linear warmup and cosine
+    decay, gradient clipping."""
 
+    name: str = "adamw"
+    """adamw, or muon: Muon for the blocks' 2-D weight matrices, AdamW (lr, betas) for the
+    embeddings, norms and biases (see ddpgpt/muon.py)."""
     lr: float = 1e-3
     """Peak learning rate, reached after warmup_steps."""
     min_lr: float = 1e-4
@@ -147,8 +151,20 @@ class OptimConfig:
     """AdamW denominator epsilon."""
     grad_clip: float = 1.0
     """Clip the global (all-ranks) gradient norm to this; 0 disables clipping."""
+    muon_lr: float = 0.02
+    """Muon's peak learning rate (updates have an RMS of 0.2 before it); it follows lr's warmup
+    and cosine in proportion."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov) after its warmup."""
+    muon_momentum_start: float = 0.85
+    """Muon's momentum at step 0, rising linearly to muon_momentum."""
+    muon_momentum_warmup: int = 100
+    """Steps over which Muon's momentum rises to muon_momentum (0: constant)."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations per Muon update."""
 
     def __post_init__(self):
+        _choice("optim", "name", self.name, ("adamw", "muon"))
         _require(self.lr > 0, f"optim.lr = {self.lr} must be > 0")
         _require(0 <= self.min_lr <= self.lr,
                  f"optim.min_lr = {self.min_lr} must be in [0, optim.lr = {self.lr}]")
@@ -159,6 +175,14 @@ class OptimConfig:
                      f"optim.{name} = {getattr(self, name)} must be in [0, 1)")
         _require(self.eps > 0, f"optim.eps = {self.eps} must be > 0")
         _require(self.grad_clip >= 0, f"optim.grad_clip = {self.grad_clip} must be >= 0 (0: off)")
+        _require(self.muon_lr > 0, f"optim.muon_lr = {self.muon_lr} must be > 0")
+        for name in ("muon_momentum", "muon_momentum_start"):
+            _require(0 <= getattr(self, name) < 1,
+                     f"optim.{name} = {getattr(self, name)} must be in [0, 1)")
+        _require(self.muon_momentum_warmup >= 0,
+                 f"optim.muon_momentum_warmup = {self.muon_momentum_warmup} must be >= 0")
+        _require(self.muon_ns_steps >= 1,
+                 f"optim.muon_ns_steps = {self.muon_ns_steps} must be >= 1")
 
 
 @dataclass
@@ -291,6 +315,21 @@ class SampleConfig:
         _require(self.top_k >= 0, f"--top-k {self.top_k} must be >= 0 (0: off)")
         _require(self.num_samples >= 1, f"--num-samples {self.num_samples} must be >= 1")
         _choice("sample", "device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class PlotConfig:
+    """`ddpgpt plot`: loss curves and throughput of one or more runs, in one picture."""
+
+    runs: list[str] = field(default_factory=list)
+    """Run directories (each with the metrics.jsonl `ddpgpt train` writes)."""
+    out: str | None = None
+    """PNG to write; default: next to the first run (runs/NAME -> runs/NAME.png)."""
+    smooth: float = 0.9
+    """Exponential smoothing of the train loss (0: none; 0.9 averages ~10 logged rows)."""
+
+    def __post_init__(self):
+        _require(0 <= self.smooth < 1, f"--smooth {self.smooth} must be in [0, 1)")
 
 
 @dataclass

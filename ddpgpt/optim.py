@@ -1,4 +1,4 @@
-"""AdamW with decay / no-decay parameter groups, and the learning-rate schedule.
+"""The optimizer (AdamW, or Muon + AdamW: ddpgpt/muon.py) and the learning-rate schedule.
 
 The schedule is a pure function of the step, so a resumed run needs no scheduler state: linear
 warmup over `warmup_steps` (step 0 already trains, at lr/warmup), then a cosine from `lr` down to
@@ -24,9 +24,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(model: torch.nn.Module, cfg: OptimConfig,
-                   device: torch.device) -> torch.optim.AdamW:
-    """torch's AdamW; the fused kernel on CUDA (one launch for all parameters)."""
+def make_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device,
+                   env=None) -> torch.optim.Optimizer:
+    """optim.name: torch's AdamW, the fused kernel on CUDA (one launch for all parameters); or
+    Muon for the blocks' matrices and AdamW for the rest, one object (`env`: who orthogonalizes
+    which matrix)."""
+    if cfg.name == "muon":
+        from ddpgpt.muon import make_muon
+        return make_muon(model, cfg, env, device)
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=device.type == "cuda")
 
@@ -40,6 +45,9 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer: torch.optim.Optimizer, lr: float, momentum: float | None = None) -> None:
+    """Every group's lr (times its lr_scale: Muon's lr over AdamW's), and Muon's momentum."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+        if momentum is not None and group.get("kind") == "muon":
+            group["momentum"] = momentum

@@ -52,6 +52,10 @@ def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> T
         raise ConfigError(f"run.sync = {cfg.run.sync} cannot use run.precision = fp16: its loss "
                           "scaler would check only this rank's shard of the gradients for "
                           "overflow; use bf16")
+    if cfg.optim.name == "muon" and cfg.run.sync in ("zero1", "fsdp2"):
+        raise ConfigError(f"optim.name = muon cannot use run.sync = {cfg.run.sync}: it shards "
+                          "matrices into slices and Muon orthogonalizes whole ones; use run.sync "
+                          "ddp, allreduce or rs-ag")
     if cfg.run.sync == "fsdp2" and cfg.run.grad_compress != "none":
         raise ConfigError("run.sync = fsdp2 reduces gradients itself: run.grad_compress must be "
                           "none")

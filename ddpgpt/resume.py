@@ -106,18 +106,23 @@ def _explicit(run_dir: RunDir, path: Path, first_start: bool, verify: bool) -> S
 
 def _check_fit(cfg: TrainConfig, start: Start, run_dir: RunDir, mode: str,
                fingerprint: str) -> None:
-    """The checkpoint must have this model's shape and, unless switching deliberately, this data."""
+    """The checkpoint must have this model's shape and optimizer and, unless switching
+    deliberately, this data."""
     explicit = start.origin is not None and mode not in ("auto", "reset", "never")
     saved = start.meta["config"]
     diff = [f"{k} {saved['model'][k]} -> {getattr(cfg.model, k)}" for k in SHAPE_FIELDS
             if saved["model"][k] != getattr(cfg.model, k)]
+    optimizer = saved["optim"].get("name", "adamw")  # its state has that optimizer's layout
+    if optimizer != cfg.optim.name:
+        diff.append(f"optim.name {optimizer} -> {cfg.optim.name}")
     if diff and explicit:
-        raise UserError(f"--resume {mode}: refused: that checkpoint has another model shape "
-                        f"({', '.join(diff)}); resume it with the model settings in its meta.json")
+        raise UserError(f"--resume {mode}: refused: that checkpoint has another model shape or "
+                        f"optimizer ({', '.join(diff)}); resume it with the settings in its "
+                        "meta.json")
     if diff:
         raise UserError(f"run dir {run_dir}: refused to resume checkpoint {start.path.name}, "
-                        f"which has another model shape ({', '.join(diff)}); use another "
-                        "--run-dir, or --reset to set the old run aside")
+                        f"which has another model shape or optimizer ({', '.join(diff)}); use "
+                        "another --run-dir, or --reset to set the old run aside")
     old = start.meta.get("data_fingerprint")
     if old is None or old == fingerprint:
         return

@@ -33,6 +33,7 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.evaluate import evaluate
 from ddpgpt.metrics import Metrics, peak_flops
 from ddpgpt.model import GPT
+from ddpgpt.muon import momentum_at
 from ddpgpt.optim import lr_at, make_optimizer, set_lr
 from ddpgpt.preflight import accum_steps, preflight, shared
 from ddpgpt.reliability import Guard, StopSignal, collective_failed, preempted, resume_hint
@@ -53,7 +54,7 @@ class Trainer:
         #    never from a global RNG that some code might have seeded per rank.
         self.raw = GPT(cfg.model, seed=cfg.run.seed).to(dev)  # the single-device model, saved
         self.model: torch.nn.Module = self.raw  # what runs the forward: raw or DDP(raw), compiled?
-        self.optimizer = make_optimizer(self.raw, cfg.optim, dev)
+        self.optimizer = make_optimizer(self.raw, cfg.optim, dev, env)
         self.sync = sync.Sync(self.raw, self.optimizer)  # how gradients are synced: see wrap()
         self.scaler = grad_scaler(cfg.run.precision, dev)
         self.autocast = autocast(cfg.run.precision, dev)
@@ -158,7 +159,7 @@ class Trainer:
         return loss_sum / self.accum, norm
 
     def update(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
+        set_lr(self.optimizer, lr, momentum_at(self.step, self.cfg.optim))
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

@@ -68,6 +68,43 @@ def count_allreduces(env, data: str, run_dir: str, accum: int, steps: int) -> di
     return per_step
 
 
+def muon_steps(env, steps: int) -> dict:
+    """`steps` Muon + AdamW steps of a small GPT on the same random gradients on every rank;
+    counts each rank's Newton-Schulz calls. Returns the final parameters, every rank's count and
+    whether all ranks ended with the same bits."""
+    import ddpgpt.muon as muon
+    from ddpgpt.config import ModelConfig, OptimConfig
+    from ddpgpt.model import GPT
+    from ddpgpt.optim import set_lr
+
+    torch.set_num_threads(1)
+    calls, plain = [], muon.newton_schulz
+
+    def counting(g, *args, **kwargs):
+        calls.append(tuple(g.shape))
+        return plain(g, *args, **kwargs)
+
+    muon.newton_schulz = counting
+    try:
+        model = GPT(ModelConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64),
+                    seed=3)
+        cfg = OptimConfig(name="muon", lr=1e-2, muon_lr=0.05)
+        opt = muon.make_muon(model, cfg, env, torch.device("cpu"))
+        gen = torch.Generator().manual_seed(1)
+        for step in range(steps):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=gen)
+            set_lr(opt, 1e-2, muon.momentum_at(step, cfg))
+            opt.step()
+    finally:
+        muon.newton_schulz = plain
+    digest = dist.params_digest(model)
+    digests = dist.all_gather(env, torch.frombuffer(bytearray(digest), dtype=torch.uint8))
+    return {"calls": dist.all_gather(env, torch.tensor([len(calls)])).flatten().tolist(),
+            "ranks_agree": bool((digests == digests[0]).all()),
+            "params": {n: p.flatten().tolist() for n, p in model.named_parameters()}}
+
+
 def main() -> None:
     name, args, out = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     with dist.session(device="cpu") as env:

@@ -276,15 +276,21 @@ CASES = [
                   "2 = 4; make the global batch a multiple of 4 or change the micro-batch"),
     row("toml-unknown-key", toml_unknown_key, lambda c: train(c, "--config", c.tmp / "run.toml"),
         lambda c: f"{E}{c.tmp / 'run.toml'}: unknown key optim.learning_rate; "
-                  "known: lr, min_lr, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip"),
+                  "known: name, lr, min_lr, warmup_steps, weight_decay, beta1, beta2, eps, "
+                  "grad_clip, muon_lr, muon_momentum, muon_momentum_start, muon_momentum_warmup, "
+                  "muon_ns_steps"),
     row("cli-wrong-type", copied, lambda c: train(c, run__steps="ten"),
         lambda c: f"{E}command line: run.steps: expected an integer, got 'ten'"),
     row("cli-out-of-range", copied, lambda c: train(c, optim__warmup_steps=-1),
         lambda c: f"{E}invalid config: optim.warmup_steps = -1 must be >= 0"),
     row("checkpoint-other-shape", with_run, lambda c: train(c, model__n_embd=64),
         lambda c: f"{E}run dir {c.run}: refused to resume checkpoint {CKPT}, which has another "
-                  "model shape (n_embd 32 -> 64); use another --run-dir, or --reset to "
-                  "set the old run aside"),
+                  "model shape or optimizer (n_embd 32 -> 64); use another --run-dir, or "
+                  "--reset to set the old run aside"),
+    row("checkpoint-other-optimizer", with_run, lambda c: train(c, optim__name="muon"),
+        lambda c: f"{E}run dir {c.run}: refused to resume checkpoint {CKPT}, which has another "
+                  "model shape or optimizer (optim.name adamw -> muon); use another --run-dir, "
+                  "or --reset to set the old run aside"),
     row("checkpoint-newer-format", newer_checkpoint, train,
         lambda c: f"{E}{c.run / 'checkpoints' / CKPT}: checkpoint format version 99 is newer "
                   "than this ddpgpt reads (2); upgrade ddpgpt (pip install -U ddpgpt)"),

@@ -119,5 +119,15 @@ def test_explicit_path_of_another_shape(run, other):
     with pytest.raises(UserError) as e:
         resume.choose(cfg, run, True, FP)
     assert str(e.value) == (f"--resume {path}: refused: that checkpoint has another model shape "
-                            "(n_embd 32 -> 64); resume it with the model settings in its "
+                            "or optimizer (n_embd 32 -> 64); resume it with the settings in its "
                             "meta.json")
+
+
+def test_explicit_path_of_another_optimizer(run, other):
+    """Muon's state (momentum buffers) is not AdamW's: switching optimizer is refused."""
+    path = other.checkpoints / "step_0000004"
+    cfg = config(str(path))
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name="muon"))
+    with pytest.raises(UserError) as e:
+        resume.choose(cfg, run, True, FP)
+    assert "another model shape or optimizer (optim.name adamw -> muon)" in str(e.value)
