@@ -52,10 +52,11 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.fl
     wide = x.size(0) <= x.size(1)
     if not wide:  # iterate on the smaller Gram matrix
         x = x.mT
-    x = x / (x.norm() + 1e-7)  # every singular value into (0, 1]
+    x = (x / (x.norm() + 1e-7)).contiguous()  # every singular value into (0, 1]
     for _ in range(steps):
         gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b·gram + c·gram²
+        x = torch.addmm(x, poly, x, beta=a)                     # a·x + poly·x
     return x if wide else x.mT
 
 
