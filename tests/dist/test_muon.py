@@ -1,10 +1,10 @@
 """Muon across processes: each matrix orthogonalized on exactly one rank, the same update as one
-process, world-size invariant training, and exact resume (same W and another W).
+process, world-size invariant training (W=1, 2), and exact resume (same W and another W).
 
 The optimizer alone (3 steps, the same gradients on every rank, one thread each): at W=2 and W=4
 the final parameters are bitwise those of one process, since every update is computed by one
-rank with the same arithmetic and copied, not summed. Training through `ddpgpt train` at W=1, 2,
-4 differs only by the order of the gradient sums (as in test_equivalence), and Newton-Schulz
+rank with the same arithmetic and copied, not summed. Training through `ddpgpt train` at W=1 and
+W=2 differs only by the order of the gradient sums (as in test_equivalence), and Newton-Schulz
 amplifies nothing beyond that: measured on a 2-core x86 CPU, losses within 1.1e-7 relative and
 parameters within 4.8e-6 over 6 steps. We allow test_equivalence's 2e-5 and 5e-5.
 """
@@ -49,7 +49,7 @@ def test_each_matrix_on_one_rank_and_the_same_update_as_one_process(W, tmp_path)
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
     out = {}
-    for W in (1, 2, 4):
+    for W in (1, 2):  # W=4 is covered by the optimizer-level test above
         run_dir = tmp_path_factory.mktemp(f"muon_w{W}") / "run"
         run_ranks([tiny_train_args(tiny_data, run_dir, STEPS, **MUON)] * W,
                   run_dir.parent / "logs")
@@ -64,7 +64,7 @@ def final_weights(run_dir):
 def test_training_is_world_size_invariant(runs):
     losses = {W: [r["loss"] for r in read_metrics(d)[0]] for W, d in runs.items()}
     assert losses[1][-1] < losses[1][0] - 0.5  # it learns
-    for W in (2, 4):
+    for W in (2,):
         np.testing.assert_allclose(losses[W], losses[1], rtol=LOSS_TOL, atol=0, err_msg=f"W={W}")
         ref, weights = final_weights(runs[1]), final_weights(runs[W])
         for name, p in ref.items():
