@@ -20,7 +20,7 @@ Muon's learning rate reads on AdamW's scale.
 Distributed. Orthogonalizing is the expensive part (a few matmuls per matrix), so each rank does
 only its share: matrix i belongs to one rank (`owners`: the largest matrices first, each to the
 least loaded rank, ties to the lower rank and index: a function of the model and W alone). Each
-rank packs its results into one flat buffer and a single all_gather_into_tensor hands every rank
+rank packs its results into one flat buffer and a single all_gather hands every rank
 every result, so all apply the same update. Every rank holds the same synced gradients (run.sync
 ddp, allreduce or rs-ag), so the momentum buffers need no exchange. At W = 1 no collective.
 
@@ -128,8 +128,7 @@ class MuonAdamW(torch.optim.Optimizer):
         for i in mine:
             flat[offset:offset + sizes[i]] = done[i].reshape(-1)
             offset += sizes[i]
-        gathered = flat.new_empty(world * width)
-        dist.all_gather_async(env, gathered, flat).wait()
+        gathered = dist.all_gather(env, flat).view(-1)  # rank r's results at r·width
         out: list[torch.Tensor | None] = [None] * len(matrices)
         offsets = [r * width for r in range(world)]
         for i, (p, _, _) in enumerate(matrices):  # each rank's results in index order
