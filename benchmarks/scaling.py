@@ -52,12 +52,11 @@ SEQUENCES, T, FLOPS = 512, 1024, 0.425 * 989e12
 GPU_BYTES = 70e9
 
 
-def model_numbers(shape: dict) -> tuple[int, float, int]:
-    """Parameters, training FLOPs per token, bytes of the largest block's parameters."""
+def model_numbers(shape: dict) -> tuple[int, float]:
+    """Parameters and training FLOPs per token."""
     with torch.device("meta"):
         model = GPT(ModelConfig(block_size=T, vocab_size=50304, **shape))
-    block = sum(p.numel() for p in model.blocks[0].parameters())
-    return model.num_params(non_embedding=False), model.flops_per_token(T), block
+    return model.num_params(non_embedding=False), model.flops_per_token(T)
 
 
 def exposed(mode: str, n: int, world: int, accum: int, bandwidth: float, step_s: float,
@@ -101,7 +100,7 @@ def largest_model(mode: str, world: int) -> float:
 def tables(world: int) -> dict:
     rows = {}
     for name, (shape, micro) in MODELS.items():
-        n, flops_per_token, _ = model_numbers(shape)
+        n, flops_per_token = model_numbers(shape)
         accum = max(1, SEQUENCES // (world * micro))
         step_s = SEQUENCES * T / world * flops_per_token / FLOPS
         rows[name] = {"params": n, "accum": accum, "step_s": step_s, "modes": {}}
@@ -160,7 +159,7 @@ def plot(rows: dict, world: int, path: Path) -> None:
     sent.legend()
 
     # Exposure against A for gpt2-124m under ddp: the same bytes, a shorter last backward.
-    n, flops_per_token, _ = model_numbers(MODELS["gpt2-124m"][0])
+    n, flops_per_token = model_numbers(MODELS["gpt2-124m"][0])
     step_s = SEQUENCES * T / world * flops_per_token / FLOPS
     accums = [1, 2, 4, 8, 16, 32, 64]
     for (fabric, bw), colour in zip(FABRICS.items(), ("tab:green", "tab:blue", "tab:red")):

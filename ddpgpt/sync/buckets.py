@@ -119,26 +119,31 @@ class BucketSync(Sync):
             bucket.works.append(dist.all_reduce_async(self.env, bucket.wire))
 
     def finish(self) -> None:
-        """Waits for every bucket (issuing those whose gradients never all arrived: a parameter
-        unused in this forward has no hook call) and leaves the mean gradient in every `.grad`."""
+        """Waits for every bucket and leaves the mean gradient in every `.grad`."""
+        self._issue_the_rest()
         for bucket in self.buckets:
-            if not bucket.works:
-                self._issue(bucket)
-        for bucket in self.buckets:
-            with dist.collective():
-                for work in bucket.works:
-                    work.wait()
+            self._wait(bucket)
             if self.reduce_scatter:
                 bucket.works = [dist.all_gather_async(self.env, bucket.wire, bucket.wire_shard)]
         for bucket in self.buckets:
-            with dist.collective():
-                for work in bucket.works:
-                    work.wait()
+            self._wait(bucket)
             if bucket.wire is not bucket.buffer:
                 bucket.buffer.copy_(bucket.wire)
             bucket.buffer.div_(self.env.world_size)
             bucket.ready, bucket.works = 0, []
         self.syncing = False
+
+    def _issue_the_rest(self) -> None:
+        """Issues the buckets whose gradients never all arrived (a parameter unused in this
+        forward has no hook call)."""
+        for bucket in self.buckets:
+            if not bucket.works:
+                self._issue(bucket)
+
+    def _wait(self, bucket: Bucket) -> None:
+        with dist.collective():
+            for work in bucket.works:
+                work.wait()
 
     def zero_grad(self) -> None:
         """In place: the gradients must stay views of the buffers (never set to None)."""

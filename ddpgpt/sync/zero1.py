@@ -54,13 +54,9 @@ class Zero1Sync(BucketSync):
 
     def finish(self) -> None:
         """Rank r ends with the mean gradient of its slices (no all-gather of gradients)."""
+        self._issue_the_rest()
         for bucket in self.buckets:
-            if not bucket.works:
-                self._issue(bucket)
-        for bucket in self.buckets:
-            with dist.collective():
-                for work in bucket.works:
-                    work.wait()
+            self._wait(bucket)
             if bucket.wire_shard is not bucket.shard:
                 bucket.shard.copy_(bucket.wire_shard)
             bucket.shard.div_(self.env.world_size)
@@ -127,9 +123,3 @@ class Zero1Sync(BucketSync):
         held = super().memory()  # the buffers: whole gradients and shards; the sharded state
         held["params"] = nbytes(b.flat for b in self.buckets)  # the model: views of these
         return held
-
-    def state_elements(self) -> int:
-        """Optimizer-state elements this rank holds (for tests and `ddpgpt bench`)."""
-        return sum(v.numel() for s in self.optimizer.state.values() for v in s.values()
-                   if torch.is_tensor(v) and v.dim() > 0)
-
