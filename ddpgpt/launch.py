@@ -45,7 +45,8 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
     cfg, dataset = preflight(cfg, nproc, nproc)
     run_dir = RunDir(cfg.run.dir)
     run_dir.check_creatable()
-    resume.choose(cfg, run_dir, True, dataset.fingerprint, verify=False)
+    resume.choose(cfg, run_dir, True, dataset.fingerprint, verify=False,
+                  tokenizer=dataset.tokenizer_fingerprint)
     with run_dir.locked():
         run_dir.write_config(cfg.to_dict())
         started = time.time()

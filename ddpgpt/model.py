@@ -129,13 +129,19 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 vocab_size: int | None = None) -> torch.Tensor:
         """Appends `max_new_tokens` sampled tokens to idx (B, T); the context is cropped to
-        block_size. No KV cache: each token re-reads the context, fine for short samples."""
+        block_size. No KV cache: each token re-reads the context, fine for short samples.
+
+        `vocab_size`: the tokenizer's own vocabulary. The model's is padded up to a multiple of
+        64 (257 byte ids -> 320 rows); the padding ids mean nothing to the tokenizer, so they are
+        never sampled, however little the model has learned to avoid them."""
         for _ in range(max_new_tokens):
             context = idx[:, -self.cfg.block_size:]
             logits = self(context)[0][:, -1, :].float() / temperature  # (B, V)
+            if vocab_size is not None and vocab_size < logits.size(-1):
+                logits[:, vocab_size:] = float("-inf")
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -17,12 +17,14 @@ only, for fast one-line errors) and again under the run's lock (`verify=True`: e
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpgpt import checkpoint
 from ddpgpt.checkpoint import CheckpointError
 from ddpgpt.config import TrainConfig
+from ddpgpt.data.tokenizer import fingerprint as fingerprint_of
 from ddpgpt.errors import UserError
 from ddpgpt.run_dir import RunDir
 
@@ -44,7 +46,9 @@ class Start:
 
 
 def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: str,
-           verify: bool = True) -> Start:
+           verify: bool = True, tokenizer: str | None = None) -> Start:
+    """`fingerprint`: the dataset's (its meta.json's sha256); `tokenizer`: its tokenizer's
+    (data.tokenizer.fingerprint), checked when the data differs from the checkpoint's."""
     mode = cfg.run.resume
     if mode in ("auto", "reset", "never"):
         existing = checkpoint.step_dirs(run_dir.checkpoints)
@@ -59,7 +63,7 @@ def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: st
     else:
         start = _explicit(run_dir, Path(mode), first_start, verify)
     if start.path is not None:
-        _check_fit(cfg, start, run_dir, mode, fingerprint)
+        _check_fit(cfg, start, run_dir, mode, fingerprint, tokenizer)
     return start
 
 
@@ -105,9 +109,9 @@ def _explicit(run_dir: RunDir, path: Path, first_start: bool, verify: bool) -> S
 
 
 def _check_fit(cfg: TrainConfig, start: Start, run_dir: RunDir, mode: str,
-               fingerprint: str) -> None:
+               fingerprint: str, tokenizer: str | None) -> None:
     """The checkpoint must have this model's shape and optimizer and, unless switching
-    deliberately, this data."""
+    deliberately, this data; never another tokenizer."""
     explicit = start.origin is not None and mode not in ("auto", "reset", "never")
     saved = start.meta["config"]
     diff = [f"{k} {saved['model'][k]} -> {getattr(cfg.model, k)}" for k in SHAPE_FIELDS
@@ -126,11 +130,37 @@ def _check_fit(cfg: TrainConfig, start: Start, run_dir: RunDir, mode: str,
     old = start.meta.get("data_fingerprint")
     if old is None or old == fingerprint:
         return
+    where = f"--resume {mode}" if explicit else f"run dir {run_dir}: checkpoint {start.path.name}"
+    trained_with = saved_tokenizer(start.path, start.meta)
+    if tokenizer is not None and trained_with is not None and trained_with != tokenizer:
+        raise UserError(f"{where} was trained with another tokenizer ({_short(trained_with)}) "
+                        f"than the one of data.dir = {cfg.data.dir} ({_short(tokenizer)}): its "
+                        "ids would mean other text. --data.allow-switch is for new data under "
+                        "the same tokenizer: prepare the new data with the run's tokenizer, or "
+                        "start a new run")
     if cfg.data.allow_switch:
         start.data_switch = True
         return
-    where = f"--resume {mode}" if explicit else f"run dir {run_dir}: checkpoint {start.path.name}"
     raise UserError(f"{where} was trained on another dataset ({saved['data']['dir']}, fingerprint "
                     f"{old[:12]}) than data.dir = {cfg.data.dir} (fingerprint {fingerprint[:12]}); "
                     "pass its --data, --reset to start over, or --data.allow-switch to go on with "
                     "the new data")
+
+
+def saved_tokenizer(path: Path, meta: dict) -> str | None:
+    """The tokenizer fingerprint a checkpoint was trained with: recorded in its meta.json, or,
+    for checkpoints from before that was recorded, read from its run dir's copy of the
+    tokenizer (data_meta.json, tokenizer.json). None when neither says."""
+    if meta.get("tokenizer_fingerprint"):
+        return meta["tokenizer_fingerprint"]
+    run = RunDir(Path(path).parent.parent)
+    try:
+        kind = json.loads(run.data_meta.read_text())["tokenizer"]
+        return fingerprint_of(kind, run.path)
+    except (OSError, ValueError, KeyError, TypeError, UserError):
+        return None
+
+
+def _short(fingerprint: str) -> str:
+    kind, _, digest = fingerprint.partition(":")
+    return f"{kind} {digest[:12]}" if digest else kind

@@ -185,7 +185,8 @@ def save(trainer: Trainer, run_dir: RunDir, reason: str) -> None:
     if trainer.env.is_main:
         cfg, ds = trainer.cfg, trainer.dataset
         meta = {"config": cfg.to_dict(), "world_size": trainer.env.world_size, "reason": reason,
-                "data_fingerprint": ds.fingerprint, "origin": trainer.origin}
+                "data_fingerprint": ds.fingerprint,
+                "tokenizer_fingerprint": ds.tokenizer_fingerprint, "origin": trainer.origin}
         try:
             checkpoint.save(run_dir.checkpoints, trainer.step, state, meta,
                             cfg.run.keep_checkpoints)
@@ -232,12 +233,14 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir) -> None:
 
 # ---- a run, from its config to its end -----------------------------------------------------------
 
-def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv, fingerprint: str) -> resume.Start:
+def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv,
+          dataset: TokenDataset) -> resume.Start:
     """The run dir for this run, and where it starts. Rank 0 takes the lock (unless the `--nproc`
     launcher that started it holds it), applies the first-start rules (--reset, or a roll-back
     for --resume PATH) and removes temporaries of interrupted saves; then every rank chooses."""
     def choose(verify: bool) -> resume.Start:
-        return resume.choose(cfg, run_dir, env.first_attempt, fingerprint, verify=verify)
+        return resume.choose(cfg, run_dir, env.first_attempt, dataset.fingerprint, verify=verify,
+                             tokenizer=dataset.tokenizer_fingerprint)
 
     def take() -> None:
         run_dir.lock(allow_parent=True)
@@ -300,7 +303,7 @@ def run(cfg: TrainConfig) -> None:
         configure(cfg.run.threads, env.device)
         if cfg.data.verify:  # each rank re-hashes a 1/W share of the shards
             dist.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
-        start = claim(run_dir, cfg, env, dataset.fingerprint)
+        start = claim(run_dir, cfg, env, dataset)
         trainer = setup(cfg, env, dataset, start, Guard(env, cfg.run, stop))
         dist.together(env, lambda: write_run_files(run_dir, cfg, dataset), main_only=True)
         metrics = open_metrics(trainer, run_dir, start)

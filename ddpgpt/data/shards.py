@@ -178,6 +178,12 @@ class TokenDataset:
         """sha256 of meta.json, which itself holds every shard's sha256: names the exact data."""
         return hashlib.sha256(self.meta_bytes).hexdigest()
 
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        """The tokenizer's own identity (see tokenizer.fingerprint), not the data's."""
+        from ddpgpt.data.tokenizer import fingerprint
+        return fingerprint(self.tokenizer, self.path)
+
     def tokens(self, split: str) -> list[np.ndarray]:
         """The split's shards as memory maps, in order; together they are one token stream."""
         return self._tokens[split]

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ddpgpt.errors import DataError, UserError
+from ddpgpt.files import sha256
 
 EOT_TEXT = "<|endoftext|>"
 MIN_BPE_VOCAB = 257  # 256 byte symbols + the end-of-text token
@@ -140,6 +141,21 @@ class GPT2Tokenizer:
 
     def save(self, out_dir: Path) -> None:
         pass
+
+
+def fingerprint(kind: str, directory: str | Path) -> str:
+    """What names a tokenizer's mapping from text to ids, not merely its size: `byte` and `gpt2`
+    are fixed, a bpe is its `tokenizer.json` (sha256 of the file in `directory`, a dataset or a
+    run dir). Two bpe tokenizers of the same vocabulary size trained on different corpora differ
+    here, and a model trained on one reads the other's ids as noise."""
+    if kind != "bpe":
+        return kind
+    path = Path(directory) / "tokenizer.json"
+    try:
+        return f"bpe:{sha256(path)}"
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the bpe tokenizer ({e.strerror}); "
+                        "re-run ddpgpt prepare") from None
 
 
 def load_tokenizer(data_dir: str | Path, kind: str):

@@ -201,3 +201,18 @@ def test_generate_crops_context_to_block_size(model):
     out = model.generate(prompt, 6, top_k=1)
     assert out.shape == (1, SMALL.block_size + 6)
     assert torch.equal(out, _greedy(model, prompt, 6))
+
+
+@pytest.mark.parametrize("top_k", [None, 5])
+def test_generate_never_samples_the_padding_ids(model, top_k):
+    """The vocabulary is padded to a multiple of 64 (a byte tokenizer's 257 ids -> 320 rows):
+    even a model that puts nearly all its mass on the padding rows never emits one."""
+    tokenizer_vocab = 40
+    with torch.no_grad():
+        model.wte.weight[tokenizer_vocab:] *= 50  # the padding rows now win every logit
+    prompt = _tokens(4, 3, vocab=tokenizer_vocab)
+    unmasked = model.generate(prompt, 30, top_k=top_k, generator=torch.Generator().manual_seed(0))
+    assert unmasked[:, 3:].max() >= tokenizer_vocab  # the case the mask exists for
+    out = model.generate(prompt, 30, top_k=top_k, generator=torch.Generator().manual_seed(0),
+                         vocab_size=tokenizer_vocab)
+    assert out[:, 3:].max() < tokenizer_vocab

@@ -12,6 +12,7 @@ from ddpgpt.config import DataConfig, RunConfig, TrainConfig
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT
 from ddpgpt.run_dir import RunDir
+from tests.conftest import STDLIB
 from tests.helpers import SMALL
 
 FP = "ab" * 32  # the dataset fingerprint these runs train on
@@ -22,15 +23,17 @@ def config(resume_mode: str = "auto", allow_switch: bool = False) -> TrainConfig
                        run=RunConfig(resume=resume_mode))
 
 
-def save(run: RunDir, step: int, origin: dict | None = None, fingerprint: str = FP):
+def save(run: RunDir, step: int, origin: dict | None = None, fingerprint: str = FP,
+         tokenizer: str | None = None):
     meta = {"config": config().to_dict(), "world_size": 1, "data_fingerprint": fingerprint,
-            "origin": origin}
+            "origin": origin, **({"tokenizer_fingerprint": tokenizer} if tokenizer else {})}
     return checkpoint.save(run.checkpoints, step, {"model": GPT(SMALL).state_dict()}, meta,
                            keep=100)
 
 
-def choose(run: RunDir, mode: str = "auto", first: bool = True, **kw) -> resume.Start:
-    return resume.choose(config(mode, **kw), run, first, FP)
+def choose(run: RunDir, mode: str = "auto", first: bool = True, tokenizer: str | None = None,
+           **kw) -> resume.Start:
+    return resume.choose(config(mode, **kw), run, first, FP, tokenizer=tokenizer)
 
 
 @pytest.fixture
@@ -110,6 +113,53 @@ def test_another_dataset_is_refused_unless_allowed(run):
                             f"(fingerprint {'ab' * 6}); pass its --data, --reset to start over, "
                             "or --data.allow-switch to go on with the new data")
     assert choose(run, allow_switch=True).data_switch
+
+
+def two_bpe_tokenizers(tmp_path):
+    """Two real bpe tokenizers of the same vocabulary size, trained on different text."""
+    from ddpgpt.data.tokenizer import BPETokenizer
+
+    dirs = []
+    for name, source in (("a", "textwrap.py"), ("b", "heapq.py")):
+        tok = BPETokenizer.train([(STDLIB / source).read_text()], vocab_size=300,
+                                 show_progress=False)
+        (tmp_path / name).mkdir()
+        tok.save(tmp_path / name)
+        assert tok.vocab_size == 300
+        dirs.append(tmp_path / name)
+    return dirs
+
+
+def test_another_tokenizer_is_refused_even_with_allow_switch(run, tmp_path):
+    """allow_switch is for new data under the same tokenizer: a bpe of the same vocabulary size
+    trained on other text maps ids to other text, and training on would start from noise."""
+    from ddpgpt.data.tokenizer import fingerprint
+
+    a, b = (fingerprint("bpe", d) for d in two_bpe_tokenizers(tmp_path))
+    assert a != b and a.startswith("bpe:")
+    save(run, 4, fingerprint="cd" * 32, tokenizer=a)
+    with pytest.raises(UserError) as e:
+        choose(run, allow_switch=True, tokenizer=b)
+    assert str(e.value) == (
+        f"run dir {run}: checkpoint step_0000004 was trained with another tokenizer (bpe "
+        f"{a[4:16]}) than the one of data.dir = data (bpe {b[4:16]}): its ids would mean other "
+        "text. --data.allow-switch is for new data under the same tokenizer: prepare the new data "
+        "with the run's tokenizer, or start a new run")
+    assert choose(run, allow_switch=True, tokenizer=a).data_switch  # same tokenizer: new data
+
+
+def test_a_checkpoint_without_a_recorded_tokenizer_is_checked_from_its_run_dir(run, tmp_path):
+    """Checkpoints written before the tokenizer was recorded: the run dir's copy of the
+    tokenizer (data_meta.json, tokenizer.json) names it."""
+    from ddpgpt.data.tokenizer import fingerprint
+
+    first, second = two_bpe_tokenizers(tmp_path)
+    save(run, 4, fingerprint="cd" * 32)
+    (run.path / "data_meta.json").write_text('{"tokenizer": "bpe"}')
+    (run.path / "tokenizer.json").write_bytes((first / "tokenizer.json").read_bytes())
+    with pytest.raises(UserError, match="trained with another tokenizer"):
+        choose(run, allow_switch=True, tokenizer=fingerprint("bpe", second))
+    assert choose(run, allow_switch=True, tokenizer=fingerprint("bpe", first)).data_switch
 
 
 def test_explicit_path_of_another_shape(run, other):
