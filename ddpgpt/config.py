@@ -141,6 +141,11 @@ class OptimConfig:
     """Learning rate at the end of the cosine decay (run.steps)."""
     warmup_steps: int = 20
     """Steps of linear warmup from 0 to lr."""
+    decay_steps: int = 0
+    """Length of the schedule in steps, warmup included: lr follows a cosine down to min_lr at
+    this step and stays there after. 0: run.steps at the run's first start, then kept when the
+    run resumes, so raising run.steps to train further goes on at min_lr rather than re-shaping
+    the cosine mid-run (set it to re-shape the schedule on purpose)."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices and embeddings only (not biases or norms)."""
     beta1: float = 0.9
@@ -169,6 +174,8 @@ class OptimConfig:
         _require(0 <= self.min_lr <= self.lr,
                  f"optim.min_lr = {self.min_lr} must be in [0, optim.lr = {self.lr}]")
         _require(self.warmup_steps >= 0, f"optim.warmup_steps = {self.warmup_steps} must be >= 0")
+        _require(self.decay_steps >= 0,
+                 f"optim.decay_steps = {self.decay_steps} must be >= 0 (0: run.steps)")
         _require(self.weight_decay >= 0, f"optim.weight_decay = {self.weight_decay} must be >= 0")
         for name in ("beta1", "beta2"):
             _require(0 <= getattr(self, name) < 1,

@@ -45,10 +45,11 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
     cfg, dataset = preflight(cfg, nproc, nproc)
     run_dir = RunDir(cfg.run.dir)
     run_dir.check_creatable()
-    resume.choose(cfg, run_dir, True, dataset.fingerprint, verify=False,
-                  tokenizer=dataset.tokenizer_fingerprint)
+    first = resume.choose(cfg, run_dir, True, dataset.fingerprint, verify=False,
+                          tokenizer=dataset.tokenizer_fingerprint)
+    cfg = resume.settle(cfg, first)
     with run_dir.locked():
-        run_dir.write_config(cfg.to_dict())
+        run_dir.write_config(cfg.to_dict(), first.step)
         started = time.time()
         code, stopped_by = start(nproc, ["train", "--resolved-config", str(run_dir.config)],
                                  max_restarts)

@@ -34,7 +34,7 @@ from ddpgpt.evaluate import evaluate
 from ddpgpt.metrics import Metrics, peak_flops
 from ddpgpt.model import GPT
 from ddpgpt.muon import momentum_at
-from ddpgpt.optim import lr_at, make_optimizer, set_lr
+from ddpgpt.optim import load_state, lr_at, make_optimizer, set_lr
 from ddpgpt.preflight import accum_steps, preflight, shared
 from ddpgpt.reliability import Guard, StopSignal, collective_failed, preempted, resume_hint
 from ddpgpt.run_dir import RunDir
@@ -98,7 +98,7 @@ class Trainer:
         """Before wrapping, so DDP sees the final weights. `new_data`: a deliberate switch to
         another dataset, whose windows the loader starts from the beginning."""
         self.raw.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_state(self.optimizer, state["optimizer"])  # this run's hyperparameters win
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if not new_data:
@@ -304,8 +304,10 @@ def run(cfg: TrainConfig) -> None:
         if cfg.data.verify:  # each rank re-hashes a 1/W share of the shards
             dist.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
         start = claim(run_dir, cfg, env, dataset)
+        cfg = resume.settle(cfg, start)
         trainer = setup(cfg, env, dataset, start, Guard(env, cfg.run, stop))
-        dist.together(env, lambda: write_run_files(run_dir, cfg, dataset), main_only=True)
+        dist.together(env, lambda: write_run_files(run_dir, cfg, dataset, start.step),
+                      main_only=True)
         metrics = open_metrics(trainer, run_dir, start)
         try:
             _install_faults(trainer)
@@ -318,10 +320,10 @@ def run(cfg: TrainConfig) -> None:
             run_dir.unlock()
 
 
-def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset) -> None:
-    """config.json, and the dataset's meta.json and tokenizer (so `sample` needs only the run
-    dir)."""
-    run_dir.write_config(cfg.to_dict())
+def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset, step: int) -> None:
+    """config.json (and configs.jsonl), and the dataset's meta.json and tokenizer (so `sample`
+    needs only the run dir)."""
+    run_dir.write_config(cfg.to_dict(), step)
     run_dir.write_data_files(dataset.path, dataset.meta_bytes)
 
 
@@ -342,6 +344,14 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         metrics.log_event(trainer.step, "data_switch", checkpoint=str(start.path),
                           old=start.meta["data_fingerprint"], new=trainer.dataset.fingerprint,
                           data_dir=cfg.data.dir)
+    changed = resume.changes(start.meta["config"], cfg) if start.meta else {}
+    if changed:  # applied, not ignored: say so where the curves are read, and once here
+        metrics.log_event(trainer.step, "config_change", checkpoint=str(start.path),
+                          changes=changed)
+        if env.is_main:
+            print("ddpgpt: resuming with changed settings (applied from step "
+                  f"{trainer.step}): " + ", ".join(f"{k} {a} -> {b}" for k, (a, b)
+                                                   in changed.items()), file=sys.stderr)
     return metrics
 
 
