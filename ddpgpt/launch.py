@@ -13,6 +13,7 @@ or 128+N when a worker or the launcher was ended by signal N without one.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -56,11 +57,8 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
         if stopped_by is None:
             return code
         hint = resume_hint(cfg.run.resume, str(run_dir))
-        saved = stop_checkpoint(run_dir, since=started)
-        if saved is not None:
-            print(f"ddpgpt: stopped by {stopped_by.name}; the workers wrote checkpoint {saved} "
-                  f"before exiting: {hint}", file=sys.stderr)
-            return EXIT_PREEMPTED
+        if stop_checkpoint(run_dir, since=started) is not None:
+            return EXIT_PREEMPTED  # rank 0 named the signal, the step and the checkpoint
         found = checkpoint.find_latest(run_dir.checkpoints)
         newest = f"the newest complete one is {found[0]}" if found else "there is none yet"
         print(f"ddpgpt: stopped by {stopped_by.name} before the workers could write a checkpoint; "
@@ -76,6 +74,19 @@ def stop_checkpoint(run_dir: RunDir, since: float):
     return None
 
 
+def quiet_agent() -> None:
+    """The elastic agent's warnings ("Sending process N closing signal SIGINT", ...) narrate
+    what ddpgpt reports itself in one line; its errors still show. Its loggers set their own
+    level when created, so each is lowered to ERROR here, after the imports that create them."""
+    import torch.distributed.elastic.agent.server.api  # noqa: F401  (creates the loggers)
+    import torch.distributed.elastic.multiprocessing.api  # noqa: F401
+    import torch.distributed.run  # noqa: F401
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def start(nproc: int, worker_args: list[str],
           max_restarts: int = 0) -> tuple[int, signal.Signals | None]:
     """Runs `python -m ddpgpt WORKER_ARGS` on `nproc` local processes; returns (exit code, the
@@ -86,6 +97,7 @@ def start(nproc: int, worker_args: list[str],
 
     # Workers set their own thread count (run.threads); this also silences torchrun's banner.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    quiet_agent()
     args = parse_args(["--standalone", f"--nproc-per-node={nproc}",
                        f"--max-restarts={max_restarts}",
                        "--monitor-interval=0.5", "-m", "ddpgpt", *worker_args])

@@ -138,7 +138,7 @@ class Guard:
 
 
 def preempted(step: int, signal_name: str, checkpoint_dir, hint: str, quiet: bool) -> Preempted:
-    return Preempted(f"stopped at step {step} on {signal_name or 'a signal to another rank'}; "
+    return Preempted(f"at step {step} on {signal_name or 'a signal to another rank'}; "
                      f"checkpoint {checkpoint_dir} is complete: {hint}", quiet=quiet)
 
 

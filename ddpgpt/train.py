@@ -374,5 +374,6 @@ def summary(trainer: Trainer) -> str:
     return (f"ddpgpt: training on {where}, {env.device.type}, {cfg.run.precision}; "
             f"G={G} sequences × T={T} = "
             f"{G * T:,} tokens per step = {env.world_size} × A={trainer.accum} micro-steps × "
-            f"b={cfg.data.micro_batch}; {trainer.raw.num_params() / 1e6:.2f}M parameters")
+            f"b={cfg.data.micro_batch}; "
+            f"{trainer.raw.num_params(non_embedding=False) / 1e6:.2f}M parameters")
 

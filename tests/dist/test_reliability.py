@@ -71,7 +71,7 @@ def test_sigterm_to_one_rank_checkpoints_and_stops_all(straight, tiny_data, tmp_
     job = Launch(launch_args(tiny_data, run_dir), env={"DDPGPT_FAULT": "term@5@1"})
     assert job.wait(180) == EXIT_PREEMPTED, job.text
     stop = run_dir / "checkpoints" / "step_0000006"
-    assert (f"ddpgpt: stopped: stopped at step 6 on a signal to another rank; checkpoint {stop} "
+    assert (f"ddpgpt: stopped: at step 6 on a signal to another rank; checkpoint {stop} "
             "is complete: run the same command to resume") in job.text
     assert checkpoint.read_meta(stop)["step"] == 6
     assert [r["step"] for r in read_metrics(run_dir)[0]] == [1, 2, 3, 4, 5, 6]
@@ -89,11 +89,14 @@ def test_sigint_to_the_launcher_is_forwarded(straight, tiny_data, tmp_path):
     code = job.wait(180)
     signaled = job.when("fault: parent:INT at step 3")
     assert code == EXIT_PREEMPTED, job.text
-    stopped_at = int(job.text.split("stopped at step ")[1].split()[0])
+    stopped_at = int(job.text.split("stopped: at step ")[1].split()[0])
     assert 4 <= stopped_at < STEPS
     saved = run_dir / "checkpoints" / f"step_{stopped_at:07d}"
-    assert (f"ddpgpt: stopped by SIGINT; the workers wrote checkpoint {saved} before exiting: "
-            "run the same command to resume") in job.text
+    line = (f"ddpgpt: stopped: at step {stopped_at} on SIGINT; checkpoint {saved} is complete: "
+            "run the same command to resume")
+    assert job.text.count(line) == 1 and "ddpgpt: stopped" not in job.text.replace(line, ""), \
+        job.text  # one line: the launcher does not repeat what rank 0 said
+    assert "closing signal" not in job.text  # the elastic agent's narration is not shown
     assert checkpoint.find_latest(run_dir / "checkpoints")[1]["step"] == stopped_at
     print(f"\n[figure] SIGINT to the launcher -> job exited with its checkpoint: "
           f"{job.end - signaled:.1f} s")
