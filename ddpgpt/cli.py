@@ -117,8 +117,44 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
     return cfg, options["nproc"], options["max_restarts"] or 0
 
 
+TRUE, FALSE = ("true", "yes", "1"), ("false", "no", "0")
+
+
+def bool_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--model.bias false` and `--model.bias=false` (what a config file's `bias = false` reads
+    like) as `--no-model.bias`; `true` as the bare flag. argparse's boolean flags take no value
+    and would report only "unrecognized arguments: false"."""
+    sub = next((a.choices.get(argv[0]) for a in parser._actions
+                if isinstance(a, argparse._SubParsersAction) and argv), None)
+    if sub is None:
+        return argv
+    negative = {}
+    for action in sub._actions:
+        if isinstance(action, argparse.BooleanOptionalAction):
+            positive = [o for o in action.option_strings if not o.startswith("--no-")]
+            for flag in positive:
+                negative[flag] = "--no-" + positive[-1][2:]
+    out, i = [], 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag in negative and not eq and i + 1 < len(argv):
+            value = argv[i + 1]
+            eq = value.lower() in TRUE + FALSE
+            i += eq
+        if flag in negative and eq:
+            if value.lower() not in TRUE + FALSE:
+                raise UserError(f"{flag}: expected true or false, got {value!r} (or write "
+                                f"{flag} / {negative[flag]})")
+            out.append(flag if value.lower() in TRUE else negative[flag])
+        else:
+            out.append(argv[i])
+        i += 1
+    return out
+
+
 def dispatch(argv: list[str]) -> None:
-    ns = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    ns = parser.parse_args(bool_values(parser, argv))
     values = {k: v for k, v in vars(ns).items() if k not in ("command", "debug")}
     if ns.command == "prepare":
         from ddpgpt.data import prepare

@@ -66,6 +66,7 @@ class Trainer:
                               world_size=env.world_size, rank=env.rank,
                               max_windows=data.eval_windows, device=dev)
         self.step = 0                 # optimizer steps completed
+        self.doing = "step 1"         # what the loop is at, for a failure's message
         self.last_checkpoint = -1     # the step of the newest checkpoint this run can fall back to
         self.origin: dict | None = None  # the explicit --resume PATH this run descends from
         self._elapsed_before, self._started = 0.0, time.perf_counter()
@@ -207,6 +208,7 @@ def _due(step: int, every: int, last: int) -> bool:
 def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir) -> None:
     cfg, env, total = trainer.cfg, trainer.env, trainer.cfg.run.steps
     while trainer.step < total:
+        trainer.doing = f"step {trainer.step + 1}"
         lr = lr_at(trainer.step, cfg.optim, total)
         loss, norm = trainer.train_step()
         health = trainer.guard.exchange(loss, norm, scaled=trainer.scaler is not None)
@@ -221,9 +223,11 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir) -> None:
                              None if health.bad else norm.item(), trainer.elapsed_s)
         with metrics.paused():
             if _due(trainer.step, cfg.run.eval_every, total):
+                trainer.doing = f"the evaluation after step {trainer.step}"
                 metrics.log_eval(trainer.step,
                                  evaluate(trainer.raw, trainer.val, env, trainer.autocast))
             if _due(trainer.step, cfg.run.checkpoint_every, total) or health.stop:
+                trainer.doing = f"the checkpoint of step {trainer.step}"
                 save(trainer, run_dir, "stop" if health.stop else "scheduled")
         if health.stop and trainer.step < total:
             raise preempted(trainer.step, trainer.guard.signal.name,
@@ -305,7 +309,8 @@ def run(cfg: TrainConfig) -> None:
             dist.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
         start = claim(run_dir, cfg, env, dataset)
         cfg = resume.settle(cfg, start)
-        trainer = setup(cfg, env, dataset, start, Guard(env, cfg.run, stop))
+        lr_fields = "optim.lr or optim.muon_lr" if cfg.optim.name == "muon" else "optim.lr"
+        trainer = setup(cfg, env, dataset, start, Guard(env, cfg.run, stop, lr_fields))
         dist.together(env, lambda: write_run_files(run_dir, cfg, dataset, start.step),
                       main_only=True)
         metrics = open_metrics(trainer, run_dir, start)
@@ -313,7 +318,7 @@ def run(cfg: TrainConfig) -> None:
             _install_faults(trainer)
             loop(trainer, metrics, run_dir)
         except dist.CollectiveError as e:
-            raise collective_failed(e, env, trainer.step + 1, cfg.run.dist_timeout_s) from None
+            raise collective_failed(e, env, trainer.doing, cfg.run.dist_timeout_s) from None
         finally:
             metrics.close()
             trainer.unwrap()

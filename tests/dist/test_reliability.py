@@ -176,8 +176,25 @@ def test_nan_skip_and_its_limit(tiny_data, tmp_path):
     ranks = run_ranks([limited] * 2, tmp_path / "logs2", env={"DDPGPT_FAULT": "nan@3@1"},
                       check=False)
     assert codes(ranks)[0] == [1, 1], codes(ranks)[1]
-    assert ("stopped before the optimizer step after 0 skipped steps (run.max_skipped)"
-            in ranks[0].stderr)
+    assert ranks[0].stderr.endswith(
+        "stopped before the optimizer step after 0 skipped steps (run.max_skipped). The last "
+        "checkpoint (step 3) is intact; lower optim.lr or raise optim.warmup_steps, or raise "
+        "run.max_skipped\n")
+
+
+def test_a_rank_lost_during_a_checkpoint_is_named_as_such(tiny_data, tmp_path):
+    """Rank 1 dies while the checkpoint of step 3 is being taken: the survivor says so, rather
+    than blaming step 4, which never began."""
+    args = tiny_train_args(tiny_data, tmp_path / "run", STEPS, run__checkpoint_every=3)
+    ranks = run_ranks([args] * 2, tmp_path / "logs", env={"DDPGPT_FAULT": "kill-saving@3@1"},
+                      check=False)
+    assert codes(ranks)[0] == [1, -9], codes(ranks)[1]
+    last = ranks[0].stderr.splitlines()[-1]
+    assert last.startswith("ddpgpt: error: the checkpoint of step 3: a collective failed on rank "
+                           "0 ("), ranks[0].stderr
+    assert last.endswith("another rank stalled or died (see its log). Collectives wait at most "
+                         "run.dist_timeout_s = 600 s")
+    assert not (tmp_path / "run" / "checkpoints" / "step_0000003").exists()
 
 
 def test_ranks_must_see_the_same_dataset(tiny_data, tmp_path):

@@ -24,6 +24,7 @@ from ddpgpt.config import (
 from ddpgpt.config_io import build as resolve
 from ddpgpt.config_io import field_docs, from_dict, nest
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.errors import UserError
 from ddpgpt.preflight import accum_steps
 from ddpgpt.preflight import resolve as resolve_autos
 from tests.helpers import run_cli, write_dataset
@@ -52,6 +53,25 @@ def _parse_train(argv: list[str]) -> TrainConfig:
     """The in-process twin of `ddpgpt train ARGV`: argparse -> nest -> build."""
     ns = cli._build_parser().parse_args(["train", *argv])
     return cli.train_config({k: v for k, v in vars(ns).items() if k not in ("command", "debug")})[0]
+
+
+@pytest.mark.parametrize("argv, bias, compile_", [
+    (["--model.bias", "false"], False, False),
+    (["--model.bias=False", "--compile", "yes"], False, True),
+    (["--no-model.bias", "--run.compile", "1"], False, True),
+    (["--model.bias", "--compile"], True, True),
+])
+def test_boolean_flags_take_true_or_false_too(argv, bias, compile_):
+    """`--model.bias false` reads like the TOML `bias = false`: it used to fail with
+    "unrecognized arguments: false", naming neither the flag nor --no-model.bias."""
+    parser = cli._build_parser()
+    ns = parser.parse_args(cli.bool_values(parser, ["train", *argv]))
+    cfg = cli.train_config({k: v for k, v in vars(ns).items() if k not in ("command", "debug")})[0]
+    assert (cfg.model.bias, cfg.run.compile) == (bias, compile_)
+    with pytest.raises(UserError) as e:
+        cli.bool_values(parser, ["train", "--model.bias=maybe"])
+    assert str(e.value) == ("--model.bias: expected true or false, got 'maybe' (or write "
+                            "--model.bias / --no-model.bias)")
 
 
 # ---- layering --------------------------------------------------------------------------------
