@@ -196,3 +196,21 @@ def changes(saved: dict, cfg: TrainConfig) -> dict[str, list]:
             if key not in NOT_TRAINING and old != value:
                 out[key] = [old, value]
     return out
+
+
+def finished(cfg: TrainConfig, start: Start) -> bool:
+    """The run already has a complete checkpoint at run.steps or beyond: there is nothing to
+    train, and a launcher can say so without starting a worker. The checkpoint is verified
+    (every file's hash) first: a damaged one would make the workers fall back to an older one."""
+    if start.path is None or start.step < cfg.run.steps:
+        return False
+    try:
+        checkpoint.read_meta(start.path, verify=True)
+    except CheckpointError:
+        return False
+    return True
+
+
+def finished_message(run_dir: RunDir, step: int, steps: int) -> str:
+    return (f"run {run_dir} is already at step {step} of {steps}; raise run.steps to train "
+            "further")

@@ -301,6 +301,12 @@ def run(cfg: TrainConfig) -> None:
     cfg, dataset = preflight(cfg, here.world_size, here.local_world_size)
     run_dir = RunDir(cfg.run.dir)
     run_dir.check_creatable()
+    if here.world_size == 1 and not dist.under_launcher():  # one process: finished already?
+        first = resume.choose(cfg, run_dir, True, dataset.fingerprint, verify=False,
+                              tokenizer=dataset.tokenizer_fingerprint)
+        if resume.finished(resume.settle(cfg, first), first):
+            print(resume.finished_message(run_dir, first.step, cfg.run.steps), file=sys.stderr)
+            return
     # 2. Join the group (W > 1); it is destroyed on every way out of this block.
     with dist.session(cfg.run.device, cfg.run.backend, cfg.run.dist_timeout_s) as env, \
             StopSignal(env.is_main) as stop:
@@ -340,8 +346,7 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
     if env.is_main:
         print(summary(trainer), file=sys.stderr)
         if trainer.step >= cfg.run.steps:
-            print(f"run {run_dir} is already at step {trainer.step} of {cfg.run.steps}; raise "
-                  "run.steps to train further", file=sys.stderr)
+            print(resume.finished_message(run_dir, trainer.step, cfg.run.steps), file=sys.stderr)
     metrics = Metrics(env.is_main, run_dir.metrics, trainer.step, cfg.run.steps,
                       cfg.data.global_batch * cfg.seq_len, trainer.raw.flops_per_token(cfg.seq_len),
                       peak, env.world_size)
