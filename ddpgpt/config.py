@@ -337,9 +337,14 @@ class SampleConfig:
     """Sampling seed."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
+    threads: int = 0
+    """CPU threads; 0: one for models whose sampling step is small (under ~200M parameters ×
+    samples), where a second thread gains little and costs several times the step on a busy
+    machine; else the usable cores."""
 
     def __post_init__(self):
         _finite(self, "--")
+        _require(self.threads >= 0, f"--threads {self.threads} must be >= 0 (0: auto)")
         _require(self.max_new_tokens >= 1, f"--max-new-tokens {self.max_new_tokens} must be >= 1")
         _require(self.temperature > 0, f"--temperature {self.temperature} must be > 0")
         _require(self.top_k >= 0, f"--top-k {self.top_k} must be >= 0 (0: off)")
