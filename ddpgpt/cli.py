@@ -54,12 +54,12 @@ def _build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("prepare", help="turn a corpus into token shards", allow_abbrev=False,
-                       description="Turn a text corpus into token shards (see README: Data).")
+                       description="Turn a text corpus into token shards (docs/usage.md: Data).")
     add_flags(p, PrepareConfig)
 
     t = sub.add_parser("train", help="train a model (one process, --nproc N, or under torchrun)",
                        allow_abbrev=False,
-                       description="Train a GPT with data parallelism (see README).")
+                       description="Train a GPT with data parallelism (docs/usage.md).")
     t.add_argument("--preset", help="named config: tiny, small, gpt2-124m, gpt2-350m")
     t.add_argument("--config", help="TOML file with [model] [data] [optim] [run] sections")
     t.add_argument("--nproc", type=int,

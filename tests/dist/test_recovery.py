@@ -1,10 +1,10 @@
 """Recovery paths that must not lose progress: reruns and restarts after --resume PATH, --reset
 and --resume never; two runs in one run dir; a launcher that is hung up on or killed; a full
-disk; two nodes that restart. Each test reproduces one way these went wrong (see README's
-reliability table) with the real command line on 2 CPU processes, faults injected through
+disk; two nodes that restart. Each test reproduces one way these went wrong (see the table in
+docs/reliability.md) with the real command line on 2 CPU processes, faults injected through
 DDPGPT_FAULT at exact steps.
 
-The timings printed (run with -s) are the figures quoted in README's reliability section.
+The timings printed (run with -s) are the figures quoted in docs/reliability.md.
 """
 
 from __future__ import annotations

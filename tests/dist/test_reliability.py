@@ -3,7 +3,7 @@ through DDPGPT_FAULT (see ddpgpt/faults.py). Each test checks what the job did (
 line it printed, the checkpoints and metrics it left) and, where the job goes on, that its losses
 and weights equal those of an uninterrupted run, bitwise.
 
-The timings printed (run with -s) are the figures quoted in README's reliability section.
+The timings printed (run with -s) are the figures quoted in docs/reliability.md.
 """
 
 import json
