@@ -50,7 +50,8 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
                           tokenizer=dataset.tokenizer_fingerprint)
     cfg = resume.settle(cfg, first)
     if resume.finished(cfg, first):  # no worker needed to find that out
-        print(resume.finished_message(run_dir, first.step, cfg.run.steps), file=sys.stderr)
+        with run_dir.locked():  # ... unless another run is training here: that is refused
+            print(resume.finished_message(run_dir, first.step, cfg.run.steps), file=sys.stderr)
         return 0
     with run_dir.locked():
         run_dir.write_config(cfg.to_dict(), first.step)

@@ -305,7 +305,9 @@ def run(cfg: TrainConfig) -> None:
         first = resume.choose(cfg, run_dir, True, dataset.fingerprint, verify=False,
                               tokenizer=dataset.tokenizer_fingerprint)
         if resume.finished(resume.settle(cfg, first), first):
-            print(resume.finished_message(run_dir, first.step, cfg.run.steps), file=sys.stderr)
+            with run_dir.locked():  # another run training here is refused, as always
+                print(resume.finished_message(run_dir, first.step, cfg.run.steps),
+                      file=sys.stderr)
             return
     # 2. Join the group (W > 1); it is destroyed on every way out of this block.
     with dist.session(cfg.run.device, cfg.run.backend, cfg.run.dist_timeout_s) as env, \
