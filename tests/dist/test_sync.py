@@ -112,7 +112,9 @@ def test_zero1_holds_its_shard_of_the_optimizer_state(world, W, request):
     assert P <= padded < P + W * zero1["buckets"]
     assert runs["ddp"]["state_elements"] == 2 * P
     assert zero1["state_elements"] * W == 2 * padded
-    np.testing.assert_allclose(zero1["norms"], runs["ddp"]["norms"], rtol=LOSS_TOL)
+    # The norm follows the parameters, which drift apart by rounding (as fsdp2's below): at W=4
+    # measured within 3.2e-6 of ddp's on an AVX-512 EPYC (bitwise at W=2); 1e-5, not 1e-6.
+    np.testing.assert_allclose(zero1["norms"], runs["ddp"]["norms"], rtol=1e-5)
 
 
 def test_bf16_gradients_on_the_wire(two):
