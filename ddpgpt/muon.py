@@ -70,8 +70,9 @@ class Layout:
         return out
 
     def owned(self, rank: int) -> list[int]:
-        """Rank `rank`'s matrices, bucket by bucket: the order of its share in any flat layout."""
-        return [i for bucket in self.buckets for i in bucket[rank]]
+        """Rank `rank`'s matrices in model order: the order of its share in the flat layouts
+        and of its Muon's parameters (at W = 1, the whole model's order)."""
+        return sorted(i for bucket in self.buckets for i in bucket[rank])
 
     def elements(self, rank: int) -> int:
         return sum(_numel(self.shapes[i]) for i in self.owned(rank))

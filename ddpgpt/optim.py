@@ -98,6 +98,18 @@ class Optimizer:
         if self.muon is not None:
             self.muon.step()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.adamw.zero_grad(set_to_none)
+        if self.muon is not None:
+            self.muon.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        """This rank's state as it holds it (the sync mode turns it into the checkpoint's
+        layout): AdamW's state_dict, or {"muon": Muon's, "adamw": AdamW's}."""
+        if self.muon is None:
+            return self.adamw.state_dict()
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
     @property
     def state(self) -> dict:
         """Every tensor's state, both optimizers (for counting memory)."""
