@@ -289,6 +289,16 @@ def all_gather_async(env: DistEnv, full: torch.Tensor, shard: torch.Tensor) -> d
         return _all_gather(full, shard, async_op=True)
 
 
+def all_gather_into(env: DistEnv, full: torch.Tensor, shard: torch.Tensor) -> None:
+    """full (W·n,) <- every rank's shard (n,), in rank order; one buffer, no list of W."""
+    if env.world_size == 1:
+        full.copy_(shard.reshape(-1))
+        return
+    work = all_gather_async(env, full, shard)
+    with collective():
+        work.wait()
+
+
 def all_to_all(env: DistEnv, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
                in_splits: list[int]) -> None:
     """out <- from each rank r, in rank order, its next out_splits[r] elements; `inp` is cut
@@ -339,15 +349,6 @@ def digest(*parts: bytes | str) -> bytes:
     h = hashlib.sha256()
     for part in parts:
         h.update(part.encode() if isinstance(part, str) else part)
-    return h.digest()
-
-
-def params_digest(model: torch.nn.Module) -> bytes:
-    """sha256 over every parameter's name and exact bytes."""
-    h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.digest()
 
 

@@ -14,7 +14,8 @@ torch's step, untouched). Under run.precision fp32 it runs in fp32 (`newton_schu
 iteration with the dtype as a parameter: bitwise torch's in bf16, tests/unit/test_muon.py): bf16
 rounds each iterate to 3 digits, so two runs whose gradients differ only in the order of float
 sums (two sync modes, two world sizes) drift apart by ~1e-4 in a few steps, where fp32 keeps
-them within 1e-6; on this project's CPUs fp32 costs ~4× bf16's time for the iteration.
+them within 1e-6. The price: on this project's test VM (x86 with AVX512-BF16) the fp32
+iteration takes ~4× the bf16 one.
 
 Newton-Schulz multiplies U by itself, so it needs the whole matrix: no element slice of it can be
 stepped alone, which is what zero1 and fsdp2 hand an elementwise optimizer. Hence owners.
@@ -152,7 +153,8 @@ class Matrices:
             for t in mine:
                 flat[offset:offset + t.numel()] = t.reshape(-1)
                 offset += t.numel()
-        everyone = dist.all_gather(self.env, flat)  # (W, 1 + width)
+        everyone = flat.new_empty(self.env.world_size, 1 + self.width)  # (W, 1 + width)
+        dist.all_gather_into(self.env, everyone.view(-1), flat)
         out: list[torch.Tensor | None] = [None] * len(self.shapes)
         for rank in range(self.env.world_size):
             if everyone[rank, 0] == 0:
@@ -220,6 +222,10 @@ class Muon(torch.optim.Muon):
     def step(self, closure=None):
         if self.ns_dtype == torch.bfloat16:
             return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:  # torch's _single_tensor_muon, but for the dtype
             params, grads, buffers = [], [], []
             self._init_group(group, params, grads, buffers)
@@ -231,6 +237,7 @@ class Muon(torch.optim.Muon):
                                        group["eps"], self.ns_dtype)
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
+        return loss
 
 
 def momentum_at(step: int, cfg: OptimConfig) -> float:
