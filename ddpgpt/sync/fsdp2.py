@@ -74,10 +74,10 @@ class FSDP2Sync(Sync):
         sharded = dict(model.named_parameters())  # DTensors now; the whole ones are gone
         self.sharded = [[sharded[n] for n in names] for names in self.names]
         self.shards = next((s for g, s in zip(groups, self.sharded) if g.kind == "muon"), [])
-        self.owned = [torch.nn.Parameter(torch.zeros(self.matrices.shapes[i], device=env.device))
+        # this rank's whole copies of its matrices (refreshed from the bands every step)
+        self.owned = [torch.nn.Parameter(torch.zeros(self.matrices.shapes[i], device=env.device,
+                                                     dtype=self.matrices.dtype))
                       for i in self.matrices.mine] if self.matrices else []
-        for copy in self.owned:
-            copy.grad = torch.zeros_like(copy)
         for i, p in enumerate(self.shards):  # our bands must be FSDP2's
             start, end = band(p.shape[0], env.world_size, env.rank)
             assert p.to_local().shape[0] == end - start, (i, p.to_local().shape, start, end)
@@ -117,6 +117,8 @@ class FSDP2Sync(Sync):
         dist.all_to_all(self.env, received, sent, [self._band_sizes(r, 2) for r in range(W)],
                         sizes)
         offset = 0
+        for copy in self.owned:  # freed again by zero_grad: none between steps
+            copy.grad = torch.empty_like(copy)
         with torch.no_grad():
             for rank in range(W):
                 for copy in self.owned:
@@ -165,7 +167,7 @@ class FSDP2Sync(Sync):
         return torch.cat(flat) if flat else torch.zeros(0, device=self.env.device)
 
     def zero_grad(self) -> None:
-        for p in self.model.parameters():
+        for p in [*self.model.parameters(), *self.owned]:
             p.grad = None
 
     # ---- state, in the layout that does not depend on the mode --------------------------------
