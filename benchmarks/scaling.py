@@ -164,10 +164,11 @@ def print_muon(world: int, name: str = "gpt2-124m") -> None:
     everything = sum(ns_flops(s) for s in matrices)
     largest = max(layout.elements(r) for r in range(world))
     print(f"\nAt W = {world}: Muon's momentum {4 * largest / 1e6:.0f} MB on the largest owner "
-          f"(every rank held {4 * m / 1e6:.0f} MB when each kept them all); Newton-Schulz "
-          f"{work / 1e9:.0f} GFLOP on the busiest rank against {everything / 1e9:.0f} when every "
-          f"rank did every matrix: {work / FLOPS * 1e3:.2f} ms at {FLOPS / 1e12:.0f} TFLOP/s, "
-          f"{work / FLOPS / step_s:.1%} of the {step_s * 1e3:.0f} ms step.\n")
+          f"(all {len(matrices)} matrices' on every rank: {4 * m / 1e6:.0f} MB); Newton-Schulz "
+          f"{work / 1e9:.0f} GFLOP on the busiest rank (all of them: {everything / 1e9:.0f}), "
+          f"{work / FLOPS * 1e3:.2f} ms at {FLOPS / 1e12:.0f} TFLOP/s (a lower bound: matmuls "
+          f"this small run slower), {work / FLOPS / step_s:.1%} of the {step_s * 1e3:.0f} ms "
+          "step.\n")
     fabrics = list(FABRICS)
     print("| mode | GB sent per rank per step, AdamW | Muon | " + " | ".join(
         f"{f}: Muon exposed (AdamW)" for f in fabrics) + " |")
