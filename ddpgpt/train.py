@@ -57,6 +57,9 @@ class Trainer:
         # 1. The same weights on every rank: drawn from run.seed by the model's private generator,
         #    never from a global RNG that some code might have seeded per rank.
         self.raw = GPT(cfg.model, seed=run.seed).to(dev)  # the single-device model
+        # What this rank built, before any sharding: fsdp2 would otherwise show every rank the
+        # same gathered mix of the ranks' shards, whatever each built.
+        self.init_digest = dist.state_digest(self.raw.state_dict())
         # 2. The sync mode wraps it (DDP, gradient buckets, zero1's flat buffers, fsdp2's shards)
         #    and says what this rank steps; the optimizer is built over exactly that.
         groups = optim.groups(self.raw, cfg.optim)
@@ -280,7 +283,9 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: res
     if start.path is not None and env.is_main:
         print(f"resuming from {start.path} (step {trainer.step}, saved at world size "
               f"{start.meta['world_size']})", file=sys.stderr)
-    weights = dist.state_digest(trainer.sync.model_state())  # whole tensors (fsdp2: gathered)
+    # From scratch: what each rank built; resumed: the weights loaded (whole: fsdp2 gathers).
+    weights = (trainer.init_digest if start.path is None
+               else dist.state_digest(trainer.sync.model_state()))
     # Every rank holds the same checkpoint, weights, config, data and code, or all stop together.
     # Causes before their effects: a differing checkpoint or config explains the weights.
     dist.agree(env, {
