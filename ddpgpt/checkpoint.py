@@ -1,25 +1,31 @@
-"""Checkpoints: a store of state dicts plus the resolved config. Atomic save, validated load, the
-latest complete checkpoint, keep-last-k.
+"""Checkpoints: a store of the training's state plus the resolved config. Atomic publication,
+validated load, the latest complete checkpoint, keep-last-k.
 
-    checkpoints/step_0000100/
-        model.safetensors   state["model"]: the single-device model's weights (safetensors:
-                            no pickle)
-        trainer.pt          the rest of the state (optimizer, loader cursor, progress, every rank's
-                            RNG, ...), read back with torch.load(weights_only=True)
-        meta.json           written last: format version, step, each file's sha256, versions, the
-                            time, and what the caller describes the checkpoint with (config, ...)
+    checkpoints/step_0000100/                    format 3
+        __0_0.distcp ... __{W-1}_0.distcp   each rank's share of the tensors (torch.distributed.
+                                            checkpoint, one file per rank: sharded.py)
+        .metadata                           DCP's index: which chunk of which tensor is where
+        trainer.pt                          the small rest: optimizer hyperparameters and step
+                                            counts, loader cursor, progress, skipped steps, loss
+                                            scaler; torch.load(weights_only=True)
+        meta.json                           written last: format version, step, each file's
+                                            sha256, versions, the time, world size, and what the
+                                            caller describes the checkpoint with (config, ...)
 
-The state is serialized in memory, then written into `.tmp-step_NNNNNNN-PID/`; every file and the
-directory are fsynced, meta.json is written last, and the directory is renamed to `step_NNNNNNN`:
-a checkpoint exists complete or not at all. A write that fails (a full disk) removes the
-temporary directory and raises one line naming the reason. Loading reads each file once, checks
-its sha256 and deserializes the same bytes; when the newest checkpoint is partial or corrupt,
-`find_latest` falls back to the previous complete one with a warning that names what was wrong.
-Deleting renames a checkpoint away first, so a reader never sees one half deleted.
+Every rank writes its files into `.tmp-step_NNNNNNN-TOKEN/` (fsynced); rank 0 then writes
+trainer.pt and, last, meta.json with every file's sha256, fsyncs the directory and renames it to
+`step_NNNNNNN`: a checkpoint exists complete or not at all (saver.py runs this across ranks,
+`save` below on one process). A write that fails (a full disk) removes the temporary directory
+and raises one line naming the reason. Loading checks every file's sha256 first; when the newest
+checkpoint is partial or corrupt, `find_latest` falls back to the previous complete one with a
+warning that names what was wrong. Deleting renames a checkpoint away first, so a reader never
+sees one half deleted. Formats 1 and 2 (model.safetensors + trainer.pt, written whole by rank 0)
+still load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -31,13 +37,13 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
+from safetensors.torch import save_file as save_safetensors_file
 
-from ddpgpt import __version__
+from ddpgpt import __version__, sharded
 from ddpgpt.errors import UserError, warn
 from ddpgpt.files import WriteError, describe, fsync, os_error_in, sha256, write_bytes
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 TEMPORARY = (".tmp-step_*", ".old-step_*", ".del-step_*")
 
@@ -71,28 +77,25 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
 
 # ---- save ------------------------------------------------------------------------------------
 
+def temporary(root: Path, step: int, token: str) -> Path:
+    """Where checkpoint `step` is written before it is published; `token` (rank 0's PID) is the
+    same on every rank and differs from any earlier run's."""
+    return Path(root) / f".tmp-{step_dir(root, step).name}-{token}"
+
+
 def save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
-    """Writes checkpoint `step` of `state` ({"model": weights, ...rest}) atomically and prunes to
-    the newest `keep`. `meta` (JSON) describes it: what resuming needs to decide before loading."""
+    """One process: writes checkpoint `step` of `state` ({"model": weights, ...rest}) atomically
+    and prunes to the newest `keep`. `meta` (JSON) describes it: what resuming needs to decide
+    before loading. (A training saves through saver.Saver: every rank its share.)"""
     root, final = Path(root), step_dir(root, step)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    files = {"model.safetensors": _weights_bytes(state["model"]),
-             "trainer.pt": _torch_bytes({k: v for k, v in state.items() if k != "model"})}
-    meta = {"format_version": FORMAT_VERSION, "step": step,
-            "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()},
-            "ddpgpt_version": __version__, "torch_version": torch.__version__,
-            "saved_at": time.time(), **meta}
+    tmp = temporary(root, step, str(os.getpid()))
+    rest = {k: v for k, v in state.items() if k != "model"}
     try:
-        root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        for name, data in files.items():
-            write_bytes(tmp / name, data)
-        write_bytes(tmp / "meta.json",
-                    (json.dumps(meta, indent=1) + "\n").encode())  # last: complete
-        fsync(tmp)
-        _publish(tmp, final)
-        fsync(root)
+        tensors = {f"model.{k}": sharded.whole(v.detach()) for k, v in state["model"].items()}
+        writer = sharded.save(tensors, tmp, None)
+        commit(tmp, final, hash_files(tmp, writer.files + [sharded.INDEX]), rest,
+               {"world_size": 1, **meta})
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         cause = os_error_in(e)
@@ -104,10 +107,25 @@ def save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
     return final
 
 
-def _weights_bytes(weights: dict[str, torch.Tensor]) -> bytes:
-    # A copy each: with zero1 the parameters are views of shared flat buffers, which
-    # safetensors refuses to write as they are.
-    return save_safetensors({k: v.detach().to("cpu", copy=True) for k, v in weights.items()})
+def hash_files(directory: Path, names: list[str]) -> dict[str, str]:
+    return {name: sha256(directory / name) for name in names}
+
+
+def commit(tmp: Path, final: Path, files: dict[str, str], rest: dict, meta: dict) -> None:
+    """The last part of a save, on one process once every rank's files are in `tmp` (fsynced,
+    `files`: name -> sha256): trainer.pt (`rest`), then meta.json, both fsynced, the directory
+    fsynced and renamed to `final`, its parent fsynced. OSError on failure; the caller removes
+    `tmp`."""
+    data = _torch_bytes(rest)
+    write_bytes(tmp / "trainer.pt", data)
+    files = {**files, "trainer.pt": hashlib.sha256(data).hexdigest()}
+    meta = {"format_version": FORMAT_VERSION, "step": int(final.name.split("_")[1]),
+            "files": files, "ddpgpt_version": __version__, "torch_version": torch.__version__,
+            "saved_at": time.time(), **meta}
+    write_bytes(tmp / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())  # last: complete
+    fsync(tmp)
+    _publish(tmp, final)
+    fsync(final.parent)
 
 
 def _torch_bytes(obj) -> bytes:
@@ -213,18 +231,16 @@ def find_latest(root: Path) -> tuple[Path, dict] | None:
 
 
 def load(path: Path, meta: dict, weights_only: bool = False) -> dict:
-    """The state saved at `path` ({"model": weights, ...}; only "model" with `weights_only`).
-    Each file is read once; its sha256 is checked on the very bytes that are deserialized."""
+    """The state saved at `path`, whole, on this process ({"model": weights, ...}; only "model"
+    with `weights_only`), in the layout Trainer.load_state_dict reads whatever mode and W saved
+    it. A training resumes a format-3 checkpoint sharded instead (Trainer.restore): each rank
+    reads only what it holds. Formats 1-2: each file is read once; its sha256 is checked on the
+    very bytes that are deserialized. Format 3: so are the index and trainer.pt; the tensors' files
+    are read by DCP, after read_meta(verify=True) checked them (find_latest does)."""
+    if int(meta["format_version"]) >= 3:
+        return _load_sharded(path, meta, weights_only)
     names = ["model.safetensors"] + ([] if weights_only else ["trainer.pt"])
-    data = {}
-    for name in names:
-        try:
-            data[name] = (path / name).read_bytes()
-        except FileNotFoundError:
-            raise CheckpointGone(f"{path}: deleted while being read") from None
-        if hashlib.sha256(data[name]).hexdigest() != meta["files"][name]:
-            raise CheckpointError(f"{path}: {name} does not match its sha256 in meta.json "
-                                  "(corrupt)")
+    data = {name: read_verified(path, meta, name) for name in names}
     state = {"model": load_safetensors(data["model.safetensors"])}
     if not weights_only:
         state.update(torch.load(io.BytesIO(data["trainer.pt"]), map_location="cpu",
@@ -232,6 +248,110 @@ def load(path: Path, meta: dict, weights_only: bool = False) -> dict:
         if meta["format_version"] == 1:
             _upgrade_v1(state, meta)
     return state
+
+
+def read_verified(path: Path, meta: dict, name: str) -> bytes:
+    """The bytes of one of the checkpoint's files, once, checked against meta.json's sha256."""
+    try:
+        data = (path / name).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointGone(f"{path}: deleted while being read") from None
+    if hashlib.sha256(data).hexdigest() != meta["files"].get(name):
+        raise CheckpointError(f"{path}: {name} does not match its sha256 in meta.json (corrupt)")
+    return data
+
+
+def open_sharded(path: Path, meta: dict, rest: bool = True):
+    """(DCP's index, the rest from trainer.pt or None) of a format-3 checkpoint, each read once
+    and checked on those bytes; the index is unpickled with DCP's own classes only."""
+    data = read_verified(path, meta, sharded.INDEX)
+    try:
+        index = sharded.parse_index(data)
+    except Exception as e:  # its sha256 matched: written by something else than ddpgpt
+        raise CheckpointError(f"{path}: {sharded.INDEX} is not an index of tensors "
+                              f"({type(e).__name__}: {e})") from None
+    if not rest:
+        return index, None
+    return index, torch.load(io.BytesIO(read_verified(path, meta, "trainer.pt")),
+                             map_location="cpu", weights_only=True)
+
+
+def read_tensors(path: Path, index, prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor whose name starts with `prefix`, whole (sharded.read_whole)."""
+    with _reading(path):
+        return sharded.read_whole(path, index, prefix)
+
+
+def read_into(path: Path, index, targets: dict) -> None:
+    """The chunks `targets` (sharded.Pieces) ask for, in place, on this process alone."""
+    with _reading(path):
+        sharded.load(targets, path, index, None)
+
+
+@contextlib.contextmanager
+def _reading(path: Path):
+    """DCP's failures as one line: a checkpoint pruned while read is CheckpointGone."""
+    try:
+        yield
+    except BaseException as e:
+        cause = os_error_in(sharded.failures(e)[0][1])
+        if isinstance(cause, FileNotFoundError) and not path.exists():
+            raise CheckpointGone(f"{path}: deleted while being read") from None
+        if cause is not None:
+            raise CheckpointError(f"{path}: cannot read its tensors: {describe(cause)}") from None
+        if isinstance(sharded.failures(e)[0][1], UserError):
+            raise sharded.failures(e)[0][1] from None
+        raise
+
+
+def _load_sharded(path: Path, meta: dict, weights_only: bool) -> dict:
+    index, rest = open_sharded(path, meta, rest=not weights_only)
+    if weights_only:
+        return {"model": read_tensors(path, index, "model.")}
+    tensors = read_tensors(path, index, "")
+    state = dict(rest)
+    state["model"] = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
+    rng = {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")}
+    if rng:
+        state["rng"] = rng
+    if "param_groups" in state.get("optimizer", {}).get("adamw", {}):  # a training's
+        saved = {kind: _torch_layout(kind, part, tensors)
+                 for kind, part in state["optimizer"].items()}
+        state["optimizer"] = saved if "muon" in saved else saved["adamw"]
+    return state
+
+
+def _torch_layout(kind: str, part: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    """torch's optimizer state_dict over the whole model (parameters numbered in group order)
+    from a format-3 checkpoint's tensors (by name) and hyperparameters."""
+    names = [n for group in part["param_groups"] for n in group["params"]]
+    state = {}
+    for i, name in enumerate(names):
+        slots = {key.rsplit(".", 1)[1]: t for key, t in tensors.items()
+                 if key.startswith(f"optimizer.{kind}.{name}.")}
+        if slots:
+            if kind == "adamw":
+                slots["step"] = torch.tensor(float(part["step"][name]))
+            state[i] = slots
+    groups, start = [], 0
+    for group in part["param_groups"]:
+        n = len(group["params"])
+        groups.append({**group, "params": list(range(start, start + n))})
+        start += n
+    return {"state": state, "param_groups": groups}
+
+
+def weights(path: Path, meta: dict | None = None) -> dict[str, torch.Tensor]:
+    """The model's weights, whole, on this process (any format): what an export writes out."""
+    meta = meta or read_meta(path)
+    return load(path, meta, weights_only=True)["model"]
+
+
+def export_safetensors(path: Path, out: Path) -> Path:
+    """The checkpoint's weights as one consolidated safetensors file (names as the single-device
+    model's state_dict), for tools that read one file."""
+    save_safetensors_file({k: v.contiguous() for k, v in weights(path).items()}, str(out))
+    return Path(out)
 
 
 def _upgrade_v1(state: dict, meta: dict) -> None:

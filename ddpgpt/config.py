@@ -228,6 +228,10 @@ class RunConfig:
     """Save a checkpoint every this many steps (and at the end); 0: end only."""
     keep_checkpoints: int = 3
     """Keep the newest this many checkpoints, deleting older ones."""
+    checkpoint_async: bool = True
+    """Write checkpoints in the background: the step waits only while each rank copies its share
+    of the state (about 1/W of it) to CPU memory, and the next save (or a stop, or the end) waits
+    for the files; false: the step waits until the checkpoint is published, with no copy."""
     resume: str = field(default="auto", metadata={"alias": "--resume"})
     """How the job's first start begins (every restart continues from the run dir's newest
     complete checkpoint): auto, the newest complete checkpoint if any; never, refuse a run dir that

@@ -197,6 +197,17 @@ def _attempt(store: dist.Store, rank: int, world_size: int, timeout_s: float) ->
     return attempt
 
 
+def checkpoint_group(env: DistEnv, timeout_s: float = 600):
+    """A second group of every rank, gloo, for the checkpoint's collectives (None without a
+    process group). They run in a background thread while the step's run on the default group:
+    two groups never wait on each other's operations. gloo on GPUs too, since torch's
+    asynchronous checkpoint needs a CPU backend. Collective: every rank creates it, once."""
+    if env.backend is None:
+        return None
+    with collective():
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 def shutdown() -> None:
     """Destroys the group. A DDP wrapper that outlives its group can abort the process (SIGABRT)
     as it is torn down at exit, seen now and then with gloo on a loaded machine, so callers drop

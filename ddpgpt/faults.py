@@ -1,9 +1,11 @@
 """Fault injection for the reliability tests; a real run never sets DDPGPT_FAULT.
 
-    DDPGPT_FAULT="ACTION@STEP" or "ACTION@STEP@RANK" (rank 0 by default)
+    DDPGPT_FAULT="ACTION@STEP" or "ACTION@STEP@RANK" (rank 0 by default), several separated by
+    commas
 
-makes that rank do ACTION when STEP steps are complete and the next one is about to start, on the
-job's first attempt only (never after an elastic restart, so a restarted job can finish):
+makes that rank do ACTION when STEP steps are complete and the next one is about to start (and
+the checkpoint it may be writing in the background is written), on the job's first attempt only
+(never after an elastic restart, so a restarted job can finish):
 
     kill         SIGKILL itself: a crash (OOM killer, lost node)
     term         SIGTERM itself: a pre-emption
@@ -11,10 +13,20 @@ job's first attempt only (never after an elastic restart, so a restarted job can
     parent:SIG   send SIG (INT, HUP, QUIT, TERM, KILL) to its parent, the launcher
     stall        stop responding (sleeps): a hung rank
     nan          its loss for that step becomes NaN
-    kill-saving  SIGKILL itself when the checkpoint of step STEP is being taken (its state
-                 gathered): a crash in the middle of a save
 
-`install` wraps the trainer's step from the outside; the training loop knows nothing of this.
+or, around the checkpoint of step STEP (saver.py):
+
+    kill-saving      SIGKILL itself as the checkpoint is taken, before its save starts
+    kill-writing     SIGKILL itself in the middle of the write of its share (in the background)
+    kill-committing  SIGKILL itself in the commit: rank 0 once meta.json is in the temporary
+                     directory, before the rename; another rank once its files are hashed
+    hold-save        the write waits, in its thread, until the training waits for it (the next
+                     save, a stop or the end): the next save must wait
+    term-saving      SIGTERM itself during the write, which then holds as hold-save does: a stop
+                     requested while a save is in flight
+
+`install` wraps the trainer's step and the saver's pieces from the outside; the training loop
+knows nothing of this.
 """
 
 from __future__ import annotations
@@ -22,19 +34,27 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent import futures
 
+from ddpgpt import checkpoint, sharded
 from ddpgpt.reliability import GRACE_S
 
-ACTIONS = ("kill", "term", "term2", "stall", "nan", "kill-saving")
+SAVING = ("kill-saving", "kill-writing", "kill-committing", "hold-save", "term-saving")
+ACTIONS = ("kill", "term", "term2", "stall", "nan", *SAVING)
+HOLD_S = 120  # the longest a held write waits (a test that never releases it fails, not hangs)
 
 
-def parse(spec: str, rank: int) -> tuple[str, int] | None:
-    """(action, step) for this rank, or None."""
-    action, step, *who = spec.split("@")
-    if action not in ACTIONS and not action.startswith("parent:"):
-        raise ValueError(f"DDPGPT_FAULT: unknown action {action!r}; one of "
-                         f"{', '.join(ACTIONS)}, parent:SIG")
-    return (action, int(step)) if int(who[0] if who else 0) == rank else None
+def parse(spec: str, rank: int) -> list[tuple[str, int]]:
+    """(action, step) of each fault for this rank."""
+    out = []
+    for one in spec.split(","):
+        action, step, *who = one.split("@")
+        if action not in ACTIONS and not action.startswith("parent:"):
+            raise ValueError(f"DDPGPT_FAULT: unknown action {action!r}; one of "
+                             f"{', '.join(ACTIONS)}, parent:SIG")
+        if int(who[0] if who else 0) == rank:
+            out.append((action, int(step)))
+    return out
 
 
 def act(action: str, step: int) -> None:
@@ -53,26 +73,25 @@ def act(action: str, step: int) -> None:
             time.sleep(3600)
 
 
-def install(trainer) -> None:
-    """Wraps `trainer.train_step` with the fault DDPGPT_FAULT names for this rank, if any."""
-    fault = parse(os.environ["DDPGPT_FAULT"], trainer.env.rank)
-    if fault is None or not trainer.env.first_attempt:
+def install(trainer, saver) -> None:
+    """Wraps `trainer.train_step` (and the saver's pieces) with the faults DDPGPT_FAULT names for
+    this rank, if any."""
+    if not trainer.env.first_attempt:
         return
-    action, at = fault
-    if action == "kill-saving":
-        state_dict = trainer.state_dict
+    for action, at in parse(os.environ["DDPGPT_FAULT"], trainer.env.rank):
+        if action in SAVING:
+            _around_saving(action, at, trainer, saver)
+        else:
+            _around_step(action, at, trainer, saver)
 
-        def dying_state_dict():
-            if trainer.step == at:
-                act("kill", at)
-            return state_dict()
 
-        trainer.state_dict = dying_state_dict
-        return
+def _around_step(action: str, at: int, trainer, saver) -> None:
     step = trainer.train_step
 
     def faulty_step():
         if trainer.step == at and action != "nan":
+            if saver.pending:  # a crash between checkpoints: the one in flight is written first
+                futures.wait([saver.pending[1]])
             act(action, at)
         loss, norm = step()
         if trainer.step == at and action == "nan":
@@ -80,3 +99,54 @@ def install(trainer) -> None:
         return loss, norm
 
     trainer.train_step = faulty_step
+
+
+def _around_saving(action: str, at: int, trainer, saver) -> None:
+    name = checkpoint.step_dir(saver.root, at).name
+    if action == "kill-saving":
+        shard_state = trainer.shard_state
+
+        def dying_shard_state():
+            if trainer.step == at:
+                act("kill", at)
+            return shard_state()
+
+        trainer.shard_state = dying_shard_state
+    elif action == "kill-committing" and trainer.env.is_main:
+        publish = checkpoint._publish
+
+        def dying_publish(tmp, final):
+            if final.name == name:
+                act("kill", at)
+            publish(tmp, final)
+
+        checkpoint._publish = dying_publish
+    elif action == "kill-committing":
+        hash_files = checkpoint.hash_files
+
+        def dying_hash(directory, names):
+            hashes = hash_files(directory, names)
+            if name in directory.name:
+                act("kill", at)
+            return hashes
+
+        checkpoint.hash_files = dying_hash
+    else:
+        _around_write(action, at, name, saver)
+
+
+def _around_write(action: str, at: int, name: str, saver) -> None:
+    """In the write of this rank's share (DCP's writer, in the background thread)."""
+    write_data = sharded.Writer.write_data
+
+    def faulty_write(self, plan, planner):
+        if name in str(self.path):
+            if action == "kill-writing":
+                act("kill", at)
+            if action == "term-saving":
+                act("term", at)
+            print(f"fault: {action} holds the write of step {at}", flush=True)
+            saver.waiting.wait(HOLD_S)
+        return write_data(self, plan, planner)
+
+    sharded.Writer.write_data = faulty_write

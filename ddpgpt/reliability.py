@@ -96,6 +96,7 @@ class Health:
     loss: float              # the global mean loss (meaningless when `bad` is not empty)
     bad: list[int]           # the ranks that saw a non-finite loss or gradient norm
     stop: bool               # some rank was asked to stop
+    saved: bool = True       # no rank has a checkpoint save still running (saver.py)
 
 
 class Guard:
@@ -107,15 +108,18 @@ class Guard:
         self.env, self.cfg, self.signal, self.lr_fields = env, cfg, stop, lr_fields
         self.skipped = 0  # steps skipped in the run so far (saved in checkpoints)
 
-    def exchange(self, loss: torch.Tensor, norm: torch.Tensor, scaled: bool) -> Health:
+    def exchange(self, loss: torch.Tensor, norm: torch.Tensor, scaled: bool,
+                 saving: bool = False) -> Health:
         """The one collective of a step. `scaled`: fp16 with a GradScaler, which skips steps
-        whose gradients overflow by itself, so only the loss counts."""
+        whose gradients overflow by itself, so only the loss counts. `saving`: this rank's
+        checkpoint save is still running in the background."""
         finite = torch.isfinite(loss) & (torch.isfinite(norm) | scaled)
-        stop = torch.tensor(float(self.signal.requested), device=loss.device)
-        rows = dist.all_gather(self.env,
-                               torch.stack([loss.float(), finite.float(), stop])).cpu()  # (W, 3)
+        flags = torch.tensor([float(self.signal.requested), float(saving)], device=loss.device)
+        rows = dist.all_gather(self.env, torch.cat([loss.float().view(1), finite.float().view(1),
+                                                    flags])).cpu()  # (W, 4)
         bad = [r for r in range(self.env.world_size) if not rows[r, 1]]
-        return Health(rows[:, 0].mean().item(), bad, bool(rows[:, 2].any()))
+        return Health(rows[:, 0].mean().item(), bad, bool(rows[:, 2].any()),
+                      not bool(rows[:, 3].any()))
 
     def on_nonfinite(self, step: int, bad: list[int], last_checkpoint: int) -> None:
         """Every rank takes the same branch: raise (stop) or count a skipped step."""

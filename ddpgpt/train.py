@@ -19,6 +19,7 @@ requests; see reliability.py) -> the update -> log, evaluate, save.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import sys
@@ -26,7 +27,7 @@ import time
 
 import torch
 
-from ddpgpt import __version__, checkpoint, dist, optim, resume, sync
+from ddpgpt import __version__, checkpoint, dist, optim, resume, sharded, sync
 from ddpgpt.config import TrainConfig
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
@@ -39,6 +40,8 @@ from ddpgpt.preflight import accum_steps, preflight, shared
 from ddpgpt.reliability import Guard, StopSignal, collective_failed, preempted, resume_hint
 from ddpgpt.run_dir import RunDir
 from ddpgpt.runtime import autocast, configure, grad_scaler, matmul_dtype
+from ddpgpt.saver import SaveFailed, Saver
+from ddpgpt.saver import token as saver_token
 
 
 class Trainer:
@@ -119,6 +122,59 @@ class Trainer:
         self.sync.load_model_state(state["model"])
         # this run's hyperparameters win over the saved ones
         self.sync.load_optimizer_state(self.optimizer, optim.upgrade(state["optimizer"]))
+        rng = None
+        if saved_world_size == self.env.world_size:
+            rng = {k: v[self.env.rank] for k, v in state["rng"].items() if v is not None}
+        self._load_rest(state, new_data, rng)
+
+    # ---- the sharded checkpoint (sharded.py, saver.py) ------------------------------------------
+
+    def shard_state(self) -> tuple[dict[str, sharded.Pieces], set[str], dict]:
+        """What a checkpoint takes from this rank, with no copy and no collective: every tensor it
+        holds, as chunks of the single-device model's tensors (sharded.py); the names of those
+        every rank holds alike; and the small rest (a snapshot; rank 0's is written)."""
+        held, replicated = self.sync.checkpoint_state(self.optimizer)
+        held.update(self._rng_pieces())
+        rest = {"optimizer": self.sync.optimizer_rest(self.optimizer),
+                "scaler": self.scaler.state_dict() if self.scaler else None,
+                "loader": self.loader.state_dict(), "guard": self.guard.state_dict(),
+                "progress": {"step": self.step, "elapsed_s": self.elapsed_s}}
+        return held, replicated, copy.deepcopy(rest)
+
+    def restore(self, path, meta: dict, new_data: bool = False) -> None:
+        """Loads checkpoint `path`, whatever mode and W wrote it. Format 3: in place, each rank
+        reading only the chunks it holds, so no rank ever holds the whole state, with no
+        collective (ranks that disagree on the checkpoint are named by `setup` afterwards);
+        formats 1-2: whole, through load_state_dict."""
+        if int(meta["format_version"]) < 3:
+            self.load_state_dict(checkpoint.load(path, meta), meta["world_size"], new_data)
+            return
+        index, rest = checkpoint.open_sharded(path, meta)
+        saved = set(index.state_dict_metadata)
+        create = tuple(kind for kind in ("adamw", "muon")
+                       if any(k.startswith(f"optimizer.{kind}.") for k in saved))
+        targets, _ = self.sync.checkpoint_state(self.optimizer, create)
+        same = int(meta["world_size"]) == self.env.world_size
+        rng = self._rng_pieces(fresh=True) if same else {}
+        checkpoint.read_into(path, index,
+                             {k: v for k, v in {**targets, **rng}.items() if k in saved})
+        self.sync.set_adamw_steps(self.optimizer, rest["optimizer"]["adamw"]["step"])
+        self._load_rest(rest, new_data, {k[4:]: p.chunks[0][1].view(-1) for k, p in rng.items()
+                                         if k in saved} if same else None)
+
+    def _rng_pieces(self, fresh: bool = False) -> dict[str, sharded.Pieces]:
+        """This rank's generator states as row `rank` of (W, bytes) tensors, `rng.cpu` (and
+        `rng.cuda`): every rank writes its own row. `fresh`: zeros to load into."""
+        states = {"cpu": torch.get_rng_state()}
+        if self.env.device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(self.env.device)
+        return {f"rng.{k}": sharded.Pieces((self.env.world_size, v.numel()), [
+            ((self.env.rank, 0), (torch.zeros_like(v) if fresh else v).view(1, -1))])
+            for k, v in states.items()}
+
+    def _load_rest(self, state: dict, new_data: bool, rng: dict | None) -> None:
+        """The scaler, the loader's cursor, the guard, the progress, and this rank's generators
+        (`rng`, when the world size is the one that saved them; else fresh streams)."""
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if not new_data:
@@ -127,12 +183,11 @@ class Trainer:
         self.step = self.last_checkpoint = int(state["progress"]["step"])
         self._elapsed_before, self._started = (float(state["progress"]["elapsed_s"]),
                                                time.perf_counter())
-        if saved_world_size == self.env.world_size:
+        if rng is not None:
             # clone(): set_rng_state crashes (torch 2.13) on a view with an offset
-            rng = state["rng"]
-            torch.set_rng_state(rng["cpu"][self.env.rank].clone())
+            torch.set_rng_state(rng["cpu"].clone())
             if rng.get("cuda") is not None and self.env.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"][self.env.rank].clone(), self.env.device)
+                torch.cuda.set_rng_state(rng["cuda"].clone(), self.env.device)
         else:  # another W: per-rank streams cannot carry over; fresh ones from (seed, step, rank)
             self._seed_rng(self.step)
 
@@ -189,23 +244,30 @@ class Trainer:
 
 # ---- saving ------------------------------------------------------------------------------------
 
-def save(trainer: Trainer, run_dir: RunDir, reason: str) -> None:
-    """A checkpoint of every rank's state: rank 0 writes, every rank stops if that failed."""
-    state, error = trainer.state_dict(), None  # collective
-    if trainer.env.is_main:
-        cfg, ds = trainer.cfg, trainer.dataset
-        meta = {"config": cfg.to_dict(), "world_size": trainer.env.world_size, "reason": reason,
-                "data_fingerprint": ds.fingerprint,
-                "tokenizer_fingerprint": ds.tokenizer_fingerprint, "origin": trainer.origin}
-        try:
-            checkpoint.save(run_dir.checkpoints, trainer.step, state, meta,
-                            cfg.run.keep_checkpoints)
-        except checkpoint.WriteError as e:
-            kept = f"step {trainer.last_checkpoint}" if trainer.last_checkpoint >= 0 else "none yet"
-            error = type(e)(f"step {trainer.step}: {e}. The last complete checkpoint ({kept}) is "
-                            f"intact: free space, then {resume_hint(cfg.run.resume, str(run_dir))}")
-    dist.fail_together(trainer.env, error)  # no rank runs ahead (or exits) while rank 0 writes
-    trainer.last_checkpoint = trainer.step
+def save(trainer: Trainer, saver: Saver, run_dir: RunDir, reason: str, wait: bool) -> None:
+    """A checkpoint of every rank's state, each rank writing its own share (saver.py); in the
+    background unless `wait` (or run.checkpoint_async is off). Every rank calls it at once."""
+    cfg, ds = trainer.cfg, trainer.dataset
+    held, replicated, rest = trainer.shard_state()
+    meta = {"config": cfg.to_dict(), "reason": reason, "data_fingerprint": ds.fingerprint,
+            "tokenizer_fingerprint": ds.tokenizer_fingerprint, "origin": trainer.origin}
+    with saved(trainer, saver, run_dir):
+        saver.save(trainer.step, held, replicated, rest, meta, wait)
+
+
+@contextlib.contextmanager
+def saved(trainer: Trainer, saver: Saver, run_dir: RunDir):
+    """Around what may finish a save: the newest published step, and a failed save as the one
+    line every rank raises (rank 0 prints it)."""
+    try:
+        yield
+    except SaveFailed as e:
+        kept = f"step {trainer.last_checkpoint}" if trainer.last_checkpoint >= 0 else "none yet"
+        hint = resume_hint(trainer.cfg.run.resume, str(run_dir))
+        raise SaveFailed(f"step {e.step}: {e}. The last complete checkpoint ({kept}) is intact: "
+                         f"free space, then {hint}", e.step, quiet=e.quiet) from None
+    finally:
+        trainer.last_checkpoint = max(trainer.last_checkpoint, saver.last)
 
 
 # ---- the loop ------------------------------------------------------------------------------------
@@ -214,13 +276,21 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir) -> None:
+def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver) -> None:
     cfg, env, total = trainer.cfg, trainer.env, trainer.cfg.run.steps
     while trainer.step < total:
         trainer.doing = f"step {trainer.step + 1}"
         lr = lr_at(trainer.step, cfg.optim, total)
         loss, norm = trainer.train_step()
-        health = trainer.guard.exchange(loss, norm, scaled=trainer.scaler is not None)
+        health = trainer.guard.exchange(loss, norm, scaled=trainer.scaler is not None,
+                                        saving=saver.busy)
+        # Every rank's save is done, or a stop may have to name the newest checkpoint: all ranks
+        # learn how the save in flight went (waiting for it in the second case).
+        if saver.pending and (health.saved or health.bad):
+            trainer.doing = f"the checkpoint of step {saver.pending[0]}"
+            with saved(trainer, saver, run_dir):
+                saver.settle()
+            trainer.doing = f"step {trainer.step + 1}"
         if health.bad:
             trainer.guard.on_nonfinite(trainer.step + 1, health.bad, trainer.last_checkpoint)
             trainer.skip_update()
@@ -237,7 +307,9 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir) -> None:
                                  evaluate(trainer.raw, trainer.val, env, trainer.autocast))
             if _due(trainer.step, cfg.run.checkpoint_every, total) or health.stop:
                 trainer.doing = f"the checkpoint of step {trainer.step}"
-                save(trainer, run_dir, "stop" if health.stop else "scheduled")
+                # A stop, and the end, wait until the checkpoint is published.
+                save(trainer, saver, run_dir, "stop" if health.stop else "scheduled",
+                     wait=health.stop or trainer.step == total)
         if health.stop and trainer.step < total:
             raise preempted(trainer.step, trainer.guard.signal.name,
                             checkpoint.step_dir(run_dir.checkpoints, trainer.step),
@@ -271,13 +343,13 @@ def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv,
 
 def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: resume.Start,
           guard: Guard) -> Trainer:
+    """The trainer, resumed from `start`, once every rank agrees on what it holds."""
     trainer = Trainer(cfg, env, dataset, guard)
     trainer.origin = start.origin
 
     def restore() -> None:
         if start.path is not None:
-            state = checkpoint.load(start.path, start.meta)
-            trainer.load_state_dict(state, start.meta["world_size"], start.data_switch)
+            trainer.restore(start.path, start.meta, start.data_switch)
 
     dist.together(env, restore)  # every rank calls it: ranks may disagree on the start (see agree)
     if start.path is not None and env.is_main:
@@ -332,12 +404,17 @@ def run(cfg: TrainConfig) -> None:
         dist.together(env, lambda: write_run_files(run_dir, cfg, dataset, start.step),
                       main_only=True)
         metrics = open_metrics(trainer, run_dir, start)
+        saver = Saver(env, run_dir.checkpoints, dist.checkpoint_group(env, cfg.run.dist_timeout_s),
+                      saver_token(env), cfg.run.keep_checkpoints, cfg.run.checkpoint_async)
         try:
-            _install_faults(trainer)
-            loop(trainer, metrics, run_dir)
+            _install_faults(trainer, saver)
+            loop(trainer, metrics, run_dir, saver)
         except dist.CollectiveError as e:
-            raise collective_failed(e, env, trainer.doing, cfg.run.dist_timeout_s) from None
+            doing = trainer.doing if saver.troubled is None else \
+                f"the checkpoint of step {saver.troubled}"
+            raise collective_failed(e, env, doing, cfg.run.dist_timeout_s) from None
         finally:
+            saver.close()  # the save in flight, if any, finishes (or fails) first
             metrics.close()
             trainer.close()
             run_dir.unlock()
@@ -377,11 +454,12 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
     return metrics
 
 
-def _install_faults(trainer: Trainer) -> None:
-    """Test-only fault injection (DDPGPT_FAULT), wrapped around the step from outside the loop."""
+def _install_faults(trainer: Trainer, saver: Saver) -> None:
+    """Test-only fault injection (DDPGPT_FAULT), wrapped around the step and the saver from
+    outside the loop."""
     if os.environ.get("DDPGPT_FAULT"):
         from ddpgpt import faults
-        faults.install(trainer)
+        faults.install(trainer, saver)
 
 
 def summary(trainer: Trainer) -> str:

@@ -73,6 +73,21 @@ def run_cli(*args: str, timeout: float = 60, env: dict | None = None, cwd: Path 
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def saved_state(path: Path) -> dict:
+    """A checkpoint's whole state on this one process, in the layout Trainer.load_state_dict
+    reads (weights, torch's optimizer state_dict over the whole model, every rank's RNG, ...)."""
+    from ddpgpt import checkpoint
+
+    return checkpoint.load(Path(path), checkpoint.read_meta(Path(path)))
+
+
+def saved_weights(path: Path) -> dict:
+    """A checkpoint's weights, whole, on this one process."""
+    from ddpgpt import checkpoint
+
+    return checkpoint.weights(Path(path))
+
+
 def reference_step(stream: np.ndarray, seed: int, seq_len: int, G: int, k: int) -> np.ndarray:
     """Step k's G windows, shape (G, T+1), straight from the documented ordering rule."""
     n = (len(stream) - 1) // seq_len

@@ -113,6 +113,7 @@ class Mode:
     impl: str                        # "module:Class" of its Sync
     summary: str                     # one line, for help texts
     shards_state: bool               # each rank keeps 1/W of the optimizer state
+    shards_params: bool              # each rank keeps 1/W of the weights (else all, alike)
     loss_scaler: bool                # works with fp16's GradScaler
     compression: bool                # run.grad_compress bf16
     whole_matrices: bool             # can step an optimizer that needs whole matrices (Muon)
@@ -122,8 +123,8 @@ class Mode:
     why_not: dict[str, str] = field(default_factory=dict)  # per declaration that is False
 
 
-_REPLICATED = dict(shards_state=False, loss_scaler=True, compression=True, whole_matrices=True,
-                   sent=_replicated_bytes, memory=lambda world, layers: 16.0)
+_REPLICATED = dict(shards_state=False, shards_params=False, loss_scaler=True, compression=True,
+                   whole_matrices=True, sent=_replicated_bytes, memory=lambda world, layers: 16.0)
 _SHARDED_GRADS = ("it shards the gradients, and the loss scaler would check only this rank's "
                   "shard for overflow")
 
@@ -139,13 +140,15 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          exposed=_rs_ag_exposed, **_REPLICATED),
     Mode("zero1", "ddpgpt.sync.zero1:Zero1Sync",
          "reduce-scatter; each rank steps its 1/W of the parameters and state; all-gather",
-         shards_state=True, loss_scaler=False, compression=True, whole_matrices=True,
+         shards_state=True, shards_params=False, loss_scaler=False, compression=True,
+         whole_matrices=True,
          sent=_zero1_bytes, exposed=_zero1_exposed,
          memory=lambda world, layers: 8 + 12 / world,
          why_not={"loss_scaler": _SHARDED_GRADS}),
     Mode("fsdp2", "ddpgpt.sync.fsdp2:FSDP2Sync",
          "torch's fully_shard: parameters, gradients and optimizer state sharded 1/W",
-         shards_state=True, loss_scaler=False, compression=False, whole_matrices=True,
+         shards_state=True, shards_params=True, loss_scaler=False, compression=False,
+         whole_matrices=True,
          sent=_fsdp2_bytes, exposed=_fsdp2_exposed,
          # 1/W of everything, plus two blocks' whole weights and gradients while they compute
          memory=lambda world, layers: 16 / world + 2 * 8 / layers,

@@ -19,6 +19,8 @@ import torch
 from ddpgpt import dist
 from ddpgpt.muon import Matrices
 from ddpgpt.optim import Group, Optimizer, load_state
+from ddpgpt.sharded import Pieces, of_dtensor, whole
+from ddpgpt.sync import MODES
 
 
 class Sync:
@@ -28,6 +30,7 @@ class Sync:
                  bucket_mb: float = 25.0):
         self.raw = self.model = model  # the single-device model; what runs the forward
         self.groups, self.env = groups, env
+        self.param_names = {id(p): n for n, p in model.named_parameters()}  # before any sharding
         muon = [g.params for g in groups if g.kind == "muon"]
         bucket_elems = int(bucket_mb * 2**20) // 4
         # Muon's matrices, whole, in model order (the mode may shard the model's own later)
@@ -106,6 +109,84 @@ class Sync:
     def load_adamw_state(self, optimizer: Optimizer, state: dict) -> None:
         load_state(optimizer.adamw, state)
 
+    # ---- the sharded checkpoint: what this rank holds, as chunks of the logical tensors -------
+
+    def checkpoint_state(self, optimizer: Optimizer, create: tuple[str, ...] = ()
+                         ) -> tuple[dict[str, Pieces], set[str]]:
+        """Every tensor of the checkpoint this rank holds, as Pieces of the single-device model's
+        tensors named as in sharded.py (views: no copy, no collective), and the names of those that
+        every rank holds alike (written by one rank). `create` ("adamw", "muon"): first make the
+        optimizer state that does not exist yet, zeros, to load a checkpoint into."""
+        held = {f"model.{n}": pieces(p.detach()) for n, p in self.raw.named_parameters()}
+        adamw = self.adamw_pieces(optimizer, "adamw" in create)
+        replicated = set() if self.shards_model else set(held)
+        replicated |= set() if self.shards_adamw else set(adamw)
+        return {**held, **adamw, **self.muon_pieces(optimizer, "muon" in create)}, replicated
+
+    name: str | None = None  # the row of sync.MODES this runs (None: the model alone)
+
+    @property
+    def shards_model(self) -> bool:
+        """Each rank holds 1/W of the weights, as the mode declares (else all of them, alike)."""
+        return self.name is not None and MODES[self.name].shards_params
+
+    @property
+    def shards_adamw(self) -> bool:
+        """Each rank holds 1/W of AdamW's state (else all of it, alike)."""
+        return self.name is not None and MODES[self.name].shards_state
+
+    def adamw_named(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor AdamW steps) per parameter of the whole model's AdamW, in its order."""
+        return [(self.param_names[id(p)], p) for g in self.groups if g.kind == "adamw"
+                for p in g.params]
+
+    def adamw_pieces(self, optimizer: Optimizer, create: bool) -> dict[str, Pieces]:
+        out = {}
+        for name, p in self.adamw_named():
+            state = adamw_state(optimizer.adamw, p, create)
+            for key in MOMENTS if state else ():
+                out[f"optimizer.adamw.{name}.{key}"] = pieces(state[key])
+        return out
+
+    def adamw_steps(self, optimizer: Optimizer) -> dict[str, float]:
+        """AdamW's step count per parameter name, of the parameters this rank has state for."""
+        return {name: float(s["step"]) for name, p in self.adamw_named()
+                if (s := optimizer.adamw.state.get(p))}
+
+    def set_adamw_steps(self, optimizer: Optimizer, steps: dict[str, float]) -> None:
+        for name, p in self.adamw_named():
+            if (s := optimizer.adamw.state.get(p)) and name in steps:
+                s["step"].fill_(steps[name])
+
+    def muon_pieces(self, optimizer: Optimizer, create: bool) -> dict[str, Pieces]:
+        """The momentum of this rank's matrices: whole, its own (any mode)."""
+        if optimizer.muon is None:
+            return {}
+        out = {}
+        for i, p in zip(self.matrices.mine, optimizer.matrices):
+            state = optimizer.muon.state.get(p)
+            if not state and create:
+                state = optimizer.muon.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+            if state:
+                name = self.param_names[id(self.whole[i])]
+                out[f"optimizer.muon.{name}.momentum_buffer"] = whole(state["momentum_buffer"])
+        return out
+
+    def optimizer_rest(self, optimizer: Optimizer) -> dict:
+        """The optimizer's part of a checkpoint that is not its tensors: the hyperparameters of
+        each group of the whole model (parameters by name) and AdamW's step counts."""
+        out = {}
+        for kind, opt in (("muon", optimizer.muon), ("adamw", optimizer.adamw)):
+            if opt is None:
+                continue
+            groups = [g for g in self.groups if g.kind == kind]
+            out[kind] = {"param_groups": [
+                {**{k: v for k, v in hyper.items() if k != "params"},
+                 "params": [self.param_names[id(p)] for p in g.params]}
+                for hyper, g in zip(opt.param_groups, groups)]}
+        out["adamw"]["step"] = self.adamw_steps(optimizer)
+        return out
+
     # ---- accounting, and the end ------------------------------------------------------------
 
     def memory(self, optimizer: Optimizer) -> dict[str, int]:
@@ -140,3 +221,24 @@ def nbytes(tensors) -> int:
             t = t.to_local() if hasattr(t, "to_local") else t
             total += t.numel() * t.element_size()
     return total
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def adamw_state(adamw: torch.optim.AdamW, p: torch.Tensor, create: bool) -> dict | None:
+    """torch's AdamW state of `p`; with `create`, made as AdamW's first step makes it (zeros, the
+    step count where AdamW keeps it) when there is none."""
+    state = adamw.state.get(p)
+    if state or not create:
+        return state
+    group = next(g for g in adamw.param_groups if any(q is p for q in g["params"]))
+    on_device = group.get("fused") or group.get("capturable")
+    step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+    state = adamw.state[p] = {"step": step, **{k: torch.zeros_like(p) for k in MOMENTS}}
+    return state
+
+
+def pieces(t: torch.Tensor) -> Pieces:
+    """A tensor as the chunks this rank holds: a DTensor's local shard, else all of it."""
+    return of_dtensor(t) if hasattr(t, "device_mesh") else whole(t)

@@ -77,6 +77,7 @@ class BucketSync(Replicated):
         """Buckets never mix the optimizer's parameter groups (zero1 steps a bucket's slice as
         one tensor); each group's parameters are bucketed last first."""
         super().__init__(model, groups, env, bucket_mb)
+        self.name = mode
         self.reduce_scatter = mode in ("rs-ag", "zero1")
         self.wire_dtype = torch.bfloat16 if compress == "bf16" else None
         params = [p for g in groups for p in g.params]

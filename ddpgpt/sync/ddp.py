@@ -15,6 +15,7 @@ class DDPSync(Replicated):
     def __init__(self, model: torch.nn.Module, groups: list[Group], env: dist.DistEnv,
                  bucket_mb: float, mode: str = "ddp", compress: str = "none"):
         super().__init__(model, groups, env, bucket_mb)
+        self.name = mode
         self.model = dist.wrap_model(model, env, bucket_mb)
         if compress == "bf16":
             self.model.register_comm_hook(None, bf16_hook(env))

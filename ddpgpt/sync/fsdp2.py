@@ -65,6 +65,7 @@ class FSDP2Sync(Sync):
     def __init__(self, model: torch.nn.Module, groups: list[Group], env: dist.DistEnv,
                  bucket_mb: float, mode: str = "fsdp2", compress: str = "none"):
         super().__init__(model, groups, env, bucket_mb)
+        self.name = mode
         names = {id(p): n for n, p in model.named_parameters()}
         self.names = [[names[id(p)] for p in g.params] for g in groups]
         self.mesh = init_device_mesh(env.device.type, (env.world_size,))
@@ -205,6 +206,12 @@ class FSDP2Sync(Sync):
                     "step": saved["step"].clone(),
                     **{k: distribute_tensor(saved[k].to(p.device), self.mesh, p.placements,
                                             src_data_rank=None) for k in MOMENTS}}
+
+    # ---- the sharded checkpoint: DTensors write and read their local shards ----------------------
+
+    def adamw_named(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p) for g, names, sharded in zip(self.groups, self.names, self.sharded)
+                if g.kind == "adamw" for n, p in zip(names, sharded)]
 
     def memory(self, optimizer: Optimizer) -> dict[str, int]:
         held = super().memory(optimizer)

@@ -30,10 +30,9 @@ import torch
 
 from ddpgpt import dist
 from ddpgpt.optim import Group, Optimizer
-from ddpgpt.sync.base import nbytes
+from ddpgpt.sharded import Pieces, flat_range
+from ddpgpt.sync.base import MOMENTS, adamw_state, nbytes
 from ddpgpt.sync.buckets import Bucket, BucketSync, packed
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class Zero1Sync(BucketSync):
@@ -176,6 +175,42 @@ class Zero1Sync(BucketSync):
                     view.copy_(s[key])
                 shard[key] = self._slice(flat).clone()
             optimizer.adamw.state[bucket.param_shard] = shard
+
+    # ---- the sharded checkpoint: AdamW's moments as this rank's slices --------------------------
+
+    def adamw_pieces(self, optimizer: Optimizer, create: bool) -> dict[str, Pieces]:
+        """Each parameter's share of this rank's slice of its bucket: a range of its flattened
+        elements (sharded.flat_range), views of the slice's moments."""
+        out = {}
+        for bucket in self._adamw_buckets():
+            state = adamw_state(optimizer.adamw, bucket.param_shard, create)
+            for p, start, end, first in self._overlaps(bucket) if state else ():
+                for key in MOMENTS:
+                    out[f"optimizer.adamw.{self.param_names[id(p)]}.{key}"] = flat_range(
+                        p.shape, state[key][start:end], first)
+        return out
+
+    def _overlaps(self, bucket: Bucket) -> list[tuple[torch.nn.Parameter, int, int, int]]:
+        """(parameter, start, end, first): the part [start, end) of this rank's slice that holds
+        the parameter's flattened elements from `first` on."""
+        n = bucket.shard.numel()
+        begin = self.env.rank * n  # this rank's slice in the bucket's flat layout
+        out = []
+        for p, o in zip(bucket.params, bucket.offsets):
+            lo, hi = max(o, begin), min(o + p.numel(), begin + n)
+            if lo < hi:
+                out.append((p, lo - begin, hi - begin, lo - o))
+        return out
+
+    def adamw_steps(self, optimizer: Optimizer) -> dict[str, float]:
+        return {self.param_names[id(p)]: float(s["step"]) for b in self._adamw_buckets()
+                if (s := optimizer.adamw.state.get(b.param_shard)) for p in b.params}
+
+    def set_adamw_steps(self, optimizer: Optimizer, steps: dict[str, float]) -> None:
+        for bucket in self._adamw_buckets():
+            name = self.param_names[id(bucket.params[0])]
+            if (s := optimizer.adamw.state.get(bucket.param_shard)) and name in steps:
+                s["step"].fill_(steps[name])
 
     def memory(self, optimizer: Optimizer) -> dict[str, int]:
         held = super().memory(optimizer)  # the buffers: whole gradients and shards; the state

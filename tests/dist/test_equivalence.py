@@ -13,9 +13,14 @@ micro-steps vs. DDP's average over ranks). Measured on a 2-core x86 CPU, fp32: l
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.helpers import read_metrics, reference_training, run_ranks, tiny_train_args
+from tests.helpers import (
+    read_metrics,
+    reference_training,
+    run_ranks,
+    saved_weights,
+    tiny_train_args,
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 STEPS, G, T = 6, 8, 32
@@ -30,7 +35,7 @@ def runs(tiny_data, tmp_path_factory):
         run_dir = tmp_path_factory.mktemp(f"w{W}") / "run"
         run_ranks([tiny_train_args(tiny_data, run_dir, STEPS)] * W, run_dir.parent / "logs")
         rows, _ = read_metrics(run_dir)
-        weights = load_file(run_dir / "checkpoints" / f"step_{STEPS:07d}" / "model.safetensors")
+        weights = saved_weights(run_dir / "checkpoints" / f"step_{STEPS:07d}")
         out[W] = ([r["loss"] for r in rows], weights, rows)
     return out
 

@@ -105,7 +105,8 @@ def test_a_muon_checkpoint_resumes_bitwise_through_the_command_line(tiny_data, t
     import shutil
 
     import torch
-    from safetensors.torch import load_file
+
+    from tests.helpers import saved_state
 
     muon = {"optim__name": "muon", "optim__muon_lr": 0.05, "run__sync": "zero1"}
     straight = tmp_path / "straight"
@@ -117,8 +118,9 @@ def test_a_muon_checkpoint_resumes_bitwise_through_the_command_line(tiny_data, t
     assert [r["loss"] for r in read_metrics(again)[0]] == \
         [r["loss"] for r in read_metrics(straight)[0]]
     last = [d / "checkpoints" / "step_0000006" for d in (straight, again)]
-    weights = [load_file(d / "model.safetensors") for d in last]
+    states = [saved_state(d) for d in last]
+    weights = [s["model"] for s in states]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-    saved = torch.load(last[1] / "trainer.pt", weights_only=True)["optimizer"]
+    saved = states[1]["optimizer"]
     assert sorted(saved["muon"]["state"]) == list(range(MATRICES))
     assert saved["muon"]["param_groups"][0]["params"] == list(range(MATRICES))

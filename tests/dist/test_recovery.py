@@ -10,6 +10,7 @@ The timings printed (run with -s) are the figures quoted in docs/reliability.md.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,11 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from ddpgpt import checkpoint
 from ddpgpt.reliability import EXIT_PREEMPTED
-from tests.helpers import Launch, free_port, read_metrics, run_cli, tiny_train_args
+from tests.helpers import Launch, free_port, read_metrics, run_cli, saved_weights, tiny_train_args
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 STEPS = 8
@@ -74,8 +74,8 @@ def assert_same_as_straight(run_dir, straight, first_step=1):
     assert [r["step"] for r in rows] == list(range(first_step, STEPS + 1))
     for key in ("loss", "grad_norm", "lr"):
         assert [r[key] for r in rows] == [r[key] for r in ref[first_step - 1:]], key
-    final = f"checkpoints/step_{STEPS:07d}/model.safetensors"
-    weights, ref_weights = load_file(run_dir / final), load_file(straight / final)
+    final = f"checkpoints/step_{STEPS:07d}"
+    weights, ref_weights = saved_weights(run_dir / final), saved_weights(straight / final)
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
 
 
@@ -268,11 +268,13 @@ def test_full_disk_during_a_checkpoint(tiny_data, tmp_path):
     failed = [line for line in text.splitlines() if line.startswith("ddpgpt: error:")]
     assert len(failed) == 1, text  # rank 0 says it; rank 1 stops quietly; the launcher adds nothing
     step = int(failed[0].split("step ")[1].split(":")[0])
-    assert failed[0] == (
+    assert re.fullmatch(re.escape(
         f"ddpgpt: error: step {step}: cannot write checkpoint "
         f"{run_dir / 'checkpoints' / f'step_{step:07d}'}: "
-        f"No space left on device (ENOSPC); its temporary files were removed. The last complete "
-        f"checkpoint (step {step - 1}) is intact: free space, then run the same command to resume")
+        f"No space left on device (ENOSPC) on rank ") + "[01]" + re.escape(
+        "; its temporary files were removed. The last complete "
+        f"checkpoint (step {step - 1}) is intact: free space, then run the same command to resume"),
+        failed[0]), failed[0]
     listing = out.stdout.split("exit=1\n")[1].split()
     assert listing == [f"step_{s:07d}" for s in range(1, step)]  # no .tmp-step_* left behind
     assert "Traceback" not in text

@@ -13,11 +13,18 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from ddpgpt import checkpoint
 from ddpgpt.reliability import EXIT_PREEMPTED
-from tests.helpers import Launch, codes, read_metrics, run_ranks, tiny_train_args
+from tests.helpers import (
+    Launch,
+    codes,
+    read_metrics,
+    run_ranks,
+    saved_state,
+    saved_weights,
+    tiny_train_args,
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 STEPS = 8
@@ -44,8 +51,8 @@ def assert_same_as(run_dir, straight):
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # no step twice, none missing
     for key in ("loss", "grad_norm", "lr"):
         assert [r[key] for r in rows] == [r[key] for r in ref], key
-    final = f"checkpoints/step_{STEPS:07d}/model.safetensors"
-    weights, ref_weights = load_file(run_dir / final), load_file(straight / final)
+    final = f"checkpoints/step_{STEPS:07d}"
+    weights, ref_weights = saved_weights(run_dir / final), saved_weights(straight / final)
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
 
 
@@ -166,7 +173,7 @@ def test_nan_skip_and_its_limit(tiny_data, tmp_path):
     assert rows[3]["loss"] is None and rows[3]["grad_norm"] is None
     assert all(r["loss"] is not None for r in rows[:3] + rows[4:])
     final = run_dir / "checkpoints" / "step_0000006"
-    saved = torch.load(final / "trainer.pt", weights_only=True)
+    saved = saved_state(final)
     assert saved["guard"] == {"skipped": 1}
     state = saved["optimizer"]["state"]
     assert {int(s["step"]) for s in state.values()} == {5}  # 6 steps, one without an update

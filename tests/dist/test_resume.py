@@ -11,9 +11,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.helpers import read_metrics, run_ranks, tiny_train_args
+from tests.helpers import read_metrics, run_ranks, saved_state, tiny_train_args
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 STEPS, K = 6, 3
@@ -38,7 +37,8 @@ def resumed(straight, tiny_data, tmp_path, W):
 
 def final(run_dir):
     path = run_dir / "checkpoints" / f"step_{STEPS:07d}"
-    return load_file(path / "model.safetensors"), torch.load(path / "trainer.pt", weights_only=True)
+    state = saved_state(path)
+    return state["model"], state
 
 
 def test_resume_same_world_size_is_bitwise(straight, tiny_data, tmp_path):

@@ -37,9 +37,10 @@ def test_save_is_complete_and_validated(tmp_path):
     path = save(tmp_path, 7)
     assert path == tmp_path / "checkpoints" / "step_0000007"
     assert sorted(p.name for p in path.iterdir()) == [
-        "meta.json", "model.safetensors", "trainer.pt"]
+        ".metadata", "__0_0.distcp", "meta.json", "trainer.pt"]
     meta = checkpoint.read_meta(path)
-    assert meta["step"] == 7 and set(meta["files"]) == {"model.safetensors", "trainer.pt"}
+    assert meta["step"] == 7 and meta["format_version"] == 3
+    assert set(meta["files"]) == {".metadata", "__0_0.distcp", "trainer.pt"}
     # no temp dir left
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0000007"]
     loaded = model(seed=99)
@@ -63,7 +64,7 @@ def test_files_and_directory_are_fsynced_before_the_rename(tmp_path, monkeypatch
     save(tmp_path, 1)
     rename = events.index(("rename", "step_0000001"))
     synced = {name for kind, name in events[:rename] if kind == "fsync"}
-    assert {"model.safetensors", "trainer.pt", "meta.json"} <= synced
+    assert {"__0_0.distcp", ".metadata.tmp", "trainer.pt", "meta.json"} <= synced
     assert any(name.startswith(".tmp-step_0000001") for name in synced)  # the directory itself
     assert ("fsync", "checkpoints") in events[rename:]  # and its parent after the rename
 
@@ -73,7 +74,7 @@ def test_latest_falls_back_past_partial_and_corrupt(tmp_path, capsys):
         save(tmp_path, step)
     root = tmp_path / "checkpoints"
     (root / "step_0000004" / "meta.json").unlink()  # partial: never published its marker
-    weights = root / "step_0000003" / "model.safetensors"
+    weights = root / "step_0000003" / "__0_0.distcp"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))  # corrupt: sha256 no longer matches
@@ -82,7 +83,7 @@ def test_latest_falls_back_past_partial_and_corrupt(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == [
         f"ddpgpt: warning: skipping checkpoint: {root / 'step_0000004'}: incomplete checkpoint "
         "(no meta.json); falling back to step_0000002",
-        f"ddpgpt: warning: skipping checkpoint: {root / 'step_0000003'}: model.safetensors does "
+        f"ddpgpt: warning: skipping checkpoint: {root / 'step_0000003'}: __0_0.distcp does "
         "not match its sha256 in meta.json (corrupt); falling back to step_0000002",
     ]
 
@@ -117,7 +118,7 @@ def test_newer_format_is_refused(tmp_path):
     with pytest.raises(CheckpointError) as e:
         find_latest(tmp_path)
     assert str(e.value) == (f"{path}: checkpoint format version 99 is newer than this ddpgpt "
-                            "reads (2); upgrade ddpgpt (pip install -U ddpgpt)")
+                            "reads (3); upgrade ddpgpt (pip install -U ddpgpt)")
 
 
 def test_keep_last_k(tmp_path):
