@@ -132,10 +132,10 @@ def _around_saving(action: str, at: int, trainer, saver) -> None:
 
         checkpoint.hash_files = dying_hash
     else:
-        _around_write(action, at, name, saver)
+        _around_write(action, at, name, trainer, saver)
 
 
-def _around_write(action: str, at: int, name: str, saver) -> None:
+def _around_write(action: str, at: int, name: str, trainer, saver) -> None:
     """In the write of this rank's share (DCP's writer, in the background thread)."""
     write_data = sharded.Writer.write_data
 
@@ -146,7 +146,9 @@ def _around_write(action: str, at: int, name: str, saver) -> None:
             if action == "term-saving":
                 act("term", at)
             print(f"fault: {action} holds the write of step {at}", flush=True)
-            saver.waiting.wait(HOLD_S)
+            if saver.waiting.wait(HOLD_S):
+                print(f"fault: released the write of step {at} at step {trainer.step}",
+                      flush=True)
         return write_data(self, plan, planner)
 
     sharded.Writer.write_data = faulty_write

@@ -102,7 +102,9 @@ class Ranks:
     output to files, all killed if any run past the timeout."""
 
     def __init__(self, argv_per_rank: list[list[str]], workdir: Path, env: dict | None = None,
-                 cwds: list[Path] | None = None):
+                 cwds: list[Path] | None = None, prefixes: list[list[str]] | None = None):
+        """`prefixes`: per rank, a command the rank's python runs under (e.g. a shell in its own
+        mount namespace, which ends with `"$@"`)."""
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         W, port = len(argv_per_rank), free_port()
@@ -115,7 +117,9 @@ class Ranks:
             self.outs.append((out, err))
             e["PYTHONPATH"] = os.pathsep.join(
                 filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-            self.procs.append(subprocess.Popen([sys.executable, *argv], stdout=out, stderr=err,
+            prefix = prefixes[r] if prefixes else []
+            self.procs.append(subprocess.Popen([*prefix, sys.executable, *argv], stdout=out,
+                                               stderr=err,
                                                env=e, cwd=cwds[r] if cwds else None,
                                                start_new_session=True))
 
@@ -167,8 +171,9 @@ def codes(results: list[SimpleNamespace]) -> tuple[list[int], str]:
 
 def run_ranks(argv_per_rank: list[list[str]], workdir: Path, timeout: float = 120,
               env: dict | None = None, check: bool = True,
-              cwds: list[Path] | None = None) -> list[SimpleNamespace]:
-    ranks = Ranks(argv_per_rank, workdir, env, cwds)
+              cwds: list[Path] | None = None,
+              prefixes: list[list[str]] | None = None) -> list[SimpleNamespace]:
+    ranks = Ranks(argv_per_rank, workdir, env, cwds, prefixes)
     results = ranks.wait(timeout)
     if check and any(r.returncode for r in results):
         raise AssertionError(f"a rank failed:\n{ranks.report()}")
@@ -192,10 +197,11 @@ def tiny_train_args(data: Path, run_dir: Path, steps: int = 6, **overrides) -> l
     return ["-m", "ddpgpt", "train"] + [str(x) for kv in args.items() for x in kv]
 
 
-def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32):
+def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32,
+                       weights_at: int | None = None):
     """The oracle for `tiny_train_args` runs: plain PyTorch, one process, the full global batch of
     step k (from the documented order) in one forward and one backward. Returns (losses,
-    weights)."""
+    weights after `weights_at` steps, by default all of them)."""
     import torch
 
     from ddpgpt.config import ModelConfig, OptimConfig
@@ -228,8 +234,10 @@ def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        if k + 1 == (weights_at or steps):
+            weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.set_num_threads(threads)
-    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+    return losses, weights
 
 
 def descendants(pid: int) -> list[int]:

@@ -321,5 +321,114 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
         out["resumed"][f"{source}->{target}"] = head + tail
     return out
 
+
+def checkpoint_memory(env, data: str, run_dir: str, cases: list[list[str]]) -> dict:
+    """Per (mode, optimizer), after 2 steps of a 64-wide model: the bytes of the checkpoint this
+    rank writes and in all; the largest tensor; and the peak bytes of tensors allocated by this
+    thread during a save (allocations counted as ops create them, each until its last tensor is
+    freed): written in the calling thread (run.checkpoint_async off), staged for a background
+    write (all the step waits for), and gathered whole as the previous store did."""
+    import tempfile
+
+    from ddpgpt import sharded
+    from ddpgpt.optim import lr_at
+    from ddpgpt.saver import Saver, Stager
+
+    out = {}
+    for mode, optimizer in cases:
+        t = make_trainer(env, {
+            "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32},
+            "data": {"dir": data, "micro_batch": 2, "global_batch": 8},
+            "optim": {"name": optimizer, "lr": 1e-2, "warmup_steps": 2},
+            "run": {"dir": run_dir, "device": "cpu", "threads": 1, "sync": mode,
+                    "bucket_mb": 0.01}})
+        for k in range(2):
+            t.train_step()
+            t.update(lr_at(k, t.cfg.optim, 2))
+        held, replicated, rest = t.shard_state()
+        mine = sharded.share(held, replicated, env.rank, env.world_size)
+        written = sum(p.nbytes for p in mine.values())
+        total = dist.all_reduce(env, torch.tensor(float(written))).item()
+        largest = max(p.shape.numel() * p.chunks[0][1].element_size() for p in held.values())
+        root = Path(dist.all_gather_text(env, tempfile.mkdtemp(dir=run_dir))[0])
+        saver = Saver(env, root, dist.checkpoint_group(env), "test", keep=5, asynchronous=False)
+        with Allocations() as synchronous:
+            saver.save(2, held, replicated, rest, {}, wait=True)
+        with Allocations() as staged:
+            stager = Stager(env.device)
+            copy = stager.stage(mine)
+        del copy
+        with Allocations() as gathered:  # what the previous store took before serializing it
+            state = t.state_dict()
+        del state
+        out[f"{mode} {optimizer}"] = dist.all_gather_text(env, json.dumps({
+            "written": written, "total": total, "largest": largest,
+            "staged": stager.staged_bytes, "peak_sync": synchronous.peak,
+            "peak_staged": staged.peak, "peak_gather": gathered.peak}))
+        saver.close()
+        t.close()
+    return out
+
+
+class Allocations:
+    """Peak bytes of tensor storage that ops run by this thread allocate while it is active
+    (torch's dispatcher sees every op; a storage is freed when its last tensor is)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                result = func(*args, **(kwargs or {}))
+                outer._seen(result, args)
+                return result
+
+        self.mode, self.live, self.now, self.peak = Mode(), {}, 0, 0
+
+    def _seen(self, result, args) -> None:
+        import weakref
+
+        from torch.utils._pytree import tree_flatten
+
+        inputs = {_storage(a) for a in tree_flatten(args)[0]}
+        for t in tree_flatten(result)[0]:
+            key = _storage(t)
+            if key is None:
+                continue
+            if key in inputs and key not in self.live:
+                continue  # a view of something allocated before
+            if key not in self.live:
+                self.live[key] = [t.untyped_storage().nbytes(), 0]
+                self.now += self.live[key][0]
+                self.peak = max(self.peak, self.now)
+            self.live[key][1] += 1
+            weakref.finalize(t, self._freed, key)
+
+    def _freed(self, key) -> None:
+        self.live[key][1] -= 1
+        if self.live[key][1] == 0:
+            self.now -= self.live.pop(key)[0]
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def _storage(t) -> int | None:
+    """The address of a tensor's storage; None for anything else, or a storage without memory
+    (meta, or FSDP2's freed unsharded parameters)."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except RuntimeError:
+        return None
+
+
 if __name__ == "__main__":
     main()

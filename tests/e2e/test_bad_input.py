@@ -299,7 +299,7 @@ CASES = [
                   "or --reset to set the old run aside"),
     row("checkpoint-newer-format", newer_checkpoint, train,
         lambda c: f"{E}{c.run / 'checkpoints' / CKPT}: checkpoint format version 99 is newer "
-                  "than this ddpgpt reads (2); upgrade ddpgpt (pip install -U ddpgpt)"),
+                  "than this ddpgpt reads (3); upgrade ddpgpt (pip install -U ddpgpt)"),
     row("checkpoint-meta-corrupt", corrupt_checkpoint_meta, train,
         lambda c: f"{E}no valid checkpoint in {c.run}: "
                   f"{c.run / 'checkpoints' / CKPT / 'meta.json'}: corrupt meta.json "
