@@ -415,6 +415,20 @@ class EvalConfig:
 
 
 @dataclass
+class RendezvousConfig:
+    """`ddpgpt rendezvous`: host the c10d rendezvous store of elastic jobs on a node that does
+    not train, so that losing any training node leaves the job able to go on."""
+
+    host: str = "0.0.0.0"
+    """Address to listen on (all interfaces by default)."""
+    port: int = 29500
+    """Port to listen on: the nodes' --rdzv-endpoint is THIS_HOST:PORT."""
+
+    def __post_init__(self):
+        _require(0 < self.port < 65536, f"--port {self.port} must be in 1..65535")
+
+
+@dataclass
 class DoctorConfig:
     """`ddpgpt doctor`: environment report and, with several processes, an all-reduce probe."""
 

@@ -248,6 +248,23 @@ def _attempt(store: dist.Store, rank: int, world_size: int, timeout_s: float) ->
     return attempt
 
 
+def serve_store(host: str, port: int, ready=None) -> None:
+    """Hosts a TCPStore until this process is stopped: the c10d rendezvous store for elastic
+    jobs whose agents all connect to it. torchrun's agents keep the rendezvous state in the store
+    of the endpoint's host; when a training node hosts it, losing that node ends the job on every
+    node. `ready()` is called once the store listens."""
+    try:
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                              multi_tenant=True)
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"cannot listen on {host}:{port} ({str(e).splitlines()[0][:120]}); "
+                        "choose another --port") from None
+    if ready:
+        ready()
+    while store is not None:  # the store serves from its own thread
+        time.sleep(3600)
+
+
 def shutdown() -> None:
     """Destroys the group. A DDP wrapper that outlives its group can abort the process (SIGABRT)
     as it is torn down at exit, seen now and then with gloo on a loaded machine, so callers drop

@@ -1,9 +1,10 @@
 """Fault injection for the reliability tests; a real run never sets DDPGPT_FAULT.
 
-    DDPGPT_FAULT="ACTION@STEP" or "ACTION@STEP@RANK" (rank 0 by default)
+    DDPGPT_FAULT="ACTION@STEP" or "ACTION@STEP@RANK" (rank 0 by default), or several of them
+    separated by commas
 
 makes that rank do ACTION when STEP steps are complete and the next one is about to start, on the
-job's first attempt only (never after an elastic restart, so a restarted job can finish):
+job's first start only (never after an elastic restart, so a restarted job can finish):
 
     kill         SIGKILL itself: a crash (OOM killer)
     kill-node    SIGKILL its launcher (torchrun's agent), then itself: a node lost whole
@@ -75,11 +76,16 @@ def hold(stop) -> None:
 
 
 def install(trainer) -> None:
-    """Wraps `trainer.train_step` with the fault DDPGPT_FAULT names for this rank, if any."""
-    fault = parse(os.environ["DDPGPT_FAULT"], trainer.env.rank)
-    if fault is None or not trainer.env.first_start:
+    """Wraps the trainer's step with the faults DDPGPT_FAULT names for this rank, if any."""
+    if not trainer.env.first_start:
         return
-    action, at = fault
+    for spec in os.environ["DDPGPT_FAULT"].split(","):
+        fault = parse(spec, trainer.env.rank)
+        if fault is not None:
+            _install(trainer, *fault)
+
+
+def _install(trainer, action: str, at: int) -> None:
     if action == "kill-saving":
         state_dict = trainer.state_dict
 

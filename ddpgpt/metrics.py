@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -138,6 +139,11 @@ class Metrics:
         if self.enabled:
             self._write({"step": step, "val_loss": val_loss})
             self.bar.write(f"step {step}: val_loss {val_loss:.4f}")
+
+    def write(self, line: str) -> None:
+        """A line on stderr (rank 0's) that does not tear the progress bar."""
+        if self.enabled:
+            self.bar.write(line, file=sys.stderr)
 
     def rewind(self, step: int) -> None:
         """Back to `step` (a rollback): the rows after it go, as on resume, and the bar with

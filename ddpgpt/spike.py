@@ -34,7 +34,6 @@ from __future__ import annotations
 import gc
 import math
 import statistics
-import sys
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -133,14 +132,13 @@ def roll_back(trainer, spike: Spike, run_dir: RunDir, origin: resume.Start, metr
     rollbacks = detector.rollbacks + [{"step": spike.step, "to": target.step, "batches": batches}]
     lr_until = target.step + cfg.rollback_lr_steps
     name = target.path.name if target.path else "the initial state"
-    if env.is_main:
-        warn(f"step {spike.step}: {spike.describe(cfg, len(detector.losses))}; rolling back to "
-             f"step {target.step} ({name}), skipping the {batches} global batch"
-             f"{'es' if batches > 1 else ''} of steps {target.step + 1}-{spike.step}, lr × "
-             f"{cfg.rollback_lr_factor:g} for {cfg.rollback_lr_steps} steps (rollback "
-             f"{guard.spikes.recent(spike.step) + 1} of at most {cfg.max_rollbacks} within "
-             f"{cfg.rollback_window} steps)")
-        sys.stderr.flush()
+    what = spike.describe(cfg, len(detector.losses))
+    plural = "es" if batches > 1 else ""
+    metrics.write(f"ddpgpt: warning: step {spike.step}: {what}; rolling back to step "
+                  f"{target.step} ({name}), skipping the {batches} global batch{plural} of steps "
+                  f"{target.step + 1}-{spike.step}, lr × {cfg.rollback_lr_factor:g} for "
+                  f"{cfg.rollback_lr_steps} steps (rollback {detector.recent(spike.step) + 1} of "
+                  f"at most {cfg.max_rollbacks} within {cfg.rollback_window} steps)")
     trainer.doing = f"the rollback after step {spike.step}"
     trainer.close()  # the old model and optimizer go before the new ones are built
     gc.collect()
@@ -149,7 +147,7 @@ def roll_back(trainer, spike: Spike, run_dir: RunDir, origin: resume.Start, metr
     skipped = new.loader.skip(batches)
     new.guard.spikes.rollbacks, new.guard.spikes.lr_until = rollbacks, lr_until
     metrics.rewind(new.step)
-    metrics.log_event(new.step, "rollback", spike_step=spike.step, loss=_json(spike.loss),
+    metrics.log_event(new.step, "rollback", spike_step=spike.step, spike_loss=_json(spike.loss),
                       median=_json(spike.median), nonfinite_ranks=spike.ranks,
                       checkpoint=str(target.path) if target.path else None,
                       checkpoint_step=target.step, skipped_batches=batches,
