@@ -102,15 +102,22 @@ def launcher_id() -> str:
 
 
 def elastic_nodes() -> tuple[int, int] | None:
-    """(MIN, MAX) of torchrun's --nnodes (its command line, else PET_NNODES), when this process
-    was started by torchrun; None otherwise (one process, `--nproc`, another launcher)."""
+    """(MIN, MAX) of torchrun's --nnodes when torchrun started this process (from its command
+    line, else PET_NNODES, which torchrun also reads); None otherwise (one process, `--nproc`,
+    or a launcher that does not say)."""
     if not under_launcher():
         return None
-    value = None
     try:
         argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
     except OSError:
         argv = []
+    return parse_nnodes(argv, os.environ.get("PET_NNODES"))
+
+
+def parse_nnodes(argv: list[str], default: str | None) -> tuple[int, int] | None:
+    """(MIN, MAX) from a torchrun command line (`--nnodes 1:4`, `--nnodes=2`, `--standalone`),
+    else from `default` (the same syntax); None when neither says or it does not parse."""
+    value = default
     for i, arg in enumerate(argv):
         if arg == "--standalone":
             value = "1"
@@ -118,13 +125,11 @@ def elastic_nodes() -> tuple[int, int] | None:
             value = argv[i + 1]
         elif arg.startswith("--nnodes="):
             value = arg.split("=", 1)[1]
-        if value is not None:
-            break
-    value = value or os.environ.get("PET_NNODES")
-    if not value:
-        return None
+        else:
+            continue
+        break
     try:
-        low, _, high = value.partition(":")
+        low, _, high = (value or "").partition(":")
         return int(low), int(high or low)
     except ValueError:
         return None
