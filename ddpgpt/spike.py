@@ -128,24 +128,28 @@ def roll_back(trainer, spike: Spike, run_dir: RunDir, origin: resume.Start, metr
     cfg, guard, env = trainer.cfg.run, trainer.guard, trainer.env
     detector = guard.spikes
     target = newest_before(run_dir, spike.step, origin)
-    batches = spike.step - target.step
-    rollbacks = detector.rollbacks + [{"step": spike.step, "to": target.step, "batches": batches}]
-    lr_until = target.step + cfg.rollback_lr_steps
-    name = target.path.name if target.path else "the initial state"
-    what = spike.describe(cfg, len(detector.losses))
-    plural = "es" if batches > 1 else ""
-    metrics.write(f"ddpgpt: warning: step {spike.step}: {what}; rolling back to step "
-                  f"{target.step} ({name}), skipping the {batches} global batch{plural} of steps "
-                  f"{target.step + 1}-{spike.step}, lr × {cfg.rollback_lr_factor:g} for "
-                  f"{cfg.rollback_lr_steps} steps (rollback {detector.recent(spike.step) + 1} of "
-                  f"at most {cfg.max_rollbacks} within {cfg.rollback_window} steps)")
+    read = trainer.loader.batch_index  # past the spike's batch: the cursor to skip to
+    rollbacks, what = list(detector.rollbacks), spike.describe(cfg, len(detector.losses))
     trainer.doing = f"the rollback after step {spike.step}"
     trainer.close()  # the old model and optimizer go before the new ones are built
     gc.collect()
     guard.reset()
     new = build(target)
+    # The batches from the checkpoint's cursor to the spike's: those of steps c+1..s, and any an
+    # earlier rollback to the same checkpoint skipped on the way.
+    batches = read - new.loader.batch_index
     skipped = new.loader.skip(batches)
+    lr_until = target.step + cfg.rollback_lr_steps
+    rollbacks.append({"step": spike.step, "to": target.step, "batches": batches})
     new.guard.spikes.rollbacks, new.guard.spikes.lr_until = rollbacks, lr_until
+    name = target.path.name if target.path else "the initial state"
+    steps = f" (steps {target.step + 1}-{spike.step})" * (batches == spike.step - target.step)
+    metrics.write(f"ddpgpt: warning: step {spike.step}: {what}; rolling back to step "
+                  f"{target.step} ({name}), skipping the {batches} global batch"
+                  f"{'es' if batches > 1 else ''} read after it{steps}, lr × "
+                  f"{cfg.rollback_lr_factor:g} for {cfg.rollback_lr_steps} steps (rollback "
+                  f"{new.guard.spikes.recent(spike.step)} of at most {cfg.max_rollbacks} within "
+                  f"{cfg.rollback_window} steps)")
     metrics.rewind(new.step)
     metrics.log_event(new.step, "rollback", spike_step=spike.step, spike_loss=_json(spike.loss),
                       median=_json(spike.median), nonfinite_ranks=spike.ranks,

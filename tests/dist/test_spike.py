@@ -65,8 +65,8 @@ def test_a_spike_rolls_back_once_past_exactly_its_batches(runs, tiny_data):
     assert warnings == [
         f"ddpgpt: warning: step 6: loss spike: {event['spike_loss']:.4g} is above 2 × the median "
         f"{event['median']:.4g} of the last 3 steps; rolling back to step 3 (step_0000003), "
-        "skipping the 3 global batches of steps 4-6, lr × 0.5 for 6 steps (rollback 1 of at most "
-        "3 within 100 steps)"]
+        "skipping the 3 global batches read after it (steps 4-6), lr × 0.5 for 6 steps (rollback "
+        "1 of at most 3 within 100 steps)"]
     # the run finished: every step once, on the batches and lr the oracle was given
     rows = read_metrics(run_dir)[0]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -115,20 +115,27 @@ def test_a_run_resumed_after_a_rollback_goes_on_bitwise(runs, tiny_data, tmp_pat
 
 def test_the_rollback_limit_stops_the_run_in_one_line(tiny_data, tmp_path):
     """A spike that skipping data does not cure (every time step 6 runs) with
-    run.max_rollbacks = 1: one rollback, then the run stops at the second spike, in one line,
-    with checkpoint 3 as the last."""
+    run.max_rollbacks = 2: two rollbacks to step 3, the second skipping every batch read since
+    that checkpoint (those the first skipped too), then the run stops at the third spike in one
+    line, with checkpoint 3 as the last."""
     run_dir = tmp_path / "run"
-    (result,) = spike_run(tiny_data, run_dir, 1, "diverge@5", check=False, run__max_rollbacks=1)
+    (result,) = spike_run(tiny_data, run_dir, 1, "diverge@5", check=False, run__max_rollbacks=2)
     assert result.returncode == 1, result.stderr
     lines = result.stderr.splitlines()
-    assert sum("warning: step 6: loss spike" in line for line in lines) == 1
+    assert [line.split("; ")[1] for line in lines if "warning: step 6: loss spike" in line] == [
+        "rolling back to step 3 (step_0000003), skipping the 3 global batches read after it "
+        "(steps 4-6), lr × 0.5 for 6 steps (rollback 1 of at most 2 within 100 steps)",
+        "rolling back to step 3 (step_0000003), skipping the 6 global batches read after it, "
+        "lr × 0.5 for 6 steps (rollback 2 of at most 2 within 100 steps)"]
+    assert [(e["skipped_batches"], e["skipped_windows"]) for e in events(run_dir)] == [
+        (3, [{"epoch": 0, "start": 3 * G, "end": 6 * G}]),
+        (6, [{"epoch": 0, "start": 3 * G, "end": 9 * G}])]
     errors = [line for line in lines if line.startswith("ddpgpt: error:")]
     assert len(errors) == 1 and errors[0] == lines[-1], result.stderr
     assert errors[0].startswith("ddpgpt: error: step 6: loss spike: ")
     assert errors[0].endswith(
-        "; stopped before the optimizer step after 1 rollback within 100 steps "
-        "(run.max_rollbacks = 1). The last checkpoint (step 3) is intact; lower optim.lr or "
+        "; stopped before the optimizer step after 2 rollbacks within 100 steps "
+        "(run.max_rollbacks = 2). The last checkpoint (step 3) is intact; lower optim.lr or "
         "raise optim.warmup_steps, or raise run.max_rollbacks")
     assert "Traceback" not in result.stderr
-    assert len(events(run_dir)) == 1
     assert [r["step"] for r in read_metrics(run_dir)[0]] == [1, 2, 3, 4, 5]
