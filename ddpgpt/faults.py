@@ -1,16 +1,24 @@
 """Fault injection for the reliability tests; a real run never sets DDPGPT_FAULT.
 
-    DDPGPT_FAULT="ACTION@STEP" or "ACTION@STEP@RANK" (rank 0 by default)
+    DDPGPT_FAULT="ACTION@STEP" or "ACTION@STEP@RANK" (rank 0 by default), or several of them
+    separated by commas
 
 makes that rank do ACTION when STEP steps are complete and the next one is about to start, on the
-job's first attempt only (never after an elastic restart, so a restarted job can finish):
+job's first start only (never after an elastic restart, so a restarted job can finish):
 
-    kill         SIGKILL itself: a crash (OOM killer, lost node)
+    kill         SIGKILL itself: a crash (OOM killer)
+    kill-node    SIGKILL its launcher (torchrun's agent), then itself: a node lost whole
     term         SIGTERM itself: a pre-emption
     term2        SIGTERM itself, then again after the duplicate window: the second must exit at once
     parent:SIG   send SIG (INT, HUP, QUIT, TERM, KILL) to its parent, the launcher
     stall        stop responding (sleeps): a hung rank
+    hold         wait (at most HOLD_S) until a stop signal reaches it, then go on: a membership
+                 change (the agent's SIGTERM) that arrives between steps STEP and STEP+1
     nan          its loss for that step becomes NaN
+    spike        its loss on global batch STEP (the one a straight run's step STEP+1 reads) is
+                 multiplied by 1000: bad data. A rollback skips that batch, so it comes once
+    diverge      its loss is multiplied by 1000 every time step STEP+1 runs: a spike that
+                 skipping data does not cure (the rollback limit stops the run)
     kill-saving  SIGKILL itself when the checkpoint of step STEP is being taken (its state
                  gathered): a crash in the middle of a save
 
@@ -25,7 +33,10 @@ import time
 
 from ddpgpt.reliability import GRACE_S
 
-ACTIONS = ("kill", "term", "term2", "stall", "nan", "kill-saving")
+ACTIONS = ("kill", "kill-node", "term", "term2", "stall", "hold", "nan", "spike", "diverge",
+           "kill-saving")
+LOSS_ACTIONS = {"nan": float("nan"), "spike": 1000.0, "diverge": 1000.0}
+HOLD_S = 300
 
 
 def parse(spec: str, rank: int) -> tuple[str, int] | None:
@@ -41,6 +52,9 @@ def act(action: str, step: int) -> None:
     print(f"fault: {action} at step {step} ({time.time():.3f})", flush=True)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "kill-node":
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
     elif action in ("term", "term2"):
         os.kill(os.getpid(), signal.SIGTERM)
         if action == "term2":
@@ -53,12 +67,25 @@ def act(action: str, step: int) -> None:
             time.sleep(3600)
 
 
+def hold(stop) -> None:
+    """Waits until `stop` (a StopSignal) has caught a signal."""
+    print(f"fault: hold until a stop signal ({time.time():.3f})", flush=True)
+    deadline = time.monotonic() + HOLD_S
+    while not stop.requested and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def install(trainer) -> None:
-    """Wraps `trainer.train_step` with the fault DDPGPT_FAULT names for this rank, if any."""
-    fault = parse(os.environ["DDPGPT_FAULT"], trainer.env.rank)
-    if fault is None or not trainer.env.first_attempt:
+    """Wraps the trainer's step with the faults DDPGPT_FAULT names for this rank, if any."""
+    if not trainer.env.first_start:
         return
-    action, at = fault
+    for spec in os.environ["DDPGPT_FAULT"].split(","):
+        fault = parse(spec, trainer.env.rank)
+        if fault is not None:
+            _install(trainer, *fault)
+
+
+def _install(trainer, action: str, at: int) -> None:
     if action == "kill-saving":
         state_dict = trainer.state_dict
 
@@ -72,11 +99,15 @@ def install(trainer) -> None:
     step = trainer.train_step
 
     def faulty_step():
-        if trainer.step == at and action != "nan":
+        due = (trainer.loader.batch_index if action == "spike" else trainer.step) == at
+        if due and action == "hold":
+            hold(trainer.guard.signal)
+        elif due and action not in LOSS_ACTIONS:
             act(action, at)
         loss, norm = step()
-        if trainer.step == at and action == "nan":
-            loss = loss * float("nan")
+        if due and action in LOSS_ACTIONS:
+            print(f"fault: {action} at step {trainer.step + 1}", flush=True)
+            loss = loss * LOSS_ACTIONS[action]
         return loss, norm
 
     trainer.train_step = faulty_step

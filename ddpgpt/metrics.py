@@ -3,7 +3,8 @@
 metrics.jsonl holds one JSON object per logged step,
     {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s"}
 one per evaluation, {"step", "val_loss"}, and one per event a reader of the curves must know
-about, {"step", "event", ...} (a deliberate switch of dataset on resume). `step` counts optimizer
+about, {"step", "event", ...} (a deliberate switch of dataset on resume, a settings change, a
+rollback past a loss spike: spike.py). `step` counts optimizer
 steps completed (the row after the first step says 1); `tokens` is the global count so far;
 `tokens_per_s` is global, over the steps since the previous row; `mfu` is the model FLOPs per
 second per process divided by one device's peak. On resume the file is cut back to the
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -138,8 +140,25 @@ class Metrics:
             self._write({"step": step, "val_loss": val_loss})
             self.bar.write(f"step {step}: val_loss {val_loss:.4f}")
 
+    def write(self, line: str) -> None:
+        """A line on stderr (rank 0's) that does not tear the progress bar."""
+        if self.enabled:
+            self.bar.write(line, file=sys.stderr)
+
+    def rewind(self, step: int) -> None:
+        """Back to `step` (a rollback): the rows after it go, as on resume, and the bar with
+        them; the throughput is measured afresh from here."""
+        self.mark, self.mark_step = time.perf_counter(), step
+        if self.enabled:
+            self.file.close()
+            cut_log(self.path, step)
+            self.file = open(self.path, "a")
+            self.bar.n = step
+            self.bar.refresh()
+
     def log_event(self, step: int, event: str, **fields) -> None:
-        """Something a reader of the curves must know happened at `step` (a data switch)."""
+        """Something a reader of the curves must know happened at `step` (a data switch, a
+        rollback)."""
         if self.enabled:
             self._write({"step": step, "event": event, **fields})
 

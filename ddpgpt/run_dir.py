@@ -3,6 +3,8 @@
     runs/NAME/
       .lock              held (flock) by the run training into this directory; names its PID
                          and host
+      job.json           the launchers (elastic agents) of the job that trains here: a start is
+                         the job's first unless one of its launchers is listed (elastic.py)
       config.json        the resolved config (no `auto` left); `--nproc` workers start from it
       configs.jsonl      each start's config that differed from the one before, with its step
       data_meta.json     the dataset's meta.json, and tokenizer.json (bpe): `sample` needs only
@@ -24,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from ddpgpt.errors import UserError
+from ddpgpt.errors import UserError, warn
 from ddpgpt.files import WriteError, describe, replace_text
 
 
@@ -39,6 +41,10 @@ class RunDir:
 
     def __str__(self) -> str:
         return str(self.path)
+
+    @property
+    def job(self) -> Path:
+        return self.path / "job.json"
 
     @property
     def config(self) -> Path:
@@ -88,10 +94,27 @@ class RunDir:
             raise UserError(f"run dir {self.path}: cannot create it: {describe(e)}; give a "
                             "writable --run-dir") from None
 
-    def lock(self, allow_parent: bool = False) -> None:
+    def lock(self, allow_parent: bool = False, wait_s: float = 0.0) -> None:
         """Takes the run's lock, or raises RunDirBusy naming the holder. flock is advisory and
         dies with the process that holds it: a SIGKILLed run leaves no stale lock. With
-        `allow_parent`, a lock held by this process's parent (the `--nproc` launcher) will do."""
+        `allow_parent`, a lock held by this process's parent (the `--nproc` launcher) will do.
+        `wait_s`: how long to wait for a holder to let go (a job's restart: on a network
+        filesystem a dead node's lock is released only when its lease runs out)."""
+        deadline, warned = time.monotonic() + wait_s, False
+        while True:
+            try:
+                return self._lock(allow_parent)
+            except RunDirBusy:
+                if time.monotonic() >= deadline:
+                    raise
+                if not warned:
+                    warn(f"run dir {self.path} is locked by {self.holder()}; this restart waits "
+                         f"up to {wait_s:g} s for it to be released (a node that left holds it "
+                         "until its lease runs out)")
+                    warned = True
+                time.sleep(0.5)
+
+    def _lock(self, allow_parent: bool) -> None:
         self.create()
         try:
             fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
@@ -141,6 +164,21 @@ class RunDir:
             yield self
         finally:
             self.unlock()
+
+    # ---- which job trains here -------------------------------------------------------------
+
+    def known_launchers(self) -> set[str]:
+        """The launchers job.json lists: those of the job that trained here last."""
+        try:
+            return set(json.loads(self.job.read_text())["launchers"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return set()
+
+    def record_job(self, launchers: set[str], first_start: bool) -> None:
+        """job.json: this start's launchers, and on a restart also the job's earlier ones (a
+        node that left may come back under the same agent)."""
+        known = set() if first_start else self.known_launchers()
+        replace_text(self.job, json.dumps({"launchers": sorted(known | launchers)}) + "\n")
 
     # ---- what a run writes --------------------------------------------------------------------
 

@@ -26,10 +26,11 @@ import time
 
 import torch
 
-from ddpgpt import __version__, checkpoint, dist, optim, resume, sync
+from ddpgpt import __version__, checkpoint, dist, elastic, optim, resume, sync
 from ddpgpt.config import TrainConfig
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.errors import UserError
 from ddpgpt.evaluate import evaluate
 from ddpgpt.metrics import Metrics, peak_flops
 from ddpgpt.model import GPT
@@ -39,12 +40,14 @@ from ddpgpt.preflight import accum_steps, preflight, shared
 from ddpgpt.reliability import Guard, StopSignal, collective_failed, preempted, resume_hint
 from ddpgpt.run_dir import RunDir
 from ddpgpt.runtime import autocast, configure, grad_scaler, matmul_dtype
+from ddpgpt.spike import Spike, roll_back
 
 
 class Trainer:
     """The training state and the step. Whatever resumes lives here, each part with its own
     state_dict(): the model, the optimizer, the loss scaler, the loader's cursor, the guard's
-    count of skipped steps, the progress (step, elapsed time) and every rank's RNG."""
+    count of skipped steps and its spike detector, the progress (step, elapsed time) and every
+    rank's RNG."""
 
     def __init__(self, cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, guard: Guard,
                  local: bool = False):
@@ -109,7 +112,8 @@ class Trainer:
         return {"model": self.sync.model_state(),
                 "optimizer": self.sync.optimizer_state(self.optimizer),
                 "scaler": self.scaler.state_dict() if self.scaler else None,
-                "loader": self.loader.state_dict(), "guard": self.guard.state_dict(), "rng": rng,
+                "loader": self.loader.state_dict(), "guard": self.guard.state_dict(),
+                "spike": self.guard.spikes.state_dict(), "rng": rng,
                 "progress": {"step": self.step, "elapsed_s": self.elapsed_s}}
 
     def load_state_dict(self, state: dict, saved_world_size: int, new_data: bool = False) -> None:
@@ -124,6 +128,7 @@ class Trainer:
         if not new_data:
             self.loader.load_state_dict(state["loader"])
         self.guard.load_state_dict(state["guard"])
+        self.guard.spikes.load_state_dict(state.get("spike"))  # older checkpoints: none
         self.step = self.last_checkpoint = int(state["progress"]["step"])
         self._elapsed_before, self._started = (float(state["progress"]["elapsed_s"]),
                                                time.perf_counter())
@@ -136,10 +141,17 @@ class Trainer:
         else:  # another W: per-rank streams cannot carry over; fresh ones from (seed, step, rank)
             self._seed_rng(self.step)
 
-    def close(self) -> None:
+    def unwrap(self) -> None:
         """No DDP wrapper or hook may outlive the process group (see dist.shutdown)."""
-        self.sync.close()
+        if self.sync is not None:
+            self.sync.close()
         self.model = self.raw
+
+    def close(self) -> None:
+        """Unwrapped, and the model, optimizer and gradients let go: a rollback builds new ones,
+        and both at once may not fit on the device."""
+        self.unwrap()
+        self.raw = self.model = self.optimizer = self.sync = None
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -214,15 +226,18 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir) -> None:
-    cfg, env, total = trainer.cfg, trainer.env, trainer.cfg.run.steps
+def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir) -> Spike | None:
+    """Trains to run.steps; returns early with the Spike to roll back from, if one comes."""
+    cfg, env, total, guard = trainer.cfg, trainer.env, trainer.cfg.run.steps, trainer.guard
     while trainer.step < total:
         trainer.doing = f"step {trainer.step + 1}"
-        lr = lr_at(trainer.step, cfg.optim, total)
+        lr = lr_at(trainer.step, cfg.optim, total) * guard.spikes.lr_scale(trainer.step + 1)
         loss, norm = trainer.train_step()
-        health = trainer.guard.exchange(loss, norm, scaled=trainer.scaler is not None)
-        if health.bad:
-            trainer.guard.on_nonfinite(trainer.step + 1, health.bad, trainer.last_checkpoint)
+        health = guard.exchange(loss, norm, scaled=trainer.scaler is not None)
+        verdict = guard.judge(trainer.step + 1, health, trainer.last_checkpoint)
+        if isinstance(verdict, Spike):
+            return verdict
+        if verdict == "skip":
             trainer.skip_update()
         else:
             trainer.update(lr)
@@ -239,38 +254,19 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir) -> None:
                 trainer.doing = f"the checkpoint of step {trainer.step}"
                 save(trainer, run_dir, "stop" if health.stop else "scheduled")
         if health.stop and trainer.step < total:
-            raise preempted(trainer.step, trainer.guard.signal.name,
-                            checkpoint.step_dir(run_dir.checkpoints, trainer.step),
-                            resume_hint(cfg.run.resume, str(run_dir)), quiet=not env.is_main)
+            guard.settle_stop()
+            nodes = dist.elastic_nodes()
+            hint = resume_hint(cfg.run.resume, str(run_dir), bool(nodes and nodes[1] > nodes[0]))
+            raise preempted(trainer.step, guard.signal.name,
+                            checkpoint.step_dir(run_dir.checkpoints, trainer.step), hint,
+                            quiet=not env.is_main)
+    return None
 
 
 # ---- a run, from its config to its end -----------------------------------------------------------
 
-def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv,
-          dataset: TokenDataset) -> resume.Start:
-    """The run dir for this run, and where it starts. Rank 0 takes the lock (unless the `--nproc`
-    launcher that started it holds it), applies the first-start rules (--reset, or a roll-back
-    for --resume PATH) and removes temporaries of interrupted saves; then every rank chooses."""
-    def choose(verify: bool) -> resume.Start:
-        return resume.choose(cfg, run_dir, env.first_attempt, dataset.fingerprint, verify=verify,
-                             tokenizer=dataset.tokenizer_fingerprint)
-
-    def take() -> None:
-        run_dir.lock(allow_parent=True)
-        start = choose(verify=False)
-        if env.first_attempt and cfg.run.resume == "reset":
-            run_dir.reset()
-        elif start.set_aside:
-            run_dir.roll_back(start.set_aside, start.step)
-        checkpoint.remove_temporaries(run_dir.checkpoints)
-
-    dist.together(env, lambda: choose(verify=False))  # bad input fails before anything is written
-    dist.together(env, take, main_only=True)
-    return dist.together(env, lambda: choose(verify=True))
-
-
 def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: resume.Start,
-          guard: Guard) -> Trainer:
+          guard: Guard, announce: bool = True) -> Trainer:
     trainer = Trainer(cfg, env, dataset, guard)
     trainer.origin = start.origin
 
@@ -280,7 +276,7 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: res
             trainer.load_state_dict(state, start.meta["world_size"], start.data_switch)
 
     dist.together(env, restore)  # every rank calls it: ranks may disagree on the start (see agree)
-    if start.path is not None and env.is_main:
+    if start.path is not None and env.is_main and announce:
         print(f"resuming from {start.path} (step {trainer.step}, saved at world size "
               f"{start.meta['world_size']})", file=sys.stderr)
     # From scratch: what each rank built; resumed: the weights loaded (whole: fsdp2 gathers).
@@ -308,7 +304,11 @@ def run(cfg: TrainConfig) -> None:
     """Trains in this process: alone, as a torchrun worker, or as a `--nproc` worker."""
     # 1. Everything that needs no process group: batch arithmetic, the data, every `auto`.
     here = dist.detect()
-    cfg, dataset = preflight(cfg, here.world_size, here.local_world_size)
+    try:
+        cfg, dataset = preflight(cfg, here.world_size, here.local_world_size, dist.elastic_nodes())
+    except UserError as e:  # every rank finds it: one line per node
+        e.quiet = e.quiet or here.local_rank > 0
+        raise
     run_dir = RunDir(cfg.run.dir)
     run_dir.check_creatable()
     if here.world_size == 1 and not dist.under_launcher():  # one process: finished already?
@@ -325,16 +325,20 @@ def run(cfg: TrainConfig) -> None:
         configure(cfg.run.threads, env.device)
         if cfg.data.verify:  # each rank re-hashes a 1/W share of the shards
             dist.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
-        start = claim(run_dir, cfg, env, dataset)
+        start, env = elastic.claim(run_dir, cfg, env, dataset)
         cfg = resume.settle(cfg, start)
         lr_fields = "optim.lr or optim.muon_lr" if cfg.optim.name == "muon" else "optim.lr"
-        trainer = setup(cfg, env, dataset, start, Guard(env, cfg.run, stop, lr_fields))
+        guard = Guard(env, cfg.run, stop, lr_fields)
+        trainer = setup(cfg, env, dataset, start, guard)
         dist.together(env, lambda: write_run_files(run_dir, cfg, dataset, start.step),
                       main_only=True)
         metrics = open_metrics(trainer, run_dir, start)
         try:
             _install_faults(trainer)
-            loop(trainer, metrics, run_dir)
+            while (spike := loop(trainer, metrics, run_dir)) is not None:  # 3. train; a spike:
+                trainer = roll_back(trainer, spike, run_dir, start, metrics, lambda at: setup(
+                    cfg, env, dataset, at, guard, announce=False))  # rebuilt as on a restart
+                _install_faults(trainer)
         except dist.CollectiveError as e:
             raise collective_failed(e, env, trainer.doing, cfg.run.dist_timeout_s) from None
         finally:

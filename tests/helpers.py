@@ -177,10 +177,12 @@ def tiny_train_args(data: Path, run_dir: Path, steps: int = 6, **overrides) -> l
     return ["-m", "ddpgpt", "train"] + [str(x) for kv in args.items() for x in kv]
 
 
-def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32):
+def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32,
+                       batches: list[int] | None = None, lr_scale: list[float] | None = None):
     """The oracle for `tiny_train_args` runs: plain PyTorch, one process, the full global batch of
     step k (from the documented order) in one forward and one backward. Returns (losses,
-    weights)."""
+    weights). `batches[k]`: the global batch step k takes instead (a rollback skipped some);
+    `lr_scale[k]`: a factor on step k's learning rate."""
     import torch
 
     from ddpgpt.config import ModelConfig, OptimConfig
@@ -202,14 +204,14 @@ def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32):
                             lr=ocfg.lr, betas=(0.9, 0.95), eps=1e-8)
     losses = []
     for k in range(steps):
-        batch = torch.from_numpy(reference_step(stream, 1337, T, G, k))
+        batch = torch.from_numpy(reference_step(stream, 1337, T, G, batches[k] if batches else k))
         logits = model(batch[:, :-1])[0]
         loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)),
                                                  batch[:, 1:].reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for group in opt.param_groups:
-            group["lr"] = lr_at(k, ocfg, steps)
+            group["lr"] = lr_at(k, ocfg, steps) * (lr_scale[k] if lr_scale else 1.0)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
