@@ -81,6 +81,14 @@ class ModelConfig:
     """Biases in linear layers and LayerNorms (GPT-2 has them)."""
     dropout: float = 0.0
     """Dropout probability on attention, residual and embedding outputs (0 for pretraining)."""
+    vocab_limit: int = 0
+    """Ids from this one up to vocab_size are padding and get a logit of -inf: never predicted,
+    never trained. 0: every row is live (a fresh model learns to avoid its padding rows).
+    --init-from sets it to the weights' vocabulary."""
+    init_from: str = field(default="", metadata={"alias": "--init-from"})
+    """Start from pretrained weights instead of a random init: gpt2, gpt2-medium, gpt2-large,
+    gpt2-xl (Hugging Face hub), or a local transformers directory or .safetensors file. The shape
+    comes from the weights; a resumed run continues from its own checkpoints."""
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_embd", "block_size"):
@@ -90,6 +98,10 @@ class ModelConfig:
         _require(self.n_embd % self.n_head == 0,
                  f"model.n_head = {self.n_head} must divide model.n_embd = {self.n_embd}")
         _require(0 <= self.dropout < 1, f"model.dropout = {self.dropout} must be in [0, 1)")
+        _require(self.vocab_limit >= 0 and (not self.vocab_size
+                                            or self.vocab_limit <= self.vocab_size),
+                 f"model.vocab_limit = {self.vocab_limit} must be in [0, model.vocab_size = "
+                 f"{self.vocab_size}]")
 
 
 @dataclass
