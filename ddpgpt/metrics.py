@@ -2,7 +2,8 @@
 
 metrics.jsonl holds one JSON object per logged step,
     {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s"}
-one per evaluation, {"step", "val_loss"}, and one per event a reader of the curves must know
+one per evaluation, {"step", "val_loss", "val_bpb"} (bits per byte of the val text; absent for
+datasets prepared without byte counts), and one per event a reader of the curves must know
 about, {"step", "event", ...} (a deliberate switch of dataset on resume). `step` counts optimizer
 steps completed (the row after the first step says 1); `tokens` is the global count so far;
 `tokens_per_s` is global, over the steps since the previous row; `mfu` is the model FLOPs per
@@ -123,10 +124,14 @@ class Metrics:
         finally:
             self.mark += time.perf_counter() - start
 
-    def log_eval(self, step: int, val_loss: float) -> None:
+    def log_eval(self, step: int, val_loss: float, val_bpb: float | None = None) -> None:
         if self.enabled:
-            self._write({"step": step, "val_loss": val_loss})
-            self.bar.write(f"step {step}: val_loss {val_loss:.4f}")
+            row = {"step": step, "val_loss": val_loss}
+            if val_bpb is not None:
+                row["val_bpb"] = val_bpb
+            self._write(row)
+            self.bar.write(f"step {step}: val_loss {val_loss:.4f}"
+                           + ("" if val_bpb is None else f", val_bpb {val_bpb:.4f}"))
 
     def log_event(self, step: int, event: str, **fields) -> None:
         """Something a reader of the curves must know happened at `step` (a data switch)."""

@@ -30,6 +30,7 @@ from ddpgpt import __version__, checkpoint, dist, resume, sync
 from ddpgpt.config import TrainConfig
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.errors import warn
 from ddpgpt.evaluate import evaluate
 from ddpgpt.metrics import Metrics, peak_flops
 from ddpgpt.model import GPT
@@ -221,8 +222,9 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir) -> None:
                              None if health.bad else norm.item(), trainer.elapsed_s)
         with metrics.paused():
             if _due(trainer.step, cfg.run.eval_every, total):
-                metrics.log_eval(trainer.step,
-                                 evaluate(trainer.raw, trainer.val, env, trainer.autocast))
+                val_loss = evaluate(trainer.raw, trainer.val, env, trainer.autocast)
+                metrics.log_eval(trainer.step, val_loss,
+                                 trainer.dataset.bits_per_byte(val_loss))
             if _due(trainer.step, cfg.run.checkpoint_every, total) or health.stop:
                 save(trainer, run_dir, "stop" if health.stop else "scheduled")
         if health.stop and trainer.step < total:
@@ -332,6 +334,8 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
     peak = dist.all_reduce(env, torch.tensor(peak, device=env.device), op="max").item()
     if env.is_main:
         print(summary(trainer), file=sys.stderr)
+        if trainer.dataset.split_bytes is None:
+            warn(trainer.dataset.bytes_advice())
         if trainer.step >= cfg.run.steps:
             print(f"run {run_dir} is already at step {trainer.step} of {cfg.run.steps}; raise "
                   "run.steps to train further", file=sys.stderr)
