@@ -250,6 +250,12 @@ class RunConfig:
     last checkpoint stays intact) or skip (no update for that step, counted)."""
     max_skipped: int = 10
     """With on_nonfinite = skip: stop once this many steps have been skipped in the run."""
+    tracker: str = "none"
+    """Mirror metrics.jsonl to an experiment tracker, from rank 0: none, tensorboard (event files
+    in RUN/tensorboard/) or wandb (Weights & Biases; WANDB_MODE=offline logs to RUN/wandb/).
+    Needs the track extra. A resumed run continues the same tracker run."""
+    tracker_project: str = "ddpgpt"
+    """The W&B project the run is logged to (tracker = wandb)."""
 
     def __post_init__(self):
         _require(self.steps >= 1, f"run.steps = {self.steps} must be >= 1")
@@ -265,6 +271,7 @@ class RunConfig:
         _choice("run", "grad_compress", self.grad_compress, ("none", "bf16"))
         _choice("run", "precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _choice("run", "on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        _choice("run", "tracker", self.tracker, ("none", "tensorboard", "wandb"))
         _require(self.dist_timeout_s > 0, f"run.dist_timeout_s = {self.dist_timeout_s} must be > 0")
         _require(self.max_skipped >= 0, f"run.max_skipped = {self.max_skipped} must be >= 0")
 

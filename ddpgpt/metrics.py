@@ -76,11 +76,13 @@ def cut_log(path: Path, step: int) -> None:
 
 
 class Metrics:
-    """On rank 0: a tqdm bar (loss, tokens/s, ETA) and metrics.jsonl. Elsewhere: silent no-ops."""
+    """On rank 0: a tqdm bar (loss, tokens/s, ETA), metrics.jsonl and the tracker that mirrors it
+    (trackers.py), if any. Elsewhere: silent no-ops."""
 
     def __init__(self, enabled: bool, path: Path, start_step: int, total_steps: int,
-                 tokens_per_step: int, flops_per_token: float, peak: float, world_size: int):
-        self.enabled = enabled
+                 tokens_per_step: int, flops_per_token: float, peak: float, world_size: int,
+                 tracker=None):
+        self.enabled, self.tracker = enabled, tracker
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak_total = peak * world_size
         self.mark, self.mark_step = time.perf_counter(), start_step
@@ -98,6 +100,8 @@ class Metrics:
             self.file.flush()
         except OSError as e:
             raise WriteError(f"cannot write {self.path}: {describe(e)}") from None
+        if self.tracker is not None and "event" not in row:
+            self.tracker.log(row["step"], row)
 
     def log_step(self, step: int, loss: float | None, lr: float, grad_norm: float | None,
                  elapsed_s: float) -> dict:
@@ -142,3 +146,6 @@ class Metrics:
         if self.enabled:
             self.bar.close()
             self.file.close()
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from ddpgpt import dist
+from ddpgpt import dist, trackers
 from ddpgpt.config import ConfigError, TrainConfig
 from ddpgpt.data.loader import TokenStream, require_windows
 from ddpgpt.data.shards import TokenDataset
@@ -78,6 +78,7 @@ def preflight(cfg: TrainConfig, world_size: int,
               local_world_size: int) -> tuple[TrainConfig, TokenDataset]:
     """Batch arithmetic, the dataset and its fit to the model and the batch; the resolved config."""
     accum_steps(cfg, world_size)
+    trackers.check(cfg.run.tracker)
     dataset = TokenDataset(cfg.data.dir)
     cfg = resolve(cfg, dataset, local_world_size)
     check_windows(cfg, dataset)

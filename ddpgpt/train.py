@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from ddpgpt import __version__, checkpoint, dist, resume, sync
+from ddpgpt import __version__, checkpoint, dist, resume, sync, trackers
 from ddpgpt.config import TrainConfig
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
@@ -339,9 +339,13 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         if trainer.step >= cfg.run.steps:
             print(f"run {run_dir} is already at step {trainer.step} of {cfg.run.steps}; raise "
                   "run.steps to train further", file=sys.stderr)
+    # Rank 0 alone talks to the tracker; a tracker that cannot start stops every rank.
+    tracker = dist.together(env, lambda: trackers.open_tracker(
+        cfg.run.tracker, run_dir.path, cfg.to_dict(), trainer.step, cfg.run.tracker_project),
+        main_only=True)
     metrics = Metrics(env.is_main, run_dir.metrics, trainer.step, cfg.run.steps,
                       cfg.data.global_batch * cfg.seq_len, trainer.raw.flops_per_token(cfg.seq_len),
-                      peak, env.world_size)
+                      peak, env.world_size, tracker)
     if start.data_switch:
         metrics.log_event(trainer.step, "data_switch", checkpoint=str(start.path),
                           old=start.meta["data_fingerprint"], new=trainer.dataset.fingerprint,
