@@ -8,6 +8,7 @@
     ddpgpt doctor [--nproc N]                      environment and all-reduce probe (doctor.py)
     ddpgpt bench [--nproc N] [--sync MODES]        what each sync mode costs (bench.py)
     ddpgpt plot RUN [RUN ...] [--out FILE.png]     loss curves and tokens/s of runs (plot.py)
+    ddpgpt export --run-dir DIR --out DIR          a checkpoint for transformers (export.py)
 
 Flags are generated from the config dataclasses (config_io.py), so `--help` shows each field's
 docstring. Bad input (unknown flag, bad value, missing data) is one line on stderr and exit code
@@ -26,6 +27,7 @@ from ddpgpt.config import (
     BenchConfig,
     DoctorConfig,
     EvalConfig,
+    ExportConfig,
     PlotConfig,
     PrepareConfig,
     SampleConfig,
@@ -82,7 +84,9 @@ def _build_parser() -> argparse.ArgumentParser:
                              ("bench", BenchConfig,
                               "measure each gradient-sync mode: time, bytes, memory"),
                              ("plot", PlotConfig,
-                              "draw runs' loss curves and tokens/s into one PNG")):
+                              "draw runs' loss curves and tokens/s into one PNG"),
+                             ("export", ExportConfig,
+                              "write a checkpoint as a Hugging Face transformers directory")):
         add_flags(sub.add_parser(name, help=help_, description=help_, allow_abbrev=False), cls)
     return parser
 
@@ -143,6 +147,9 @@ def dispatch(argv: list[str]) -> None:
     elif ns.command == "plot":
         from ddpgpt import plot
         plot.run(flat_config(PlotConfig, values))
+    elif ns.command == "export":
+        from ddpgpt import export
+        export.run(flat_config(ExportConfig, values))
     elif ns.command == "doctor":
         from ddpgpt import doctor
         doctor.run(flat_config(DoctorConfig, values))

@@ -327,6 +327,9 @@ class SampleConfig:
     """Sampling seed."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
+    cache: bool = True
+    """Keep keys and values between tokens (a KV cache): each token costs the same whatever the
+    length. --no-cache re-encodes the context for every token: the same tokens, slower."""
 
     def __post_init__(self):
         _require(self.max_new_tokens >= 1, f"--max-new-tokens {self.max_new_tokens} must be >= 1")
@@ -366,6 +369,24 @@ class EvalConfig:
     def __post_init__(self):
         _require(self.windows >= -1, f"--windows {self.windows} must be >= -1")
         _choice("eval", "device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class ExportConfig:
+    """`ddpgpt export`: a run's checkpoint as a Hugging Face transformers directory."""
+
+    run_dir: str = field(default="runs/default", metadata={"alias": "--run"})
+    """Run directory to export from."""
+    step: int = 0
+    """The checkpoint's step; 0: the newest complete one."""
+    out: str | None = None
+    """Directory to write (config.json, model.safetensors, generation_config.json, the tokenizer);
+    written beside it under a temporary name and renamed when complete."""
+    force: bool = False
+    """Replace a non-empty --out (the old one is removed only after the new one is in place)."""
+
+    def __post_init__(self):
+        _require(self.step >= 0, f"--step {self.step} must be >= 0 (0: the newest checkpoint)")
 
 
 @dataclass

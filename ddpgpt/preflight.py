@@ -80,6 +80,11 @@ def preflight(cfg: TrainConfig, world_size: int,
     accum_steps(cfg, world_size)
     trackers.check(cfg.run.tracker)
     dataset = TokenDataset(cfg.data.dir)
+    if cfg.model.init_from:
+        from ddpgpt.init_from import check_tokenizer, locate
+
+        check_tokenizer(cfg, dataset)
+        locate(cfg.model.init_from)  # a hub name is downloaded here, once, before any worker
     cfg = resolve(cfg, dataset, local_world_size)
     check_windows(cfg, dataset)
     return cfg, dataset

@@ -267,6 +267,9 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: res
         if start.path is not None:
             state = checkpoint.load(start.path, start.meta)
             trainer.load_state_dict(state, start.meta["world_size"], start.data_switch)
+        elif cfg.model.init_from:  # a fresh start from pretrained weights; restarts resume
+            from ddpgpt.init_from import load_into
+            load_into(trainer.raw, cfg.model.init_from)
 
     dist.together(env, restore)  # every rank calls it: ranks may disagree on the start (see agree)
     if start.path is not None and env.is_main:
@@ -285,9 +288,11 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: res
                                     "every node must see the same prepared dataset in data.dir"),
         "the ddpgpt and torch versions": (dist.digest(__version__, torch.__version__),
                                           "install the same versions on every node"),
-        "the parameters before training": (weights,
-                                          "every rank must build the model from the same seed "
-                                          "(run.seed); do not seed ranks differently before init"),
+        "the parameters before training": (weights, (
+            f"every rank must read the same --init-from {cfg.model.init_from} (put it on a "
+            "filesystem every node shares)" if cfg.model.init_from and start.path is None else
+            "every rank must build the model from the same seed (run.seed); do not seed ranks "
+            "differently before init")),
     })
     return trainer
 
