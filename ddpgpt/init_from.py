@@ -162,30 +162,31 @@ def apply_shape(cfg: TrainConfig, explicit: dict[str, str]) -> TrainConfig:
     return dataclasses.replace(cfg, model=model)
 
 
-def weights_tokenizer(spec: str) -> str | None:
+ASSUMED_GPT2 = "no tokenizer files beside the weights; their 50,257 ids taken for GPT-2's"
+
+
+def weights_tokenizer(spec: str) -> tuple[str | None, str]:
     """The fingerprint (data.tokenizer.fingerprint) of the tokenizer the weights were trained
-    with, or None when nothing beside them says."""
+    with, or None when nothing beside them says; and a note when it is an assumption."""
     if spec in gpt2.HUB:
-        return "gpt2"
+        return "gpt2", ""
     path = Path(spec)
     folder = path if path.is_dir() else path.parent
     config = _config(path) or {}
     marker = (config.get("ddpgpt") or {}).get("tokenizer")
     if marker:
-        return marker
+        return marker, ""
     vocab = _vocab(folder)
     if vocab is not None:
         if len(vocab) == gpt2.GPT2_VOCAB and vocab.get("<|endoftext|>") == gpt2.GPT2_VOCAB - 1 \
                 and vocab.get(GPT2_THE[0]) == GPT2_THE[1]:
-            return "gpt2"
+            return "gpt2", ""
         if (folder / "tokenizer.json").is_file():
-            return fingerprint("bpe", folder)
-        return None
+            return fingerprint("bpe", folder), ""
+        return None, ""
     if weights_shape(spec)["vocab"] == gpt2.GPT2_VOCAB:
-        warn(f"--init-from {spec}: no tokenizer files beside the weights; taking their 50,257-id "
-             "vocabulary for GPT-2's")
-        return "gpt2"
-    return None
+        return "gpt2", ASSUMED_GPT2
+    return None, ""
 
 
 def _vocab(folder: Path) -> dict | None:
@@ -206,7 +207,7 @@ def _vocab(folder: Path) -> dict | None:
 def check_tokenizer(cfg: TrainConfig, dataset) -> None:
     """The dataset was made with the tokenizer of the --init-from weights, or one line."""
     spec = cfg.model.init_from
-    theirs, ours = weights_tokenizer(spec), dataset.tokenizer_fingerprint
+    (theirs, note), ours = weights_tokenizer(spec), dataset.tokenizer_fingerprint
     if theirs is None:
         raise UserError(f"--init-from {spec}: no tokenizer beside the weights (tokenizer.json or "
                         "vocab.json) tells what their ids mean; put the one they were trained "
@@ -214,9 +215,11 @@ def check_tokenizer(cfg: TrainConfig, dataset) -> None:
     if theirs != ours:
         how = ("prepare the data with --tokenizer gpt2" if theirs == "gpt2" else
                f"prepare the data with the tokenizer saved in {spec}")
-        raise UserError(f"--init-from {spec}: the weights' tokenizer ({_short(theirs)}) is not "
-                        f"the one of data.dir = {cfg.data.dir} ({_short(ours)}): its ids would "
-                        f"mean other text; {how}")
+        raise UserError(f"--init-from {spec}: the weights' tokenizer ({_short(theirs)}"
+                        f"{'; ' + note if note else ''}) is not the one of data.dir = "
+                        f"{cfg.data.dir} ({_short(ours)}): its ids would mean other text; {how}")
+    if note:
+        warn(f"--init-from {spec}: {note}")
 
 
 def _short(fp: str) -> str:

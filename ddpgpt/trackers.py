@@ -61,9 +61,9 @@ class TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
-        # purge_step: TensorBoard drops events at or after it from earlier files (a crashed
-        # run's rows past the checkpoint this run resumes from).
-        self.writer = SummaryWriter(str(log_dir), purge_step=start_step or None)
+        # purge_step: TensorBoard drops events at or after it from earlier files: a crashed
+        # run's rows past the checkpoint this run resumes from (metrics.jsonl keeps start_step).
+        self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None)
         if start_step == 0:
             for summary in hparams(flat(config), {"val_loss": 0.0}):
                 self.writer.file_writer.add_summary(summary)
