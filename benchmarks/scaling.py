@@ -2,17 +2,18 @@
 
     python -m benchmarks.scaling [--world 8] [--out docs/scaling.png]
 
-Prints the README's "Scaling out" tables and draws them. Everything here is a formula; the inputs
-are stated, and the only measured one is the compute speed (the H100 figure in README's
-Performance table). For each model (gpt2-124m, gpt2-350m, and a 1.3B config of GPT-3 XL's shape:
+Prints the "Scaling out" tables of docs/sync.md and draws them. Everything here is a formula; the
+inputs are stated, and the only measured one is the compute speed (the H100 figure in
+docs/performance.md). For each model (gpt2-124m, gpt2-350m, and a 1.3B config of GPT-3 XL's shape:
 24 layers, 2048 wide, 16 heads), at W ranks with G = 512 sequences of 1024 tokens per step:
 
 - bytes each rank sends per step: `ddpgpt.bench.sent_bytes`, the ring formulas `ddpgpt bench`
   prints (fp32 gradients and parameters, or bf16 gradients with --run.grad-compress bf16);
 - the time that takes at a per-rank bus bandwidth of 450 GB/s (NVLink 4, one H100 node),
   50 GB/s (a 400 Gb/s InfiniBand NIC per GPU) and 12.5 GB/s (100 Gb/s Ethernet per GPU);
-- the compute time per step: the model's training FLOPs for the rank's G·T/W tokens at 420 TFLOP/s
-  (42.5% of the H100's 989 TFLOP/s bf16 peak: what gpt2-124m measured, compiled);
+- the compute time per step: the model's training FLOPs for the rank's G·T/W tokens at 405 TFLOP/s
+  (40.9% of the H100's 989 TFLOP/s bf16 peak: what gpt2-124m measured, compiled, b=64, in
+  docs/performance.md);
 - the exposed share: the part of the communication that no computation hides, over the step. The
   ring's work is modelled per mode as ddpgpt schedules it: ddp and allreduce all-reduce during
   the last micro-step's backward (2/3 of a micro-step's compute); rs-ag reduce-scatters there and
@@ -48,7 +49,7 @@ MODELS = {  # name: (shape, micro-batch b a GPU fits, as the presets choose)
     "1.3B": (dict(n_layer=24, n_head=16, n_embd=2048), 4),
 }
 FABRICS = {"NVLink 450 GB/s": 450e9, "InfiniBand 400 Gb/s": 50e9, "Ethernet 100 Gb/s": 12.5e9}
-SEQUENCES, T, FLOPS = 512, 1024, 0.425 * 989e12
+SEQUENCES, T, FLOPS = 512, 1024, 0.409 * 989e12
 GPU_BYTES = 70e9
 
 

@@ -22,17 +22,21 @@ bench.png.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from ddpgpt import dist, launch
-from ddpgpt.config import BenchConfig
+from ddpgpt.config import BenchConfig, TrainConfig
 from ddpgpt.config_io import build
+from ddpgpt.data.shards import TokenDataset
+from ddpgpt.errors import UserError
+from ddpgpt.files import describe
 from ddpgpt.optim import lr_at
 from ddpgpt.preflight import preflight
 from ddpgpt.reliability import Guard, StopSignal
@@ -73,12 +77,37 @@ def time_steps(trainer: Trainer, warmup: int, steps: int) -> tuple[list[float], 
     return times, held
 
 
-def measure(cfg: BenchConfig, env: dist.DistEnv, mode: str | None, run_dir: str) -> dict:
-    """One mode (None: no collective at all) on a fresh trainer: its step times."""
+def train_config(cfg: BenchConfig, world: int, local: int, mode: str | None,
+                 device: str) -> tuple[TrainConfig, TokenDataset]:
+    """The training config one mode is measured with (None: no collective at all), resolved and
+    checked like `train`'s. Nothing is written: the run dir is never created."""
     flags = {"data": {"dir": cfg.data, "verify": False},
-             "run": {"dir": run_dir, "device": env.device.type, "sync": mode or "ddp"}}
-    train_cfg, dataset = preflight(build(cfg.preset, cfg.config, flags), env.world_size,
-                                   env.local_world_size)
+             "run": {"dir": "bench-run", "device": device, "sync": mode or "ddp"}}
+    return preflight(build(cfg.preset, cfg.config, flags), world, local)
+
+
+def check(cfg: BenchConfig, world: int, local: int) -> Path:
+    """Everything bench can know before measuring, once, where it is started (the `--nproc`
+    launcher, or this process): every mode's config at this world size, and the output
+    directory (created here). Bad input is one line before any worker starts."""
+    for mode in [None, *cfg.sync.split(",")]:
+        train_config(cfg, world, local, mode, cfg.device)
+    out = Path(cfg.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".bench-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write there: {describe(e)}; give a directory you "
+                        "can write to") from None
+    return out
+
+
+def measure(cfg: BenchConfig, env: dist.DistEnv, mode: str | None) -> dict:
+    """One mode (None: no collective at all) on a fresh trainer: its step times."""
+    train_cfg, dataset = train_config(cfg, env.world_size, env.local_world_size, mode,
+                                      env.device.type)
     configure(train_cfg.run.threads, env.device)
     guard = Guard(env, train_cfg.run, StopSignal(announce=False))
     trainer = Trainer(train_cfg, env, dataset, guard)
@@ -94,12 +123,20 @@ def measure(cfg: BenchConfig, env: dist.DistEnv, mode: str | None, run_dir: str)
     trainer.unwrap()
     return {"mode": mode or "no sync", "runs_as": runs_as, "times": times,
             "sent_bytes": sent_bytes(mode, n, env.world_size, trainer.accum, False) if mode else 0,
-            "memory": held, "accum": trainer.accum, "params": n}
+            "memory": held, "accum": trainer.accum, "params": n,
+            "model": describe_model(train_cfg, trainer.raw.num_params(non_embedding=False))}
+
+
+def describe_model(cfg: TrainConfig, params: int) -> str:
+    """What was measured, whatever preset or file set it: shape, size and optimizer."""
+    m = cfg.model
+    return f"{m.n_layer} layers × {m.n_embd} wide, {params / 1e6:.2f}M parameters, {cfg.optim.name}"
 
 
 def run(cfg: BenchConfig) -> None:
     if cfg.nproc:
         launch.check_nproc(cfg.nproc, cfg.device)
+        check(cfg, cfg.nproc, cfg.nproc)
         args = ["bench"]
         for key, value in vars(cfg).items():
             flag = key.replace("_", "-")
@@ -108,45 +145,94 @@ def run(cfg: BenchConfig) -> None:
             elif key != "nproc" and value is not None:
                 args.append(f"--{flag}={value}")
         sys.exit(launch.start(cfg.nproc, args)[0])
+    modes = [None, *cfg.sync.split(",")]
     with dist.session(cfg.device, group_at_one=cfg.group) as env, \
-            tempfile.TemporaryDirectory() as run_dir:
-        modes = [None, *cfg.sync.split(",")]
-        rounds = [[measure(cfg, env, mode, run_dir) for mode in modes]
-                  for _ in range(cfg.repeats)]
-        rows = rounds[-1]
-        for i, row in enumerate(rows):
-            row["step_s"] = statistics.median(t for r in rounds for t in r[i]["times"])
-        for row in rows:
-            del row["times"]
-        # A step is as slow as its slowest rank: report the maximum over ranks.
-        slowest = dist.all_reduce(env, torch.tensor([r["step_s"] for r in rows]), op="max")
-        for row, step_s in zip(rows, slowest.tolist()):
-            row["step_s"], row["exposed_s"] = step_s, max(0.0, step_s - slowest[0].item())
+            StopSignal(announce=False) as stop:
+        dist.together(env, lambda: check(cfg, env.world_size, env.local_world_size))
         if env.is_main:
-            report(cfg, env, rows)
+            print(f"ddpgpt bench: measuring {len(modes)} modes ({', '.join(cfg.sync.split(','))} "
+                  f"and no sync) × {cfg.repeats} round{'s' if cfg.repeats > 1 else ''} on "
+                  f"{env.world_size} process{'es' if env.world_size > 1 else ''}; Ctrl-C stops "
+                  "after the mode being measured and reports what was", file=sys.stderr,
+                  flush=True)
+        measured: dict[str | None, list[dict]] = {}
+        for _ in range(cfg.repeats):
+            for mode in modes:
+                measured.setdefault(mode, []).append(measure(cfg, env, mode))
+                if agreed_stop(env, stop):
+                    break
+            else:
+                continue
+            break
+        rows = summarize(env, measured)
+        if env.is_main:
+            report(cfg, env, rows, stopped=stop.name if stop.requested else None,
+                   total=len(modes))
+        if stop.requested:
+            raise BenchStopped(f"bench stopped by {stop.name or 'a signal to another rank'} "
+                               f"after measuring {len(measured)} of {len(modes)} modes; the "
+                               f"table above and {Path(cfg.out) / 'bench.json'} hold them",
+                               quiet=not env.is_main, signum=stop.signum)
 
 
-def report(cfg: BenchConfig, env: dist.DistEnv, rows: list[dict]) -> None:
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    where = {"world_size": env.world_size, "device": env.device.type, "backend": env.backend,
-             "preset": cfg.preset, "config": cfg.config, "torch": torch.__version__,
-             "steps": cfg.steps, "repeats": cfg.repeats}
-    (out / "bench.json").write_text(json.dumps({**where, "rows": rows}, indent=1) + "\n")
+class BenchStopped(UserError):
+    """Stopped by a signal after the mode being measured; what was measured is reported."""
+
+    label = "stopped"
+
+    def __init__(self, message: str, quiet: bool, signum: int | None):
+        super().__init__(message, quiet=quiet)
+        self.exit_code = 128 + (signum or signal.SIGTERM)
+
+
+def agreed_stop(env: dist.DistEnv, stop: StopSignal) -> bool:
+    """Whether any rank was asked to stop: every rank leaves after the same mode."""
+    flag = torch.tensor([float(stop.requested)], device=env.device)
+    return bool(dist.all_reduce(env, flag, op="max").item())
+
+
+def summarize(env: dist.DistEnv, measured: dict) -> list[dict]:
+    """One row per mode measured: the median step over its rounds, of the slowest rank (a step
+    is as slow as its slowest rank), and what is exposed against no sync."""
+    rows = []
+    for results in measured.values():
+        row = {k: v for k, v in results[-1].items() if k != "times"}
+        row["step_s"] = statistics.median(t for r in results for t in r["times"])
+        rows.append(row)
+    slowest = dist.all_reduce(env, torch.tensor([r["step_s"] for r in rows]), op="max")
+    for row, step_s in zip(rows, slowest.tolist()):
+        row["step_s"], row["exposed_s"] = step_s, max(0.0, step_s - slowest[0].item())
+    return rows
+
+
+def report(cfg: BenchConfig, env: dist.DistEnv, rows: list[dict], stopped: str | None = None,
+           total: int = 0) -> None:
+    """The table first (it survives a failed write), then bench.json and bench.png."""
     mb = 2**20
+    what = cfg.preset + (f" + {cfg.config}" if cfg.config else "")
     print(f"ddpgpt bench: {env.world_size} process{'es' if env.world_size > 1 else ''}, "
-          f"{env.device.type} ({env.backend or 'no group'}), preset {cfg.preset}, "
-          f"A={rows[0]['accum']}, {rows[0]['params'] / 1e6:.2f}M parameters; medians of "
-          f"{cfg.steps * cfg.repeats} steps" + (f" in {cfg.repeats} rounds" if cfg.repeats > 1
-                                                else ""))
+          f"{env.device.type} ({env.backend or 'no group'}), {what}: {rows[0]['model']}, "
+          f"A={rows[0]['accum']}; medians of {cfg.steps * cfg.repeats} steps"
+          + (f" in {cfg.repeats} rounds" if cfg.repeats > 1 else "")
+          + (f"; stopped by {stopped} after {len(rows)} of {total} modes" if stopped else ""))
     print(f"{'mode':10s} {'step ms':>9s} {'exposed ms':>11s} {'sent MB/step':>13s} "
           f"{'params MB':>10s} {'grads MB':>9s} {'state MB':>9s}")
     for r in rows:
         m = r["memory"]
         print(f"{r['mode']:10s} {r['step_s'] * 1e3:9.1f} {r['exposed_s'] * 1e3:11.1f} "
               f"{r['sent_bytes'] / mb:13.2f} {m['params'] / mb:10.2f} {m['grads'] / mb:9.2f} "
-              f"{m['state'] / mb:9.2f}")
-    png = plot(rows, out / "bench.png", f"W={env.world_size}, {env.device.type}, {cfg.preset}")
+              f"{m['state'] / mb:9.2f}", flush=True)
+    out = Path(cfg.out)
+    where = {"world_size": env.world_size, "device": env.device.type, "backend": env.backend,
+             "preset": cfg.preset, "config": cfg.config, "model": rows[0]["model"],
+             "torch": torch.__version__, "steps": cfg.steps, "repeats": cfg.repeats,
+             "stopped_by": stopped}
+    try:
+        (out / "bench.json").write_text(json.dumps({**where, "rows": rows}, indent=1) + "\n")
+        png = plot(rows, out / "bench.png", f"W={env.world_size}, {env.device.type}, {what}")
+    except OSError as e:
+        raise UserError(f"cannot write the results into --out {out}: {describe(e)}; the table "
+                        "above holds them") from None
     print(f"wrote {out / 'bench.json'}" + (f" and {png}" if png else
                                            " (no chart: pip install 'ddpgpt[plot]' for bench.png)"))
 

@@ -45,21 +45,23 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{where + ': ' if where else ''}{message} (see --help)")
 
 
-TRAIN_OPTIONS = ("preset", "config", "nproc", "max_restarts", "reset", "resolved_config")
+TRAIN_OPTIONS = ("preset", "config", "nproc", "max_restarts", "reset", "resolved_config",
+                 "print_config")
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
+    """`shown`: the config whose values `train --help` lists as defaults (a preset's)."""
     parser = _Parser(prog="ddpgpt", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("prepare", help="turn a corpus into token shards", allow_abbrev=False,
-                       description="Turn a text corpus into token shards (see README: Data).")
+                       description="Turn a text corpus into token shards (docs/usage.md: Data).")
     add_flags(p, PrepareConfig)
 
     t = sub.add_parser("train", help="train a model (one process, --nproc N, or under torchrun)",
                        allow_abbrev=False,
-                       description="Train a GPT with data parallelism (see README).")
+                       description="Train a GPT with data parallelism (docs/usage.md).")
     t.add_argument("--preset", help="named config: tiny, small, gpt2-124m, gpt2-350m")
     t.add_argument("--config", help="TOML file with [model] [data] [optim] [run] sections")
     t.add_argument("--nproc", type=int,
@@ -73,8 +75,12 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resolved-config", metavar="CONFIG_JSON",
                    help="start from a run's resolved config.json and nothing else (what --nproc "
                         "workers do)")
+    t.add_argument("--print-config", action="store_true",
+                   help="print the config this command would train with, every `auto` resolved "
+                        "(for the dataset, --nproc and the run dir's checkpoint), as TOML that "
+                        "--config reads; then exit")
     for section, cls in SECTIONS.items():
-        add_flags(t, cls, section)
+        add_flags(t, cls, section, getattr(shown, section) if shown else None)
 
     for name, cls, help_ in (("sample", SampleConfig,
                               "generate text from a run's latest checkpoint"),
@@ -118,11 +124,91 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
                                 "other; give one")
             values["run.resume"] = "reset"
         cfg = build(options["preset"], options["config"], nest(values))
+    if options["print_config"]:
+        print_config(cfg, options["nproc"])
+        sys.exit(0)
     return cfg, options["nproc"], options["max_restarts"] or 0
 
 
+def print_config(cfg: TrainConfig, nproc: int | None) -> None:
+    """What `train` would run with, as TOML. Every `auto` is resolved as the run would resolve
+    it; without the dataset, the values that depend on it stay as given, and a comment says so."""
+    from ddpgpt import dist, resume
+    from ddpgpt.config_io import to_toml
+    from ddpgpt.errors import DataError
+    from ddpgpt.preflight import preflight
+    from ddpgpt.run_dir import RunDir
+
+    here = dist.detect()
+    world = nproc or here.world_size
+    try:
+        cfg, dataset = preflight(cfg, world, nproc or here.local_world_size)
+    except DataError as e:
+        print(f"# not resolved (model.vocab_size, data.seq_len, run.*: auto): {e}")
+    else:
+        start = resume.choose(cfg, RunDir(cfg.run.dir), True, dataset.fingerprint, verify=False,
+                              tokenizer=dataset.tokenizer_fingerprint)
+        cfg = resume.settle(cfg, start)
+        where = f"resuming {start.path}" if start.path else "from scratch"
+        print(f"# resolved for {world} process{'es' if world > 1 else ''}, {where}")
+    print(to_toml(cfg), end="")
+
+
+TRUE, FALSE = ("true", "yes", "1"), ("false", "no", "0")
+
+
+def bool_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--model.bias false` and `--model.bias=false` (what a config file's `bias = false` reads
+    like) as `--no-model.bias`; `true` as the bare flag. argparse's boolean flags take no value
+    and would report only "unrecognized arguments: false"."""
+    sub = next((a.choices.get(argv[0]) for a in parser._actions
+                if isinstance(a, argparse._SubParsersAction) and argv), None)
+    if sub is None:
+        return argv
+    negative = {}
+    for action in sub._actions:
+        if isinstance(action, argparse.BooleanOptionalAction):
+            positive = [o for o in action.option_strings if not o.startswith("--no-")]
+            for flag in positive:
+                negative[flag] = "--no-" + positive[-1][2:]
+    out, i = [], 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag in negative and not eq and i + 1 < len(argv):
+            value = argv[i + 1]
+            eq = value.lower() in TRUE + FALSE
+            i += eq
+        if flag in negative and eq:
+            if value.lower() not in TRUE + FALSE:
+                raise UserError(f"{flag}: expected true or false, got {value!r} (or write "
+                                f"{flag} / {negative[flag]})")
+            out.append(flag if value.lower() in TRUE else negative[flag])
+        else:
+            out.append(argv[i])
+        i += 1
+    return out
+
+
+def help_defaults(argv: list[str]) -> TrainConfig | None:
+    """`train --preset tiny --help` lists the preset's values (and a --config file's) as the
+    defaults, not the dataclasses'."""
+    if argv[:1] != ["train"] or not {"-h", "--help"} & set(argv):
+        return None
+    found = {}
+    for i, arg in enumerate(argv):
+        for name in ("--preset", "--config"):
+            if arg == name and i + 1 < len(argv):
+                found[name] = argv[i + 1]
+            elif arg.startswith(name + "="):
+                found[name] = arg.split("=", 1)[1]
+    if not found:
+        return None
+    return build(found.get("--preset"), found.get("--config"), {})
+
+
 def dispatch(argv: list[str]) -> None:
-    ns = _build_parser().parse_args(argv)
+    parser = _build_parser(help_defaults(argv))
+    ns = parser.parse_args(bool_values(parser, argv))
     values = {k: v for k, v in vars(ns).items() if k not in ("command", "debug")}
     if ns.command == "prepare":
         from ddpgpt.data import prepare

@@ -9,11 +9,14 @@ exists; a bad one is a `ConfigError`: one line naming the field, the source and 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from ddpgpt.errors import UserError
 
 SYNC_MODES = ("ddp", "allreduce", "rs-ag", "zero1", "fsdp2")  # see ddpgpt/sync/
+MAX_BUCKET_MB = 65536     # 64 GiB: larger than any device's memory, far below an int overflow
+MAX_TIMEOUT_S = 1_000_000  # ~11.6 days: longer waits overflow the backends' timeouts
 
 
 class ConfigError(UserError):
@@ -23,6 +26,17 @@ class ConfigError(UserError):
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(f"invalid config: {message}")
+
+
+def _finite(obj, prefix: str) -> None:
+    """Every float field a finite number: inf or nan passes a `> 0` check and fails much later
+    (an overflow deep inside DDP, a NaN loss), after files were written."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float):
+            name = (f"--{f.name.replace('_', '-')} {value}" if prefix == "--"
+                    else f"{prefix}{f.name} = {value}")
+            _require(math.isfinite(value), f"{name} must be a finite number")
 
 
 def _choice(section: str, name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -56,6 +70,7 @@ class PrepareConfig:
     sha256)."""
 
     def __post_init__(self):
+        _finite(self, "--")
         _choice("prepare", "tokenizer", self.tokenizer, ("bpe", "byte", "gpt2"))
         _require(0 < self.val_fraction < 1,
                  f"--val-fraction {self.val_fraction} must be between 0 and 1")
@@ -91,6 +106,7 @@ class ModelConfig:
     comes from the weights; a resumed run continues from its own checkpoints."""
 
     def __post_init__(self):
+        _finite(self, "model.")
         for name in ("n_layer", "n_head", "n_embd", "block_size"):
             _require(getattr(self, name) >= 1, f"model.{name} = {getattr(self, name)} must be >= 1")
         _require(self.vocab_size >= 0,
@@ -153,6 +169,11 @@ class OptimConfig:
     """Learning rate at the end of the cosine decay (run.steps)."""
     warmup_steps: int = 20
     """Steps of linear warmup from 0 to lr."""
+    decay_steps: int = 0
+    """Length of the schedule in steps, warmup included: lr follows a cosine down to min_lr at
+    this step and stays there after. 0: run.steps at the run's first start, then kept when the
+    run resumes, so raising run.steps to train further goes on at min_lr rather than re-shaping
+    the cosine mid-run (set it to re-shape the schedule on purpose)."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices and embeddings only (not biases or norms)."""
     beta1: float = 0.9
@@ -176,11 +197,14 @@ class OptimConfig:
     """Newton-Schulz iterations per Muon update."""
 
     def __post_init__(self):
+        _finite(self, "optim.")
         _choice("optim", "name", self.name, ("adamw", "muon"))
         _require(self.lr > 0, f"optim.lr = {self.lr} must be > 0")
         _require(0 <= self.min_lr <= self.lr,
                  f"optim.min_lr = {self.min_lr} must be in [0, optim.lr = {self.lr}]")
         _require(self.warmup_steps >= 0, f"optim.warmup_steps = {self.warmup_steps} must be >= 0")
+        _require(self.decay_steps >= 0,
+                 f"optim.decay_steps = {self.decay_steps} must be >= 0 (0: run.steps)")
         _require(self.weight_decay >= 0, f"optim.weight_decay = {self.weight_decay} must be >= 0")
         for name in ("beta1", "beta2"):
             _require(0 <= getattr(self, name) < 1,
@@ -258,13 +282,16 @@ class RunConfig:
     """The W&B project the run is logged to (tracker = wandb)."""
 
     def __post_init__(self):
+        _finite(self, "run.")
         _require(self.steps >= 1, f"run.steps = {self.steps} must be >= 1")
         _require(self.log_every >= 1, f"run.log_every = {self.log_every} must be >= 1")
         for name in ("eval_every", "checkpoint_every", "threads"):
             _require(getattr(self, name) >= 0, f"run.{name} = {getattr(self, name)} must be >= 0")
         _require(self.keep_checkpoints >= 1,
                  f"run.keep_checkpoints = {self.keep_checkpoints} must be >= 1")
-        _require(self.bucket_mb > 0, f"run.bucket_mb = {self.bucket_mb} must be > 0")
+        _require(0 < self.bucket_mb <= MAX_BUCKET_MB,
+                 f"run.bucket_mb = {self.bucket_mb:g} must be in (0, {MAX_BUCKET_MB}] (MB per "
+                 "gradient bucket)")
         _choice("run", "device", self.device, ("auto", "cpu", "cuda"))
         _choice("run", "backend", self.backend, ("auto", "nccl", "gloo"))
         _choice("run", "sync", self.sync, SYNC_MODES)
@@ -272,7 +299,9 @@ class RunConfig:
         _choice("run", "precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _choice("run", "on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         _choice("run", "tracker", self.tracker, ("none", "tensorboard", "wandb"))
-        _require(self.dist_timeout_s > 0, f"run.dist_timeout_s = {self.dist_timeout_s} must be > 0")
+        _require(0 < self.dist_timeout_s <= MAX_TIMEOUT_S,
+                 f"run.dist_timeout_s = {self.dist_timeout_s:g} must be in (0, {MAX_TIMEOUT_S}] "
+                 "seconds")
         _require(self.max_skipped >= 0, f"run.max_skipped = {self.max_skipped} must be >= 0")
 
 
@@ -327,11 +356,17 @@ class SampleConfig:
     """Sampling seed."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
+    threads: int = 0
+    """CPU threads; 0: one for models whose sampling step is small (under ~200M parameters ×
+    samples), where a second thread gains little and costs several times the step on a busy
+    machine; else the usable cores."""
     cache: bool = True
     """Keep keys and values between tokens (a KV cache): each token costs the same whatever the
     length. --no-cache re-encodes the context for every token: the same tokens, slower."""
 
     def __post_init__(self):
+        _finite(self, "--")
+        _require(self.threads >= 0, f"--threads {self.threads} must be >= 0 (0: auto)")
         _require(self.max_new_tokens >= 1, f"--max-new-tokens {self.max_new_tokens} must be >= 1")
         _require(self.temperature > 0, f"--temperature {self.temperature} must be > 0")
         _require(self.top_k >= 0, f"--top-k {self.top_k} must be >= 0 (0: off)")
@@ -347,11 +382,14 @@ class PlotConfig:
     """Run directories (each with the metrics.jsonl `ddpgpt train` writes)."""
     out: str | None = None
     """PNG to write; default: next to the first run (runs/NAME -> runs/NAME.png)."""
-    smooth: float = 0.9
-    """Exponential smoothing of the train loss (0: none; 0.9 averages ~10 logged rows)."""
+    smooth: float = -1.0
+    """Exponential smoothing of the train loss: -1 (auto) averages over 1/20 of each run's
+    logged rows (none for a 20-step run); 0 none; 0.9 about 10 rows."""
 
     def __post_init__(self):
-        _require(0 <= self.smooth < 1, f"--smooth {self.smooth} must be in [0, 1)")
+        _finite(self, "--")
+        _require(self.smooth == -1 or 0 <= self.smooth < 1,
+                 f"--smooth {self.smooth} must be -1 (auto) or in [0, 1)")
 
 
 @dataclass
@@ -400,8 +438,10 @@ class DoctorConfig:
     """Size of the all-reduce probe tensor in MB."""
 
     def __post_init__(self):
+        _finite(self, "--")
         _require(self.nproc >= 0, f"--nproc {self.nproc} must be >= 0")
-        _require(self.probe_mb > 0, f"--probe-mb {self.probe_mb} must be > 0")
+        _require(0 < self.probe_mb <= MAX_BUCKET_MB,
+                 f"--probe-mb {self.probe_mb:g} must be in (0, {MAX_BUCKET_MB}]")
 
 
 @dataclass

@@ -20,6 +20,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import json
 import sys
 import types
 from collections.abc import Callable
@@ -170,14 +171,18 @@ def build(preset: str | None, config_file: str | None, flags: dict) -> TrainConf
 
 # ---- flags --------------------------------------------------------------------------------------
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, section: str | None = None) -> None:
+def add_flags(parser: argparse.ArgumentParser, cls: type, section: str | None = None,
+              shown=None) -> None:
     """One flag per dataclass field: `--name` or, in a section, `--section.name` (dashes or
-    underscores). Values stay strings here; `parse_text` converts them and names the field."""
+    underscores). Values stay strings here; `parse_text` converts them and names the field.
+    `shown`: an instance whose values `--help` shows as the defaults (a preset's section)."""
     docs, types_ = field_docs(cls), field_types(cls)
     group = parser.add_argument_group(section or "options", (cls.__doc__ or "").strip())
     for f in dataclasses.fields(cls):
         dest = f"{section}.{f.name}" if section else f.name
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if shown is not None:
+            default = getattr(shown, f.name)
         kind = base_type(types_[f.name])
         help_ = f"{docs.get(f.name, '')} (default: {default})".lstrip()
         if kind is list:  # the positional sources of `prepare`
@@ -207,3 +212,20 @@ def nest(values: dict) -> dict:
         if section in SECTIONS and name:
             nested.setdefault(section, {})[name] = value
     return nested
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The config as a TOML file that `--config` reads back to the same config."""
+    lines = []
+    for section, fields in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for name, value in fields.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = json.dumps(value)  # a TOML basic string: JSON's escapes
+            else:
+                text = repr(value)
+            lines.append(f"{name} = {text}")
+        lines.append("")
+    return "\n".join(lines)

@@ -156,7 +156,7 @@ def gpt2_tokenizer():
     except Exception as e:
         raise UserError(f"cannot get GPT-2's tokenizer: tiktoken's gpt2 encoding is not cached "
                         f"and {repo} cannot be downloaded ({type(e).__name__}: no network?); "
-                        "point TIKTOKEN_CACHE_DIR at the cache `ddpgpt prepare --tokenizer gpt2` "
+                        "point TIKTOKEN_CACHE_DIR at the cache ddpgpt prepare --tokenizer gpt2 "
                         "filled, or HF_HOME at a Hugging Face cache that holds "
                         f"{repo}") from None
 

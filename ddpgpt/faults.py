@@ -11,6 +11,8 @@ job's first attempt only (never after an elastic restart, so a restarted job can
     parent:SIG   send SIG (INT, HUP, QUIT, TERM, KILL) to its parent, the launcher
     stall        stop responding (sleeps): a hung rank
     nan          its loss for that step becomes NaN
+    kill-saving  SIGKILL itself when the checkpoint of step STEP is being taken (its state
+                 gathered): a crash in the middle of a save
 
 `install` wraps the trainer's step from the outside; the training loop knows nothing of this.
 """
@@ -23,7 +25,7 @@ import time
 
 from ddpgpt.reliability import GRACE_S
 
-ACTIONS = ("kill", "term", "term2", "stall", "nan")
+ACTIONS = ("kill", "term", "term2", "stall", "nan", "kill-saving")
 
 
 def parse(spec: str, rank: int) -> tuple[str, int] | None:
@@ -57,6 +59,16 @@ def install(trainer) -> None:
     if fault is None or not trainer.env.first_attempt:
         return
     action, at = fault
+    if action == "kill-saving":
+        state_dict = trainer.state_dict
+
+        def dying_state_dict():
+            if trainer.step == at:
+                act("kill", at)
+            return state_dict()
+
+        trainer.state_dict = dying_state_dict
+        return
     step = trainer.train_step
 
     def faulty_step():

@@ -13,6 +13,7 @@ or 128+N when a worker or the launcher was ended by signal N without one.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -45,21 +46,23 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
     cfg, dataset = preflight(cfg, nproc, nproc)
     run_dir = RunDir(cfg.run.dir)
     run_dir.check_creatable()
-    resume.choose(cfg, run_dir, True, dataset.fingerprint, verify=False,
-                  tokenizer=dataset.tokenizer_fingerprint)
+    first = resume.choose(cfg, run_dir, True, dataset.fingerprint, verify=False,
+                          tokenizer=dataset.tokenizer_fingerprint)
+    cfg = resume.settle(cfg, first)
+    if resume.finished(cfg, first):  # no worker needed to find that out
+        with run_dir.locked():  # ... unless another run is training here: that is refused
+            print(resume.finished_message(run_dir, first.step, cfg.run.steps), file=sys.stderr)
+        return 0
     with run_dir.locked():
-        run_dir.write_config(cfg.to_dict())
+        run_dir.write_config(cfg.to_dict(), first.step)
         started = time.time()
         code, stopped_by = start(nproc, ["train", "--resolved-config", str(run_dir.config)],
                                  max_restarts)
         if stopped_by is None:
             return code
         hint = resume_hint(cfg.run.resume, str(run_dir))
-        saved = stop_checkpoint(run_dir, since=started)
-        if saved is not None:
-            print(f"ddpgpt: stopped by {stopped_by.name}; the workers wrote checkpoint {saved} "
-                  f"before exiting: {hint}", file=sys.stderr)
-            return EXIT_PREEMPTED
+        if stop_checkpoint(run_dir, since=started) is not None:
+            return EXIT_PREEMPTED  # rank 0 named the signal, the step and the checkpoint
         found = checkpoint.find_latest(run_dir.checkpoints)
         newest = f"the newest complete one is {found[0]}" if found else "there is none yet"
         print(f"ddpgpt: stopped by {stopped_by.name} before the workers could write a checkpoint; "
@@ -75,6 +78,19 @@ def stop_checkpoint(run_dir: RunDir, since: float):
     return None
 
 
+def quiet_agent() -> None:
+    """The elastic agent's warnings ("Sending process N closing signal SIGINT", ...) narrate
+    what ddpgpt reports itself in one line; its errors still show. Its loggers set their own
+    level when created, so each is lowered to ERROR here, after the imports that create them."""
+    import torch.distributed.elastic.agent.server.api  # noqa: F401  (creates the loggers)
+    import torch.distributed.elastic.multiprocessing.api  # noqa: F401
+    import torch.distributed.run  # noqa: F401
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def start(nproc: int, worker_args: list[str],
           max_restarts: int = 0) -> tuple[int, signal.Signals | None]:
     """Runs `python -m ddpgpt WORKER_ARGS` on `nproc` local processes; returns (exit code, the
@@ -85,6 +101,7 @@ def start(nproc: int, worker_args: list[str],
 
     # Workers set their own thread count (run.threads); this also silences torchrun's banner.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    quiet_agent()
     args = parse_args(["--standalone", f"--nproc-per-node={nproc}",
                        f"--max-restarts={max_restarts}",
                        "--monitor-interval=0.5", "-m", "ddpgpt", *worker_args])

@@ -2,39 +2,80 @@
 
     ddpgpt plot runs/adamw runs/muon --out compare.png
 
-Three panels: train loss (exponentially smoothed, the raw rows faint behind it) and val loss
-against optimizer steps, the same against tokens, and tokens/s against steps. One colour per run;
-the legend names the run dir, its optimizer, sync mode and world size (from config.json and the
-newest checkpoint). The picture goes next to the first run (runs/NAME -> runs/NAME.png) unless
---out says otherwise. matplotlib is an optional extra: `pip install 'ddpgpt[plot]'`.
+Three panels: train loss (smoothed, the raw rows faint behind it) and val loss against optimizer
+steps, the same against tokens, and tokens/s against steps. One colour per run, named once in a
+legend above the panels (the run dir, its optimizer, sync mode and world size, from config.json
+and the newest checkpoint); solid lines are train loss, circles val loss. The picture goes next
+to the first run (runs/NAME -> runs/NAME.png) unless --out says otherwise: a file (.png, .pdf or
+.svg) or an existing directory (NAME.png inside it). matplotlib is an optional extra:
+`pip install 'ddpgpt[plot]'`.
+
+Smoothing is an exponential moving average whose time constant, by default, is 1/20 of the
+run's logged rows: a 20-step run is drawn as logged, a 2,000-step one averages ~100 rows. (A
+fixed 0.9 left a 20-step curve ~0.3 nats above its own rows: an average lags a falling curve
+by about its time constant.) Rows of skipped steps (`"loss": null`) are gaps in the raw curve and
+left out of the average.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
 from ddpgpt.checkpoint import step_dirs
 from ddpgpt.config import PlotConfig
 from ddpgpt.errors import UserError
+from ddpgpt.files import describe
 from ddpgpt.run_dir import RunDir
+
+FORMATS = (".png", ".pdf", ".svg")
 
 
 def load_run(path: str) -> dict:
-    """The run's train rows, val rows and a label; one line if it is not a run dir."""
+    """The run's train rows, val rows and a label; one line if it is not a run dir or its
+    metrics file is not what `ddpgpt train` writes."""
     run = RunDir(path)
     if not run.metrics.is_file():
         raise UserError(f"{path}: no metrics.jsonl; give run dirs that `ddpgpt train` wrote")
-    rows, lines = [], run.metrics.read_text().splitlines()
+    damaged = "the file is damaged (restore it, or plot other runs)"
+    try:
+        lines = run.metrics.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UserError(f"{run.metrics}: not UTF-8 text (byte {e.start}); {damaged}") from None
+    except OSError as e:
+        raise UserError(f"{run.metrics}: cannot read it ({describe(e)})") from None
+    rows = []
     for n, line in enumerate(lines, 1):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
             if n < len(lines):  # a torn last line (a run writing it now) is skipped
-                raise UserError(f"{run.metrics}: line {n} is not JSON; the file is damaged "
-                                "(restore it, or plot other runs)") from None
-    label = Path(path).name or path
+                raise UserError(f"{run.metrics}: line {n} is not JSON; {damaged}") from None
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise UserError(f"{run.metrics}: line {n} is not a metrics row (a JSON object with "
+                            f"an integer \"step\"); {damaged}")
+        rows.append(row)
+    train = [r for r in rows if "loss" in r]
+    val = [r for r in rows if _number(r.get("val_loss"))]
+    if not train and not val:
+        raise UserError(f"{run.metrics}: no logged steps yet; plot it after its first log row")
+    per_step = next((r["tokens"] / r["step"] for r in train
+                     if _number(r.get("tokens")) and r["step"] > 0), None)
+    return {"label": _label(run, path), "train": train, "val": val, "tokens_per_step": per_step}
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _label(run: RunDir, path: str) -> str:
+    """"NAME (optimizer, sync, W=N)", with what config.json and the newest checkpoint say."""
+    label = Path(os.path.abspath(path)).name or path
     try:
         cfg = json.loads(run.config.read_text())
         label += f" ({cfg['optim'].get('name', 'adamw')}, {cfg['run']['sync']}"
@@ -43,76 +84,131 @@ def load_run(path: str) -> dict:
             meta = json.loads((saved[-1][1] / "meta.json").read_text())
             label += f", W={meta['world_size']}"
         label += ")"
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         pass  # a label without the details
-    train = [r for r in rows if "loss" in r]
-    val = [r for r in rows if "val_loss" in r]
-    if not train and not val:
-        raise UserError(f"{run.metrics}: no logged steps yet; plot it after its first log row")
-    return {"label": label, "train": train, "val": val,
-            "tokens_per_step": train[0]["tokens"] / train[0]["step"] if train else None}
+    return label
 
 
-def smoothed(values: list[float], beta: float) -> list[float]:
-    """Exponential moving average with bias correction (the first values are not pulled to 0)."""
-    out, avg = [], 0.0
-    for i, v in enumerate(values, 1):
+def smoothed(values: list[float | None], beta: float) -> list[float | None]:
+    """Exponential moving average with bias correction (the first values are not pulled to 0);
+    None (a skipped step) stays None and does not enter the average."""
+    out, avg, n = [], 0.0, 0
+    for v in values:
+        if not _number(v):
+            out.append(None)
+            continue
+        n += 1
         avg = beta * avg + (1 - beta) * v
-        out.append(avg / (1 - beta ** i))
+        out.append(avg / (1 - beta ** n))
     return out
 
 
-def draw(runs: list[dict], path: Path, beta: float) -> None:
+def auto_beta(rows: int) -> float:
+    """A time constant of 1/20 of the run's rows: beta = 1 - 1/tau (0: no smoothing)."""
+    tau = max(1.0, rows / 20)
+    return 1 - 1 / tau
+
+
+def out_path(cfg: PlotConfig) -> Path:
+    """Where the picture goes, as it will be written (the name printed is the file's)."""
+    first = Path(os.path.abspath(cfg.runs[0]))
+    default = f"{first.name or 'run'}.png"
+    if cfg.out is None:
+        return first.with_name(default) if first.name else Path(default)
+    path = Path(cfg.out)
+    if path.is_dir():
+        return path / default
+    if path.exists() and not path.is_file():  # a pipe or a device: written as it is, a PNG
+        return path
+    if path.suffix == "":
+        return path.with_name(path.name + ".png")
+    if path.suffix.lower() not in FORMATS:
+        raise UserError(f"--out {cfg.out}: cannot draw a {path.suffix} file; give a name ending "
+                        f"in {', '.join(FORMATS)} (or a directory)")
+    return path
+
+
+def draw(runs: list[dict], beta: float | None, fmt: str) -> bytes:
+    """The picture's bytes (`beta` None: each run's own auto_beta)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import EngFormatter, MaxNLocator
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     by_step, by_tokens, speed = axes
     for i, run in enumerate(runs):
         colour = f"C{i}"
         train, val, per_step = run["train"], run["val"], run["tokens_per_step"]
         steps = [r["step"] for r in train]
-        loss = [r["loss"] for r in train]
+        loss = [r["loss"] if _number(r["loss"]) else None for r in train]
+        smooth = smoothed(loss, auto_beta(len(train)) if beta is None else beta)
+        raw = [math.nan if v is None else v for v in loss]  # NaN: a gap in the line
         for axis, scale in ((by_step, 1), (by_tokens, per_step)):
-            if train:
-                axis.plot([s * scale for s in steps], loss, color=colour, alpha=0.15, lw=0.8)
-                axis.plot([s * scale for s in steps], smoothed(loss, beta), color=colour,
-                          label=f"{run['label']} train")
-            if val and scale:
-                axis.plot([r["step"] * scale for r in val], [r["val_loss"] for r in val], "o--",
-                          color=colour, ms=4, label=f"{run['label']} val")
-        if train:
-            speed.plot(steps, [r["tokens_per_s"] for r in train], color=colour,
-                       label=run["label"])
+            if scale is None:
+                continue  # rows without token counts: steps only
+            x = [s * scale for s in steps]
+            axis.plot(x, raw, color=colour, alpha=0.2, lw=0.8)
+            axis.plot(x, [math.nan if v is None else v for v in smooth], color=colour, lw=1.6)
+            axis.plot([r["step"] * scale for r in val], [r["val_loss"] for r in val], "o",
+                      color=colour, ms=5, mec="white", mew=0.8)
+        speeds = [r.get("tokens_per_s") for r in train]
+        speed.plot(steps, [v if _number(v) else math.nan for v in speeds], color=colour)
     by_step.set_xlabel("optimizer step")
     by_tokens.set_xlabel("tokens")
-    for axis in (by_step, by_tokens):
-        axis.set_ylabel("loss (nats per token)")
-        axis.legend(fontsize=7)
-        axis.grid(alpha=0.3)
+    by_tokens.xaxis.set_major_formatter(EngFormatter(sep=""))  # 200k, 1.5M: no long integers
     speed.set_xlabel("optimizer step")
     speed.set_ylabel("tokens/s (all ranks)")
-    speed.legend(fontsize=7)
-    speed.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    speed.yaxis.set_major_formatter(EngFormatter(sep=""))
+    for axis in axes:
+        axis.grid(alpha=0.3)
+    for axis in (by_step, speed):
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    for axis in (by_step, by_tokens):
+        axis.set_ylabel("loss (nats per token)")
+    handles = [Line2D([], [], color=f"C{i}", lw=2.5, label=run["label"])
+               for i, run in enumerate(runs)]
+    handles += [Line2D([], [], color="0.3", lw=1.6, label="train loss (smoothed)"),
+                Line2D([], [], color="0.3", marker="o", ls="", ms=5, label="val loss")]
+    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 4), fontsize=10,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.07 * math.ceil(len(handles) / 4)))
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=fmt, dpi=100)
     plt.close(fig)
+    return buffer.getvalue()
+
+
+def write(path: Path, data: bytes) -> None:
+    """Into a temporary file beside `path`, renamed over it; straight into anything that is not
+    a regular file (a pipe, a device). A failed write is one line and leaves `path` as it was."""
+    special = path.exists() and not path.is_file()
+    tmp = path if special else path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if not special:
+                os.fsync(f.fileno())
+        if not special:
+            os.replace(tmp, path)
+    except OSError as e:
+        if not special:
+            tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write {path}: {describe(e)}; choose another --out") from None
 
 
 def run(cfg: PlotConfig) -> None:
     if not cfg.runs:
         raise UserError("plot: give one or more run dirs (ddpgpt plot runs/a runs/b)")
+    path = out_path(cfg)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise UserError("plot needs matplotlib: pip install 'ddpgpt[plot]'") from None
-    runs = [load_run(path) for path in cfg.runs]
-    first = Path(cfg.runs[0].rstrip("/"))
-    path = Path(cfg.out) if cfg.out else first.with_name(first.name + ".png")
-    try:
-        draw(runs, path, cfg.smooth)
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror}; choose another --out") from None
+    runs = [load_run(p) for p in cfg.runs]
+    fmt = path.suffix[1:].lower() if path.suffix.lower() in FORMATS else "png"
+    write(path, draw(runs, None if cfg.smooth < 0 else cfg.smooth, fmt))
     print(f"wrote {path}", file=sys.stderr)

@@ -101,8 +101,10 @@ class Health:
 class Guard:
     """The exchange after each step, and the decision on non-finite values: skip or stop."""
 
-    def __init__(self, env: dist.DistEnv, cfg: RunConfig, stop: StopSignal):
-        self.env, self.cfg, self.signal = env, cfg, stop
+    def __init__(self, env: dist.DistEnv, cfg: RunConfig, stop: StopSignal,
+                 lr_fields: str = "optim.lr"):
+        """`lr_fields`: the learning rates to name in advice ("optim.lr or optim.muon_lr")."""
+        self.env, self.cfg, self.signal, self.lr_fields = env, cfg, stop, lr_fields
         self.skipped = 0  # steps skipped in the run so far (saved in checkpoints)
 
     def exchange(self, loss: torch.Tensor, norm: torch.Tensor, scaled: bool) -> Health:
@@ -120,11 +122,14 @@ class Guard:
         where = f"step {step}: non-finite loss or gradient norm on rank {', '.join(map(str, bad))}"
         kept = f"step {last_checkpoint}" if last_checkpoint >= 0 else "none yet"
         if self.cfg.on_nonfinite == "stop" or self.skipped >= self.cfg.max_skipped:
-            why = ("" if self.cfg.on_nonfinite == "stop"
-                   else f" after {self.skipped} skipped steps (run.max_skipped)")
+            tune = f"lower {self.lr_fields} or raise optim.warmup_steps"
+            if self.cfg.on_nonfinite == "stop":
+                why, advice = "", f"{tune}, or use --on-nonfinite skip"
+            else:  # skipping already: more of it, or fewer non-finite steps
+                why = f" after {self.skipped} skipped steps (run.max_skipped)"
+                advice = f"{tune}, or raise run.max_skipped"
             raise dist.DistError(f"{where}; stopped before the optimizer step{why}. The last "
-                                 f"checkpoint ({kept}) is intact; lower optim.lr or raise "
-                                 "optim.warmup_steps, or use --on-nonfinite skip",
+                                 f"checkpoint ({kept}) is intact; {advice}",
                                  quiet=not self.env.is_main)
         self.skipped += 1
         if self.env.is_main:
@@ -138,13 +143,14 @@ class Guard:
 
 
 def preempted(step: int, signal_name: str, checkpoint_dir, hint: str, quiet: bool) -> Preempted:
-    return Preempted(f"stopped at step {step} on {signal_name or 'a signal to another rank'}; "
+    return Preempted(f"at step {step} on {signal_name or 'a signal to another rank'}; "
                      f"checkpoint {checkpoint_dir} is complete: {hint}", quiet=quiet)
 
 
-def collective_failed(error: dist.CollectiveError, env: dist.DistEnv, step: int,
+def collective_failed(error: dist.CollectiveError, env: dist.DistEnv, during: str,
                       timeout_s: float) -> dist.DistError:
-    """The one line for a collective that failed during `step`: this rank lost a peer."""
-    return dist.DistError(f"step {step}: a collective failed on rank {env.rank} ({error}); "
+    """The one line for a collective that failed `during` ("step 7", "the checkpoint of step
+    6"): this rank lost a peer."""
+    return dist.DistError(f"{during}: a collective failed on rank {env.rank} ({error}); "
                           f"another rank stalled or died (see its log). Collectives wait at most "
                           f"run.dist_timeout_s = {timeout_s:g} s")

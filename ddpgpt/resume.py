@@ -17,6 +17,7 @@ only, for fast one-line errors) and again under the run's lock (`verify=True`: e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,3 +165,52 @@ def saved_tokenizer(path: Path, meta: dict) -> str | None:
 def _short(fingerprint: str) -> str:
     kind, _, digest = fingerprint.partition(":")
     return f"{kind} {digest[:12]}" if digest else kind
+
+
+def settle(cfg: TrainConfig, start: Start) -> TrainConfig:
+    """The config this start trains with: optim.decay_steps = 0 becomes the schedule's length,
+    run.steps on a first start, and the checkpoint's on resume (older checkpoints: the run.steps
+    they were saved with), so that raising run.steps does not re-shape the cosine mid-run."""
+    if cfg.optim.decay_steps:
+        return cfg
+    steps = cfg.run.steps
+    if start.meta is not None:
+        saved = start.meta["config"]
+        steps = saved["optim"].get("decay_steps") or saved["run"]["steps"]
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=steps))
+
+
+# Settings that are not the training's: the first-start rule, and threads (may differ per node).
+NOT_TRAINING = {"run.resume", "run.threads"}
+
+
+def changes(saved: dict, cfg: TrainConfig) -> dict[str, list]:
+    """{"optim.muon_lr": [old, new], ...}: every setting of `cfg` that differs from the config a
+    checkpoint was saved with (`saved`, its meta.json's). Fields the checkpoint's version did not
+    have yet are not changes."""
+    out = {}
+    for section, fields in cfg.to_dict().items():
+        for name, value in fields.items():
+            key = f"{section}.{name}"
+            old = saved.get(section, {}).get(name, value)
+            if key not in NOT_TRAINING and old != value:
+                out[key] = [old, value]
+    return out
+
+
+def finished(cfg: TrainConfig, start: Start) -> bool:
+    """The run already has a complete checkpoint at run.steps or beyond: there is nothing to
+    train, and a launcher can say so without starting a worker. The checkpoint is verified
+    (every file's hash) first: a damaged one would make the workers fall back to an older one."""
+    if start.path is None or start.step < cfg.run.steps:
+        return False
+    try:
+        checkpoint.read_meta(start.path, verify=True)
+    except CheckpointError:
+        return False
+    return True
+
+
+def finished_message(run_dir: RunDir, step: int, steps: int) -> str:
+    return (f"run {run_dir} is already at step {step} of {steps}; raise run.steps to train "
+            "further")

@@ -4,6 +4,7 @@
       .lock              held (flock) by the run training into this directory; names its PID
                          and host
       config.json        the resolved config (no `auto` left); `--nproc` workers start from it
+      configs.jsonl      each start's config that differed from the one before, with its step
       data_meta.json     the dataset's meta.json, and tokenizer.json (bpe): `sample` needs only
                          this dir
       metrics.jsonl      one row per logged step and per evaluation (see metrics.py)
@@ -149,8 +150,24 @@ class RunDir:
 
     # ---- what a run writes --------------------------------------------------------------------
 
-    def write_config(self, config: dict) -> None:
+    def write_config(self, config: dict, step: int) -> None:
+        """config.json is this start's config (what `--nproc` workers start from); every start
+        whose config differs from the previous start's is also appended to configs.jsonl, with
+        the step it started from, so what each stretch of the run trained with stays known."""
         replace_text(self.config, json.dumps(config, indent=1) + "\n")
+        history = self.path / "configs.jsonl"
+        last = None
+        if history.is_file():
+            lines = history.read_text().splitlines()
+            with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
+                last = json.loads(lines[-1])["config"]
+        if last != config:
+            try:
+                with open(history, "a") as f:
+                    f.write(json.dumps({"step": step, "saved_at": time.time(),
+                                        "config": config}) + "\n")
+            except OSError as e:
+                raise WriteError(f"cannot write {history}: {describe(e)}") from None
 
     def write_data_files(self, dataset_dir: Path, meta_bytes: bytes) -> None:
         """The dataset's meta.json and tokenizer, so that `sample` needs only the run dir."""
@@ -180,7 +197,8 @@ class RunDir:
     def reset(self) -> None:
         """--reset: the checkpoints, metrics and tracker files go into reset-<time>/ (a new
         tracker run begins)."""
-        aside = self.set_aside("reset", [self.checkpoints, self.metrics, *self.tracker_files])
+        aside = self.set_aside("reset", [self.checkpoints, self.metrics,
+                                         self.path / "configs.jsonl", *self.tracker_files])
         if aside:
             print(f"ddpgpt: --reset: moved the previous checkpoints and metrics to {aside}",
                   file=sys.stderr)

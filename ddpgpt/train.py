@@ -35,7 +35,7 @@ from ddpgpt.evaluate import evaluate
 from ddpgpt.metrics import Metrics, peak_flops
 from ddpgpt.model import GPT
 from ddpgpt.muon import momentum_at
-from ddpgpt.optim import lr_at, make_optimizer, set_lr
+from ddpgpt.optim import load_state, lr_at, make_optimizer, set_lr
 from ddpgpt.preflight import accum_steps, preflight, shared
 from ddpgpt.reliability import Guard, StopSignal, collective_failed, preempted, resume_hint
 from ddpgpt.run_dir import RunDir
@@ -67,6 +67,7 @@ class Trainer:
                               world_size=env.world_size, rank=env.rank,
                               max_windows=data.eval_windows, device=dev)
         self.step = 0                 # optimizer steps completed
+        self.doing = "step 1"         # what the loop is at, for a failure's message
         self.last_checkpoint = -1     # the step of the newest checkpoint this run can fall back to
         self.origin: dict | None = None  # the explicit --resume PATH this run descends from
         self._elapsed_before, self._started = 0.0, time.perf_counter()
@@ -99,7 +100,7 @@ class Trainer:
         """Before wrapping, so DDP sees the final weights. `new_data`: a deliberate switch to
         another dataset, whose windows the loader starts from the beginning."""
         self.raw.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_state(self.optimizer, state["optimizer"])  # this run's hyperparameters win
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if not new_data:
@@ -208,6 +209,7 @@ def _due(step: int, every: int, last: int) -> bool:
 def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir) -> None:
     cfg, env, total = trainer.cfg, trainer.env, trainer.cfg.run.steps
     while trainer.step < total:
+        trainer.doing = f"step {trainer.step + 1}"
         lr = lr_at(trainer.step, cfg.optim, total)
         loss, norm = trainer.train_step()
         health = trainer.guard.exchange(loss, norm, scaled=trainer.scaler is not None)
@@ -222,10 +224,12 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir) -> None:
                              None if health.bad else norm.item(), trainer.elapsed_s)
         with metrics.paused():
             if _due(trainer.step, cfg.run.eval_every, total):
+                trainer.doing = f"the evaluation after step {trainer.step}"
                 val_loss = evaluate(trainer.raw, trainer.val, env, trainer.autocast)
                 metrics.log_eval(trainer.step, val_loss,
                                  trainer.dataset.bits_per_byte(val_loss))
             if _due(trainer.step, cfg.run.checkpoint_every, total) or health.stop:
+                trainer.doing = f"the checkpoint of step {trainer.step}"
                 save(trainer, run_dir, "stop" if health.stop else "scheduled")
         if health.stop and trainer.step < total:
             raise preempted(trainer.step, trainer.guard.signal.name,
@@ -304,6 +308,14 @@ def run(cfg: TrainConfig) -> None:
     cfg, dataset = preflight(cfg, here.world_size, here.local_world_size)
     run_dir = RunDir(cfg.run.dir)
     run_dir.check_creatable()
+    if here.world_size == 1 and not dist.under_launcher():  # one process: finished already?
+        first = resume.choose(cfg, run_dir, True, dataset.fingerprint, verify=False,
+                              tokenizer=dataset.tokenizer_fingerprint)
+        if resume.finished(resume.settle(cfg, first), first):
+            with run_dir.locked():  # another run training here is refused, as always
+                print(resume.finished_message(run_dir, first.step, cfg.run.steps),
+                      file=sys.stderr)
+            return
     # 2. Join the group (W > 1); it is destroyed on every way out of this block.
     with dist.session(cfg.run.device, cfg.run.backend, cfg.run.dist_timeout_s) as env, \
             StopSignal(env.is_main) as stop:
@@ -311,24 +323,27 @@ def run(cfg: TrainConfig) -> None:
         if cfg.data.verify:  # each rank re-hashes a 1/W share of the shards
             dist.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
         start = claim(run_dir, cfg, env, dataset)
-        trainer = setup(cfg, env, dataset, start, Guard(env, cfg.run, stop))
-        dist.together(env, lambda: write_run_files(run_dir, cfg, dataset), main_only=True)
+        cfg = resume.settle(cfg, start)
+        lr_fields = "optim.lr or optim.muon_lr" if cfg.optim.name == "muon" else "optim.lr"
+        trainer = setup(cfg, env, dataset, start, Guard(env, cfg.run, stop, lr_fields))
+        dist.together(env, lambda: write_run_files(run_dir, cfg, dataset, start.step),
+                      main_only=True)
         metrics = open_metrics(trainer, run_dir, start)
         try:
             _install_faults(trainer)
             loop(trainer, metrics, run_dir)
         except dist.CollectiveError as e:
-            raise collective_failed(e, env, trainer.step + 1, cfg.run.dist_timeout_s) from None
+            raise collective_failed(e, env, trainer.doing, cfg.run.dist_timeout_s) from None
         finally:
             metrics.close()
             trainer.unwrap()
             run_dir.unlock()
 
 
-def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset) -> None:
-    """config.json, and the dataset's meta.json and tokenizer (so `sample` needs only the run
-    dir)."""
-    run_dir.write_config(cfg.to_dict())
+def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset, step: int) -> None:
+    """config.json (and configs.jsonl), and the dataset's meta.json and tokenizer (so `sample`
+    needs only the run dir)."""
+    run_dir.write_config(cfg.to_dict(), step)
     run_dir.write_data_files(dataset.path, dataset.meta_bytes)
 
 
@@ -342,8 +357,7 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         if trainer.dataset.split_bytes is None:
             warn(trainer.dataset.bytes_advice())
         if trainer.step >= cfg.run.steps:
-            print(f"run {run_dir} is already at step {trainer.step} of {cfg.run.steps}; raise "
-                  "run.steps to train further", file=sys.stderr)
+            print(resume.finished_message(run_dir, trainer.step, cfg.run.steps), file=sys.stderr)
     # Rank 0 alone talks to the tracker; a tracker that cannot start stops every rank.
     tracker = dist.together(env, lambda: trackers.open_tracker(
         cfg.run.tracker, run_dir.path, cfg.to_dict(), trainer.step, cfg.run.tracker_project),
@@ -355,6 +369,14 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         metrics.log_event(trainer.step, "data_switch", checkpoint=str(start.path),
                           old=start.meta["data_fingerprint"], new=trainer.dataset.fingerprint,
                           data_dir=cfg.data.dir)
+    changed = resume.changes(start.meta["config"], cfg) if start.meta else {}
+    if changed:  # applied, not ignored: say so where the curves are read, and once here
+        metrics.log_event(trainer.step, "config_change", checkpoint=str(start.path),
+                          changes=changed)
+        if env.is_main:
+            print("ddpgpt: resuming with changed settings (applied from step "
+                  f"{trainer.step}): " + ", ".join(f"{k} {a} -> {b}" for k, (a, b)
+                                                   in changed.items()), file=sys.stderr)
     return metrics
 
 
@@ -377,5 +399,6 @@ def summary(trainer: Trainer) -> str:
     return (f"ddpgpt: training on {where}, {env.device.type}, {cfg.run.precision}; "
             f"G={G} sequences × T={T} = "
             f"{G * T:,} tokens per step = {env.world_size} × A={trainer.accum} micro-steps × "
-            f"b={cfg.data.micro_batch}; {trainer.raw.num_params() / 1e6:.2f}M parameters")
+            f"b={cfg.data.micro_batch}; "
+            f"{trainer.raw.num_params(non_embedding=False) / 1e6:.2f}M parameters")
 

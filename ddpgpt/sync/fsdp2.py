@@ -65,6 +65,14 @@ class FSDP2Sync(Sync):
             return get_model_state_dict(self.model, options=FULL)
 
     def optimizer_state(self) -> dict:
+        """Collective. An optimizer that has not stepped yet (a checkpoint before the first
+        update, e.g. after a skipped non-finite step) has no state to gather, and torch's
+        get_optimizer_state_dict would create one by running a step with zero gradients: the live
+        optimizer would count a step that never happened and make its first real update smaller.
+        Its layout is returned without asking torch."""
+        if not self.optimizer.state:
+            groups = self.optimizer.state_dict()["param_groups"]  # indices over our groups
+            return {"state": {}, "param_groups": groups}
         with dist.collective():
             state = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
         index = {name: i for i, name in enumerate(self.names)}

@@ -1,10 +1,10 @@
 """Recovery paths that must not lose progress: reruns and restarts after --resume PATH, --reset
 and --resume never; two runs in one run dir; a launcher that is hung up on or killed; a full
-disk; two nodes that restart. Each test reproduces one way these went wrong (see README's
-reliability table) with the real command line on 2 CPU processes, faults injected through
+disk; two nodes that restart. Each test reproduces one way these went wrong (see the table in
+docs/reliability.md) with the real command line on 2 CPU processes, faults injected through
 DDPGPT_FAULT at exact steps.
 
-The timings printed (run with -s) are the figures quoted in README's reliability section.
+The timings printed (run with -s) are the figures quoted in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def test_explicit_resume_applies_to_the_first_start_only(straight, source, tiny_
     assert job.wait(180) == EXIT_PREEMPTED, job.text
     assert f"resuming from {source} (step 4" in job.text
     stop = run_dir / "checkpoints" / "step_0000006"
-    assert (f"ddpgpt: stopped: stopped at step 6 on a signal to another rank; checkpoint {stop} "
+    assert (f"ddpgpt: stopped: at step 6 on a signal to another rank; checkpoint {stop} "
             f"is complete: run the same command to resume (it continues from {run_dir}, not from "
             "--resume again)") in job.text
     again = Launch(train_args(tiny_data, run_dir, "--resume", source))
@@ -178,10 +178,12 @@ def test_sighup_to_the_launcher_stops_with_a_checkpoint(straight, tiny_data, tmp
     run_dir, sig = tmp_path / "run", "HUP"
     job = Launch(train_args(tiny_data, run_dir), env={"DDPGPT_FAULT": f"parent:{sig}@3"})
     assert job.wait(180) == EXIT_PREEMPTED, job.text
-    stopped_at = int(job.text.split("stopped at step ")[1].split()[0])
+    stopped_at = int(job.text.split("stopped: at step ")[1].split()[0])
     saved = run_dir / "checkpoints" / f"step_{stopped_at:07d}"
-    assert (f"ddpgpt: stopped by SIG{sig}; the workers wrote checkpoint {saved} before exiting: "
-            "run the same command to resume") in job.text
+    line = (f"ddpgpt: stopped: at step {stopped_at} on SIG{sig}; checkpoint {saved} is complete: "
+            "run the same command to resume")
+    assert job.text.count(line) == 1 and "ddpgpt: stopped" not in job.text.replace(line, ""), \
+        job.text  # one line: the launcher does not repeat what rank 0 said
     assert checkpoint.read_meta(saved)["reason"] == "stop"
     again = Launch(train_args(tiny_data, run_dir))
     assert again.wait(180) == 0, again.text

@@ -3,7 +3,7 @@ through DDPGPT_FAULT (see ddpgpt/faults.py). Each test checks what the job did (
 line it printed, the checkpoints and metrics it left) and, where the job goes on, that its losses
 and weights equal those of an uninterrupted run, bitwise.
 
-The timings printed (run with -s) are the figures quoted in README's reliability section.
+The timings printed (run with -s) are the figures quoted in docs/reliability.md.
 """
 
 import json
@@ -71,7 +71,7 @@ def test_sigterm_to_one_rank_checkpoints_and_stops_all(straight, tiny_data, tmp_
     job = Launch(launch_args(tiny_data, run_dir), env={"DDPGPT_FAULT": "term@5@1"})
     assert job.wait(180) == EXIT_PREEMPTED, job.text
     stop = run_dir / "checkpoints" / "step_0000006"
-    assert (f"ddpgpt: stopped: stopped at step 6 on a signal to another rank; checkpoint {stop} "
+    assert (f"ddpgpt: stopped: at step 6 on a signal to another rank; checkpoint {stop} "
             "is complete: run the same command to resume") in job.text
     assert checkpoint.read_meta(stop)["step"] == 6
     assert [r["step"] for r in read_metrics(run_dir)[0]] == [1, 2, 3, 4, 5, 6]
@@ -89,11 +89,14 @@ def test_sigint_to_the_launcher_is_forwarded(straight, tiny_data, tmp_path):
     code = job.wait(180)
     signaled = job.when("fault: parent:INT at step 3")
     assert code == EXIT_PREEMPTED, job.text
-    stopped_at = int(job.text.split("stopped at step ")[1].split()[0])
+    stopped_at = int(job.text.split("stopped: at step ")[1].split()[0])
     assert 4 <= stopped_at < STEPS
     saved = run_dir / "checkpoints" / f"step_{stopped_at:07d}"
-    assert (f"ddpgpt: stopped by SIGINT; the workers wrote checkpoint {saved} before exiting: "
-            "run the same command to resume") in job.text
+    line = (f"ddpgpt: stopped: at step {stopped_at} on SIGINT; checkpoint {saved} is complete: "
+            "run the same command to resume")
+    assert job.text.count(line) == 1 and "ddpgpt: stopped" not in job.text.replace(line, ""), \
+        job.text  # one line: the launcher does not repeat what rank 0 said
+    assert "closing signal" not in job.text  # the elastic agent's narration is not shown
     assert checkpoint.find_latest(run_dir / "checkpoints")[1]["step"] == stopped_at
     print(f"\n[figure] SIGINT to the launcher -> job exited with its checkpoint: "
           f"{job.end - signaled:.1f} s")
@@ -173,8 +176,25 @@ def test_nan_skip_and_its_limit(tiny_data, tmp_path):
     ranks = run_ranks([limited] * 2, tmp_path / "logs2", env={"DDPGPT_FAULT": "nan@3@1"},
                       check=False)
     assert codes(ranks)[0] == [1, 1], codes(ranks)[1]
-    assert ("stopped before the optimizer step after 0 skipped steps (run.max_skipped)"
-            in ranks[0].stderr)
+    assert ranks[0].stderr.endswith(
+        "stopped before the optimizer step after 0 skipped steps (run.max_skipped). The last "
+        "checkpoint (step 3) is intact; lower optim.lr or raise optim.warmup_steps, or raise "
+        "run.max_skipped\n")
+
+
+def test_a_rank_lost_during_a_checkpoint_is_named_as_such(tiny_data, tmp_path):
+    """Rank 1 dies while the checkpoint of step 3 is being taken: the survivor says so, rather
+    than blaming step 4, which never began."""
+    args = tiny_train_args(tiny_data, tmp_path / "run", STEPS, run__checkpoint_every=3)
+    ranks = run_ranks([args] * 2, tmp_path / "logs", env={"DDPGPT_FAULT": "kill-saving@3@1"},
+                      check=False)
+    assert codes(ranks)[0] == [1, -9], codes(ranks)[1]
+    last = ranks[0].stderr.splitlines()[-1]
+    assert last.startswith("ddpgpt: error: the checkpoint of step 3: a collective failed on rank "
+                           "0 ("), ranks[0].stderr
+    assert last.endswith("another rank stalled or died (see its log). Collectives wait at most "
+                         "run.dist_timeout_s = 600 s")
+    assert not (tmp_path / "run" / "checkpoints" / "step_0000003").exists()
 
 
 def test_ranks_must_see_the_same_dataset(tiny_data, tmp_path):

@@ -105,6 +105,65 @@ def muon_steps(env, steps: int) -> dict:
             "params": {n: p.flatten().tolist() for n, p in model.named_parameters()}}
 
 
+def early_checkpoint(env, data: str, run_dir: str, steps: int, modes: list[list[str]]) -> dict:
+    """For each (sync mode, optimizer): the state a checkpoint takes before the first update
+    (what a save after a skipped non-finite first step holds), whether taking it left the live
+    optimizer untouched, and the losses of `steps` steps trained on after it; and a resume of
+    that state under the same mode with other hyperparameters: the ones the wrapped optimizer
+    then steps with. Plus ddp's losses with no early checkpoint, the reference."""
+    import copy
+
+    from ddpgpt.config_io import build
+    from ddpgpt.optim import lr_at
+    from ddpgpt.preflight import preflight
+    from ddpgpt.reliability import Guard, StopSignal
+    from ddpgpt.train import Trainer
+
+    changed = {"weight_decay": 0.7, "beta1": 0.6, "eps": 1e-6, "muon_ns_steps": 2}
+
+    def trainer(mode, optimizer, **optim):
+        flags = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
+                 "data": {"dir": data, "micro_batch": 2, "global_batch": 8},
+                 "optim": {"name": optimizer, "lr": 1e-2, "warmup_steps": 2, **optim},
+                 "run": {"dir": run_dir, "device": "cpu", "threads": 1, "sync": mode,
+                         "bucket_mb": 0.01}}
+        cfg, dataset = preflight(build(None, None, flags), env.world_size, env.local_world_size)
+        t = Trainer(cfg, env, dataset, Guard(env, cfg.run, StopSignal(announce=False)))
+        return t
+
+    def train(t):
+        losses = []
+        for k in range(steps):
+            loss, _ = t.train_step()
+            losses.append((dist.all_reduce(env, loss.detach().clone()) / env.world_size).item())
+            t.update(lr_at(k, t.cfg.optim, steps))
+        return losses
+
+    out = {}
+    for optimizer in ("adamw", "muon"):
+        reference = trainer("ddp", optimizer)
+        reference.wrap()
+        out[f"reference {optimizer}"] = train(reference)
+        reference.unwrap()
+    for mode, optimizer in modes:
+        t = trainer(mode, optimizer)
+        t.wrap()
+        state = copy.deepcopy(t.state_dict())  # collective, before any update
+        untouched = not t.optimizer.state
+        losses = train(t)
+        t.unwrap()
+        resumed = trainer(mode, optimizer, **changed)
+        resumed.load_state_dict(state, saved_world_size=env.world_size)
+        resumed.wrap()
+        groups = [{k: g[k] for k in ("weight_decay", "betas", "eps", "ns_steps") if k in g}
+                  for g in resumed.optimizer.param_groups]
+        resumed.unwrap()
+        out[f"{mode} {optimizer}"] = {"saved_entries": len(state["optimizer"]["state"]),
+                                      "untouched": untouched, "losses": losses,
+                                      "resumed_groups": groups}
+    return out
+
+
 def main() -> None:
     name, args, out = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     with dist.session(device="cpu") as env:

@@ -276,13 +276,19 @@ CASES = [
                   "2 = 4; make the global batch a multiple of 4 or change the micro-batch"),
     row("toml-unknown-key", toml_unknown_key, lambda c: train(c, "--config", c.tmp / "run.toml"),
         lambda c: f"{E}{c.tmp / 'run.toml'}: unknown key optim.learning_rate; "
-                  "known: name, lr, min_lr, warmup_steps, weight_decay, beta1, beta2, eps, "
+                  "known: name, lr, min_lr, warmup_steps, decay_steps, weight_decay, beta1, "
+                  "beta2, eps, "
                   "grad_clip, muon_lr, muon_momentum, muon_momentum_start, muon_momentum_warmup, "
                   "muon_ns_steps"),
     row("cli-wrong-type", copied, lambda c: train(c, run__steps="ten"),
         lambda c: f"{E}command line: run.steps: expected an integer, got 'ten'"),
     row("cli-out-of-range", copied, lambda c: train(c, optim__warmup_steps=-1),
         lambda c: f"{E}invalid config: optim.warmup_steps = -1 must be >= 0"),
+    row("bucket-mb-infinite", copied, lambda c: train(c, "--nproc", "2", run__bucket_mb="inf"),
+        lambda c: f"{E}invalid config: run.bucket_mb = inf must be a finite number"),
+    row("bucket-mb-huge", copied, lambda c: train(c, run__bucket_mb="1e13"),
+        lambda c: f"{E}invalid config: run.bucket_mb = 1e+13 must be in (0, 65536] (MB per "
+                  "gradient bucket)"),
     row("checkpoint-other-shape", with_run, lambda c: train(c, model__n_embd=64),
         lambda c: f"{E}run dir {c.run}: refused to resume checkpoint {CKPT}, which has another "
                   "model shape or optimizer (n_embd 32 -> 64); use another --run-dir, or "

@@ -62,3 +62,56 @@ def test_no_chart_without_matplotlib(tmp_path, monkeypatch):
     row = {"mode": "ddp", "step_s": 1.0, "exposed_s": 0.1, "memory": {"params": 1}}
     assert bench.plot([row], tmp_path / "bench.png", "test") is None
     assert not (tmp_path / "bench.png").exists()
+
+
+@pytest.mark.parametrize("case", ["proc", "file", "below a file"])
+def test_an_unwritable_out_is_one_line_before_measuring(case, tiny_data, tmp_path):
+    """Checked first: the results of minutes of measuring are never lost to a bad --out."""
+    (tmp_path / "file").write_text("x")
+    out = {"proc": "/proc/ddpgpt-bench", "file": tmp_path / "file",
+           "below a file": tmp_path / "file" / "out"}[case]
+    r = run_cli("bench", "--data", tiny_data, "--device", "cpu", "--out", out, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"ddpgpt: error: --out {out}: cannot write there: ")
+    assert r.stderr.endswith("; give a directory you can write to\n")
+    assert len(r.stderr.splitlines()) == 1 and "measuring" not in r.stderr
+
+
+def test_bad_input_under_nproc_is_one_line_from_the_launcher(tiny_data, tmp_path):
+    """Checked once by the launcher, before any worker starts: not one line per rank plus the
+    elastic agent's."""
+    (tmp_path / "odd.toml").write_text(SMALL.replace("global_batch = 8", "global_batch = 6"))
+    r = run_cli("bench", "--nproc", "2", "--data", tiny_data, "--config", tmp_path / "odd.toml",
+                "--out", tmp_path / "out", timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == ("ddpgpt: error: data.global_batch = 6 is not divisible by world size 2 × "
+                        "data.micro_batch 2 = 4; make the global batch a multiple of 4 or change "
+                        "the micro-batch\n")
+
+
+def test_a_signal_keeps_what_was_measured(tiny_data, tmp_path):
+    """SIGINT to the launcher: the workers finish the mode being measured, rank 0 prints the
+    table of the modes measured and writes them, one line says so; exit 128 + 2. Nothing is
+    left behind (no temporary run dirs)."""
+    import signal
+
+    from tests.helpers import Launch
+
+    (tmp_path / "small.toml").write_text(SMALL)
+    job = Launch([sys.executable, "-m", "ddpgpt", "bench", "--nproc", "2", "--data", tiny_data,
+                  "--config", tmp_path / "small.toml", "--sync", "ddp,zero1,fsdp2", "--steps",
+                  "40", "--warmup", "0", "--out", tmp_path / "out"], cwd=tmp_path)
+    job.wait_for("ddpgpt bench: measuring 4 modes", timeout=60)
+    job.proc.send_signal(signal.SIGINT)
+    assert job.wait(120) == 130, job.text
+    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    measured = [row["mode"] for row in result["rows"]]
+    assert result["stopped_by"] == "SIGINT" and measured == ["no sync", "ddp", "zero1",
+                                                              "fsdp2"][:len(measured)]
+    assert 1 <= len(measured) < 4, job.text
+    lines = [line for line in job.text.splitlines() if line.startswith("ddpgpt:")]
+    assert lines == [f"ddpgpt: stopped: bench stopped by SIGINT after measuring {len(measured)} "
+                     f"of 4 modes; the table above and {tmp_path / 'out' / 'bench.json'} hold "
+                     "them"], job.text
+    assert "interrupted" not in job.text and "closing signal" not in job.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "small.toml"]

@@ -40,14 +40,31 @@ def test_prepare_train_resume_eval_sample(tmp_path):
     # resolved: 257 -> 320
     assert json.loads((run / "config.json").read_text())["model"]["vocab_size"] == 320
 
-    # continue to step 6
-    r = run_cli("train", "--nproc", "2", *train[:-2], "--run.steps", "6", timeout=180)
+    # continue to step 6, with another weight decay: applied, printed once, recorded
+    first_config = json.loads((run / "config.json").read_text())
+    assert first_config["optim"]["decay_steps"] == 4  # the schedule's length: the first run.steps
+    r = run_cli("train", "--nproc", "2", *train[:-2], "--run.steps", "6",
+                "--optim.weight-decay", "0.5", timeout=180)
     assert r.returncode == 0, r.stderr
     assert (f"resuming from {run / 'checkpoints' / 'step_0000004'} (step 4, saved at world size 2)"
             in r.stderr)
+    changed = ("ddpgpt: resuming with changed settings (applied from step 4): "
+               "optim.weight_decay 0.1 -> 0.5, run.steps 4 -> 6")
+    assert r.stderr.count(changed) == 1, r.stderr
     rows, evals = read_metrics(run)
     assert ([x["step"] for x in rows] == [1, 2, 3, 4, 5, 6]
             and [e["step"] for e in evals] == [2, 4, 6])
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+              if '"event"' in line]
+    assert events == [{"step": 4, "event": "config_change",
+                       "checkpoint": str(run / "checkpoints" / "step_0000004"),
+                       "changes": {"optim.weight_decay": [0.1, 0.5], "run.steps": [4, 6]}}]
+    # Raising run.steps goes on at min_lr instead of re-shaping the cosine up again.
+    assert [x["lr"] for x in rows[4:]] == [first_config["optim"]["min_lr"]] * 2
+    starts = [json.loads(line) for line in (run / "configs.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["config"]["optim"]["weight_decay"]) for s in starts] == [(0, 0.1),
+                                                                                  (4, 0.5)]
+    assert starts[0]["config"] == first_config
 
     r = run_cli("eval", "--run", run, "--device", "cpu", timeout=120)
     assert r.returncode == 0, r.stderr

@@ -24,7 +24,8 @@ from ddpgpt.config import (
 from ddpgpt.config_io import build as resolve
 from ddpgpt.config_io import field_docs, from_dict, nest
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.preflight import accum_steps
+from ddpgpt.errors import UserError
+from ddpgpt.preflight import accum_steps, preflight
 from ddpgpt.preflight import resolve as resolve_autos
 from tests.helpers import run_cli, write_dataset
 
@@ -53,6 +54,25 @@ def _parse_train(argv: list[str]) -> TrainConfig:
     """The in-process twin of `ddpgpt train ARGV`: argparse -> nest -> build."""
     ns = cli._build_parser().parse_args(["train", *argv])
     return cli.train_config({k: v for k, v in vars(ns).items() if k not in ("command", "debug")})[0]
+
+
+@pytest.mark.parametrize("argv, bias, compile_", [
+    (["--model.bias", "false"], False, False),
+    (["--model.bias=False", "--compile", "yes"], False, True),
+    (["--no-model.bias", "--run.compile", "1"], False, True),
+    (["--model.bias", "--compile"], True, True),
+])
+def test_boolean_flags_take_true_or_false_too(argv, bias, compile_):
+    """`--model.bias false` reads like the TOML `bias = false`: it used to fail with
+    "unrecognized arguments: false", naming neither the flag nor --no-model.bias."""
+    parser = cli._build_parser()
+    ns = parser.parse_args(cli.bool_values(parser, ["train", *argv]))
+    cfg = cli.train_config({k: v for k, v in vars(ns).items() if k not in ("command", "debug")})[0]
+    assert (cfg.model.bias, cfg.run.compile) == (bias, compile_)
+    with pytest.raises(UserError) as e:
+        cli.bool_values(parser, ["train", "--model.bias=maybe"])
+    assert str(e.value) == ("--model.bias: expected true or false, got 'maybe' (or write "
+                            "--model.bias / --no-model.bias)")
 
 
 # ---- layering --------------------------------------------------------------------------------
@@ -397,3 +417,32 @@ def test_example_configs_resolve():
     for path in examples:
         cfg = resolve(None, str(path), {})
         assert accum_steps(cfg, 8) * 8 * cfg.data.micro_batch == cfg.data.global_batch
+
+
+def test_print_config_is_the_resolved_config_as_toml_that_config_reads(dataset, tmp_path,
+                                                                       capsys):
+    """`train --print-config`: every auto resolved for --nproc and the dataset, and the text is a
+    --config file that gives back exactly that config."""
+    flags = ["--preset", "tiny", "--data", str(dataset.path), "--run-dir", str(tmp_path / "run"),
+             "--optim.lr", "3e-3", "--model.block-size", "16", "--data.global-batch", "4",
+             "--data.micro-batch", "2"]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", *flags, "--nproc", "2", "--print-config"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("# resolved for 2 processes, from scratch\n[model]\n")
+    (tmp_path / "printed.toml").write_text(text)
+    expected, _ = preflight(_parse_train(flags), 2, 2)
+    expected = dataclasses.replace(expected, optim=dataclasses.replace(expected.optim,
+                                                                       decay_steps=200))
+    assert resolve(None, str(tmp_path / "printed.toml"), {}) == expected
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_help_shows_the_presets_values(capsys):
+    """The dataclass defaults are lr 1e-3 and G = 32; tiny's are 2e-3 and 16."""
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--preset", "tiny", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Peak learning rate, reached after warmup_steps. (default: 0.002)" in text
+    assert "the accumulation steps are G / (W * b). (default: 16)" in text

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from ddpgpt.cli import main
+from ddpgpt.plot import auto_beta, smoothed
 
 
 def fake_run(path, optimizer: str, steps: int = 20, eval_every: int = 5):
@@ -55,3 +56,84 @@ def test_without_matplotlib_it_says_how_to_install(tmp_path, capsys, monkeypatch
         main(["plot", str(fake_run(tmp_path / "run", "adamw"))])
     assert capsys.readouterr().err == ("ddpgpt: error: plot needs matplotlib: "
                                        "pip install 'ddpgpt[plot]'\n")
+
+
+def rewrite_rows(path, edit):
+    """The run's rows (torn last line dropped) through `edit`, written back one per line."""
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()[:-1]]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in edit(rows)))
+
+
+@pytest.mark.parametrize("smooth", ["-1", "0", "0.9"])
+def test_skipped_steps_and_rows_without_tokens_are_drawn(tmp_path, capsys, smooth):
+    """`"loss": null` is what the trainer writes for a step skipped as non-finite; rows of older
+    or hand-made files may lack `tokens` (the token panel is then left empty)."""
+    pytest.importorskip("matplotlib")
+    a, b = fake_run(tmp_path / "a", "adamw"), fake_run(tmp_path / "b", "muon")
+    rewrite_rows(a, lambda rows: [{**r, "loss": None, "grad_norm": None}
+                                  if r["step"] in (1, 7) and "loss" in r else r for r in rows])
+    rewrite_rows(b, lambda rows: [{k: v for k, v in r.items() if k != "tokens"} for r in rows])
+    main(["plot", str(a), str(b), "--smooth", smooth])
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_auto_smoothing_follows_the_run_length():
+    """A 20-row run is drawn as logged; a fixed 0.9 would lag its falling loss by ~10 rows."""
+    falling = [8 - s / 4 for s in range(20)]
+    assert smoothed(falling, auto_beta(20)) == falling
+    lag = smoothed(falling, 0.9)[-1] - falling[-1]
+    assert lag > 1.0  # what the old default drew: ~1 nat above the last row here
+    assert auto_beta(2000) == pytest.approx(0.99)
+    assert smoothed([1.0, None, 3.0], 0.5) == [1.0, None, pytest.approx(1 / 3 + 2)]
+
+
+@pytest.mark.parametrize("out, written", [
+    ("noext", "noext.png"),  # matplotlib would append .png while we printed "noext"
+    ("pic.svg", "pic.svg"),
+    ("folder", "folder/run.png"),  # an existing directory: the run's name inside it
+])
+def test_the_printed_path_is_the_file_written(tmp_path, capsys, monkeypatch, out, written):
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    fake_run(tmp_path / "run", "adamw")
+    main(["plot", "run", "--out", out])
+    assert capsys.readouterr().err == f"wrote {written}\n"
+    assert (tmp_path / written).stat().st_size > 1000
+
+
+def test_plot_dot_inside_a_run_dir(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(fake_run(tmp_path / "run", "adamw"))
+    main(["plot", "."])
+    assert capsys.readouterr().err == f"wrote {tmp_path / 'run.png'}\n"
+    assert (tmp_path / "run.png").is_file()
+
+
+@pytest.mark.parametrize("case, message", [
+    ("not utf-8", "{m}: not UTF-8 text (byte 1); the file is damaged (restore it, or plot other "
+                  "runs)"),
+    ("bare value", "{m}: line 2 is not a metrics row (a JSON object with an integer \"step\"); "
+                   "the file is damaged (restore it, or plot other runs)"),
+    ("bad format", "--out {p}.xyz: cannot draw a .xyz file; give a name ending in .png, .pdf, "
+                   ".svg (or a directory)"),
+    ("full disk", "cannot write /dev/full: No space left on device (ENOSPC); choose another "
+                  "--out"),
+])
+def test_odd_files_and_outputs_are_one_line(case, message, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = fake_run(tmp_path / "run", "adamw")
+    metrics, args = path / "metrics.jsonl", ["plot", str(path)]
+    if case == "not utf-8":
+        metrics.write_bytes(b"{\xff\xfe}\n" + metrics.read_bytes())
+    elif case == "bare value":
+        metrics.write_text(metrics.read_text().replace("\n", "\n42\n", 1))
+    elif case == "bad format":
+        args += ["--out", f"{path}.xyz"]
+    else:
+        args += ["--out", "/dev/full"]
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"ddpgpt: error: {message.format(p=path, m=metrics)}\n"
+    assert not (tmp_path / "run.png").exists()

@@ -1,4 +1,4 @@
-"""The README's scaling figures (benchmarks/scaling.py) follow from the stated formulas."""
+"""docs/sync.md's scaling figures (benchmarks/scaling.py) follow from the stated formulas."""
 
 import pytest
 

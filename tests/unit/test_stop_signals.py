@@ -23,3 +23,22 @@ def test_each_stop_signal_is_a_stop_request(sig):
         os.kill(os.getpid(), sig)
         assert stop.requested and stop.name == sig.name
     assert signal.getsignal(sig) == before  # handlers restored after the run
+
+
+@pytest.mark.parametrize("on_nonfinite, lr_fields, advice", [
+    ("stop", "optim.lr", "lower optim.lr or raise optim.warmup_steps, or use --on-nonfinite skip"),
+    ("skip", "optim.lr or optim.muon_lr",
+     "lower optim.lr or optim.muon_lr or raise optim.warmup_steps, or raise run.max_skipped"),
+])
+def test_the_nonfinite_stop_advises_what_is_not_already_on(on_nonfinite, lr_fields, advice):
+    """With skipping on, advising --on-nonfinite skip says nothing; under Muon the matrices'
+    learning rate is optim.muon_lr."""
+    from ddpgpt.config import RunConfig
+    from ddpgpt.dist import DistEnv, DistError
+    from ddpgpt.reliability import Guard
+
+    guard = Guard(DistEnv(), RunConfig(on_nonfinite=on_nonfinite, max_skipped=0),
+                  StopSignal(announce=False), lr_fields)
+    with pytest.raises(DistError) as e:
+        guard.on_nonfinite(4, [1], last_checkpoint=3)
+    assert str(e.value).endswith(f"The last checkpoint (step 3) is intact; {advice}")

@@ -14,10 +14,11 @@ from ddpgpt.reliability import Guard, StopSignal
 from ddpgpt.train import Trainer
 
 
-def make(tiny_data, tmp_path, **run) -> Trainer:
+def make(tiny_data, tmp_path, optim: dict | None = None, **run) -> Trainer:
     flags = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
              "data": {"dir": str(tiny_data), "micro_batch": 2, "global_batch": 4,
                       "eval_windows": 4},
+             "optim": optim or {},
              "run": {"dir": str(tmp_path / "run"), "device": "cpu", "threads": 1, **run}}
     cfg, dataset = preflight(build(None, None, flags), 1, 1)
     env = DistEnv()
@@ -70,3 +71,39 @@ def test_rng_carries_over_only_at_the_same_world_size(tiny_data, tmp_path, one_t
     second = make(tiny_data, tmp_path)
     second.load_state_dict(state, saved_world_size=saved_world_size)
     assert torch.equal(torch.rand(3), expected) == (saved_world_size == 1)
+
+
+def hyperparameters(trainer: Trainer) -> list[dict]:
+    return [{k: v for k, v in g.items() if k not in ("params", "lr")}
+            for g in trainer.optimizer.param_groups]
+
+
+@pytest.mark.parametrize("optim, changed", [
+    ({"name": "adamw"}, {"weight_decay": 5.0, "beta1": 0.5, "eps": 1e-3}),
+    ({"name": "muon"}, {"muon_lr": 0.2, "muon_ns_steps": 1, "weight_decay": 5.0}),
+], ids=["adamw", "muon"])
+def test_settings_changed_on_resume_are_applied(tiny_data, tmp_path, one_thread, optim,
+                                                changed):
+    """The saved param_groups used to overwrite the config: a resume with another weight decay,
+    beta1 or Muon lr trained bitwise like the unchanged resume while config.json said otherwise.
+    Now the optimizer keeps its state (moments, momentum buffers, step counts) and takes its
+    hyperparameters from this run's config."""
+    first = make(tiny_data, tmp_path, optim)
+    for _ in range(2):
+        first.train_step()
+        first.update(1e-3)
+        first.step += 1
+    state = copy.deepcopy(first.state_dict())
+    resumed = {}
+    for name, settings in (("same", optim), ("changed", {**optim, **changed})):
+        trainer = make(tiny_data, tmp_path, settings)
+        fresh = hyperparameters(trainer)  # what this config builds
+        trainer.load_state_dict(copy.deepcopy(state), saved_world_size=1)
+        assert hyperparameters(trainer) == fresh, name
+        for saved, live in zip(state["optimizer"]["state"].values(),
+                               trainer.optimizer.state_dict()["state"].values()):
+            assert all(torch.equal(saved[k], live[k]) for k in saved), name
+        trainer.train_step()
+        trainer.update(1e-3)
+        resumed[name] = torch.cat([p.detach().flatten() for p in trainer.raw.parameters()])
+    assert (resumed["same"] - resumed["changed"]).abs().max() > 1e-4  # the change took effect
