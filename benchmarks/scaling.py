@@ -7,16 +7,18 @@ inputs are stated, and the only measured one is the compute speed (the H100 figu
 docs/performance.md). For each model (gpt2-124m, gpt2-350m, and a 1.3B config of GPT-3 XL's shape:
 24 layers, 2048 wide, 16 heads), at W ranks with G = 512 sequences of 1024 tokens per step:
 
-- bytes each rank sends per step: `ddpgpt.bench.sent_bytes`, the ring formulas `ddpgpt bench`
-  prints (fp32 gradients and parameters, or bf16 gradients with --run.grad-compress bf16);
+- bytes each rank sends per step: the mode table's ring formulas (`ddpgpt.sync.MODES`, what
+  `ddpgpt bench` prints), fp32 gradients and parameters, or bf16 gradients with
+  --run.grad-compress bf16;
 - the time that takes at a per-rank bus bandwidth of 450 GB/s (NVLink 4, one H100 node),
   50 GB/s (a 400 Gb/s InfiniBand NIC per GPU) and 12.5 GB/s (100 Gb/s Ethernet per GPU);
 - the compute time per step: the model's training FLOPs for the rank's G·T/W tokens at 405 TFLOP/s
   (40.9% of the H100's 989 TFLOP/s bf16 peak: what gpt2-124m measured, compiled, b=64, in
   docs/performance.md);
 - the exposed share: the part of the communication that no computation hides, over the step. The
-  ring's work is modelled per mode as ddpgpt schedules it: ddp and allreduce all-reduce during
-  the last micro-step's backward (2/3 of a micro-step's compute); rs-ag reduce-scatters there and
+  ring's work is modelled per mode as ddpgpt schedules it (`exposed` in the mode table): ddp and
+  allreduce all-reduce during the last micro-step's backward (2/3 of a micro-step's compute);
+  rs-ag reduce-scatters there and
   all-gathers after it; zero1 reduce-scatters there and all-gathers the updated parameters after
   the optimizer step; fsdp2 all-gathers each micro-step's parameters during its forward (1/3) and
   again during its backward (2/3), and reduce-scatters in the last backward. Latency, the first
@@ -29,6 +31,13 @@ docs/performance.md). For each model (gpt2-124m, gpt2-350m, and a 1.3B config of
   16/W for fsdp2 plus, for a moment, two blocks' full weights and gradients. That is at A=1: with
   A>1 fsdp2 skips the reduce-scatter before the last micro-step, so every rank holds whole fp32
   gradients until then (4 + 12/W bytes per parameter).
+
+Then Muon for one model (`print_muon`, gpt2-124m at --world): the owners' balance (muon.plan,
+max/mean Newton-Schulz cost per rank) at several W, the momentum and Newton-Schulz FLOPs of the
+busiest owner against every rank doing every matrix, and each mode's bytes and exposure with
+Muon against AdamW: ddp, allreduce and rs-ag add an all-gather of the owners' new matrices after
+the step; zero1 moves its matrices whole inside its reduce-scatter and all-gather; fsdp2 adds two
+all-to-alls of 1/W of the matrices between the backward and the step.
 """
 
 from __future__ import annotations
@@ -38,11 +47,12 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt.bench import sent_bytes
 from ddpgpt.config import ModelConfig
 from ddpgpt.model import GPT
+from ddpgpt.muon import plan
+from ddpgpt.optim import is_muon_param
+from ddpgpt.sync import MODES, Traffic
 
-MODES = ("ddp", "allreduce", "rs-ag", "zero1", "fsdp2")
 MODELS = {  # name: (shape, micro-batch b a GPU fits, as the presets choose)
     "gpt2-124m": (dict(n_layer=12, n_head=12, n_embd=768), 16),
     "gpt2-350m": (dict(n_layer=24, n_head=16, n_embd=1024), 8),
@@ -51,34 +61,28 @@ MODELS = {  # name: (shape, micro-batch b a GPU fits, as the presets choose)
 FABRICS = {"NVLink 450 GB/s": 450e9, "InfiniBand 400 Gb/s": 50e9, "Ethernet 100 Gb/s": 12.5e9}
 SEQUENCES, T, FLOPS = 512, 1024, 0.409 * 989e12
 GPU_BYTES = 70e9
+BLOCKS = 24  # fsdp2's two whole blocks while they compute, for a model of this many blocks
 
 
-def model_numbers(shape: dict) -> tuple[int, float]:
-    """Parameters and training FLOPs per token."""
+def model_numbers(shape: dict) -> tuple[int, float, list[tuple[int, int]]]:
+    """Parameters, training FLOPs per token, and the shapes of Muon's matrices."""
     with torch.device("meta"):
         model = GPT(ModelConfig(block_size=T, vocab_size=50304, **shape))
-    return model.num_params(non_embedding=False), model.flops_per_token(T)
+    matrices = [tuple(p.shape) for n, p in model.named_parameters() if is_muon_param(n, p)]
+    return model.num_params(non_embedding=False), model.flops_per_token(T), matrices
 
 
-def exposed(mode: str, n: int, world: int, accum: int, bandwidth: float, step_s: float,
-            compress: bool = False) -> float:
-    """Seconds per step that the ring's traffic is not hidden behind compute (see module doc)."""
-    fraction = (world - 1) / world
-    grad_s = fraction * n * (2 if compress else 4) / bandwidth  # one pass over the gradients
-    weight_s = fraction * n * 4 / bandwidth                     # one pass over fp32 weights
-    micro = step_s / accum
-    forward, backward = micro / 3, 2 * micro / 3
-    if mode in ("ddp", "allreduce"):
-        return max(0.0, 2 * grad_s - backward)
-    if mode == "rs-ag":
-        return max(0.0, grad_s - backward) + grad_s
-    if mode == "zero1":
-        return max(0.0, grad_s - backward) + weight_s
-    if mode == "fsdp2":  # A-1 micro-steps without the reduce-scatter, then the last one with it
-        plain = max(0.0, weight_s - forward) + max(0.0, weight_s - backward)
-        return (accum - 1) * plain + max(0.0, weight_s - forward) + max(
-            0.0, weight_s + grad_s - backward)
-    raise ValueError(mode)
+def traffic(n: int, world: int, accum: int, compress: bool = False,
+            matrices: list[tuple[int, int]] = ()) -> Traffic:
+    """The mode table's inputs; with `matrices`, Muon's, laid out by owner."""
+    return Traffic(n, world, accum, 2 if compress else 4,
+                   matrices=sum(r * c for r, c in matrices),
+                   padded=plan(list(matrices), world).padded() if matrices else 0)
+
+
+def exposed(mode: str, t: Traffic, bandwidth: float, step_s: float) -> float:
+    """Seconds per step that the mode's traffic is not hidden behind compute (sync.MODES)."""
+    return MODES[mode].exposed(t, bandwidth, step_s / t.accum)
 
 
 def share(exposed_s: float, compute_s: float) -> float:
@@ -86,33 +90,27 @@ def share(exposed_s: float, compute_s: float) -> float:
     return exposed_s / (compute_s + exposed_s)
 
 
-def state_bytes_per_param(mode: str, world: int) -> float:
-    return {"zero1": 8 + 12 / world, "fsdp2": 16 / world}.get(mode, 16)
-
-
 def largest_model(mode: str, world: int) -> float:
-    """Parameters (of a 24-layer model, for fsdp2's two full blocks) that fit in GPU_BYTES."""
-    if mode != "fsdp2":
-        return GPU_BYTES / state_bytes_per_param(mode, world)
-    # n parameters in 24 equal blocks: n·16/W + 2·(n/24)·8 (two blocks' weights and gradients)
-    return GPU_BYTES / (16 / world + 2 * 8 / 24)
+    """Parameters whose weights, gradients and AdamW state fit in GPU_BYTES (sync.MODES)."""
+    return GPU_BYTES / MODES[mode].memory(world, BLOCKS)
 
 
-def tables(world: int) -> dict:
+def tables(world: int, muon: bool = False) -> dict:
     rows = {}
     for name, (shape, micro) in MODELS.items():
-        n, flops_per_token = model_numbers(shape)
+        n, flops_per_token, matrices = model_numbers(shape)
         accum = max(1, SEQUENCES // (world * micro))
         step_s = SEQUENCES * T / world * flops_per_token / FLOPS
         rows[name] = {"params": n, "accum": accum, "step_s": step_s, "modes": {}}
         for mode in (*MODES, "ddp+bf16"):
             base, compress = mode.split("+")[0], mode.endswith("bf16")
-            sent = sent_bytes(base, n, world, accum, compress)
+            t = traffic(n, world, accum, compress, matrices if muon else ())
+            sent = MODES[base].sent(t)
             rows[name]["modes"][mode] = {
                 "sent": sent,
                 "time": {f: sent / bw for f, bw in FABRICS.items()},
-                "exposed": {f: share(exposed(base, n, world, accum, bw, step_s, compress),
-                                     step_s) for f, bw in FABRICS.items()},
+                "exposed": {f: share(exposed(base, t, bw, step_s), step_s)
+                            for f, bw in FABRICS.items()},
             }
     return rows
 
@@ -141,6 +139,49 @@ def print_tables(rows: dict, world: int) -> None:
               f"{largest_model(mode, 64) / 1e9:.1f}B |")
 
 
+def ns_flops(shape: tuple[int, int], steps: int = 5) -> float:
+    """One Newton-Schulz of a (rows, cols) matrix, m = the short side: per iteration X·Xᵀ and
+    (gram)·X at 2·m²·n each, gram² at 2·m³."""
+    m, n = sorted(shape)
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def print_muon(world: int, name: str = "gpt2-124m") -> None:
+    """Muon by owners for one model: balance, state, Newton-Schulz time and bytes per mode."""
+    shape, micro = MODELS[name]
+    n, flops_per_token, matrices = model_numbers(shape)
+    accum = max(1, SEQUENCES // (world * micro))
+    step_s = SEQUENCES * T / world * flops_per_token / FLOPS
+    m = sum(r * c for r, c in matrices)
+    print(f"\nMuon, {name}: {len(matrices)} matrices, {m / 1e6:.1f}M of {n / 1e6:.1f}M "
+          "parameters; owners by Newton-Schulz cost (max/mean per rank):")
+    print("| W | " + " | ".join(str(w) for w in (2, 4, 8, 16, 64)) + " |")
+    print("|---|" + "---:|" * 5)
+    print("| max/mean | " + " | ".join(f"{plan(matrices, w).balance():.3f}"
+                                      for w in (2, 4, 8, 16, 64)) + " |")
+    layout = plan(matrices, world)
+    work = max(sum(ns_flops(matrices[i]) for i in layout.owned(r)) for r in range(world))
+    everything = sum(ns_flops(s) for s in matrices)
+    largest = max(layout.elements(r) for r in range(world))
+    print(f"\nAt W = {world}: Muon's momentum {4 * largest / 1e6:.0f} MB on the largest owner "
+          f"(all {len(matrices)} matrices' on every rank: {4 * m / 1e6:.0f} MB); Newton-Schulz "
+          f"{work / 1e9:.0f} GFLOP on the busiest rank (all of them: {everything / 1e9:.0f}), "
+          f"{work / FLOPS * 1e3:.2f} ms at {FLOPS / 1e12:.0f} TFLOP/s (a lower bound: matmuls "
+          f"this small run slower), {work / FLOPS / step_s:.1%} of the {step_s * 1e3:.0f} ms "
+          "step.\n")
+    fabrics = list(FABRICS)
+    print("| mode | GB sent per rank per step, AdamW | Muon | " + " | ".join(
+        f"{f}: Muon exposed (AdamW)" for f in fabrics) + " |")
+    print("|---|---:|---:|" + "---:|" * len(fabrics))
+    for mode in MODES:
+        plain, muon = traffic(n, world, accum), traffic(n, world, accum, matrices=matrices)
+        cells = [f"{share(exposed(mode, muon, bw, step_s), step_s):.0%} "
+                 f"({share(exposed(mode, plain, bw, step_s), step_s):.0%})"
+                 for bw in FABRICS.values()]
+        print(f"| {mode} | {MODES[mode].sent(plain) / 1e9:.2f} | "
+              f"{MODES[mode].sent(muon) / 1e9:.2f} | " + " | ".join(cells) + " |")
+
+
 def plot(rows: dict, world: int, path: Path) -> None:
     import matplotlib
 
@@ -160,14 +201,14 @@ def plot(rows: dict, world: int, path: Path) -> None:
     sent.legend()
 
     # Exposure against A for gpt2-124m under ddp: the same bytes, a shorter last backward.
-    n, flops_per_token = model_numbers(MODELS["gpt2-124m"][0])
+    n, flops_per_token, _ = model_numbers(MODELS["gpt2-124m"][0])
     step_s = SEQUENCES * T / world * flops_per_token / FLOPS
     accums = [1, 2, 4, 8, 16, 32, 64]
     for (fabric, bw), colour in zip(FABRICS.items(), ("tab:green", "tab:blue", "tab:red")):
         for mode, style in (("ddp", "-"), ("ddp+bf16", "--"), ("fsdp2", ":")):
             base, compress = mode.split("+")[0], mode.endswith("bf16")
-            values = [share(exposed(base, n, world, a, bw, step_s, compress), step_s) * 100
-                      for a in accums]
+            values = [share(exposed(base, traffic(n, world, a, compress), bw, step_s), step_s)
+                      * 100 for a in accums]
             exposure.plot(accums, values, style, color=colour, marker=".",
                           label=f"{mode}, {fabric}")
     exposure.set_xscale("log", base=2)
@@ -202,6 +243,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = tables(args.world)
     print_tables(rows, args.world)
+    print_muon(args.world)
     plot(rows, args.world, Path(args.out))
 
 

@@ -3,6 +3,7 @@
     ddpgpt bench --nproc 2 --data data/stdlib                       # CPU: 2 gloo processes, tiny
     torchrun --standalone --nproc_per_node 8 -m ddpgpt bench --data data/fineweb --preset gpt2-124m
     ddpgpt bench --nproc 2 --sync ddp,zero1 --steps 20 --repeats 3 --out bench/
+    ddpgpt bench --nproc 4 --optim muon             # Muon for the matrices, in every mode
     ddpgpt bench --device cuda --group --preset gpt2-124m      # one GPU: a one-rank NCCL group
 
 For each mode, with the preset's batch (A micro-steps per step):
@@ -10,10 +11,14 @@ For each mode, with the preset's batch (A micro-steps per step):
   `--repeats` rounds (the modes take turns, so a machine's drift does not favour one);
 - the exposed communication: that time minus the median of the same steps with no collective
   at all (every rank computing its own micro-batches: the work that no mode can hide);
-- the bytes each rank sends per step, computed for ring algorithms from the mode and N (not
-  measured: DDP and FSDP2 run their collectives inside torch);
+- the bytes each rank sends per step, computed for ring algorithms by the mode table's formula
+  (sync/__init__.py) from N, W, A and, under Muon, its matrices' layout by owner (not measured:
+  DDP and FSDP2 run their collectives inside torch);
 - the memory each rank holds for parameters, gradients and optimizer state (measured from the
-  tensors), and on CUDA the activations (peak allocated minus those).
+  tensors; under Muon also how much of the state is Muon's momentum), and on CUDA the
+  activations (peak allocated minus those).
+The no-collective baseline steps Muon as the modes do, each rank its own matrices (1/W of the
+Newton-Schulz work), so that work counts as compute, not as exposed communication.
 
 Rank 0 prints a table and writes bench.json and, with matplotlib (`pip install 'ddpgpt[plot]'`),
 bench.png.
@@ -41,20 +46,18 @@ from ddpgpt.optim import lr_at
 from ddpgpt.preflight import preflight
 from ddpgpt.reliability import Guard, StopSignal
 from ddpgpt.runtime import configure
+from ddpgpt.sync import MODES, Traffic
 from ddpgpt.train import Trainer
 
 
-def sent_bytes(mode: str, params: int, world: int, accum: int, compress: bool) -> int:
-    """Bytes one rank sends per optimizer step in ring collectives (each moves (W-1)/W of its
-    tensor per pass): an all-reduce is a reduce-scatter plus an all-gather, two passes."""
-    fraction = (world - 1) / world
-    grads, weights = params * (2 if compress else 4), params * 4
-    passes = {"ddp": 2 * grads, "allreduce": 2 * grads, "rs-ag": 2 * grads,
-              "zero1": grads + weights,  # gradients reduce-scattered, parameters all-gathered
-              # each micro-step all-gathers the parameters for its forward and again for its
-              # backward; the last one reduce-scatters the gradients
-              "fsdp2": 2 * accum * weights + grads}
-    return int(fraction * passes[mode])
+def traffic(trainer: Trainer, compress: bool = False) -> Traffic:
+    """What the trainer's steps move: its model's parameters, W, A and, under Muon, its
+    matrices and their layout by owner."""
+    matrices = trainer.sync.matrices
+    n = sum(p.numel() for p in trainer.raw.parameters())  # a DTensor counts its whole tensor
+    return Traffic(n, trainer.env.world_size, trainer.accum, 2 if compress else 4,
+                   matrices=sum(r * c for r, c in matrices.shapes) if matrices else 0,
+                   padded=matrices.layout.padded() if matrices else 0)
 
 
 def time_steps(trainer: Trainer, warmup: int, steps: int) -> tuple[list[float], dict]:
@@ -67,7 +70,7 @@ def time_steps(trainer: Trainer, warmup: int, steps: int) -> tuple[list[float], 
         trainer.train_step()
         if k == warmup + steps - 1:
             counted = time.perf_counter()
-            held = trainer.sync.memory()
+            held = trainer.sync.memory(trainer.optimizer)
             start += time.perf_counter() - counted  # not part of the step
         trainer.update(lr_at(k, cfg.optim, warmup + steps))
         if trainer.env.device.type == "cuda":
@@ -82,7 +85,8 @@ def train_config(cfg: BenchConfig, world: int, local: int, mode: str | None,
     """The training config one mode is measured with (None: no collective at all), resolved and
     checked like `train`'s. Nothing is written: the run dir is never created."""
     flags = {"data": {"dir": cfg.data, "verify": False},
-             "run": {"dir": "bench-run", "device": device, "sync": mode or "ddp"}}
+             "run": {"dir": "bench-run", "device": device, "sync": mode or "ddp"},
+             **({"optim": {"name": cfg.optim}} if cfg.optim else {})}
     return preflight(build(cfg.preset, cfg.config, flags), world, local)
 
 
@@ -110,19 +114,17 @@ def measure(cfg: BenchConfig, env: dist.DistEnv, mode: str | None) -> dict:
                                       env.device.type)
     configure(train_cfg.run.threads, env.device)
     guard = Guard(env, train_cfg.run, StopSignal(announce=False))
-    trainer = Trainer(train_cfg, env, dataset, guard)
-    n = sum(p.numel() for p in trainer.raw.parameters())
-    if mode is not None:
-        trainer.wrap()
+    trainer = Trainer(train_cfg, env, dataset, guard, local=mode is None)
+    n = traffic(trainer).params
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     times, held = time_steps(trainer, cfg.warmup, cfg.steps)
+    sent = MODES[mode].sent(traffic(trainer)) if mode else 0
     if env.device.type == "cuda":
         held["activations"] = torch.cuda.max_memory_allocated(env.device) - sum(held.values())
     runs_as = type(trainer.sync).__name__  # Sync: no collective at all
-    trainer.unwrap()
-    return {"mode": mode or "no sync", "runs_as": runs_as, "times": times,
-            "sent_bytes": sent_bytes(mode, n, env.world_size, trainer.accum, False) if mode else 0,
+    trainer.close()
+    return {"mode": mode or "no sync", "runs_as": runs_as, "times": times, "sent_bytes": int(sent),
             "memory": held, "accum": trainer.accum, "params": n,
             "model": describe_model(train_cfg, trainer.raw.num_params(non_embedding=False))}
 
@@ -215,16 +217,19 @@ def report(cfg: BenchConfig, env: dist.DistEnv, rows: list[dict], stopped: str |
           f"A={rows[0]['accum']}; medians of {cfg.steps * cfg.repeats} steps"
           + (f" in {cfg.repeats} rounds" if cfg.repeats > 1 else "")
           + (f"; stopped by {stopped} after {len(rows)} of {total} modes" if stopped else ""))
+    muon = "muon_state" in rows[0]["memory"]  # and how much of the state is Muon's momentum
     print(f"{'mode':10s} {'step ms':>9s} {'exposed ms':>11s} {'sent MB/step':>13s} "
-          f"{'params MB':>10s} {'grads MB':>9s} {'state MB':>9s}")
+          f"{'params MB':>10s} {'grads MB':>9s} {'state MB':>9s}" + (" of which Muon MB"
+                                                                      if muon else ""))
     for r in rows:
         m = r["memory"]
         print(f"{r['mode']:10s} {r['step_s'] * 1e3:9.1f} {r['exposed_s'] * 1e3:11.1f} "
               f"{r['sent_bytes'] / mb:13.2f} {m['params'] / mb:10.2f} {m['grads'] / mb:9.2f} "
-              f"{m['state'] / mb:9.2f}", flush=True)
+              f"{m['state'] / mb:9.2f}" + (f" {m['muon_state'] / mb:17.2f}" if muon else ""),
+              flush=True)
     out = Path(cfg.out)
     where = {"world_size": env.world_size, "device": env.device.type, "backend": env.backend,
-             "preset": cfg.preset, "config": cfg.config, "model": rows[0]["model"],
+             "preset": cfg.preset, "config": cfg.config, "muon": muon, "model": rows[0]["model"],
              "torch": torch.__version__, "steps": cfg.steps, "repeats": cfg.repeats,
              "stopped_by": stopped}
     try:

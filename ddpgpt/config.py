@@ -13,8 +13,9 @@ import math
 from dataclasses import dataclass, field
 
 from ddpgpt.errors import UserError
+from ddpgpt.sync import MODES
 
-SYNC_MODES = ("ddp", "allreduce", "rs-ag", "zero1", "fsdp2")  # see ddpgpt/sync/
+SYNC_MODES = tuple(MODES)  # the table of modes: ddpgpt/sync/__init__.py
 MAX_BUCKET_MB = 65536     # 64 GiB: larger than any device's memory, far below an int overflow
 MAX_TIMEOUT_S = 1_000_000  # ~11.6 days: longer waits overflow the backends' timeouts
 
@@ -161,8 +162,8 @@ class OptimConfig:
     decay, gradient clipping."""
 
     name: str = "adamw"
-    """adamw, or muon: Muon for the blocks' 2-D weight matrices, AdamW (lr, betas) for the
-    embeddings, norms and biases (see ddpgpt/muon.py)."""
+    """adamw, or muon: torch's Muon for the blocks' 2-D weight matrices, each stepped by one
+    owner rank, and AdamW (lr, betas) for the embeddings, norms and biases (see ddpgpt/muon.py)."""
     lr: float = 1e-3
     """Peak learning rate, reached after warmup_steps."""
     min_lr: float = 1e-4
@@ -255,9 +256,10 @@ class RunConfig:
     sync: str = "ddp"
     """How gradients are synchronized: ddp (DistributedDataParallel), allreduce (our own flat
     buckets, one asynchronous all_reduce each, overlapping the backward), rs-ag (the same
-    buckets, reduce-scatter then all-gather), zero1 (reduce-scatter; each rank steps AdamW on
-    its 1/W of the parameters and state; all-gather) or fsdp2 (torch's fully_shard: parameters,
-    gradients and optimizer state sharded). The same training whatever the mode."""
+    buckets, reduce-scatter then all-gather), zero1 (reduce-scatter; each rank steps its 1/W of
+    the parameters and optimizer state; all-gather) or fsdp2 (torch's fully_shard: parameters,
+    gradients and optimizer state sharded). The same training whatever the mode, with either
+    optimizer (Muon by whole matrices, each on one rank)."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MB (every sync mode)."""
     grad_compress: str = "none"
@@ -454,8 +456,11 @@ class BenchConfig:
     """Named config to measure (tiny, small, gpt2-124m, gpt2-350m)."""
     config: str | None = None
     """TOML file laid over the preset (as `train --config`), e.g. another model shape."""
-    sync: str = "ddp,allreduce,rs-ag,zero1,fsdp2"
+    sync: str = ",".join(SYNC_MODES)
     """Comma-separated sync modes to measure."""
+    optim: str = ""
+    """The optimizer every mode steps: adamw, or muon (Muon for the blocks' matrices); empty:
+    the preset's or --config's."""
     steps: int = 10
     """Optimizer steps timed per mode and round (the median over all rounds is reported)."""
     warmup: int = 2
@@ -475,6 +480,8 @@ class BenchConfig:
     def __post_init__(self):
         for mode in self.sync.split(","):
             _choice("bench", "sync", mode, SYNC_MODES)
+        if self.optim:
+            _choice("bench", "optim", self.optim, ("adamw", "muon"))
         _require(self.steps >= 1, f"--steps {self.steps} must be >= 1")
         _require(self.warmup >= 0, f"--warmup {self.warmup} must be >= 0")
         _require(self.repeats >= 1, f"--repeats {self.repeats} must be >= 1")

@@ -289,6 +289,27 @@ def all_gather_async(env: DistEnv, full: torch.Tensor, shard: torch.Tensor) -> d
         return _all_gather(full, shard, async_op=True)
 
 
+def all_gather_into(env: DistEnv, full: torch.Tensor, shard: torch.Tensor) -> None:
+    """full (W·n,) <- every rank's shard (n,), in rank order; one buffer, no list of W."""
+    if env.world_size == 1:
+        full.copy_(shard.reshape(-1))
+        return
+    work = all_gather_async(env, full, shard)
+    with collective():
+        work.wait()
+
+
+def all_to_all(env: DistEnv, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+               in_splits: list[int]) -> None:
+    """out <- from each rank r, in rank order, its next out_splits[r] elements; `inp` is cut
+    into in_splits[r] elements for each rank r in turn (uneven splits allowed)."""
+    if env.world_size == 1:
+        out.copy_(inp)
+        return
+    with collective():
+        dist.all_to_all_single(out, inp, out_splits, in_splits)
+
+
 def barrier(env: DistEnv) -> None:
     if env.world_size > 1:
         with collective():
@@ -331,12 +352,12 @@ def digest(*parts: bytes | str) -> bytes:
     return h.digest()
 
 
-def params_digest(model: torch.nn.Module) -> bytes:
-    """sha256 over every parameter's name and exact bytes."""
+def state_digest(state: dict[str, torch.Tensor]) -> bytes:
+    """sha256 over every tensor's name and exact bytes (a model's state_dict)."""
     h = hashlib.sha256()
-    for name, p in model.named_parameters():
+    for name, t in state.items():
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.digest()
 
 

@@ -240,14 +240,23 @@ def read_weights(spec: str) -> dict[str, torch.Tensor]:
     return gpt2.strip_prefix(tensors)
 
 
+def read_state(spec: str, cfg) -> dict[str, torch.Tensor]:
+    """Our state dict for a model of shape `cfg` (a ModelConfig) from the weights `spec`."""
+    tensors = read_weights(spec)
+    try:
+        state = gpt2.from_gpt2(tensors, cfg.vocab_size, cfg.bias)
+    except KeyError as e:
+        raise UserError(f"--init-from {spec}: the weights have no {e}; were they changed since "
+                        "the run was configured?") from None
+    layers = sum(1 for name in state if name.endswith("attn.qkv.weight"))
+    if layers != cfg.n_layer or state["wpe.weight"].shape != (cfg.block_size, cfg.n_embd):
+        raise UserError(f"--init-from {spec}: the weights do not have the run's shape ("
+                        f"{cfg.n_layer} layers, {cfg.block_size} × {cfg.n_embd} positions); were "
+                        "they changed since the run was configured?")
+    return state
+
+
 @torch.no_grad()
 def load_into(model: torch.nn.Module, spec: str) -> None:
-    """Copies the weights into `model` in place (the optimizer already holds its parameters)."""
-    cfg = model.cfg
-    try:
-        state = gpt2.from_gpt2(read_weights(spec), cfg.vocab_size, cfg.bias)
-        model.load_state_dict(state)
-    except (KeyError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0]
-        raise UserError(f"--init-from {spec}: the weights do not fit the model ({first}); were "
-                        "they changed since the run started?") from None
+    """Copies the weights into the single-device `model`."""
+    model.load_state_dict(read_state(spec, model.cfg))

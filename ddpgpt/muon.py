@@ -1,172 +1,243 @@
-"""Muon for the blocks' weight matrices, AdamW for everything else: one optimizer object.
+"""Muon distributed by whole matrices: each matrix has one owner rank, which alone keeps its
+momentum, orthogonalizes it and steps it; the other ranks get the new weights.
 
-Which parameters. Muon takes the 2-D matrices inside the transformer blocks (attention qkv and
-projection, MLP in and out): their update is a linear map whose useful directions Adam's
-per-element scaling cannot see. The token embedding (also the tied output head), the position
-embedding, LayerNorm gains and biases stay with AdamW: an embedding row is a lookup, not a map,
-and a vector has no singular values to equalize.
+The step itself is torch's: `torch.optim.Muon` with adjust_lr_fn = "match_rms_adamw", over the
+matrices a rank owns (see optim.py). For a matrix W with gradient G and momentum m:
 
-Muon's update of a matrix W with gradient G, momentum m (~0.95):
-
-    B <- m·B + (1 - m)·G                  momentum buffer
-    U <- (1 - m)·G + m·B                  Nesterov: a step further along the buffer
-    O <- newton_schulz(U)                 ~ U·Vᵀ of U's SVD: every direction the same size
+    B <- m·B + (1 - m)·G                  momentum buffer (the only state: 4 bytes per element)
+    U <- (1 - m)·G + m·B                  Nesterov
+    O <- newton_schulz(U)                 ~ U·Vᵀ of U's SVD, five quintic iterations
     W <- W·(1 - lr·wd) - lr·0.2·sqrt(max(rows, cols))·O
 
-The scale 0.2·sqrt(max(rows, cols)) gives every update an RMS of 0.2, whatever the matrix's shape
-(an orthogonal r×c matrix has RMS 1/sqrt(max(r, c))), about the RMS of an AdamW update, so
-Muon's learning rate reads on AdamW's scale.
+torch iterates Newton-Schulz in bf16, and so do we under bf16 or fp16 precision (`Muon` is then
+torch's step, untouched). Under run.precision fp32 it runs in fp32 (`newton_schulz`, torch's
+iteration with the dtype as a parameter: bitwise torch's in bf16, tests/unit/test_muon.py): bf16
+rounds each iterate to 3 digits, so two runs whose gradients differ only in the order of float
+sums (two sync modes, two world sizes) drift apart by ~1e-4 in a few steps, where fp32 keeps
+them within 1e-6. The price: on this project's test VM (x86 with AVX512-BF16) the fp32
+iteration takes ~4× the bf16 one.
 
-Distributed. Orthogonalizing is the expensive part (a few matmuls per matrix), so each rank does
-only its share: matrix i belongs to one rank (`owners`: the largest matrices first, each to the
-least loaded rank, ties to the lower rank and index: a function of the model and W alone). Each
-rank packs its results into one flat buffer and a single all_gather hands every rank
-every result, so all apply the same update. Every rank holds the same synced gradients (run.sync
-ddp, allreduce or rs-ag), so the momentum buffers need no exchange. At W = 1 no collective.
+Newton-Schulz multiplies U by itself, so it needs the whole matrix: no element slice of it can be
+stepped alone, which is what zero1 and fsdp2 hand an elementwise optimizer. Hence owners.
 
-The schedule stays a pure function of the step: the trainer sets each group's lr (AdamW's lr ×
-the group's `lr_scale`) and Muon's momentum before every step.
+Who owns what (`plan`, a function of the matrices' shapes and W alone, so every rank computes the
+same). The work per matrix is Newton-Schulz's, about rows·cols·min(rows, cols) multiply-adds per
+iteration (`ns_cost`); the bytes a matrix moves are its elements. Walking the matrices in the
+order the backward finishes them (last layer first), every W matrices of one shape-cost class make
+a *round*: one matrix per rank, the same cost and size for each, so the round is perfectly
+balanced and, laid out rank by rank, needs no padding. Consecutive rounds are merged into buckets
+of up to `bucket_elems` elements (zero1 reduce-scatters a bucket as soon as its gradients are
+ready). The matrices left over (fewer than W of a class) go, costliest first, each to the least
+loaded rank (ties: the lower rank), into one last bucket. For gpt2-124m that is perfectly
+balanced at W = 2 and 4 (every class has a multiple of W matrices) and 1.055 max/mean at W = 8.
+
+`Matrices` holds the whole model's matrices and moves them between their owners and everyone in
+one collective: the owners' new weights (after the step, in the modes that replicate the
+model) and the momentum buffers (a checkpoint holds torch's Muon state_dict over every matrix).
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
+from torch.optim._muon import _adjust_lr
 
 from ddpgpt import dist
 from ddpgpt.config import OptimConfig
 
-# The quintic Newton-Schulz iteration X <- a·X + b·(XXᵀ)X + c·(XXᵀ)²X, with coefficients chosen to
-# pull every singular value in (0, 1] fast towards 1 rather than to converge exactly.
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-RMS = 0.2
+
+def ns_cost(shape: tuple[int, int]) -> int:
+    """Multiply-adds of one Newton-Schulz iteration, up to a constant: X·Xᵀ and (X·Xᵀ)·X on the
+    short side, rows·cols·min(rows, cols) each."""
+    rows, cols = shape
+    return rows * cols * min(rows, cols)
 
 
-def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32
-                  ) -> torch.Tensor:
-    """U·f(S)·Vᵀ for g = U·S·Vᵀ, f(σ) close to 1 (see tests/unit/test_muon.py for the band), in
-    `dtype` (bf16 on CUDA: the iteration tolerates it and runs at tensor-core speed)."""
-    a, b, c = NS_COEFFICIENTS
-    x = g.to(dtype)
-    wide = x.size(0) <= x.size(1)
-    if not wide:  # iterate on the smaller Gram matrix
-        x = x.mT
-    x = (x / (x.norm() + 1e-7)).contiguous()  # every singular value into (0, 1]
+@dataclass(frozen=True)
+class Layout:
+    """buckets[b][r]: the matrices (indices in model order) rank r owns in bucket b."""
+    world: int
+    buckets: tuple[tuple[tuple[int, ...], ...], ...]
+    shapes: tuple[tuple[int, int], ...]
+
+    @property
+    def owner(self) -> list[int]:
+        out = [0] * len(self.shapes)
+        for bucket in self.buckets:
+            for rank, mine in enumerate(bucket):
+                for i in mine:
+                    out[i] = rank
+        return out
+
+    def owned(self, rank: int) -> list[int]:
+        """Rank `rank`'s matrices in model order: the order of its share in the flat layouts
+        and of its Muon's parameters (at W = 1, the whole model's order)."""
+        return sorted(i for bucket in self.buckets for i in bucket[rank])
+
+    def elements(self, rank: int) -> int:
+        return sum(_numel(self.shapes[i]) for i in self.owned(rank))
+
+    def loads(self) -> list[int]:
+        """Newton-Schulz cost per rank."""
+        return [sum(ns_cost(self.shapes[i]) for i in self.owned(r)) for r in range(self.world)]
+
+    def balance(self) -> float:
+        """The largest rank's cost over the mean: the step waits for the slowest owner."""
+        loads = self.loads()
+        return max(loads) / (sum(loads) / self.world) if sum(loads) else 1.0
+
+    def padded(self) -> int:
+        """Elements of a flat buffer with every rank's share padded to the largest one's."""
+        return self.world * max(self.elements(r) for r in range(self.world))
+
+
+def _numel(shape: tuple[int, int]) -> int:
+    return shape[0] * shape[1]
+
+
+def plan(shapes: list[tuple[int, int]], world: int, bucket_elems: int = 0) -> Layout:
+    """Owners and buckets for matrices of these shapes (model order) over `world` ranks."""
+    shapes = [tuple(s) for s in shapes]
+    rounds, pending = [], {}
+    for i in reversed(range(len(shapes))):  # the backward finishes the last layer first
+        key = (_numel(shapes[i]), ns_cost(shapes[i]))
+        pending.setdefault(key, []).append(i)
+        if len(pending[key]) == world:
+            rounds.append([[j] for j in pending.pop(key)])  # one matrix each, the same cost
+    buckets, filled = [], 0
+    for rnd in rounds:
+        size = world * _numel(shapes[rnd[0][0]])
+        if buckets and filled + size <= bucket_elems:
+            for rank in range(world):
+                buckets[-1][rank] += rnd[rank]
+            filled += size
+        else:
+            buckets.append(rnd)
+            filled = size
+    rest = sorted((i for left in pending.values() for i in left),
+                  key=lambda i: (-ns_cost(shapes[i]), -i))
+    if rest:
+        load, last = [0] * world, [[] for _ in range(world)]
+        for i in rest:  # the costliest first, each to the least loaded rank
+            rank = min(range(world), key=lambda r: (load[r], r))
+            last[rank].append(i)
+            load[rank] += ns_cost(shapes[i])
+        buckets.append([sorted(mine, reverse=True) for mine in last])
+    return Layout(world, tuple(tuple(tuple(m) for m in b) for b in buckets), tuple(shapes))
+
+
+class Matrices:
+    """The whole model's Muon matrices (model order), this rank's share, and the one collective
+    that gives every rank what each owner holds for its matrices."""
+
+    def __init__(self, params: list[torch.nn.Parameter], env: dist.DistEnv,
+                 bucket_elems: int = 0):
+        """`params`: the whole model's matrices, in model order (before any sharding)."""
+        self.env = env
+        self.shapes = [tuple(p.shape) for p in params]
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.layout = plan(self.shapes, env.world_size, bucket_elems)
+        self.mine = self.layout.owned(env.rank)  # indices, in the order of this rank's share
+        self.width = max(self.layout.elements(r) for r in range(env.world_size))
+
+    def gather(self, mine: list[torch.Tensor] | None) -> list[torch.Tensor | None]:
+        """Collective: each owner's tensors, one per matrix it owns in `self.mine` order (None:
+        it has none, e.g. no momentum before the first step), to every rank; returned for every
+        matrix in model order (None where the owner had none). One all_gather of a flat buffer,
+        each rank's share padded to the largest share (`Layout.padded`), plus one flag each."""
+        # (1 + width,): the has-tensors flag, then the share
+        flat = torch.zeros(1 + self.width, dtype=self.dtype, device=self.device)
+        if mine is not None:
+            flat[0], offset = 1, 1
+            for t in mine:
+                flat[offset:offset + t.numel()] = t.reshape(-1)
+                offset += t.numel()
+        everyone = flat.new_empty(self.env.world_size, 1 + self.width)  # (W, 1 + width)
+        dist.all_gather_into(self.env, everyone.view(-1), flat)
+        out: list[torch.Tensor | None] = [None] * len(self.shapes)
+        for rank in range(self.env.world_size):
+            if everyone[rank, 0] == 0:
+                continue
+            offset = 1
+            for i in self.layout.owned(rank):
+                n = self.shapes[i][0] * self.shapes[i][1]
+                out[i] = everyone[rank, offset:offset + n].view(self.shapes[i])
+                offset += n
+        return out
+
+    def share(self, params: list[torch.Tensor]) -> None:
+        """Collective: every owner's new weights into every rank's whole matrices `params`."""
+        mine = set(self.mine)
+        with torch.no_grad():
+            for i, new in enumerate(self.gather([params[i] for i in self.mine])):
+                if i not in mine and new is not None:
+                    params[i].copy_(new)
+
+    def full_state(self, muon: torch.optim.Optimizer, steps: list[torch.Tensor]) -> dict:
+        """Collective: the state_dict torch.optim.Muon over every matrix (model order) would
+        have. `steps`: the tensors `muon` steps, in `self.mine` order."""
+        local = muon.state_dict()  # its own indices: position in `steps`
+        buffers = [muon.state[p]["momentum_buffer"] for p in steps if p in muon.state]
+        full = self.gather(buffers if len(buffers) == len(steps) and buffers else None)
+        group = {k: v for k, v in local["param_groups"][0].items() if k != "params"}
+        return {"state": {i: {"momentum_buffer": b.clone()} for i, b in enumerate(full)
+                          if b is not None},
+                "param_groups": [{**group, "params": list(range(len(self.shapes)))}]}
+
+    def load_state(self, muon: torch.optim.Optimizer, steps: list[torch.Tensor],
+                   state: dict) -> None:
+        """The momentum of this rank's matrices out of a whole-model Muon state_dict."""
+        for p, i in zip(steps, self.mine):
+            saved = state["state"].get(i)
+            if saved is not None:
+                muon.state[p] = {"momentum_buffer": saved["momentum_buffer"].to(p.device, p.dtype)
+                                 .clone().view(p.shape)}
+
+
+def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                  eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """torch's _zeropower_via_newtonschulz in `dtype`: U·f(S)·Vᵀ for g = U·S·Vᵀ, f(σ) ~ 1."""
+    a, b, c = coefficients
+    x = g.to(dtype, copy=True)
+    tall = g.size(0) > g.size(1)
+    if tall:  # iterate on the smaller Gram matrix
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))  # every singular value into (0, 1]
     for _ in range(steps):
-        gram = x @ x.mT
+        gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b·gram + c·gram²
         x = torch.addmm(x, poly, x, beta=a)                     # a·x + poly·x
-    return x if wide else x.mT
+    return x.T if tall else x
 
 
-def owners(sizes: list[int], world: int) -> list[int]:
-    """The rank that orthogonalizes each matrix: the largest first, each to the least loaded rank
-    (ties: the lower rank; equal sizes keep their order)."""
-    load, owner = [0] * world, [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        owner[i], load[rank] = rank, load[rank] + sizes[i]
-    return owner
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon; with `ns_dtype` float32, its step with the iteration in fp32."""
 
-
-def is_muon_param(name: str, p: torch.nn.Parameter) -> bool:
-    return name.startswith("blocks.") and p.dim() == 2
-
-
-class MuonAdamW(torch.optim.Optimizer):
-    """Groups with kind "muon" step with Muon, the others with AdamW (torch's AdamW arithmetic,
-    per tensor). `env` says which rank orthogonalizes what; None: this process does all."""
-
-    def __init__(self, groups: list[dict], cfg: OptimConfig, env: dist.DistEnv | None = None,
-                 ns_dtype: torch.dtype = torch.float32):
-        defaults = {"lr": cfg.lr, "lr_scale": 1.0, "weight_decay": 0.0, "kind": "adamw",
-                    "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps,
-                    "momentum": cfg.muon_momentum, "ns_steps": cfg.muon_ns_steps}
-        super().__init__(groups, defaults)
-        self.env, self.ns_dtype = env or dist.DistEnv(), ns_dtype
+    def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, **kwargs):
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
 
     @torch.no_grad()
     def step(self, closure=None):
-        assert closure is None, "no closure: the trainer computes the gradients"
-        matrices = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if group["kind"] == "muon":
-                    matrices.append((p, group, self._momentum(p, group)))
-                else:
-                    self._adamw(p, group)
-        for (p, group, _), update in zip(matrices, self._orthogonalized(matrices)):
-            if group["weight_decay"]:
+        if self.ns_dtype == torch.bfloat16:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:  # torch's _single_tensor_muon, but for the dtype
+            params, grads, buffers = [], [], []
+            self._init_group(group, params, grads, buffers)
+            m = group["momentum"]
+            for p, grad, buf in zip(params, grads, buffers):
+                buf.lerp_(grad, 1 - m)
+                update = grad.lerp(buf, m) if group["nesterov"] else buf
+                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"],
+                                       group["eps"], self.ns_dtype)
                 p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(update.to(p.dtype), alpha=-group["lr"] * RMS * math.sqrt(max(p.shape)))
-
-    def _momentum(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p)
-        buf, m = state["momentum_buffer"], group["momentum"]
-        buf.lerp_(p.grad, 1 - m)
-        return p.grad.lerp(buf, m)  # Nesterov
-
-    def _orthogonalized(self, matrices: list) -> list[torch.Tensor]:
-        """newton_schulz of every update, each computed on its owner, then shared by all."""
-        env = self.env
-        world, rank = env.world_size, env.rank
-        sizes = [p.numel() for p, _, _ in matrices]
-        owner = owners(sizes, world)
-        done = {i: newton_schulz(u, group["ns_steps"], self.ns_dtype)
-                for i, (_, group, u) in enumerate(matrices) if owner[i] == rank}
-        if world == 1:
-            return [done[i] for i in range(len(matrices))]
-        mine = [i for i in range(len(matrices)) if owner[i] == rank]
-        width = max(sum(s for s, o in zip(sizes, owner) if o == r) for r in range(world))
-        flat = torch.zeros(width, dtype=self.ns_dtype, device=matrices[0][0].device)
-        offset = 0
-        for i in mine:
-            flat[offset:offset + sizes[i]] = done[i].reshape(-1)
-            offset += sizes[i]
-        gathered = dist.all_gather(env, flat).view(-1)  # rank r's results at r·width
-        out: list[torch.Tensor | None] = [None] * len(matrices)
-        offsets = [r * width for r in range(world)]
-        for i, (p, _, _) in enumerate(matrices):  # each rank's results in index order
-            start = offsets[owner[i]]
-            out[i] = gathered[start:start + sizes[i]].view(p.shape)
-            offsets[owner[i]] += sizes[i]
-        return out
-
-    def _adamw(self, p: torch.Tensor, group: dict) -> None:
-        state, grad = self.state[p], p.grad
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p)
-            state["exp_avg_sq"] = torch.zeros_like(p)
-        state["step"] += 1
-        step = state["step"].item()
-        beta1, beta2 = group["betas"]
-        lr = group["lr"]
-        p.mul_(1 - lr * group["weight_decay"])
-        state["exp_avg"].lerp_(grad, 1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
-        p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
-
-
-def make_muon(model: torch.nn.Module, cfg: OptimConfig, env: dist.DistEnv | None,
-              device: torch.device) -> MuonAdamW:
-    """Three groups: Muon's matrices; AdamW's embeddings (decayed); AdamW's gains and biases."""
-    muon, decay, no_decay = [], [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (muon if is_muon_param(name, p) else decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": muon, "kind": "muon", "lr_scale": cfg.muon_lr / cfg.lr,
-               "weight_decay": cfg.weight_decay},
-              {"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    ns_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return MuonAdamW(groups, cfg, env, ns_dtype)
+                p.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
+        return loss
 
 
 def momentum_at(step: int, cfg: OptimConfig) -> float:

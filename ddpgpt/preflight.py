@@ -20,6 +20,7 @@ from ddpgpt import dist, trackers
 from ddpgpt.config import ConfigError, TrainConfig
 from ddpgpt.data.loader import TokenStream, require_windows
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.sync import MODES
 
 
 def accum_steps(cfg: TrainConfig, world_size: int) -> int:
@@ -48,23 +49,31 @@ def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> T
         precision = "bf16" if device == "cuda" else "fp32"
     if precision == "fp16" and device != "cuda":
         raise ConfigError("run.precision = fp16 needs CUDA; use bf16 or fp32 on CPU")
-    if precision == "fp16" and cfg.run.sync in ("zero1", "fsdp2"):
-        raise ConfigError(f"run.sync = {cfg.run.sync} cannot use run.precision = fp16: its loss "
-                          "scaler would check only this rank's shard of the gradients for "
-                          "overflow; use bf16")
-    if cfg.optim.name == "muon" and cfg.run.sync in ("zero1", "fsdp2"):
-        raise ConfigError(f"optim.name = muon cannot use run.sync = {cfg.run.sync}: it shards "
-                          "matrices into slices and Muon orthogonalizes whole ones; use run.sync "
-                          "ddp, allreduce or rs-ag")
-    if cfg.run.sync == "fsdp2" and cfg.run.grad_compress != "none":
-        raise ConfigError("run.sync = fsdp2 reduces gradients itself: run.grad_compress must be "
-                          "none")
+    check_mode(cfg, precision)
     threads = cfg.run.threads or max(1, len(os.sched_getaffinity(0)) // local_world_size)
     run = dataclasses.replace(cfg.run, device=device, precision=precision, threads=threads,
                               backend=(dist.default_backend(device) if cfg.run.backend == "auto"
                                        else cfg.run.backend))
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab),
                                data=dataclasses.replace(cfg.data, seq_len=cfg.seq_len), run=run)
+
+
+def check_mode(cfg: TrainConfig, precision: str) -> None:
+    """What the sync mode declares it cannot do (sync.MODES), refused in one line each."""
+    name = cfg.run.sync
+    mode = MODES[name]
+
+    def refuse(what: str, setting: str, fix: str) -> None:
+        able = [m for m, row in MODES.items() if getattr(row, what)]
+        raise ConfigError(f"run.sync = {name} cannot use {setting}: {mode.why_not[what]}; "
+                          f"{fix}, or run.sync {', '.join(able)}")
+
+    if precision == "fp16" and not mode.loss_scaler:
+        refuse("loss_scaler", "run.precision = fp16", "use bf16")
+    if cfg.run.grad_compress != "none" and not mode.compression:
+        refuse("compression", f"run.grad_compress = {cfg.run.grad_compress}", "use none")
+    if cfg.optim.name == "muon" and not mode.whole_matrices:
+        refuse("whole_matrices", "optim.name = muon", "use adamw")
 
 
 def check_windows(cfg: TrainConfig, dataset: TokenDataset) -> None:

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from ddpgpt import __version__, checkpoint, dist, resume, sync, trackers
+from ddpgpt import __version__, checkpoint, dist, optim, resume, sync, trackers
 from ddpgpt.config import TrainConfig
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
@@ -35,7 +35,7 @@ from ddpgpt.evaluate import evaluate
 from ddpgpt.metrics import Metrics, peak_flops
 from ddpgpt.model import GPT
 from ddpgpt.muon import momentum_at
-from ddpgpt.optim import load_state, lr_at, make_optimizer, set_lr
+from ddpgpt.optim import lr_at, set_lr
 from ddpgpt.preflight import accum_steps, preflight, shared
 from ddpgpt.reliability import Guard, StopSignal, collective_failed, preempted, resume_hint
 from ddpgpt.run_dir import RunDir
@@ -47,19 +47,38 @@ class Trainer:
     state_dict(): the model, the optimizer, the loss scaler, the loader's cursor, the guard's
     count of skipped steps, the progress (step, elapsed time) and every rank's RNG."""
 
-    def __init__(self, cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, guard: Guard):
+    def __init__(self, cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, guard: Guard,
+                 local: bool = False, init: dict | None = None):
+        """Built in one direction: the model, the sync mode around it, the optimizer over the
+        parameters as the mode left them; a checkpoint is loaded into those (load_state_dict).
+        `local`: no collective at all, each rank on its own micro-batches (bench's baseline).
+        `init`: pretrained weights (--init-from) to start from instead of the seed's."""
         self.cfg, self.env, self.dataset, self.guard = cfg, env, dataset, guard
-        dev, data = env.device, cfg.data
+        dev, data, run = env.device, cfg.data, cfg.run
         self.accum = accum_steps(cfg, env.world_size)
         # 1. The same weights on every rank: drawn from run.seed by the model's private generator,
         #    never from a global RNG that some code might have seeded per rank.
-        self.raw = GPT(cfg.model, seed=cfg.run.seed).to(dev)  # the single-device model, saved
-        self.model: torch.nn.Module = self.raw  # what runs the forward: raw or DDP(raw), compiled?
-        self.optimizer = make_optimizer(self.raw, cfg.optim, dev, env)
-        self.sync = sync.Sync(self.raw, self.optimizer)  # how gradients are synced: see wrap()
-        self.scaler = grad_scaler(cfg.run.precision, dev)
+        self.raw = GPT(cfg.model, seed=run.seed).to(dev)  # the single-device model
+        if init is not None:  # before the digest and the sync: as if the model were built so
+            self.raw.load_state_dict(init)
+        # What this rank built, before any sharding: fsdp2 would otherwise show every rank the
+        # same gathered mix of the ranks' shards, whatever each built.
+        self.init_digest = dist.state_digest(self.raw.state_dict())
+        # 2. The sync mode wraps it (DDP, gradient buckets, zero1's flat buffers, fsdp2's shards)
+        #    and says what this rank steps; the optimizer is built over exactly that.
+        groups = optim.groups(self.raw, cfg.optim)
+        self.sync = sync.make(None if local else run.sync, self.raw, groups, env, run.bucket_mb,
+                              run.grad_compress)
+        self.scaler = grad_scaler(run.precision, dev)  # fp16: it must see every gradient held
+        ns_dtype = torch.float32 if run.precision == "fp32" else torch.bfloat16
+        self.optimizer = optim.Optimizer(groups, self.sync.params(), cfg.optim, dev,
+                                         held=self.sync.held() if self.scaler else (),
+                                         ns_dtype=ns_dtype)
+        # 3. Compile after the sync: for DDP, dynamo's DDPOptimizer then splits the graph at
+        #    DDP's bucket boundaries, so each bucket's all-reduce overlaps the backward.
+        self.model = torch.compile(self.sync.model) if run.compile else self.sync.model
         self.autocast = autocast(cfg.run.precision, dev)
-        # 2. This rank's share of the data; the order is the loader's, not a per-rank seed's.
+        # 4. This rank's share of the data; the order is the loader's, not a per-rank seed's.
         self.loader = TrainLoader(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,
                                   world_size=env.world_size, rank=env.rank, accum_steps=self.accum,
                                   seed=data.seed, shuffle=data.shuffle, device=dev)
@@ -91,16 +110,19 @@ class Trainer:
         if env.device.type == "cuda":
             rng["cuda"] = dist.all_gather(env,
                                           torch.cuda.get_rng_state(env.device).to(env.device)).cpu()
-        return {"model": self.sync.model_state(self.raw), "optimizer": self.sync.optimizer_state(),
+        return {"model": self.sync.model_state(),
+                "optimizer": self.sync.optimizer_state(self.optimizer),
                 "scaler": self.scaler.state_dict() if self.scaler else None,
                 "loader": self.loader.state_dict(), "guard": self.guard.state_dict(), "rng": rng,
                 "progress": {"step": self.step, "elapsed_s": self.elapsed_s}}
 
     def load_state_dict(self, state: dict, saved_world_size: int, new_data: bool = False) -> None:
-        """Before wrapping, so DDP sees the final weights. `new_data`: a deliberate switch to
-        another dataset, whose windows the loader starts from the beginning."""
-        self.raw.load_state_dict(state["model"])
-        load_state(self.optimizer, state["optimizer"])  # this run's hyperparameters win
+        """Into the model and optimizer as the sync mode laid them out (whatever mode and W saved
+        the state). `new_data`: a deliberate switch to another dataset, whose windows the loader
+        starts from the beginning."""
+        self.sync.load_model_state(state["model"])
+        # this run's hyperparameters win over the saved ones
+        self.sync.load_optimizer_state(self.optimizer, optim.upgrade(state["optimizer"]))
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if not new_data:
@@ -118,18 +140,7 @@ class Trainer:
         else:  # another W: per-rank streams cannot carry over; fresh ones from (seed, step, rank)
             self._seed_rng(self.step)
 
-    def wrap(self) -> None:
-        """The sync mode first, then compile: for DDP, dynamo's DDPOptimizer then splits the
-        graph at DDP's bucket boundaries, so each bucket's all-reduce overlaps the backward.
-        zero1 replaces the optimizer by its own, over this rank's shards."""
-        run = self.cfg.run
-        self.sync = sync.make(run.sync, self.raw, self.env, run.bucket_mb, self.optimizer,
-                              run.grad_compress)
-        self.model, self.optimizer = self.sync.model, self.sync.optimizer
-        if self.cfg.run.compile:
-            self.model = torch.compile(self.model)
-
-    def unwrap(self) -> None:
+    def close(self) -> None:
         """No DDP wrapper or hook may outlive the process group (see dist.shutdown)."""
         self.sync.close()
         self.model = self.raw
@@ -162,12 +173,13 @@ class Trainer:
 
     def update(self, lr: float) -> None:
         set_lr(self.optimizer, lr, momentum_at(self.step, self.cfg.optim))
+        self.sync.before_update()  # fsdp2: Muon's matrices, whole, to their owners
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
-        self.sync.after_update()  # zero1: every rank gets the updated parameters back
+        self.sync.after_update()  # every rank gets the parameters that others updated
         self.sync.zero_grad()
 
     def skip_update(self) -> None:
@@ -264,23 +276,26 @@ def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv,
 
 def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: resume.Start,
           guard: Guard) -> Trainer:
-    trainer = Trainer(cfg, env, dataset, guard)
+    init = None
+    if start.path is None and cfg.model.init_from:  # a fresh start; restarts resume instead
+        from ddpgpt.init_from import read_state
+        # Every rank reads the weights itself; one that cannot stops them all.
+        init = dist.together(env, lambda: read_state(cfg.model.init_from, cfg.model))
+    trainer = Trainer(cfg, env, dataset, guard, init=init)
     trainer.origin = start.origin
 
     def restore() -> None:
         if start.path is not None:
             state = checkpoint.load(start.path, start.meta)
             trainer.load_state_dict(state, start.meta["world_size"], start.data_switch)
-        elif cfg.model.init_from:  # a fresh start from pretrained weights; restarts resume
-            from ddpgpt.init_from import load_into
-            load_into(trainer.raw, cfg.model.init_from)
 
     dist.together(env, restore)  # every rank calls it: ranks may disagree on the start (see agree)
     if start.path is not None and env.is_main:
         print(f"resuming from {start.path} (step {trainer.step}, saved at world size "
               f"{start.meta['world_size']})", file=sys.stderr)
-    weights = dist.params_digest(trainer.raw)  # before sharding (fsdp2): every rank's whole model
-    trainer.wrap()
+    # From scratch: what each rank built; resumed: the weights loaded (whole: fsdp2 gathers).
+    weights = (trainer.init_digest if start.path is None
+               else dist.state_digest(trainer.sync.model_state()))
     # Every rank holds the same checkpoint, weights, config, data and code, or all stop together.
     # Causes before their effects: a differing checkpoint or config explains the weights.
     dist.agree(env, {
@@ -336,7 +351,7 @@ def run(cfg: TrainConfig) -> None:
             raise collective_failed(e, env, trainer.doing, cfg.run.dist_timeout_s) from None
         finally:
             metrics.close()
-            trainer.unwrap()
+            trainer.close()
             run_dir.unlock()
 
 

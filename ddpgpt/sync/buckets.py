@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ddpgpt import dist
-from ddpgpt.sync import Sync, nbytes
+from ddpgpt.optim import Group
+from ddpgpt.sync.base import Replicated, nbytes
 
 
 def plan(sizes: list[int], bucket_elems: int, multiple: int) -> list[tuple[list[int], int]]:
@@ -48,7 +49,8 @@ def plan(sizes: list[int], bucket_elems: int, multiple: int) -> list[tuple[list[
 @dataclass
 class Bucket:
     params: list[torch.nn.Parameter]
-    buffer: torch.Tensor              # (size,): every parameter's gradient, then zero padding
+    offsets: list[int]                # where each parameter starts in the flat layout
+    buffer: torch.Tensor              # (size,): every parameter's gradient, zero elsewhere
     shard: torch.Tensor | None        # (size / W,): this rank's summed slice (rs-ag, zero1)
     wire: torch.Tensor                # what the collectives move: the buffer, or a bf16 copy
     wire_shard: torch.Tensor | None   # the shard as it travels: `shard`, or a bf16 copy
@@ -57,35 +59,48 @@ class Bucket:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's piece of a flat tensor laid out like the buffer, in its shape."""
-        out, offset = [], 0
-        for p in self.params:
-            out.append(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return out
+        return [flat[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
 
 
-class BucketSync(Sync):
-    def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]],
-                 env: dist.DistEnv, bucket_mb: float, reduce_scatter: bool,
-                 optimizer: torch.optim.Optimizer, wire_dtype: torch.dtype | None = None):
-        """`groups`: the parameters, in groups that a bucket never mixes (the optimizer's
-        parameter groups: zero1 steps a bucket's slice as one tensor), each in the model's order."""
-        super().__init__(model, optimizer)
-        self.env, self.reduce_scatter, self.wire_dtype = env, reduce_scatter, wire_dtype
-        params = [p for group in groups for p in group]
-        dtype = params[0].dtype
-        assert all(p.dtype == dtype for p in params), "one gradient dtype per model"
-        bucket_elems = max(1, int(bucket_mb * 2**20) // params[0].element_size())
-        multiple = env.world_size if reduce_scatter else 1
+def packed(params: list[torch.nn.Parameter], start: int = 0) -> list[int]:
+    """Offsets of parameters laid out one after the other from `start`."""
+    offsets = []
+    for p in params:
+        offsets.append(start)
+        start += p.numel()
+    return offsets
+
+
+class BucketSync(Replicated):
+    def __init__(self, model: torch.nn.Module, groups: list[Group], env: dist.DistEnv,
+                 bucket_mb: float, mode: str = "allreduce", compress: str = "none"):
+        """Buckets never mix the optimizer's parameter groups (zero1 steps a bucket's slice as
+        one tensor); each group's parameters are bucketed last first."""
+        super().__init__(model, groups, env, bucket_mb)
+        self.reduce_scatter = mode in ("rs-ag", "zero1")
+        self.wire_dtype = torch.bfloat16 if compress == "bf16" else None
+        params = [p for g in groups for p in g.params]
+        assert all(p.dtype == params[0].dtype for p in params), "one gradient dtype per model"
+        self.bucket_elems = max(1, int(bucket_mb * 2**20) // params[0].element_size())
         self.buckets: list[Bucket] = []
         self._hooks = []
         for group in groups:
-            group = group[::-1]
-            for indices, size in plan([p.numel() for p in group], bucket_elems, multiple):
-                self.buckets.append(self._bucket([group[i] for i in indices], size))
+            for bucket_params, offsets, size in self.layout(group):
+                self.buckets.append(self._bucket(bucket_params, offsets, size))
         self.syncing = False
 
-    def _bucket(self, params: list[torch.nn.Parameter], size: int) -> Bucket:
+    def layout(self, group: Group) -> list[tuple[list[torch.nn.Parameter], list[int], int]]:
+        """(parameters, their offsets, buffer size) per bucket of one group: consecutive
+        parameters, last first, the size a multiple of W for the reduce-scatter."""
+        params = group.params[::-1]
+        multiple = self.env.world_size if self.reduce_scatter else 1
+        out = []
+        for indices, size in plan([p.numel() for p in params], self.bucket_elems, multiple):
+            members = [params[i] for i in indices]
+            out.append((members, packed(members), size))
+        return out
+
+    def _bucket(self, params: list[torch.nn.Parameter], offsets: list[int], size: int) -> Bucket:
         W = self.env.world_size
         buffer = torch.zeros(size, dtype=params[0].dtype, device=params[0].device)
         shard = buffer.new_zeros(size // W) if self.reduce_scatter else None
@@ -93,7 +108,7 @@ class BucketSync(Sync):
         if self.wire_dtype is not None:  # gradients travel in bf16, accumulate in fp32
             wire = buffer.to(self.wire_dtype)
             wire_shard = shard.to(self.wire_dtype) if shard is not None else None
-        bucket = Bucket(params, buffer, shard, wire, wire_shard)
+        bucket = Bucket(params, offsets, buffer, shard, wire, wire_shard)
         for p, view in zip(params, bucket.views(buffer)):
             p.grad = view  # autograd accumulates into it in place
             self._hooks.append(p.register_post_accumulate_grad_hook(
@@ -150,8 +165,8 @@ class BucketSync(Sync):
         for bucket in self.buckets:
             bucket.buffer.zero_()
 
-    def memory(self) -> dict[str, int]:
-        held = super().memory()
+    def memory(self, optimizer) -> dict[str, int]:
+        held = super().memory(optimizer)
         buffers = {id(t): t for b in self.buckets for t in (b.buffer, b.shard, b.wire, b.wire_shard)
                    if t is not None}  # without compression the wire is the buffer itself
         held["grads"] = nbytes(buffers.values())

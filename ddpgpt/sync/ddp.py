@@ -7,14 +7,16 @@ import contextlib
 import torch
 
 from ddpgpt import dist
-from ddpgpt.sync import Sync
+from ddpgpt.optim import Group
+from ddpgpt.sync.base import Replicated
 
 
-class DDPSync(Sync):
-    def __init__(self, model: torch.nn.Module, env: dist.DistEnv, bucket_mb: float,
-                 optimizer: torch.optim.Optimizer, compress: bool = False):
-        super().__init__(dist.wrap_model(model, env, bucket_mb), optimizer, raw=model)
-        if compress:
+class DDPSync(Replicated):
+    def __init__(self, model: torch.nn.Module, groups: list[Group], env: dist.DistEnv,
+                 bucket_mb: float, mode: str = "ddp", compress: str = "none"):
+        super().__init__(model, groups, env, bucket_mb)
+        self.model = dist.wrap_model(model, env, bucket_mb)
+        if compress == "bf16":
             self.model.register_comm_hook(None, bf16_hook(env))
 
     def micro_step(self, last: bool):

@@ -2,17 +2,24 @@
 
 The gradients travel as in rs-ag, but only the reduce-scatter half: after it, rank r holds the
 mean gradient of its slice of every bucket and nothing more. Every parameter is a view of a flat
-buffer laid out like its gradient bucket; rank r's slice of that buffer is the one parameter
-its AdamW steps, with its 1/W of the moments. After the step the updated slices are all-gathered
-back into the buffers, so every rank again holds the whole model.
+buffer laid out like its gradient bucket, and after the step every rank's slices are
+all-gathered back into the buffers, so every rank again holds the whole model.
 
-AdamW is elementwise, so stepping slices gives the same update as stepping whole tensors. The
-gradient norm for clipping is global: each rank sums the squares of its slices and the sums are
-all-reduced. Buckets never mix the optimizer's parameter groups (weight decay or not).
+What a slice is depends on the optimizer:
+- AdamW is elementwise, so rank r's slice of an AdamW bucket is its 1/W of the elements, stepped
+  as one flat tensor with its 1/W of the moments: the same update as stepping whole tensors.
+- Muon needs whole matrices (muon.py). A Muon bucket is laid out rank by rank: rank r's part holds
+  the whole matrices it owns, every part padded to the largest one (the owners are balanced so
+  that the padding is small: none for gpt2-124m at W = 2 or 4). The reduce-scatter then hands
+  each owner the mean gradient of exactly its matrices, its Muon steps them as 2-D views of the
+  buffer with their momentum only, and the all-gather that shares AdamW's slices shares them.
+  The matrices cost the same bytes as in any zero1 bucket: one reduce-scatter, one all-gather.
 
-The checkpoint does not see the mode: `optimizer_state()` gathers the slices into the state_dict
-layout of torch's AdamW over the whole model, and a state in that layout is sliced again when a
-run resumes under zero1, whatever mode and W saved it.
+The gradient norm for clipping is global: each rank sums the squares of its slices (padding is
+zero) and the sums are all-reduced. The checkpoint does not see the mode: `optimizer_state()`
+gathers the slices into torch's AdamW state_dict over the whole model (and Muon's over every
+matrix), and a state in that layout is sliced again when a run resumes under zero1, whatever mode
+and W saved it.
 """
 
 from __future__ import annotations
@@ -22,20 +29,18 @@ import math
 import torch
 
 from ddpgpt import dist
-from ddpgpt.sync import nbytes
-from ddpgpt.sync.buckets import BucketSync
+from ddpgpt.optim import Group, Optimizer
+from ddpgpt.sync.base import nbytes
+from ddpgpt.sync.buckets import Bucket, BucketSync, packed
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class Zero1Sync(BucketSync):
-    def __init__(self, model: torch.nn.Module, env: dist.DistEnv, bucket_mb: float,
-                 optimizer: torch.optim.Optimizer, wire_dtype: torch.dtype | None = None):
-        super().__init__(model, [g["params"] for g in optimizer.param_groups], env, bucket_mb,
-                         reduce_scatter=True, optimizer=optimizer, wire_dtype=wire_dtype)
-        self.full = optimizer  # over the whole model: the layout checkpoints hold
-        group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        shards: list[list[torch.nn.Parameter]] = [[] for _ in optimizer.param_groups]
+    def __init__(self, model: torch.nn.Module, groups: list[Group], env: dist.DistEnv,
+                 bucket_mb: float, mode: str = "zero1", compress: str = "none"):
+        super().__init__(model, groups, env, bucket_mb, mode="zero1", compress=compress)
+        self.group_of = {id(p): i for i, g in enumerate(groups) for p in g.params}
         for bucket in self.buckets:
             bucket.flat = bucket.buffer.new_zeros(bucket.buffer.numel())  # the parameters' values
             for p, view in zip(bucket.params, bucket.views(bucket.flat)):
@@ -43,14 +48,57 @@ class Zero1Sync(BucketSync):
                 p.data = view
             bucket.param_shard = torch.nn.Parameter(self._slice(bucket.flat))
             bucket.param_shard.grad = bucket.shard  # the reduce-scatter writes the gradient here
-            shards[group_of[id(bucket.params[0])]].append(bucket.param_shard)
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        self.optimizer = type(optimizer)([{**h, "params": s} for h, s in zip(hyper, shards)])
-        self._load_slices()
+        self.owned = self._owned_views()
+
+    def layout(self, group: Group) -> list[tuple[list[torch.nn.Parameter], list[int], int]]:
+        """AdamW's groups as in rs-ag; Muon's by owner: per bucket of muon.plan, rank r's whole
+        matrices in part r of the buffer, every part as large as the largest."""
+        if group.kind != "muon":
+            return super().layout(group)
+        out = []
+        for parts in self.matrices.layout.buckets:
+            part = max(sum(group.params[i].numel() for i in mine) for mine in parts)
+            params, offsets = [], []
+            for rank, mine in enumerate(parts):
+                params += [group.params[i] for i in mine]
+                offsets += packed([group.params[i] for i in mine], rank * part)
+            out.append((params, offsets, part * self.env.world_size))
+        return out
+
+    def _owned_views(self) -> list[torch.nn.Parameter]:
+        """This rank's matrices as 2-D views of the flat buffers (in muon's `mine` order), their
+        gradients views of this rank's reduce-scattered shard: what its Muon steps."""
+        if self.matrices is None:
+            return []
+        where = {id(p): (b, o) for b in self.buckets for p, o in zip(b.params, b.offsets)}
+        views = []
+        for i in self.matrices.mine:
+            p = self.whole[i]
+            bucket, offset = where[id(p)]
+            start = self.env.rank * bucket.shard.numel()
+            view = torch.nn.Parameter(bucket.flat[offset:offset + p.numel()].view(p.shape))
+            view.grad = bucket.shard[offset - start:offset - start + p.numel()].view(p.shape)
+            views.append(view)
+        return views
 
     def _slice(self, flat: torch.Tensor) -> torch.Tensor:
         n = flat.numel() // self.env.world_size
         return flat[self.env.rank * n:(self.env.rank + 1) * n]
+
+    def params(self) -> list[list[torch.Tensor]]:
+        """AdamW: this rank's slice of each of the group's buckets; Muon: its matrices."""
+        out = [[] for _ in self.groups]
+        for bucket in self.buckets:
+            group = self.group_of[id(bucket.params[0])]
+            if self.groups[group].kind != "muon":
+                out[group].append(bucket.param_shard)
+        for i, group in enumerate(self.groups):
+            if group.kind == "muon":
+                out[i] = self.owned
+        return out
+
+    def held(self) -> list[torch.Tensor]:
+        return []  # only its own slices: no loss scaler here (see the mode table)
 
     def finish(self) -> None:
         """Rank r ends with the mean gradient of its slices (no all-gather of gradients)."""
@@ -82,44 +130,54 @@ class Zero1Sync(BucketSync):
             for work in works:
                 work.wait()
 
-    # ---- the optimizer state, in the layout that does not depend on the mode -------------------
+    # ---- AdamW's state, in the layout that does not depend on the mode ------------------------
 
-    def _load_slices(self) -> None:
-        """Slices the whole-model optimizer's state (loaded from a checkpoint, or empty)."""
-        for bucket in self.buckets:
-            states = [self.full.state.get(p) for p in bucket.params]
-            if not states[0]:
-                continue
-            state = {"step": states[0]["step"].clone()}
-            for key in MOMENTS:
-                flat = bucket.flat.new_zeros(bucket.flat.numel())
-                for view, s in zip(bucket.views(flat), states):
-                    view.copy_(s[key])
-                state[key] = self._slice(flat).clone()
-            self.optimizer.state[bucket.param_shard] = state
-        self.full.state.clear()  # the whole-model moments are not kept: 1/W per rank
+    def _adamw_buckets(self) -> list[Bucket]:
+        return [b for b in self.buckets if self.groups[self.group_of[id(b.params[0])]].kind
+                == "adamw"]
 
-    def optimizer_state(self) -> dict:
+    def _index(self) -> dict[int, int]:
+        """Parameter -> its index in torch's AdamW over the whole model (groups in order)."""
+        params = [p for g in self.groups if g.kind == "adamw" for p in g.params]
+        return {id(p): i for i, p in enumerate(params)}
+
+    def adamw_state(self, optimizer: Optimizer) -> dict:
         """Collective: the state_dict torch's AdamW over the whole model would have."""
-        for full, sharded in zip(self.full.param_groups, self.optimizer.param_groups):
-            full.update({k: v for k, v in sharded.items() if k != "params"})  # lr and friends
-        for bucket in self.buckets:
-            state = self.optimizer.state.get(bucket.param_shard)
-            if not state:
+        index, state = self._index(), {}
+        for bucket in self._adamw_buckets():
+            shard = optimizer.adamw.state.get(bucket.param_shard)
+            if not shard:
                 continue
             gathered = {}
             for key in MOMENTS:
                 flat = bucket.flat.new_zeros(bucket.flat.numel())
-                dist.all_gather_async(self.env, flat, state[key].contiguous()).wait()
+                dist.all_gather_async(self.env, flat, shard[key].contiguous()).wait()
                 gathered[key] = bucket.views(flat)
             for i, p in enumerate(bucket.params):
-                self.full.state[p] = {"step": state["step"].clone(),
-                                      **{key: gathered[key][i].clone() for key in MOMENTS}}
-        state_dict = self.full.state_dict()
-        self.full.state.clear()
-        return state_dict
+                state[index[id(p)]] = {"step": shard["step"].clone(),
+                                       **{key: gathered[key][i].clone() for key in MOMENTS}}
+        groups = [g for g in self.groups if g.kind == "adamw"]
+        hyper = optimizer.adamw.state_dict()["param_groups"]
+        return {"state": state,
+                "param_groups": [{**h, "params": [index[id(p)] for p in g.params]}
+                                 for h, g in zip(hyper, groups)]}
 
-    def memory(self) -> dict[str, int]:
-        held = super().memory()  # the buffers: whole gradients and shards; the sharded state
+    def load_adamw_state(self, optimizer: Optimizer, state: dict) -> None:
+        """Slices the whole-model AdamW state (this run's hyperparameters stay)."""
+        index = self._index()
+        for bucket in self._adamw_buckets():
+            saved = [state["state"].get(index[id(p)]) for p in bucket.params]
+            if not saved[0]:
+                continue
+            shard = {"step": saved[0]["step"].clone()}
+            for key in MOMENTS:
+                flat = bucket.flat.new_zeros(bucket.flat.numel())
+                for view, s in zip(bucket.views(flat), saved):
+                    view.copy_(s[key])
+                shard[key] = self._slice(flat).clone()
+            optimizer.adamw.state[bucket.param_shard] = shard
+
+    def memory(self, optimizer: Optimizer) -> dict[str, int]:
+        held = super().memory(optimizer)  # the buffers: whole gradients and shards; the state
         held["params"] = nbytes(b.flat for b in self.buckets)  # the model: views of these
         return held

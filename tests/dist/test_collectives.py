@@ -38,11 +38,14 @@ def test_gradients_sync_once_per_step(tiny_data, tmp_path):
     assert len(per_step[-1]) >= 2  # bucket_mb is tiny: several buckets, so "once" is not trivial
 
 
-def test_startup_check_catches_different_init(tiny_data, tmp_path):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_startup_check_catches_different_init(tiny_data, tmp_path, mode):
     """Rank 1 builds its model from another seed: every rank stops with one line from rank 0 that
-    names both differences, the cause (the config) first."""
-    args = [tiny_train_args(tiny_data, tmp_path / "run"),
-            tiny_train_args(tiny_data, tmp_path / "run", run__seed=2)]
+    names both differences, the cause (the config) first. Under fsdp2 too, where the sharded
+    model, gathered, would show every rank the same mix of the ranks' shards: the digest is of
+    what each rank built, before sharding."""
+    args = [tiny_train_args(tiny_data, tmp_path / "run", run__sync=mode),
+            tiny_train_args(tiny_data, tmp_path / "run", run__seed=2, run__sync=mode)]
     results = run_ranks(args, tmp_path / "logs", check=False)
     assert codes(results)[0] == [1, 1], codes(results)[1]
     assert results[0].stderr == (

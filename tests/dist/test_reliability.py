@@ -239,7 +239,9 @@ def test_nodes_that_see_different_run_dirs(tiny_data, tmp_path):
     assert codes(ranks)[0] == [1, 1], codes(ranks)[1]
     assert ranks[0].stderr.splitlines()[-1] == (
         "ddpgpt: error: ranks disagree on the checkpoint to resume from: rank 1 differs from "
-        "rank 0; put the run dir on a filesystem that every node shares; and on the parameters "
-        "before training: rank 1 differs from rank 0; every rank must build the model from the "
-        "same seed (run.seed); do not seed ranks differently before init")
+        "rank 0; put the run dir on a filesystem that every node shares; and on the resolved "
+        "config: rank 1 differs from rank 0; start every rank with the same command line and "
+        "config file; and on the parameters before training: rank 1 differs from rank 0; every "
+        "rank must build the model from the same seed (run.seed); do not seed ranks differently "
+        "before init")  # the config too: the schedule's length comes from the checkpoint
     assert ranks[1].stderr == "" and r[0].returncode == 0

@@ -15,11 +15,13 @@ import json
 import numpy as np
 import pytest
 
+from ddpgpt import sync
 from tests.helpers import reference_training, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 STEPS = 10
-MODES = ["ddp", "allreduce", "rs-ag", "zero1", "fsdp2"]
+MODES = list(sync.MODES)
+COMPRESSED = [m for m in MODES if sync.MODES[m].compression]
 RESUMES = [["zero1", "ddp"], ["ddp", "zero1"], ["rs-ag", "allreduce"], ["fsdp2", "zero1"],
            ["ddp", "fsdp2"]]
 LOSS_TOL, PARAM_TOL = 1e-6, 2e-5
@@ -30,7 +32,7 @@ def train_modes(tmp_path, tiny_data, W, n_embd):
     args = {"data": str(tiny_data), "run_dir": str(tmp_path / "run"), "steps": STEPS,
             "n_embd": n_embd,
             "modes": MODES, "resumes": RESUMES, "resume_at": 4,
-            "compressed": ["ddp", "allreduce", "rs-ag", "zero1"] if W == 2 else []}
+            "compressed": COMPRESSED if W == 2 else []}
     run_ranks([["-m", "tests.dist.workers", "sync_modes", json.dumps(args), str(out)]] * W,
               tmp_path / "logs", timeout=200)
     return json.loads(out.read_text())
@@ -112,7 +114,9 @@ def test_zero1_holds_its_shard_of_the_optimizer_state(world, W, request):
     assert P <= padded < P + W * zero1["buckets"]
     assert runs["ddp"]["state_elements"] == 2 * P
     assert zero1["state_elements"] * W == 2 * padded
-    np.testing.assert_allclose(zero1["norms"], runs["ddp"]["norms"], rtol=LOSS_TOL)
+    # The norm follows the parameters, which drift apart by rounding (as fsdp2's below): at W=4
+    # measured within 3.2e-6 of ddp's on an AVX-512 EPYC (bitwise at W=2); 1e-5, not 1e-6.
+    np.testing.assert_allclose(zero1["norms"], runs["ddp"]["norms"], rtol=1e-5)
 
 
 def test_bf16_gradients_on_the_wire(two):

@@ -45,7 +45,6 @@ def count_allreduces(env, data: str, run_dir: str, accum: int, steps: int) -> di
                  "run": {"dir": run_dir, "device": "cpu", "bucket_mb": 0.01}}
     cfg, dataset = preflight(build(None, None, overrides), env.world_size, env.local_world_size)
     t = Trainer(cfg, env, dataset, Guard(env, cfg.run, StopSignal()))
-    t.wrap()
     calls = []
 
     def hook(state, bucket):
@@ -63,46 +62,9 @@ def count_allreduces(env, data: str, run_dir: str, accum: int, steps: int) -> di
                                                     dtype=torch.uint8))
         assert all(torch.equal(d, digests[0]) for d in digests), \
             "ranks hold different gradients after the step"
-        t.optimizer.zero_grad(set_to_none=True)
-    t.unwrap()  # no DDP wrapper may outlive the process group
+        t.sync.zero_grad()
+    t.close()  # no DDP wrapper may outlive the process group
     return per_step
-
-
-def muon_steps(env, steps: int) -> dict:
-    """`steps` Muon + AdamW steps of a small GPT on the same random gradients on every rank;
-    counts each rank's Newton-Schulz calls. Returns the final parameters, every rank's count and
-    whether all ranks ended with the same bits."""
-    import ddpgpt.muon as muon
-    from ddpgpt.config import ModelConfig, OptimConfig
-    from ddpgpt.model import GPT
-    from ddpgpt.optim import set_lr
-
-    torch.set_num_threads(1)
-    calls, plain = [], muon.newton_schulz
-
-    def counting(g, *args, **kwargs):
-        calls.append(tuple(g.shape))
-        return plain(g, *args, **kwargs)
-
-    muon.newton_schulz = counting
-    try:
-        model = GPT(ModelConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64),
-                    seed=3)
-        cfg = OptimConfig(name="muon", lr=1e-2, muon_lr=0.05)
-        opt = muon.make_muon(model, cfg, env, torch.device("cpu"))
-        gen = torch.Generator().manual_seed(1)
-        for step in range(steps):
-            for p in model.parameters():
-                p.grad = torch.randn(p.shape, generator=gen)
-            set_lr(opt, 1e-2, muon.momentum_at(step, cfg))
-            opt.step()
-    finally:
-        muon.newton_schulz = plain
-    digest = dist.params_digest(model)
-    digests = dist.all_gather(env, torch.frombuffer(bytearray(digest), dtype=torch.uint8))
-    return {"calls": dist.all_gather(env, torch.tensor([len(calls)])).flatten().tolist(),
-            "ranks_agree": bool((digests == digests[0]).all()),
-            "params": {n: p.flatten().tolist() for n, p in model.named_parameters()}}
 
 
 def early_checkpoint(env, data: str, run_dir: str, steps: int, modes: list[list[str]]) -> dict:
@@ -142,31 +104,115 @@ def early_checkpoint(env, data: str, run_dir: str, steps: int, modes: list[list[
     out = {}
     for optimizer in ("adamw", "muon"):
         reference = trainer("ddp", optimizer)
-        reference.wrap()
         out[f"reference {optimizer}"] = train(reference)
-        reference.unwrap()
+        reference.close()
     for mode, optimizer in modes:
         t = trainer(mode, optimizer)
-        t.wrap()
         state = copy.deepcopy(t.state_dict())  # collective, before any update
         untouched = not t.optimizer.state
         losses = train(t)
-        t.unwrap()
+        t.close()
         resumed = trainer(mode, optimizer, **changed)
         resumed.load_state_dict(state, saved_world_size=env.world_size)
-        resumed.wrap()
-        groups = [{k: g[k] for k in ("weight_decay", "betas", "eps", "ns_steps") if k in g}
-                  for g in resumed.optimizer.param_groups]
-        resumed.unwrap()
-        out[f"{mode} {optimizer}"] = {"saved_entries": len(state["optimizer"]["state"]),
+        groups = [{k: g[k] for k in ("kind", "weight_decay", "betas", "eps", "ns_steps")
+                   if k in g} for g in resumed.optimizer.param_groups]
+        resumed.close()
+        saved = state["optimizer"]
+        parts = [saved["muon"], saved["adamw"]] if optimizer == "muon" else [saved]
+        out[f"{mode} {optimizer}"] = {"saved_entries": sum(len(p["state"]) for p in parts),
                                       "untouched": untouched, "losses": losses,
                                       "resumed_groups": groups}
     return out
 
 
+def muon_modes(env, data: str, run_dir: str, steps: int, modes: list[str],
+               chain: dict | None = None) -> dict:
+    """`steps` Muon steps of a 30-wide model (G = 12 sequences of 32 tokens, b = 1, so every W
+    from 1 to 4 divides it; 30 rows split unevenly over 4 fsdp2 shards) under each mode from the
+    same init. Per mode: the global losses; each rank's Newton-Schulz calls per step (torch's, at
+    the one place torch.optim.Muon calls it); the matrices whose momentum each rank holds, and
+    the ones it steps; Muon's and AdamW's state elements per rank; whether every rank ends with
+    the same weights. `chain` ({mode, first, last, load, save}): steps first..last under `mode`,
+    from the checkpoint state at `load` (None: from scratch), its state saved to `save`."""
+    from ddpgpt import muon
+    from ddpgpt.optim import lr_at
+
+    real, calls = muon.newton_schulz, []
+
+    def counting(grad, *args, **kwargs):
+        calls.append(tuple(grad.shape))
+        return real(grad, *args, **kwargs)
+
+    muon.newton_schulz = counting
+
+    def trainer(mode):
+        return make_trainer(env, {
+            "model": {"n_layer": 2, "n_head": 2, "n_embd": 30, "block_size": 32},
+            "data": {"dir": data, "micro_batch": 1, "global_batch": 12},
+            "optim": {"name": "muon", "lr": 1e-2, "muon_lr": 0.05, "warmup_steps": 2,
+                      "muon_momentum_warmup": 4},
+            "run": {"dir": run_dir, "device": "cpu", "threads": 1, "sync": mode,
+                    "bucket_mb": 0.01}})
+
+    def train(t, first, last):
+        losses, per_step = [], []
+        for k in range(first, last):
+            calls.clear()
+            loss, _ = t.train_step()
+            losses.append((dist.all_reduce(env, loss.detach().clone()) / env.world_size).item())
+            t.update(lr_at(k, t.cfg.optim, steps))
+            t.step += 1
+            per_step.append(dist.all_gather(env, torch.tensor([len(calls)])).flatten().tolist())
+        return losses, per_step
+
+    def gathered(value):
+        return [json.loads(v) for v in dist.all_gather_text(env, json.dumps(value))]
+
+    out = {}
+    for mode in modes:
+        t = trainer(mode)
+        losses, per_step = train(t, 0, steps)
+        opt, mine = t.optimizer, t.sync.matrices.mine
+        weights = t.sync.model_state()
+        flat = torch.cat([weights[k].detach().flatten() for k in sorted(weights)])
+        everyone = dist.all_gather(env, flat)
+        out[mode] = {
+            "losses": losses, "ns_calls": per_step,
+            "momentum": gathered(sorted(i for i, p in zip(mine, opt.matrices)
+                                        if "momentum_buffer" in opt.muon.state.get(p, {}))),
+            "stepped": gathered(mine),
+            "matrices": len(t.sync.matrices.shapes),
+            "muon_state": gathered(sum(s["momentum_buffer"].numel()
+                                       for s in opt.muon.state.values())),
+            "ranks_agree": all(torch.equal(w, everyone[0]) for w in everyone)}
+        t.close()
+    if chain:
+        t = trainer(chain["mode"])
+        if chain["load"]:
+            saved = torch.load(chain["load"], weights_only=True)
+            t.load_state_dict(saved, saved_world_size=saved["world_size"])
+        out["chain"], _ = train(t, chain["first"], chain["last"])
+        state = t.state_dict()  # collective
+        if env.is_main:
+            torch.save({**state, "world_size": env.world_size}, chain["save"])
+        t.close()
+    muon.newton_schulz = real
+    return out
+
+
+def make_trainer(env, flags: dict):
+    from ddpgpt.config_io import build
+    from ddpgpt.preflight import preflight
+    from ddpgpt.reliability import Guard, StopSignal
+    from ddpgpt.train import Trainer
+
+    cfg, dataset = preflight(build(None, None, flags), env.world_size, env.local_world_size)
+    return Trainer(cfg, env, dataset, Guard(env, cfg.run, StopSignal(announce=False)))
+
+
 def main() -> None:
     name, args, out = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
-    with dist.session(device="cpu") as env:
+    with dist.session(device="cpu", group_at_one=args.pop("group_at_one", False)) as env:
         result = globals()[name](env, **args)
         if env.is_main:
             out.write_text(json.dumps(result))
@@ -237,9 +283,8 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
     out, final = {}, {}
     for mode in modes:
         t = trainer(mode)
-        t.wrap()
         losses, norms, per_step = train(t, 0, steps, trace=mode == "allreduce")
-        weights = t.sync.model_state(t.raw)  # whole tensors, whatever the mode shards
+        weights = t.sync.model_state()  # whole tensors, whatever the mode shards
         final[mode] = torch.cat([weights[k].detach().flatten() for k in sorted(weights)])
         same = dist.all_gather(env, final[mode])
         out[mode] = {"losses": losses, "norms": norms, "collectives": per_step,
@@ -247,18 +292,18 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
                      "buffer_elements": sum(b.buffer.numel()
                                             for b in getattr(t.sync, "buckets", [])),
                      "state_elements": state_elements(t.optimizer),
-                     "local": getattr(t.sync, "local_elements", dict)(),
+                     "local": (t.sync.local_elements(t.optimizer)
+                               if hasattr(t.sync, "local_elements") else {}),
                      "params": sum(p.numel() for p in t.raw.parameters()),
                      "max_param_diff": (final[mode] - final[modes[0]]).abs().max().item(),
                      "ranks_agree": all(torch.equal(s, same[0]) for s in same)}
-        t.unwrap()
+        t.close()
     out["compressed"] = {}
     for mode in compressed:
         sent.clear()
         t = trainer(mode, "bf16")
-        t.wrap()
         losses, _, _ = train(t, 0, steps)
-        t.unwrap()
+        t.close()
         out["compressed"][mode] = {"losses": losses, "sent": sorted(sent)}
     for name in real:
         setattr(dist, name, real[name])
@@ -266,15 +311,13 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
     out["resumed"] = {}
     for source, target in resumes:
         first = trainer(source)
-        first.wrap()
         head, _, _ = train(first, 0, resume_at)
         state = copy.deepcopy(first.state_dict())
-        first.unwrap()
+        first.close()
         second = trainer(target)
         second.load_state_dict(state, saved_world_size=env.world_size)
-        second.wrap()
         tail, _, _ = train(second, resume_at, steps)
-        second.unwrap()
+        second.close()
         out["resumed"][f"{source}->{target}"] = head + tail
     return out
 

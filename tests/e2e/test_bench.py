@@ -6,10 +6,10 @@ import sys
 import pytest
 
 from ddpgpt import bench
+from ddpgpt.sync import MODES
 from tests.helpers import run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.dist, pytest.mark.timeout(240)]
-MODES = ["ddp", "allreduce", "rs-ag", "zero1", "fsdp2"]
 
 
 SMALL = ("[model]\nn_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\n"
@@ -36,6 +36,27 @@ def test_bench_measures_every_mode(tiny_data, tmp_path):
     assert abs(sum(fsdp2.values()) - sum(full.values()) / 2) <= 0.1 * sum(full.values())
     assert (tmp_path / "out" / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "fsdp2" in r.stdout and "exposed ms" in r.stdout
+
+
+def test_bench_with_muon_holds_half_of_its_state_per_rank(tiny_data, tmp_path):
+    """--optim muon at W=2: every mode steps Muon, each rank keeps the momentum of its own
+    matrices only (the 8 matrices of this model split 4 and 4, the same cost: exactly half), and
+    zero1 sends no more than ddp's gradient bytes (its matrices whole in its own buckets)."""
+    (tmp_path / "small.toml").write_text(SMALL)
+    r = run_cli("bench", "--nproc", "2", "--data", tiny_data, "--config", tmp_path / "small.toml",
+                "--optim", "muon", "--steps", "2", "--warmup", "0", "--out", tmp_path / "out",
+                timeout=200)
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    rows = {row["mode"]: row for row in result["rows"]}
+    assert result["muon"] and list(rows) == ["no sync", *MODES]
+    matrices = 2 * (3 * 32 * 32 + 32 * 32 + 4 * 32 * 32 + 4 * 32 * 32)  # 2 blocks
+    for mode, row in rows.items():
+        assert row["memory"]["muon_state"] == 4 * matrices / 2, mode  # fp32, half each
+    N = rows["ddp"]["params"]
+    assert rows["ddp"]["sent_bytes"] == 4 * N + 4 * matrices / 2  # + the owners' matrices
+    assert rows["zero1"]["sent_bytes"] <= 4 * N + 2 * 4 * 4 * 16  # ddp's, but for AdamW's padding
+    assert "of which Muon MB" in r.stdout
 
 
 def test_one_rank_group_runs_each_mode_for_real(tiny_data, tmp_path):

@@ -116,7 +116,11 @@ def test_deliberate_switch_of_dataset_is_recorded(tiny_data, tmp_path):
     r = run_cli(*tiny_train_args(other, run, steps=4)[2:], "--data.allow-switch", timeout=120)
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    (event,) = [row for row in rows if "event" in row]
+    event, changed = [row for row in rows if "event" in row]
+    assert changed == {"step": 2, "event": "config_change",
+                       "checkpoint": str(run / "checkpoints" / "step_0000002"),
+                       "changes": {"data.dir": [str(tiny_data), str(other)],
+                                   "data.allow_switch": [False, True], "run.steps": [2, 4]}}
     assert event == {"step": 2, "event": "data_switch",
                      "checkpoint": str(run / "checkpoints" / "step_0000002"),
                      "old": hashlib.sha256((tiny_data / "meta.json").read_bytes()).hexdigest(),

@@ -14,6 +14,7 @@ import pytest
 
 from ddpgpt import cli, config, presets
 from ddpgpt.config import (
+    SYNC_MODES,
     ConfigError,
     DataConfig,
     ModelConfig,
@@ -27,6 +28,7 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
 from ddpgpt.preflight import accum_steps, preflight
 from ddpgpt.preflight import resolve as resolve_autos
+from ddpgpt.sync import MODES
 from tests.helpers import run_cli, write_dataset
 
 if sys.version_info >= (3, 11):
@@ -374,6 +376,31 @@ def test_resolve_on_cuda(dataset, monkeypatch):
     assert (cfg.run.device, cfg.run.backend, cfg.run.precision) == ("cuda", "nccl", "bf16")
     cpu = _resolve(dataclasses.replace(_model(), run=RunConfig(device="cpu")), dataset)
     assert (cpu.run.device, cpu.run.backend, cpu.run.precision) == ("cpu", "gloo", "fp32")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_preflight_refuses_what_the_mode_table_says_a_mode_cannot_do(dataset, mode):
+    """Each declaration of sync.MODES that is False is one line naming the setting, why, and the
+    modes that can; each that is True resolves. (fp16 is asked for on a cuda device: resolving
+    needs no GPU.)"""
+    row = MODES[mode]
+    asks = {"loss_scaler": ("run.precision = fp16", "use bf16",
+                            RunConfig(sync=mode, device="cuda", precision="fp16"), OptimConfig()),
+            "compression": ("run.grad_compress = bf16", "use none",
+                            RunConfig(sync=mode, device="cpu", grad_compress="bf16"),
+                            OptimConfig()),
+            "whole_matrices": ("optim.name = muon", "use adamw", RunConfig(sync=mode, device="cpu"),
+                               OptimConfig(name="muon"))}
+    for what, (setting, fix, run, optim) in asks.items():
+        cfg = dataclasses.replace(_model(), run=run, optim=optim)
+        if getattr(row, what):
+            assert _resolve(cfg, dataset).run.sync == mode
+            continue
+        able = ", ".join(m for m, r in MODES.items() if getattr(r, what))
+        assert _error(_resolve, cfg, dataset) == (
+            f"run.sync = {mode} cannot use {setting}: {row.why_not[what]}; {fix}, or run.sync "
+            f"{able}")
+    assert SYNC_MODES == tuple(MODES)  # what the config accepts is the table
 
 
 # ---- field docstrings reach --help ------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Parameter groups, the optimizer against torch.optim.AdamW built by hand, and the LR schedule
-against its closed form."""
+against its closed form. (Muon's groups and step: test_muon.py.)"""
 
 from __future__ import annotations
 
@@ -10,11 +10,25 @@ import torch
 import torch.nn as nn
 
 from ddpgpt.config import ModelConfig, OptimConfig
+from ddpgpt.dist import DistEnv
 from ddpgpt.model import GPT
-from ddpgpt.optim import lr_at, make_optimizer, param_groups, set_lr
+from ddpgpt.optim import Optimizer, groups, lr_at, set_lr
+from ddpgpt.sync.base import Sync
 from tests.helpers import SMALL
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """optim.groups as torch's group dicts."""
+    return [{"params": g.params, "weight_decay": g.weight_decay}
+            for g in groups(model, OptimConfig(weight_decay=weight_decay))]
+
+
+def make_optimizer(model: nn.Module, cfg: OptimConfig) -> Optimizer:
+    """As the Trainer builds it at world size 1."""
+    parts = groups(model, cfg)
+    return Optimizer(parts, Sync(model, parts, DistEnv()).params(), cfg, torch.device("cpu"))
 
 
 def _decayed_by_module(model: nn.Module) -> set[int]:
@@ -59,7 +73,7 @@ def test_make_optimizer_matches_adamw_by_hand():
     cfg = OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2, weight_decay=0.2, beta1=0.8,
                       beta2=0.9, eps=1e-6)
     ours, ref = GPT(SMALL, seed=1), GPT(SMALL, seed=1)
-    opt = make_optimizer(ours, cfg, torch.device("cpu"))
+    opt = make_optimizer(ours, cfg)
     decay = [p for p in ref.parameters() if id(p) in _decayed_by_module(ref)]
     no_decay = [p for p in ref.parameters() if id(p) not in _decayed_by_module(ref)]
     ref_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.2},
@@ -88,7 +102,7 @@ def test_make_optimizer_matches_adamw_by_hand():
 
 
 def test_set_lr_sets_every_group():
-    opt = make_optimizer(GPT(SMALL), OptimConfig(), torch.device("cpu"))
+    opt = make_optimizer(GPT(SMALL), OptimConfig())
     set_lr(opt, 0.125)
     assert [g["lr"] for g in opt.param_groups] == [0.125, 0.125]
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from ddpgpt import checkpoint, resume
-from ddpgpt.config import DataConfig, RunConfig, TrainConfig
+from ddpgpt.config import DataConfig, OptimConfig, RunConfig, TrainConfig
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT
 from ddpgpt.run_dir import RunDir
@@ -181,3 +181,15 @@ def test_explicit_path_of_another_optimizer(run, other):
     with pytest.raises(UserError) as e:
         resume.choose(cfg, run, True, FP)
     assert "another model shape or optimizer (optim.name adamw -> muon)" in str(e.value)
+
+
+def test_a_muon_checkpoint_under_adamw_is_refused_in_one_line(run):
+    """The reverse, from the run dir: Muon's momentum cannot become AdamW's moments."""
+    muon = dataclasses.replace(config(), optim=OptimConfig(name="muon"))
+    meta = {"config": muon.to_dict(), "world_size": 2, "data_fingerprint": FP, "origin": None}
+    checkpoint.save(run.checkpoints, 2, {"model": GPT(SMALL).state_dict()}, meta, keep=100)
+    with pytest.raises(UserError) as e:
+        choose(run)
+    assert str(e.value) == (f"run dir {run.path}: refused to resume checkpoint step_0000002, "
+                            "which has another model shape or optimizer (optim.name muon -> "
+                            "adamw); use another --run-dir, or --reset to set the old run aside")

@@ -73,6 +73,13 @@ def test_rng_carries_over_only_at_the_same_world_size(tiny_data, tmp_path, one_t
     assert torch.equal(torch.rand(3), expected) == (saved_world_size == 1)
 
 
+def entries(state: dict) -> dict:
+    """The per-parameter entries of an optimizer state, AdamW's or Muon's and AdamW's, by index."""
+    parts = {k: state[k] for k in ("muon", "adamw")} if "muon" in state else {"adamw": state}
+    return {(name, i): entry for name, part in parts.items()
+            for i, entry in part["state"].items()}
+
+
 def hyperparameters(trainer: Trainer) -> list[dict]:
     return [{k: v for k, v in g.items() if k not in ("params", "lr")}
             for g in trainer.optimizer.param_groups]
@@ -100,9 +107,10 @@ def test_settings_changed_on_resume_are_applied(tiny_data, tmp_path, one_thread,
         fresh = hyperparameters(trainer)  # what this config builds
         trainer.load_state_dict(copy.deepcopy(state), saved_world_size=1)
         assert hyperparameters(trainer) == fresh, name
-        for saved, live in zip(state["optimizer"]["state"].values(),
-                               trainer.optimizer.state_dict()["state"].values()):
-            assert all(torch.equal(saved[k], live[k]) for k in saved), name
+        saved, live = entries(state["optimizer"]), entries(trainer.optimizer.state_dict())
+        assert saved.keys() == live.keys(), name
+        for key, entry in saved.items():
+            assert all(torch.equal(entry[k], live[key][k]) for k in entry), (name, key)
         trainer.train_step()
         trainer.update(1e-3)
         resumed[name] = torch.cat([p.detach().flatten() for p in trainer.raw.parameters()])

@@ -1,0 +1,142 @@
+"""The Sync interface, as the model alone runs it (world size 1, or bench's no-collective
+baseline), and `Replicated`: what every mode that keeps the whole model and its whole mean
+gradient on every rank (ddp, allreduce, rs-ag) adds to it for Muon.
+
+Every rank holds the whole model. AdamW steps every parameter of its groups on every rank; Muon's
+matrices are stepped by their owners only (muon.py), each keeping the momentum of its own. Where
+the gradients are replicated, the owners' new weights then travel in one all_gather. The
+checkpoint layout does not depend on any of this: torch's AdamW state_dict over the whole model
+for adamw, and for muon {"muon": torch's Muon state_dict over every matrix, "adamw": torch's AdamW
+state_dict over the rest}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ddpgpt import dist
+from ddpgpt.muon import Matrices
+from ddpgpt.optim import Group, Optimizer, load_state
+
+
+class Sync:
+    """What every mode does unless it says otherwise: no collective at all."""
+
+    def __init__(self, model: torch.nn.Module, groups: list[Group], env: dist.DistEnv,
+                 bucket_mb: float = 25.0):
+        self.raw = self.model = model  # the single-device model; what runs the forward
+        self.groups, self.env = groups, env
+        muon = [g.params for g in groups if g.kind == "muon"]
+        bucket_elems = int(bucket_mb * 2**20) // 4
+        # Muon's matrices, whole, in model order (the mode may shard the model's own later)
+        self.whole = muon[0] if muon else []
+        self.matrices = Matrices(self.whole, env, bucket_elems) if muon else None
+
+    # ---- what this rank steps ------------------------------------------------------------------
+
+    def params(self) -> list[list[torch.Tensor]]:
+        """Per group: the tensors this rank's optimizer steps (whole parameters; Muon's: the
+        matrices this rank owns)."""
+        return [[g.params[i] for i in self.matrices.mine] if g.kind == "muon" else list(g.params)
+                for g in self.groups]
+
+    def held(self) -> list[torch.Tensor]:
+        """Gradients this rank holds but another rank steps: the matrices owned elsewhere."""
+        if self.matrices is None:
+            return []
+        mine = set(self.matrices.mine)
+        return [p for i, p in enumerate(self.whole) if i not in mine]
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def micro_step(self, last: bool):
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        pass
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Every rank holds the whole mean gradient: this is the global norm (summed group by
+        group, the order the float sum has always been taken in)."""
+        grads = [p for g in self.groups for p in g.params if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm)
+
+    def before_update(self) -> None:
+        pass
+
+    def after_update(self) -> None:
+        pass
+
+    def zero_grad(self) -> None:
+        for p in self.raw.parameters():
+            p.grad = None
+
+    # ---- state, in the layout that does not depend on the mode or W -------------------------
+
+    def model_state(self) -> dict:
+        """The whole single-device model's weights (collective for the sharded modes)."""
+        return self.raw.state_dict()
+
+    def load_model_state(self, state: dict) -> None:
+        self.raw.load_state_dict(state)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict:
+        """Collective under Muon (the owners' momentum buffers travel)."""
+        adamw = self.adamw_state(optimizer)
+        if optimizer.muon is None:
+            return adamw
+        return {"muon": self.matrices.full_state(optimizer.muon, optimizer.matrices),
+                "adamw": adamw}
+
+    def load_optimizer_state(self, optimizer: Optimizer, state: dict) -> None:
+        """A state in the layout above, whatever mode and W saved it; this run's hyperparameters
+        (see optim.load_state)."""
+        if optimizer.muon is None:
+            self.load_adamw_state(optimizer, state)
+            return
+        self.load_adamw_state(optimizer, state["adamw"])
+        self.matrices.load_state(optimizer.muon, optimizer.matrices, state["muon"])
+
+    def adamw_state(self, optimizer: Optimizer) -> dict:
+        """torch's AdamW state_dict over the whole model: here, AdamW's own."""
+        return optimizer.adamw.state_dict()
+
+    def load_adamw_state(self, optimizer: Optimizer, state: dict) -> None:
+        load_state(optimizer.adamw, state)
+
+    # ---- accounting, and the end ------------------------------------------------------------
+
+    def memory(self, optimizer: Optimizer) -> dict[str, int]:
+        """Bytes this rank holds for the parameters, their gradients and the optimizer state
+        (and, under Muon, how much of that state is Muon's momentum)."""
+        params = list(self.raw.parameters())
+        held = {"params": nbytes(params), "grads": nbytes(p.grad for p in params),
+                "state": nbytes(v for s in optimizer.state.values() for v in s.values())}
+        if optimizer.muon is not None:
+            held["muon_state"] = nbytes(s["momentum_buffer"]
+                                        for s in optimizer.muon.state.values())
+        return held
+
+    def close(self) -> None:
+        pass
+
+
+class Replicated(Sync):
+    """The modes that leave the whole mean gradient on every rank: each owner steps its matrices
+    with the gradient it already holds, and one all_gather hands every rank the new weights."""
+
+    def after_update(self) -> None:
+        if self.matrices is not None:
+            self.matrices.share(self.whole)
+
+
+def nbytes(tensors) -> int:
+    """Bytes of the tensors (a DTensor's local shard; scalars such as AdamW's step excluded)."""
+    total = 0
+    for t in tensors:
+        if torch.is_tensor(t) and t.dim() > 0:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            total += t.numel() * t.element_size()
+    return total
