@@ -8,6 +8,7 @@
     ddpgpt doctor [--nproc N]                      environment and all-reduce probe (doctor.py)
     ddpgpt bench [--nproc N] [--sync MODES]        what each sync mode costs (bench.py)
     ddpgpt plot RUN [RUN ...] [--out FILE.png]     loss curves and tokens/s of runs (plot.py)
+    ddpgpt export --run-dir DIR --out DIR          a checkpoint for transformers (export.py)
     ddpgpt rendezvous [--port 29500]               host elastic jobs' rendezvous store (dist.py)
 
 Flags are generated from the config dataclasses (config_io.py), so `--help` shows each field's
@@ -27,6 +28,7 @@ from ddpgpt.config import (
     BenchConfig,
     DoctorConfig,
     EvalConfig,
+    ExportConfig,
     PlotConfig,
     PrepareConfig,
     RendezvousConfig,
@@ -91,6 +93,8 @@ def _build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
                               "measure each gradient-sync mode: time, bytes, memory"),
                              ("plot", PlotConfig,
                               "draw runs' loss curves and tokens/s into one PNG"),
+                             ("export", ExportConfig,
+                              "write a checkpoint as a Hugging Face transformers directory"),
                              ("rendezvous", RendezvousConfig,
                               "host the rendezvous store of elastic jobs (torchrun --nnodes "
                               "MIN:MAX) on a node that does not train")):
@@ -234,6 +238,9 @@ def dispatch(argv: list[str]) -> None:
     elif ns.command == "plot":
         from ddpgpt import plot
         plot.run(flat_config(PlotConfig, values))
+    elif ns.command == "export":
+        from ddpgpt import export
+        export.run(flat_config(ExportConfig, values))
     elif ns.command == "rendezvous":
         rendezvous(flat_config(RendezvousConfig, values))
     elif ns.command == "doctor":

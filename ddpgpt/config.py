@@ -97,6 +97,14 @@ class ModelConfig:
     """Biases in linear layers and LayerNorms (GPT-2 has them)."""
     dropout: float = 0.0
     """Dropout probability on attention, residual and embedding outputs (0 for pretraining)."""
+    vocab_limit: int = 0
+    """Ids from this one up to vocab_size are padding and get a logit of -inf: never predicted,
+    never trained. 0: every row is live (a fresh model learns to avoid its padding rows).
+    --init-from sets it to the weights' vocabulary."""
+    init_from: str = field(default="", metadata={"alias": "--init-from"})
+    """Start from pretrained weights instead of a random init: gpt2, gpt2-medium, gpt2-large,
+    gpt2-xl (Hugging Face hub), or a local transformers directory or .safetensors file. The shape
+    comes from the weights; a resumed run continues from its own checkpoints."""
 
     def __post_init__(self):
         _finite(self, "model.")
@@ -107,6 +115,10 @@ class ModelConfig:
         _require(self.n_embd % self.n_head == 0,
                  f"model.n_head = {self.n_head} must divide model.n_embd = {self.n_embd}")
         _require(0 <= self.dropout < 1, f"model.dropout = {self.dropout} must be in [0, 1)")
+        _require(self.vocab_limit >= 0 and (not self.vocab_size
+                                            or self.vocab_limit <= self.vocab_size),
+                 f"model.vocab_limit = {self.vocab_limit} must be in [0, model.vocab_size = "
+                 f"{self.vocab_size}]")
 
 
 @dataclass
@@ -283,6 +295,12 @@ class RunConfig:
     rollback_window steps."""
     rollback_window: int = 100
     """Steps over which max_rollbacks counts."""
+    tracker: str = "none"
+    """Mirror metrics.jsonl to an experiment tracker, from rank 0: none, tensorboard (event files
+    in RUN/tensorboard/) or wandb (Weights & Biases; WANDB_MODE=offline logs to RUN/wandb/).
+    Needs the track extra. A resumed run continues the same tracker run."""
+    tracker_project: str = "ddpgpt"
+    """The W&B project the run is logged to (tracker = wandb)."""
 
     def __post_init__(self):
         _finite(self, "run.")
@@ -309,6 +327,7 @@ class RunConfig:
             _require(getattr(self, name) >= 1, f"run.{name} = {getattr(self, name)} must be >= 1")
         for name in ("rollback_lr_steps", "max_rollbacks"):
             _require(getattr(self, name) >= 0, f"run.{name} = {getattr(self, name)} must be >= 0")
+        _choice("run", "tracker", self.tracker, ("none", "tensorboard", "wandb"))
         _require(0 < self.dist_timeout_s <= MAX_TIMEOUT_S,
                  f"run.dist_timeout_s = {self.dist_timeout_s:g} must be in (0, {MAX_TIMEOUT_S}] "
                  "seconds")
@@ -370,6 +389,9 @@ class SampleConfig:
     """CPU threads; 0: one for models whose sampling step is small (under ~200M parameters ×
     samples), where a second thread gains little and costs several times the step on a busy
     machine; else the usable cores."""
+    cache: bool = True
+    """Keep keys and values between tokens (a KV cache): each token costs the same whatever the
+    length. --no-cache re-encodes the context for every token: the same tokens, slower."""
 
     def __post_init__(self):
         _finite(self, "--")
@@ -428,6 +450,24 @@ class RendezvousConfig:
 
     def __post_init__(self):
         _require(0 < self.port < 65536, f"--port {self.port} must be in 1..65535")
+
+
+@dataclass
+class ExportConfig:
+    """`ddpgpt export`: a run's checkpoint as a Hugging Face transformers directory."""
+
+    run_dir: str = field(default="runs/default", metadata={"alias": "--run"})
+    """Run directory to export from."""
+    step: int = 0
+    """The checkpoint's step; 0: the newest complete one."""
+    out: str | None = None
+    """Directory to write (config.json, model.safetensors, generation_config.json, the tokenizer);
+    written beside it under a temporary name and renamed when complete."""
+    force: bool = False
+    """Replace a non-empty --out (the old one is removed only after the new one is in place)."""
+
+    def __post_init__(self):
+        _require(self.step >= 0, f"--step {self.step} must be >= 0 (0: the newest checkpoint)")
 
 
 @dataclass

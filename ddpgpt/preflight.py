@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from ddpgpt import dist
+from ddpgpt import dist, trackers
 from ddpgpt.config import ConfigError, TrainConfig
 from ddpgpt.data.loader import TokenStream, require_windows
 from ddpgpt.data.shards import TokenDataset
@@ -113,7 +113,13 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int,
     accum_steps(cfg, world_size)
     if nodes is not None and nodes[1] > nodes[0]:
         check_world_sizes(cfg, nodes, local_world_size)
+    trackers.check(cfg.run.tracker)
     dataset = TokenDataset(cfg.data.dir)
+    if cfg.model.init_from:
+        from ddpgpt.init_from import check_tokenizer, locate
+
+        check_tokenizer(cfg, dataset)
+        locate(cfg.model.init_from)  # a hub name is downloaded here, once, before any worker
     cfg = resolve(cfg, dataset, local_world_size)
     check_windows(cfg, dataset)
     return cfg, dataset

@@ -11,6 +11,7 @@
                          this dir
       metrics.jsonl      one row per logged step and per evaluation (see metrics.py)
       checkpoints/       step_NNNNNNN/ (see checkpoint.py)
+      tensorboard/, wandb/, tracker.json    run.tracker's files (see trackers.py)
       reset-<time>/      what --reset set aside; rollback-<time>/ what --resume PATH set aside
 """
 
@@ -65,6 +66,11 @@ class RunDir:
     @property
     def tokenizer(self) -> Path:
         return self.path / "tokenizer.json"
+
+    @property
+    def tracker_files(self) -> list[Path]:
+        """What run.tracker writes: TensorBoard's event files, W&B's files and its run id."""
+        return [self.path / "tensorboard", self.path / "wandb", self.path / "tracker.json"]
 
     @property
     def lock_file(self) -> Path:
@@ -227,9 +233,10 @@ class RunDir:
         return aside
 
     def reset(self) -> None:
-        """--reset: the checkpoints and metrics go into reset-<time>/."""
+        """--reset: the checkpoints, metrics and tracker files go into reset-<time>/ (a new
+        tracker run begins)."""
         aside = self.set_aside("reset", [self.checkpoints, self.metrics,
-                                         self.path / "configs.jsonl"])
+                                         self.path / "configs.jsonl", *self.tracker_files])
         if aside:
             print(f"ddpgpt: --reset: moved the previous checkpoints and metrics to {aside}",
                   file=sys.stderr)

@@ -26,11 +26,11 @@ import time
 
 import torch
 
-from ddpgpt import __version__, checkpoint, dist, elastic, optim, resume, sync
+from ddpgpt import __version__, checkpoint, dist, elastic, optim, resume, sync, trackers
 from ddpgpt.config import TrainConfig
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.errors import UserError
+from ddpgpt.errors import UserError, warn
 from ddpgpt.evaluate import evaluate
 from ddpgpt.metrics import Metrics, peak_flops
 from ddpgpt.model import GPT
@@ -50,16 +50,19 @@ class Trainer:
     rank's RNG."""
 
     def __init__(self, cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, guard: Guard,
-                 local: bool = False):
+                 local: bool = False, init: dict | None = None):
         """Built in one direction: the model, the sync mode around it, the optimizer over the
         parameters as the mode left them; a checkpoint is loaded into those (load_state_dict).
-        `local`: no collective at all, each rank on its own micro-batches (bench's baseline)."""
+        `local`: no collective at all, each rank on its own micro-batches (bench's baseline).
+        `init`: pretrained weights (--init-from) to start from instead of the seed's."""
         self.cfg, self.env, self.dataset, self.guard = cfg, env, dataset, guard
         dev, data, run = env.device, cfg.data, cfg.run
         self.accum = accum_steps(cfg, env.world_size)
         # 1. The same weights on every rank: drawn from run.seed by the model's private generator,
         #    never from a global RNG that some code might have seeded per rank.
         self.raw = GPT(cfg.model, seed=run.seed).to(dev)  # the single-device model
+        if init is not None:  # before the digest and the sync: as if the model were built so
+            self.raw.load_state_dict(init)
         # What this rank built, before any sharding: fsdp2 would otherwise show every rank the
         # same gathered mix of the ranks' shards, whatever each built.
         self.init_digest = dist.state_digest(self.raw.state_dict())
@@ -248,8 +251,9 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir) -> Spike | None:
         with metrics.paused():
             if _due(trainer.step, cfg.run.eval_every, total):
                 trainer.doing = f"the evaluation after step {trainer.step}"
-                metrics.log_eval(trainer.step,
-                                 evaluate(trainer.raw, trainer.val, env, trainer.autocast))
+                val_loss = evaluate(trainer.raw, trainer.val, env, trainer.autocast)
+                metrics.log_eval(trainer.step, val_loss,
+                                 trainer.dataset.bits_per_byte(val_loss))
             if _due(trainer.step, cfg.run.checkpoint_every, total) or health.stop:
                 trainer.doing = f"the checkpoint of step {trainer.step}"
                 save(trainer, run_dir, "stop" if health.stop else "scheduled")
@@ -267,7 +271,12 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir) -> Spike | None:
 
 def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: resume.Start,
           guard: Guard, announce: bool = True) -> Trainer:
-    trainer = Trainer(cfg, env, dataset, guard)
+    init = None
+    if start.path is None and cfg.model.init_from:  # a fresh start; restarts resume instead
+        from ddpgpt.init_from import read_state
+        # Every rank reads the weights itself; one that cannot stops them all.
+        init = dist.together(env, lambda: read_state(cfg.model.init_from, cfg.model))
+    trainer = Trainer(cfg, env, dataset, guard, init=init)
     trainer.origin = start.origin
 
     def restore() -> None:
@@ -293,9 +302,11 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: res
                                     "every node must see the same prepared dataset in data.dir"),
         "the ddpgpt and torch versions": (dist.digest(__version__, torch.__version__),
                                           "install the same versions on every node"),
-        "the parameters before training": (weights,
-                                          "every rank must build the model from the same seed "
-                                          "(run.seed); do not seed ranks differently before init"),
+        "the parameters before training": (weights, (
+            f"every rank must read the same --init-from {cfg.model.init_from} (put it on a "
+            "filesystem every node shares)" if cfg.model.init_from and start.path is None else
+            "every rank must build the model from the same seed (run.seed); do not seed ranks "
+            "differently before init")),
     })
     return trainer
 
@@ -361,11 +372,17 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
     peak = dist.all_reduce(env, torch.tensor(peak, device=env.device), op="max").item()
     if env.is_main:
         print(summary(trainer), file=sys.stderr)
+        if trainer.dataset.split_bytes is None:
+            warn(trainer.dataset.bytes_advice())
         if trainer.step >= cfg.run.steps:
             print(resume.finished_message(run_dir, trainer.step, cfg.run.steps), file=sys.stderr)
+    # Rank 0 alone talks to the tracker; a tracker that cannot start stops every rank.
+    tracker = dist.together(env, lambda: trackers.open_tracker(
+        cfg.run.tracker, run_dir.path, cfg.to_dict(), trainer.step, cfg.run.tracker_project),
+        main_only=True)
     metrics = Metrics(env.is_main, run_dir.metrics, trainer.step, cfg.run.steps,
                       cfg.data.global_batch * cfg.seq_len, trainer.raw.flops_per_token(cfg.seq_len),
-                      peak, env.world_size)
+                      peak, env.world_size, tracker)
     if start.data_switch:
         metrics.log_event(trainer.step, "data_switch", checkpoint=str(start.path),
                           old=start.meta["data_fingerprint"], new=trainer.dataset.fingerprint,

@@ -25,8 +25,10 @@ SMALL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64
 
 
 def write_dataset(path: Path, train: np.ndarray, val: np.ndarray, vocab_size: int,
-                  shard_tokens: int = 10**9, eot_id: int = 0) -> Path:
-    """A dataset dir holding exactly these token streams (split into shards of `shard_tokens`)."""
+                  shard_tokens: int = 10**9, eot_id: int = 0, kind: str = "byte") -> Path:
+    """A dataset dir holding exactly these token streams (split into shards of `shard_tokens`),
+    under the tokenizer name `kind` (gpt2: GPT-2's ids, made without its tokenizer files). Its
+    meta.json has no byte counts, as datasets prepared before they were recorded."""
     path.mkdir(parents=True, exist_ok=True)
     dtype = dtype_for_vocab(vocab_size)
     shards = {}
@@ -34,7 +36,7 @@ def write_dataset(path: Path, train: np.ndarray, val: np.ndarray, vocab_size: in
         writer = SplitWriter(path, split, dtype, shard_tokens)
         writer.write(np.asarray(tokens))
         shards[split] = writer.close()
-    tok = SimpleNamespace(kind="byte", vocab_size=vocab_size, eot_id=eot_id)
+    tok = SimpleNamespace(kind=kind, vocab_size=vocab_size, eot_id=eot_id)
     (path / "meta.json").write_text(json.dumps(make_meta(tok, dtype, shards, {"specs": ["test"]})))
     return path
 
