@@ -7,6 +7,9 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data/stdlib
 RUN    ?= runs/demo
 NPROC  ?= 2
+# The config with the lowest val bits per byte in the demo's budget (benchmarks/sweep_demo.py):
+# Muon, 128-token sequences, 32 of them per step (the same 4,096 tokens per step as tiny's).
+DEMO_FLAGS := --optim.name muon --model.block-size 128 --data.global-batch 32 --data.eval-windows 0
 
 .PHONY: setup test demo bench lint clean data
 
@@ -26,7 +29,7 @@ test: $(STAMP)
 # Run again: it resumes (or, when finished, only evaluates and samples); `rm -rf $(RUN)` to train
 # from scratch.
 demo: $(STAMP) data
-	$(PY) -m ddpgpt train --data $(DATA) --preset tiny --run-dir $(RUN) --nproc $(NPROC) --device cpu
+	$(PY) -m ddpgpt train --data $(DATA) --preset tiny $(DEMO_FLAGS) --run-dir $(RUN) --nproc $(NPROC) --device cpu
 	$(PY) -m ddpgpt eval --run-dir $(RUN) --device cpu
 	$(PY) -m ddpgpt sample --run-dir $(RUN) --device cpu --prompt "def " --max-new-tokens 150
 	$(PY) -m ddpgpt plot $(RUN)

@@ -123,10 +123,10 @@ def measure(cfg: BenchConfig, env: dist.DistEnv, mode: str | None) -> dict:
     if env.device.type == "cuda":
         held["activations"] = torch.cuda.max_memory_allocated(env.device) - sum(held.values())
     runs_as = type(trainer.sync).__name__  # Sync: no collective at all
-    trainer.close()
+    model = describe_model(train_cfg, trainer.raw.num_params(non_embedding=False))
+    trainer.close()  # lets go of the model and optimizer
     return {"mode": mode or "no sync", "runs_as": runs_as, "times": times, "sent_bytes": int(sent),
-            "memory": held, "accum": trainer.accum, "params": n,
-            "model": describe_model(train_cfg, trainer.raw.num_params(non_embedding=False))}
+            "memory": held, "accum": trainer.accum, "params": n, "model": model}
 
 
 def describe_model(cfg: TrainConfig, params: int) -> str:

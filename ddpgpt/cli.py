@@ -8,6 +8,8 @@
     ddpgpt doctor [--nproc N]                      environment and all-reduce probe (doctor.py)
     ddpgpt bench [--nproc N] [--sync MODES]        what each sync mode costs (bench.py)
     ddpgpt plot RUN [RUN ...] [--out FILE.png]     loss curves and tokens/s of runs (plot.py)
+    ddpgpt export --run-dir DIR --out DIR          a checkpoint for transformers (export.py)
+    ddpgpt rendezvous [--port 29500]               host elastic jobs' rendezvous store (dist.py)
 
 Flags are generated from the config dataclasses (config_io.py), so `--help` shows each field's
 docstring. Bad input (unknown flag, bad value, missing data) is one line on stderr and exit code
@@ -26,8 +28,10 @@ from ddpgpt.config import (
     BenchConfig,
     DoctorConfig,
     EvalConfig,
+    ExportConfig,
     PlotConfig,
     PrepareConfig,
+    RendezvousConfig,
     SampleConfig,
     TrainConfig,
 )
@@ -88,7 +92,12 @@ def _build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
                              ("bench", BenchConfig,
                               "measure each gradient-sync mode: time, bytes, memory"),
                              ("plot", PlotConfig,
-                              "draw runs' loss curves and tokens/s into one PNG")):
+                              "draw runs' loss curves and tokens/s into one PNG"),
+                             ("export", ExportConfig,
+                              "write a checkpoint as a Hugging Face transformers directory"),
+                             ("rendezvous", RendezvousConfig,
+                              "host the rendezvous store of elastic jobs (torchrun --nnodes "
+                              "MIN:MAX) on a node that does not train")):
         add_flags(sub.add_parser(name, help=help_, description=help_, allow_abbrev=False), cls)
     return parser
 
@@ -229,9 +238,27 @@ def dispatch(argv: list[str]) -> None:
     elif ns.command == "plot":
         from ddpgpt import plot
         plot.run(flat_config(PlotConfig, values))
+    elif ns.command == "export":
+        from ddpgpt import export
+        export.run(flat_config(ExportConfig, values))
+    elif ns.command == "rendezvous":
+        rendezvous(flat_config(RendezvousConfig, values))
     elif ns.command == "doctor":
         from ddpgpt import doctor
         doctor.run(flat_config(DoctorConfig, values))
+
+
+def rendezvous(cfg: RendezvousConfig) -> None:
+    """Serves until stopped (Ctrl-C, SIGTERM); prints how the nodes reach it."""
+    import socket
+
+    from ddpgpt import dist
+
+    where = f"{socket.getfqdn()}:{cfg.port}"
+    dist.serve_store(cfg.host, cfg.port, ready=lambda: print(
+        f"ddpgpt: rendezvous store on {cfg.host}:{cfg.port}; start every node with "
+        f"--rdzv-backend c10d --rdzv-endpoint {where} --rdzv-conf is_host=0; Ctrl-C ends it",
+        file=sys.stderr, flush=True))
 
 
 def main(argv: list[str] | None = None) -> None:

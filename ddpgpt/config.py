@@ -97,6 +97,14 @@ class ModelConfig:
     """Biases in linear layers and LayerNorms (GPT-2 has them)."""
     dropout: float = 0.0
     """Dropout probability on attention, residual and embedding outputs (0 for pretraining)."""
+    vocab_limit: int = 0
+    """Ids from this one up to vocab_size are padding and get a logit of -inf: never predicted,
+    never trained. 0: every row is live (a fresh model learns to avoid its padding rows).
+    --init-from sets it to the weights' vocabulary."""
+    init_from: str = field(default="", metadata={"alias": "--init-from"})
+    """Start from pretrained weights instead of a random init: gpt2, gpt2-medium, gpt2-large,
+    gpt2-xl (Hugging Face hub), or a local transformers directory or .safetensors file. The shape
+    comes from the weights; a resumed run continues from its own checkpoints."""
 
     def __post_init__(self):
         _finite(self, "model.")
@@ -107,6 +115,10 @@ class ModelConfig:
         _require(self.n_embd % self.n_head == 0,
                  f"model.n_head = {self.n_head} must divide model.n_embd = {self.n_embd}")
         _require(0 <= self.dropout < 1, f"model.dropout = {self.dropout} must be in [0, 1)")
+        _require(self.vocab_limit >= 0 and (not self.vocab_size
+                                            or self.vocab_limit <= self.vocab_size),
+                 f"model.vocab_limit = {self.vocab_limit} must be in [0, model.vocab_size = "
+                 f"{self.vocab_size}]")
 
 
 @dataclass
@@ -263,11 +275,36 @@ class RunConfig:
     dist_timeout_s: float = field(default=600.0, metadata={"alias": "--dist-timeout"})
     """Longest wait of any collective, in seconds: a stalled or lost rank ends the job with an error
     naming the step after this long instead of hanging (gloo's own default is 30 minutes)."""
-    on_nonfinite: str = field(default="stop", metadata={"alias": "--on-nonfinite"})
-    """When any rank sees a non-finite loss or gradient norm: stop (every rank, naming the step; the
-    last checkpoint stays intact) or skip (no update for that step, counted)."""
+    on_nonfinite: str = field(default="spike", metadata={"alias": "--on-nonfinite"})
+    """When any rank sees a non-finite loss or gradient norm: spike (a loss spike: run.on_spike
+    decides, and with on_spike = none the run stops), stop (every rank, naming the step; the last
+    checkpoint stays intact) or skip (no update for that step, counted)."""
     max_skipped: int = 10
     """With on_nonfinite = skip: stop once this many steps have been skipped in the run."""
+    on_spike: str = "rollback"
+    """When the global loss spikes (above spike_ratio × the median of the last spike_window
+    steps): rollback (reload the newest checkpoint before it, skip the global batches from there
+    to the spike, lower the lr for a while, go on), stop (every rank, naming the step), or none."""
+    spike_ratio: float = 2.0
+    """A step's global loss above this multiple of the recent median is a spike."""
+    spike_window: int = 10
+    """Steps whose median loss a step is compared with; spikes are looked for once there are
+    this many (after a rollback, the checkpoint's are kept)."""
+    rollback_lr_factor: float = 0.5
+    """After a rollback, the learning rate is multiplied by this ..."""
+    rollback_lr_steps: int = 20
+    """... for this many steps from the checkpoint rolled back to."""
+    max_rollbacks: int = 3
+    """Stop instead of rolling back once this many rollbacks have happened within the last
+    rollback_window steps."""
+    rollback_window: int = 100
+    """Steps over which max_rollbacks counts."""
+    tracker: str = "none"
+    """Mirror metrics.jsonl to an experiment tracker, from rank 0: none, tensorboard (event files
+    in RUN/tensorboard/) or wandb (Weights & Biases; WANDB_MODE=offline logs to RUN/wandb/).
+    Needs the track extra. A resumed run continues the same tracker run."""
+    tracker_project: str = "ddpgpt"
+    """The W&B project the run is logged to (tracker = wandb)."""
 
     def __post_init__(self):
         _finite(self, "run.")
@@ -285,7 +322,16 @@ class RunConfig:
         _choice("run", "sync", self.sync, SYNC_MODES)
         _choice("run", "grad_compress", self.grad_compress, ("none", "bf16"))
         _choice("run", "precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
-        _choice("run", "on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        _choice("run", "on_nonfinite", self.on_nonfinite, ("spike", "stop", "skip"))
+        _choice("run", "on_spike", self.on_spike, ("none", "stop", "rollback"))
+        _require(self.spike_ratio > 1, f"run.spike_ratio = {self.spike_ratio:g} must be > 1")
+        _require(0 < self.rollback_lr_factor <= 1,
+                 f"run.rollback_lr_factor = {self.rollback_lr_factor:g} must be in (0, 1]")
+        for name in ("spike_window", "rollback_window"):
+            _require(getattr(self, name) >= 1, f"run.{name} = {getattr(self, name)} must be >= 1")
+        for name in ("rollback_lr_steps", "max_rollbacks"):
+            _require(getattr(self, name) >= 0, f"run.{name} = {getattr(self, name)} must be >= 0")
+        _choice("run", "tracker", self.tracker, ("none", "tensorboard", "wandb"))
         _require(0 < self.dist_timeout_s <= MAX_TIMEOUT_S,
                  f"run.dist_timeout_s = {self.dist_timeout_s:g} must be in (0, {MAX_TIMEOUT_S}] "
                  "seconds")
@@ -347,6 +393,9 @@ class SampleConfig:
     """CPU threads; 0: one for models whose sampling step is small (under ~200M parameters ×
     samples), where a second thread gains little and costs several times the step on a busy
     machine; else the usable cores."""
+    cache: bool = True
+    """Keep keys and values between tokens (a KV cache): each token costs the same whatever the
+    length. --no-cache re-encodes the context for every token: the same tokens, slower."""
 
     def __post_init__(self):
         _finite(self, "--")
@@ -391,6 +440,38 @@ class EvalConfig:
     def __post_init__(self):
         _require(self.windows >= -1, f"--windows {self.windows} must be >= -1")
         _choice("eval", "device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class RendezvousConfig:
+    """`ddpgpt rendezvous`: host the c10d rendezvous store of elastic jobs on a node that does
+    not train, so that losing any training node leaves the job able to go on."""
+
+    host: str = "0.0.0.0"
+    """Address to listen on (all interfaces by default)."""
+    port: int = 29500
+    """Port to listen on: the nodes' --rdzv-endpoint is THIS_HOST:PORT."""
+
+    def __post_init__(self):
+        _require(0 < self.port < 65536, f"--port {self.port} must be in 1..65535")
+
+
+@dataclass
+class ExportConfig:
+    """`ddpgpt export`: a run's checkpoint as a Hugging Face transformers directory."""
+
+    run_dir: str = field(default="runs/default", metadata={"alias": "--run"})
+    """Run directory to export from."""
+    step: int = 0
+    """The checkpoint's step; 0: the newest complete one."""
+    out: str | None = None
+    """Directory to write (config.json, model.safetensors, generation_config.json, the tokenizer);
+    written beside it under a temporary name and renamed when complete."""
+    force: bool = False
+    """Replace a non-empty --out (the old one is removed only after the new one is in place)."""
+
+    def __post_init__(self):
+        _require(self.step >= 0, f"--step {self.step} must be >= 0 (0: the newest checkpoint)")
 
 
 @dataclass

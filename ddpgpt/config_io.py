@@ -159,7 +159,14 @@ def build(preset: str | None, config_file: str | None, flags: dict) -> TrainConf
     cfg = get_preset(preset) if preset else TrainConfig()
     if file_values:
         cfg = overlay(cfg, file_values, config_file)
-    return overlay(cfg, flags, "command line", parse_text)
+    cfg = overlay(cfg, flags, "command line", parse_text)
+    if cfg.model.init_from:  # the shape comes from the weights; what the user set must agree
+        from ddpgpt.init_from import apply_shape
+
+        explicit = {name: config_file for name in file_values.get("model", {})}
+        explicit.update({name: "command line" for name in flags.get("model", {})})
+        cfg = apply_shape(cfg, explicit)
+    return cfg
 
 
 # ---- flags --------------------------------------------------------------------------------------

@@ -7,6 +7,12 @@
         all_reduce(env, t)              # no-op at W = 1, so callers never branch on W
 
 A `DistEnv`'s defaults describe world size 1: rank 0 of 1, CPU, no process group, attempt 1.
+
+Elastic jobs (`torchrun --nnodes MIN:MAX`): `elastic_nodes()` reads the range the launcher was
+given, and `launcher_id()` names the launcher (torchrun's elastic agent, or `--nproc`'s) that
+started this process. A job's first start is one whose launchers have not run it before; the run
+dir records them (see elastic.py), because torch's stores do not survive the loss of the node
+that hosts them.
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ import hashlib
 import inspect
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
 import uuid
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -51,16 +59,13 @@ class DistEnv:
     local_world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None  # None: no process group (world size 1)
-    attempt: int = 1            # which start of this job: 1, then one more per elastic restart
+    attempt: int = 1            # which start of this job's store: names the group's keys in it
+    launcher: str | None = None  # "host:pid:start" of the launcher that started this process
+    first_start: bool = True    # the job's first start (decided by elastic.claim, not here)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    @property
-    def first_attempt(self) -> bool:
-        """The job's first start: rules that apply once (--reset, --resume never or PATH)."""
-        return self.attempt == 1
 
 
 def _env_int(name: str, default: int) -> int:
@@ -75,12 +80,59 @@ def detect() -> DistEnv:
     """Rank and world size from torchrun's environment (defaults: one process); no group, CPU."""
     world = _env_int("WORLD_SIZE", 1)
     return DistEnv(rank=_env_int("RANK", 0), local_rank=_env_int("LOCAL_RANK", 0), world_size=world,
-                   local_world_size=_env_int("LOCAL_WORLD_SIZE", world))
+                   local_world_size=_env_int("LOCAL_WORLD_SIZE", world),
+                   launcher=launcher_id() if under_launcher() else None)
 
 
 def under_launcher() -> bool:
     """Started by torchrun's elastic agent (or `--nproc`, which runs the same agent)."""
     return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def launcher_id() -> str:
+    """The launcher that started this process (its parent), as "host:pid:start": the start time
+    (Linux: clock ticks after boot) tells a launcher from a later process that reuses its PID."""
+    parent = os.getppid()
+    try:
+        stat = Path(f"/proc/{parent}/stat").read_text()
+        started = stat.rsplit(")", 1)[1].split()[19]  # field 22: after the name's closing ")"
+    except (OSError, IndexError):
+        started = "?"
+    return f"{socket.gethostname()}:{parent}:{started}"
+
+
+def elastic_nodes() -> tuple[int, int] | None:
+    """(MIN, MAX) of torchrun's --nnodes when torchrun started this process (from its command
+    line, else PET_NNODES, which torchrun also reads); None otherwise (one process, `--nproc`,
+    or a launcher that does not say)."""
+    if not under_launcher():
+        return None
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        argv = []
+    return parse_nnodes(argv, os.environ.get("PET_NNODES"))
+
+
+def parse_nnodes(argv: list[str], default: str | None) -> tuple[int, int] | None:
+    """(MIN, MAX) from a torchrun command line (`--nnodes 1:4`, `--nnodes=2`, `--standalone`),
+    else from `default` (the same syntax); None when neither says or it does not parse."""
+    value = default
+    for i, arg in enumerate(argv):
+        if arg == "--standalone":
+            value = "1"
+        elif arg == "--nnodes" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--nnodes="):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        break
+    try:
+        low, _, high = (value or "").partition(":")
+        return int(low), int(high or low)
+    except ValueError:
+        return None
 
 
 def resolve_device(kind: str, local_rank: int) -> torch.device:
@@ -167,7 +219,11 @@ def _attempt(store: dist.Store, rank: int, world_size: int, timeout_s: float) ->
     group. TORCHELASTIC_RESTART_COUNT cannot name the attempt: an agent that restarts for another
     node's failure does not count it, so nodes disagree. Instead rank 0 draws the next number from
     the store, and every other rank receives it in answer to a nonce of its own, so that no rank
-    can take an earlier attempt's number for this one; rank 0 waits until every rank has it."""
+    can take an earlier attempt's number for this one; rank 0 waits until every rank has it.
+
+    The store lives in the agent of the first start's node 0: when that node dies, the survivors
+    get a new store and count from 1 again. So the number only keeps the group's keys apart; it
+    does not say whether this is the job's first start (elastic.claim decides that)."""
     deadline = time.monotonic() + timeout_s
     if rank > 0:
         nonce = uuid.uuid4().hex
@@ -195,6 +251,23 @@ def _attempt(store: dist.Store, rank: int, world_size: int, timeout_s: float) ->
                             f"{timeout_s:g} s (run.dist_timeout_s)")
         time.sleep(0.01)
     return attempt
+
+
+def serve_store(host: str, port: int, ready=None) -> None:
+    """Hosts a TCPStore until this process is stopped: the c10d rendezvous store for elastic
+    jobs whose agents all connect to it. torchrun's agents keep the rendezvous state in the store
+    of the endpoint's host; when a training node hosts it, losing that node ends the job on every
+    node. `ready()` is called once the store listens."""
+    try:
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                              multi_tenant=True)
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"cannot listen on {host}:{port} ({str(e).splitlines()[0][:120]}); "
+                        "choose another --port") from None
+    if ready:
+        ready()
+    while store is not None:  # the store serves from its own thread
+        time.sleep(3600)
 
 
 def checkpoint_group(env: DistEnv, timeout_s: float = 600):

@@ -1,4 +1,5 @@
-"""Validation loss: token-weighted over the loader's fixed windows, all-reduced across ranks.
+"""Validation loss: token-weighted over the loader's fixed windows, all-reduced across ranks, and
+the same as bits per byte of text (comparable across tokenizers; see TokenDataset.bits_per_byte).
 
     ddpgpt eval --run-dir runs/demo                                  # one process
     torchrun --standalone --nproc_per_node 8 -m ddpgpt eval --run-dir runs/demo
@@ -16,7 +17,7 @@ from ddpgpt.config import EvalConfig
 from ddpgpt.config_io import from_dict
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.errors import UserError
+from ddpgpt.errors import UserError, warn
 from ddpgpt.model import GPT
 from ddpgpt.run_dir import RunDir
 from ddpgpt.runtime import autocast, inference_precision
@@ -59,8 +60,12 @@ def run(cfg: EvalConfig) -> None:
         precision = inference_precision(train_cfg.run, env.device)
         loss = evaluate(model, loader, env, autocast(precision, env.device))
         if env.is_main:
-            print(f"val_loss {loss:.4f} (step {meta['step']}, {len(loader.windows)} windows of "
-                  f"{train_cfg.seq_len} tokens, {env.world_size} "
+            bpb = dataset.bits_per_byte(loss)
+            if bpb is None:
+                warn(dataset.bytes_advice())
+            bits = "" if bpb is None else f", val_bpb {bpb:.4f}"
+            print(f"val_loss {loss:.4f}{bits} (step {meta['step']}, {len(loader.windows)} "
+                  f"windows of {train_cfg.seq_len} tokens, {env.world_size} "
                   f"process{'es' if env.world_size > 1 else ''})")
 
 

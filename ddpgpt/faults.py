@@ -1,20 +1,27 @@
 """Fault injection for the reliability tests; a real run never sets DDPGPT_FAULT.
 
-    DDPGPT_FAULT="ACTION@STEP" or "ACTION@STEP@RANK" (rank 0 by default), several separated by
-    commas
+    DDPGPT_FAULT="ACTION@STEP" or "ACTION@STEP@RANK" (rank 0 by default), or several of them
+    separated by commas
 
-makes that rank do ACTION when STEP steps are complete and the next one is about to start (and
-the checkpoint it may be writing in the background is written), on the job's first attempt only
-(never after an elastic restart, so a restarted job can finish):
+makes that rank do ACTION when STEP steps are complete and the next one is about to start, on the
+job's first start only (never after an elastic restart, so a restarted job can finish):
 
-    kill         SIGKILL itself: a crash (OOM killer, lost node)
+    kill         SIGKILL itself: a crash (OOM killer)
+    kill-node    SIGKILL its launcher (torchrun's agent), then itself: a node lost whole
     term         SIGTERM itself: a pre-emption
     term2        SIGTERM itself, then again after the duplicate window: the second must exit at once
     parent:SIG   send SIG (INT, HUP, QUIT, TERM, KILL) to its parent, the launcher
     stall        stop responding (sleeps): a hung rank
+    hold         wait (at most HOLD_S) until a stop signal reaches it, then go on: a membership
+                 change (the agent's SIGTERM) that arrives between steps STEP and STEP+1
     nan          its loss for that step becomes NaN
+    spike        its loss on global batch STEP (the one a straight run's step STEP+1 reads) is
+                 multiplied by 1000: bad data. A rollback skips that batch, so it comes once
+    diverge      its loss is multiplied by 1000 every time step STEP+1 runs: a spike that
+                 skipping data does not cure (the rollback limit stops the run)
 
-or, around the checkpoint of step STEP (saver.py):
+The actions above wait for the checkpoint this rank may be writing in the background (a crash
+between checkpoints). These happen around the checkpoint of step STEP (saver.py):
 
     kill-saving      SIGKILL itself as the checkpoint is taken, before its save starts
     kill-writing     SIGKILL itself in the middle of the write of its share (in the background)
@@ -40,26 +47,27 @@ from ddpgpt import checkpoint, sharded
 from ddpgpt.reliability import GRACE_S
 
 SAVING = ("kill-saving", "kill-writing", "kill-committing", "hold-save", "term-saving")
-ACTIONS = ("kill", "term", "term2", "stall", "nan", *SAVING)
-HOLD_S = 120  # the longest a held write waits (a test that never releases it fails, not hangs)
+ACTIONS = ("kill", "kill-node", "term", "term2", "stall", "hold", "nan", "spike", "diverge",
+           *SAVING)
+LOSS_ACTIONS = {"nan": float("nan"), "spike": 1000.0, "diverge": 1000.0}
+HOLD_S = 300  # the longest a hold waits (a test that never releases it fails, not hangs)
 
 
-def parse(spec: str, rank: int) -> list[tuple[str, int]]:
-    """(action, step) of each fault for this rank."""
-    out = []
-    for one in spec.split(","):
-        action, step, *who = one.split("@")
-        if action not in ACTIONS and not action.startswith("parent:"):
-            raise ValueError(f"DDPGPT_FAULT: unknown action {action!r}; one of "
-                             f"{', '.join(ACTIONS)}, parent:SIG")
-        if int(who[0] if who else 0) == rank:
-            out.append((action, int(step)))
-    return out
+def parse(spec: str, rank: int) -> tuple[str, int] | None:
+    """(action, step) for this rank, or None."""
+    action, step, *who = spec.split("@")
+    if action not in ACTIONS and not action.startswith("parent:"):
+        raise ValueError(f"DDPGPT_FAULT: unknown action {action!r}; one of "
+                         f"{', '.join(ACTIONS)}, parent:SIG")
+    return (action, int(step)) if int(who[0] if who else 0) == rank else None
 
 
 def act(action: str, step: int) -> None:
     print(f"fault: {action} at step {step} ({time.time():.3f})", flush=True)
     if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "kill-node":
+        os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
     elif action in ("term", "term2"):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -73,29 +81,42 @@ def act(action: str, step: int) -> None:
             time.sleep(3600)
 
 
+def hold(stop) -> None:
+    """Waits until `stop` (a StopSignal) has caught a signal."""
+    print(f"fault: hold until a stop signal ({time.time():.3f})", flush=True)
+    deadline = time.monotonic() + HOLD_S
+    while not stop.requested and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def install(trainer, saver) -> None:
-    """Wraps `trainer.train_step` (and the saver's pieces) with the faults DDPGPT_FAULT names for
+    """Wraps the trainer's step (and the saver's pieces) with the faults DDPGPT_FAULT names for
     this rank, if any."""
-    if not trainer.env.first_attempt:
+    if not trainer.env.first_start:
         return
-    for action, at in parse(os.environ["DDPGPT_FAULT"], trainer.env.rank):
-        if action in SAVING:
-            _around_saving(action, at, trainer, saver)
-        else:
-            _around_step(action, at, trainer, saver)
+    for spec in os.environ["DDPGPT_FAULT"].split(","):
+        fault = parse(spec, trainer.env.rank)
+        if fault is not None and fault[0] in SAVING:
+            _around_saving(*fault, trainer, saver)
+        elif fault is not None:
+            _around_step(*fault, trainer, saver)
 
 
 def _around_step(action: str, at: int, trainer, saver) -> None:
     step = trainer.train_step
 
     def faulty_step():
-        if trainer.step == at and action != "nan":
-            if saver.pending:  # a crash between checkpoints: the one in flight is written first
-                futures.wait([saver.pending[1]])
+        due = (trainer.loader.batch_index if action == "spike" else trainer.step) == at
+        if due and saver.pending:  # between checkpoints: the one in flight is written first
+            futures.wait([saver.pending[1]])
+        if due and action == "hold":
+            hold(trainer.guard.signal)
+        elif due and action not in LOSS_ACTIONS:
             act(action, at)
         loss, norm = step()
-        if trainer.step == at and action == "nan":
-            loss = loss * float("nan")
+        if due and action in LOSS_ACTIONS:
+            print(f"fault: {action} at step {trainer.step + 1}", flush=True)
+            loss = loss * LOSS_ACTIONS[action]
         return loss, norm
 
     trainer.train_step = faulty_step

@@ -2,8 +2,10 @@
 
 metrics.jsonl holds one JSON object per logged step,
     {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s"}
-one per evaluation, {"step", "val_loss"}, and one per event a reader of the curves must know
-about, {"step", "event", ...} (a deliberate switch of dataset on resume). `step` counts optimizer
+one per evaluation, {"step", "val_loss", "val_bpb"} (bits per byte of the val text; absent for
+datasets prepared without byte counts), and one per event a reader of the curves must know
+about, {"step", "event", ...} (a deliberate switch of dataset on resume, a settings change, a
+rollback past a loss spike: spike.py). `step` counts optimizer
 steps completed (the row after the first step says 1); `tokens` is the global count so far;
 `tokens_per_s` is global, over the steps since the previous row; `mfu` is the model FLOPs per
 second per process divided by one device's peak. On resume the file is cut back to the
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -83,11 +86,13 @@ def cut_log(path: Path, step: int) -> None:
 
 
 class Metrics:
-    """On rank 0: a tqdm bar (loss, tokens/s, ETA) and metrics.jsonl. Elsewhere: silent no-ops."""
+    """On rank 0: a tqdm bar (loss, tokens/s, ETA), metrics.jsonl and the tracker that mirrors it
+    (trackers.py), if any. Elsewhere: silent no-ops."""
 
     def __init__(self, enabled: bool, path: Path, start_step: int, total_steps: int,
-                 tokens_per_step: int, flops_per_token: float, peak: float, world_size: int):
-        self.enabled = enabled
+                 tokens_per_step: int, flops_per_token: float, peak: float, world_size: int,
+                 tracker=None):
+        self.enabled, self.tracker = enabled, tracker
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak, self.world_size = peak, world_size  # one device's, raised by what runs faster
         self.mark, self.mark_step = time.perf_counter(), start_step
@@ -105,6 +110,8 @@ class Metrics:
             self.file.flush()
         except OSError as e:
             raise WriteError(f"cannot write {self.path}: {describe(e)}") from None
+        if self.tracker is not None and "event" not in row:
+            self.tracker.log(row["step"], row)
 
     def log_step(self, step: int, loss: float | None, lr: float, grad_norm: float | None,
                  elapsed_s: float) -> dict:
@@ -133,13 +140,36 @@ class Metrics:
         finally:
             self.mark += time.perf_counter() - start
 
-    def log_eval(self, step: int, val_loss: float) -> None:
+    def log_eval(self, step: int, val_loss: float, val_bpb: float | None = None) -> None:
         if self.enabled:
-            self._write({"step": step, "val_loss": val_loss})
-            self.bar.write(f"step {step}: val_loss {val_loss:.4f}")
+            row = {"step": step, "val_loss": val_loss}
+            if val_bpb is not None:
+                row["val_bpb"] = val_bpb
+            self._write(row)
+            self.bar.write(f"step {step}: val_loss {val_loss:.4f}"
+                           + ("" if val_bpb is None else f", val_bpb {val_bpb:.4f}"))
+
+    def write(self, line: str) -> None:
+        """A line on stderr (rank 0's) that does not tear the progress bar."""
+        if self.enabled:
+            self.bar.write(line, file=sys.stderr)
+
+    def rewind(self, step: int) -> None:
+        """Back to `step` (a rollback): the rows after it go, as on resume, and the bar with
+        them; the throughput is measured afresh from here."""
+        self.mark, self.mark_step = time.perf_counter(), step
+        if self.tracker is not None:
+            self.tracker.rewind(step)
+        if self.enabled:
+            self.file.close()
+            cut_log(self.path, step)
+            self.file = open(self.path, "a")
+            self.bar.n = step
+            self.bar.refresh()
 
     def log_event(self, step: int, event: str, **fields) -> None:
-        """Something a reader of the curves must know happened at `step` (a data switch)."""
+        """Something a reader of the curves must know happened at `step` (a data switch, a
+        rollback)."""
         if self.enabled:
             self._write({"step": step, "event": event, **fields})
 
@@ -147,3 +177,6 @@ class Metrics:
         if self.enabled:
             self.bar.close()
             self.file.close()
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None

@@ -6,6 +6,13 @@ Token + learned position embeddings, pre-LayerNorm blocks of causal self-attenti
 GELU MLP, a final LayerNorm, and an output head tied to the token embedding. Initialization is
 GPT-2's (normal 0.02, residual projections scaled by 1/sqrt(2·n_layer)), drawn from a private
 generator seeded by the caller: the same seed gives bit-identical weights on every rank and device.
+
+Generation keeps each layer's keys and values (`KVCache`), so a new token costs one token's
+forward whatever the length. The context is at most block_size tokens; when a sequence outgrows
+it, the window restarts from its last block_size // 2 tokens (`window_start`), re-encoded once,
+and fills up again: with learned absolute positions a window that slid by one token would move
+every cached key to a new position and leave nothing to reuse. The no-cache path follows the
+same rule, so both give the same tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +26,41 @@ import torch.nn.functional as F
 from ddpgpt.config import ModelConfig
 
 
+class KVCache:
+    """The keys and values of the tokens a sequence has seen, for every layer: (B, H, T_max, D)
+    each, filled up to `length`. Allocated on the first write, in the dtype the keys come in
+    (autocast: bf16)."""
+
+    def __init__(self, n_layer: int, max_len: int):
+        self.max_len, self.length = max_len, 0
+        self.k: list[torch.Tensor | None] = [None] * n_layer
+        self.v: list[torch.Tensor | None] = [None] * n_layer
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Writes this step's keys and values (B, H, T, D) after the cached ones; returns all of
+        them so far, (B, H, length + T, D). `length` moves on once the last layer has written."""
+        start, end = self.length, self.length + k.size(2)
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens; {end} would overflow it")
+        if self.k[layer] is None:
+            shape = (k.size(0), k.size(1), self.max_len, k.size(3))
+            self.k[layer] = k.new_empty(shape)
+            self.v[layer] = v.new_empty(shape)
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        if layer == len(self.k) - 1:
+            self.length = end
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+def window_start(start: int, length: int, block_size: int) -> int:
+    """Where the context of the next token begins, given where it began for the previous one:
+    unchanged while the window has room, else the last block_size // 2 tokens (at least one)."""
+    if length - start <= block_size:
+        return start
+    return length - max(1, block_size // 2)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -28,12 +70,21 @@ class CausalSelfAttention(nn.Module):
         self.proj.residual = True  # scaled init, see GPT.init_weights
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
                    for t in (q, k, v))  # (B, H, T, D)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,  # (B, H, T, D)
+        causal = True
+        if cache is not None:
+            # A prefill (empty cache) is the plain causal case; after it one token at a time
+            # attends to every cached one, so no mask is needed.
+            if cache.length and T > 1:
+                raise ValueError("a KV cache takes a prompt when empty, then one token at a time")
+            causal = cache.length == 0
+            k, v = cache.append(layer, k, v)  # (B, H, length + T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal and T > 1,  # (B, H, T, D)
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_drop(self.proj(y))
@@ -59,8 +110,9 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache, layer)
         return x + self.mlp(self.ln2(x))
 
 
@@ -95,17 +147,25 @@ class GPT(nn.Module):
                     module.bias.zero_()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor | None]:
+                reduction: str = "mean",
+                cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx, targets: (B, T) int64. Returns logits (B, T, V) and, with targets, the cross-entropy
-        (`reduction` mean or sum; targets of -1 are ignored)."""
+        (`reduction` mean or sum; targets of -1 are ignored). With a `cache`, idx continues the
+        tokens it holds (positions from cache.length on), and their keys and values join it."""
         B, T = idx.shape
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence of {T} tokens exceeds block_size {self.cfg.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        past = cache.length if cache is not None else 0
+        if past + T > self.cfg.block_size:
+            raise ValueError(f"sequence of {past + T} tokens exceeds block_size "
+                             f"{self.cfg.block_size}")
+        pos = torch.arange(past, past + T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache, i)
         logits = F.linear(self.ln_f(x), self.wte.weight)  # (B, T, V): head tied to the embedding
+        if self.cfg.vocab_limit:
+            # Padding rows never win: untrained rows at 0 would beat GPT-2's logits, which run
+            # far below zero. -inf also keeps them out of the loss and its gradient.
+            logits[..., self.cfg.vocab_limit:] = float("-inf")
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
@@ -130,16 +190,34 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
-                 vocab_size: int | None = None) -> torch.Tensor:
-        """Appends `max_new_tokens` sampled tokens to idx (B, T); the context is cropped to
-        block_size. No KV cache: each token re-reads the context, fine for short samples.
+                 vocab_size: int | None = None, use_cache: bool = True) -> torch.Tensor:
+        """Appends `max_new_tokens` sampled tokens to each row of idx (B, T): B prompts of one
+        length, sampled together.
+
+        The context is at most block_size tokens; past that it restarts from its last
+        block_size // 2 (`window_start`). With `use_cache` (the default) keys and values are kept
+        between tokens: the prompt is encoded once, then each token costs one token's forward,
+        and each restart of the window one forward of the kept tokens, so the cost per token
+        stays flat whatever the length. Without it every token re-encodes its whole context:
+        the same tokens (fp32; both draw from `generator` once per token), at a cost that grows
+        with the context.
 
         `vocab_size`: the tokenizer's own vocabulary. The model's is padded up to a multiple of
         64 (257 byte ids -> 320 rows); the padding ids mean nothing to the tokenizer, so they are
         never sampled, however little the model has learned to avoid them."""
+        block = self.cfg.block_size
+        start, cache = max(0, idx.size(1) - block), None
         for _ in range(max_new_tokens):
-            context = idx[:, -self.cfg.block_size:]
-            logits = self(context)[0][:, -1, :].float() / temperature  # (B, V)
+            moved = window_start(start, idx.size(1), block)
+            if not use_cache:
+                logits = self(idx[:, moved:])[0]  # (B, T, V)
+            elif cache is None or moved != start:  # the prompt, or a restarted window
+                cache = KVCache(self.cfg.n_layer, block)
+                logits = self(idx[:, moved:], cache=cache)[0]
+            else:
+                logits = self(idx[:, -1:], cache=cache)[0]  # (B, 1, V)
+            start = moved
+            logits = logits[:, -1, :].float() / temperature  # (B, V)
             if vocab_size is not None and vocab_size < logits.size(-1):
                 logits[:, vocab_size:] = float("-inf")
             if top_k:
@@ -149,4 +227,3 @@ class GPT(nn.Module):
             nxt = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
-

@@ -12,11 +12,12 @@ from that file. The accumulation A = G / (W·b) is derived here too, the one pla
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import torch
 
-from ddpgpt import dist
+from ddpgpt import dist, trackers
 from ddpgpt.config import ConfigError, TrainConfig
 from ddpgpt.data.loader import TokenStream, require_windows
 from ddpgpt.data.shards import TokenDataset
@@ -31,6 +32,28 @@ def accum_steps(cfg: TrainConfig, world_size: int) -> int:
                           f"data.micro_batch {b} = {W * b}; make the global batch a multiple of "
                           f"{W * b} or change the micro-batch")
     return G // (W * b)
+
+
+def check_world_sizes(cfg: TrainConfig, nodes: tuple[int, int], per_node: int) -> None:
+    """An elastic job (`torchrun --nnodes MIN:MAX`) may restart at any W = n × per_node for n in
+    MIN..MAX; the global batch must split for each, or the job is refused now, in one line.
+
+    Refused rather than adapted: b is the memory knob, chosen for the device. Adapting it per W
+    (the largest divisor of G / W not above b) would keep the batches' composition, but change
+    the memory per device and the kernels' shapes at every restart, and make a W that does not
+    divide G fail only when a restart reaches it."""
+    G, b = cfg.data.global_batch, cfg.data.micro_batch
+    sizes = [n * per_node for n in range(nodes[0], nodes[1] + 1)]
+    bad = [W for W in sizes if G % (W * b)]
+    if not bad:
+        return
+    need = math.lcm(*(W * b for W in sizes))
+    per = f"{per_node} process{'es' if per_node > 1 else ''} per node"
+    raise ConfigError(f"torchrun --nnodes {nodes[0]}:{nodes[1]} ({per}) lets the job restart at "
+                      f"world size {', '.join(map(str, sizes))}, but data.global_batch = {G} "
+                      f"is not divisible by W × data.micro_batch for W = "
+                      f"{', '.join(map(str, bad))}; make the global batch a multiple of {need}, "
+                      "or change the micro-batch or the --nnodes range")
 
 
 def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> TrainConfig:
@@ -83,11 +106,20 @@ def check_windows(cfg: TrainConfig, dataset: TokenDataset) -> None:
     require_windows(TokenStream(dataset, "val", cfg.seq_len), 1)
 
 
-def preflight(cfg: TrainConfig, world_size: int,
-              local_world_size: int) -> tuple[TrainConfig, TokenDataset]:
-    """Batch arithmetic, the dataset and its fit to the model and the batch; the resolved config."""
+def preflight(cfg: TrainConfig, world_size: int, local_world_size: int,
+              nodes: tuple[int, int] | None = None) -> tuple[TrainConfig, TokenDataset]:
+    """Batch arithmetic (for every W of an elastic job's `nodes` range too), the dataset and its
+    fit to the model and the batch; the resolved config."""
     accum_steps(cfg, world_size)
+    if nodes is not None and nodes[1] > nodes[0]:
+        check_world_sizes(cfg, nodes, local_world_size)
+    trackers.check(cfg.run.tracker)
     dataset = TokenDataset(cfg.data.dir)
+    if cfg.model.init_from:
+        from ddpgpt.init_from import check_tokenizer, locate
+
+        check_tokenizer(cfg, dataset)
+        locate(cfg.model.init_from)  # a hub name is downloaded here, once, before any worker
     cfg = resolve(cfg, dataset, local_world_size)
     check_windows(cfg, dataset)
     return cfg, dataset

@@ -25,10 +25,12 @@ import torch
 from ddpgpt import dist
 from ddpgpt.config import RunConfig
 from ddpgpt.errors import UserError, warn
+from ddpgpt.spike import Spike, SpikeDetector
 
 # sysexits' EX_TEMPFAIL: stopped early on request, checkpoint saved; rerun to resume
 EXIT_PREEMPTED = 75
 GRACE_S = 1.0
+SETTLE_S = 5.0  # how long a stopped rank waits for its agent's own SIGTERM (see settle_stop)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -77,8 +79,13 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
-def resume_hint(resume: str, run_dir: str) -> str:
-    """The command that continues a stopped run, for a run started with `run.resume = resume`."""
+def resume_hint(resume: str, run_dir: str, elastic: bool = False) -> str:
+    """The command that continues a stopped run, for a run started with `run.resume = resume`.
+    `elastic`: under torchrun with a --nnodes range, where a stop is also how the agents
+    change the group's membership."""
+    if elastic:
+        return ("if torchrun stopped the group for a node that joins, the new group resumes "
+                f"from it by itself; else {resume_hint(resume, run_dir)}")
     if resume == "reset":
         return "run the same command without --reset to resume"
     if resume == "never":
@@ -100,13 +107,15 @@ class Health:
 
 
 class Guard:
-    """The exchange after each step, and the decision on non-finite values: skip or stop."""
+    """The exchange after each step, and what a bad step leads to: the update, a skipped step, a
+    rollback (spike.py) or a stop."""
 
     def __init__(self, env: dist.DistEnv, cfg: RunConfig, stop: StopSignal,
                  lr_fields: str = "optim.lr"):
         """`lr_fields`: the learning rates to name in advice ("optim.lr or optim.muon_lr")."""
         self.env, self.cfg, self.signal, self.lr_fields = env, cfg, stop, lr_fields
         self.skipped = 0  # steps skipped in the run so far (saved in checkpoints)
+        self.spikes = SpikeDetector(cfg)  # saved in checkpoints by the trainer, as "spike"
 
     def exchange(self, loss: torch.Tensor, norm: torch.Tensor, scaled: bool,
                  saving: bool = False) -> Health:
@@ -121,23 +130,66 @@ class Guard:
         return Health(rows[:, 0].mean().item(), bad, bool(rows[:, 2].any()),
                       not bool(rows[:, 3].any()))
 
+    def judge(self, step: int, health: Health, last_checkpoint: int) -> str | Spike:
+        """What step `step` (1-based) leads to, the same on every rank: "update", "skip" (a
+        non-finite step, with on_nonfinite = skip), or a Spike to roll back from; a stop
+        raises. A non-finite value is a spike unless on_nonfinite says otherwise."""
+        if health.bad and self.cfg.on_nonfinite != "spike":
+            self.on_nonfinite(step, health.bad, last_checkpoint)
+            return "skip"
+        if health.bad:
+            spike = self.spikes.nonfinite(step, health.loss, health.bad)
+        elif self.cfg.on_spike == "none":
+            self.spikes.losses.append(health.loss)
+            return "update"
+        elif (spike := self.spikes.check(step, health.loss)) is None:
+            return "update"
+        cfg, recent = self.cfg, self.spikes.recent(step)
+        if cfg.on_spike == "rollback" and recent < cfg.max_rollbacks:
+            return spike
+        if cfg.on_spike == "rollback":
+            why = (f" after {recent} rollback{'s' if recent != 1 else ''} within "
+                   f"{cfg.rollback_window} steps (run.max_rollbacks = {cfg.max_rollbacks})")
+            advice = "or raise run.max_rollbacks"
+        else:
+            why, advice = f" (run.on_spike = {cfg.on_spike})", "or use --run.on-spike rollback"
+        self._stop(f"step {step}: {spike.describe(cfg, len(self.spikes.losses))}", why, advice,
+                   last_checkpoint)
+
+    def _stop(self, where: str, why: str, advice: str, last_checkpoint: int) -> None:
+        kept = f"step {last_checkpoint}" if last_checkpoint >= 0 else "none yet"
+        raise dist.DistError(f"{where}; stopped before the optimizer step{why}. The last "
+                             f"checkpoint ({kept}) is intact; lower {self.lr_fields} or raise "
+                             f"optim.warmup_steps, {advice}", quiet=not self.env.is_main)
+
     def on_nonfinite(self, step: int, bad: list[int], last_checkpoint: int) -> None:
         """Every rank takes the same branch: raise (stop) or count a skipped step."""
         where = f"step {step}: non-finite loss or gradient norm on rank {', '.join(map(str, bad))}"
-        kept = f"step {last_checkpoint}" if last_checkpoint >= 0 else "none yet"
-        if self.cfg.on_nonfinite == "stop" or self.skipped >= self.cfg.max_skipped:
-            tune = f"lower {self.lr_fields} or raise optim.warmup_steps"
-            if self.cfg.on_nonfinite == "stop":
-                why, advice = "", f"{tune}, or use --on-nonfinite skip"
-            else:  # skipping already: more of it, or fewer non-finite steps
-                why = f" after {self.skipped} skipped steps (run.max_skipped)"
-                advice = f"{tune}, or raise run.max_skipped"
-            raise dist.DistError(f"{where}; stopped before the optimizer step{why}. The last "
-                                 f"checkpoint ({kept}) is intact; {advice}",
-                                 quiet=not self.env.is_main)
+        if self.cfg.on_nonfinite == "stop":
+            self._stop(where, "", "or use --on-nonfinite skip", last_checkpoint)
+        if self.skipped >= self.cfg.max_skipped:  # skipping already: more, or fewer bad steps
+            self._stop(where, f" after {self.skipped} skipped steps (run.max_skipped)",
+                       "or raise run.max_skipped", last_checkpoint)
         self.skipped += 1
         if self.env.is_main:
             warn(f"{where}; skipped ({self.skipped} of at most {self.cfg.max_skipped})")
+
+    def settle_stop(self) -> None:
+        """After a stop checkpoint, on a rank that no signal reached: wait a little for its own.
+        torchrun's agents stop their workers with SIGTERM when a node joins, each agent when it
+        notices; a rank that exits first (stopped through the exchange) would make a slower
+        agent count a failure, and spend one of its --max-restarts, instead of the change."""
+        if self.signal.requested or self.env.world_size == self.env.local_world_size \
+                or self.env.launcher is None:
+            return
+        deadline = time.monotonic() + SETTLE_S
+        while not self.signal.requested and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def reset(self) -> None:
+        """The state of a run's first step (a rollback to the start, or before a load)."""
+        self.skipped = 0
+        self.spikes.load_state_dict(None)
 
     def state_dict(self) -> dict:
         return {"skipped": self.skipped}

@@ -3,12 +3,15 @@
     runs/NAME/
       .lock              held (flock) by the run training into this directory; names its PID
                          and host
+      job.json           the launchers (elastic agents) of the job that trains here: a start is
+                         the job's first unless one of its launchers is listed (elastic.py)
       config.json        the resolved config (no `auto` left); `--nproc` workers start from it
       configs.jsonl      each start's config that differed from the one before, with its step
       data_meta.json     the dataset's meta.json, and tokenizer.json (bpe): `sample` needs only
                          this dir
       metrics.jsonl      one row per logged step and per evaluation (see metrics.py)
       checkpoints/       step_NNNNNNN/ (see checkpoint.py)
+      tensorboard/, wandb/, tracker.json    run.tracker's files (see trackers.py)
       reset-<time>/      what --reset set aside; rollback-<time>/ what --resume PATH set aside
 """
 
@@ -24,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from ddpgpt.errors import UserError
+from ddpgpt.errors import UserError, warn
 from ddpgpt.files import WriteError, describe, replace_text
 
 
@@ -39,6 +42,10 @@ class RunDir:
 
     def __str__(self) -> str:
         return str(self.path)
+
+    @property
+    def job(self) -> Path:
+        return self.path / "job.json"
 
     @property
     def config(self) -> Path:
@@ -59,6 +66,11 @@ class RunDir:
     @property
     def tokenizer(self) -> Path:
         return self.path / "tokenizer.json"
+
+    @property
+    def tracker_files(self) -> list[Path]:
+        """What run.tracker writes: TensorBoard's event files, W&B's files and its run id."""
+        return [self.path / "tensorboard", self.path / "wandb", self.path / "tracker.json"]
 
     @property
     def lock_file(self) -> Path:
@@ -88,10 +100,27 @@ class RunDir:
             raise UserError(f"run dir {self.path}: cannot create it: {describe(e)}; give a "
                             "writable --run-dir") from None
 
-    def lock(self, allow_parent: bool = False) -> None:
+    def lock(self, allow_parent: bool = False, wait_s: float = 0.0) -> None:
         """Takes the run's lock, or raises RunDirBusy naming the holder. flock is advisory and
         dies with the process that holds it: a SIGKILLed run leaves no stale lock. With
-        `allow_parent`, a lock held by this process's parent (the `--nproc` launcher) will do."""
+        `allow_parent`, a lock held by this process's parent (the `--nproc` launcher) will do.
+        `wait_s`: how long to wait for a holder to let go (a job's restart: on a network
+        filesystem a dead node's lock is released only when its lease runs out)."""
+        deadline, warned = time.monotonic() + wait_s, False
+        while True:
+            try:
+                return self._lock(allow_parent)
+            except RunDirBusy:
+                if time.monotonic() >= deadline:
+                    raise
+                if not warned:
+                    warn(f"run dir {self.path} is locked by {self.holder()}; this restart waits "
+                         f"up to {wait_s:g} s for it to be released (a node that left holds it "
+                         "until its lease runs out)")
+                    warned = True
+                time.sleep(0.5)
+
+    def _lock(self, allow_parent: bool) -> None:
         self.create()
         try:
             fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
@@ -142,6 +171,21 @@ class RunDir:
         finally:
             self.unlock()
 
+    # ---- which job trains here -------------------------------------------------------------
+
+    def known_launchers(self) -> set[str]:
+        """The launchers job.json lists: those of the job that trained here last."""
+        try:
+            return set(json.loads(self.job.read_text())["launchers"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return set()
+
+    def record_job(self, launchers: set[str], first_start: bool) -> None:
+        """job.json: this start's launchers, and on a restart also the job's earlier ones (a
+        node that left may come back under the same agent)."""
+        known = set() if first_start else self.known_launchers()
+        replace_text(self.job, json.dumps({"launchers": sorted(known | launchers)}) + "\n")
+
     # ---- what a run writes --------------------------------------------------------------------
 
     def write_config(self, config: dict, step: int) -> None:
@@ -189,9 +233,10 @@ class RunDir:
         return aside
 
     def reset(self) -> None:
-        """--reset: the checkpoints and metrics go into reset-<time>/."""
+        """--reset: the checkpoints, metrics and tracker files go into reset-<time>/ (a new
+        tracker run begins)."""
         aside = self.set_aside("reset", [self.checkpoints, self.metrics,
-                                         self.path / "configs.jsonl"])
+                                         self.path / "configs.jsonl", *self.tracker_files])
         if aside:
             print(f"ddpgpt: --reset: moved the previous checkpoints and metrics to {aside}",
                   file=sys.stderr)

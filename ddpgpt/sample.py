@@ -46,7 +46,7 @@ def run(cfg: SampleConfig) -> None:
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     with autocast(inference_precision(train_cfg.run, device), device)():
         out = model.generate(context, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None,
-                             generator=gen, vocab_size=tok.vocab_size)
+                             generator=gen, vocab_size=tok.vocab_size, use_cache=cfg.cache)
     for i, row in enumerate(out.tolist()):
         text = tok.decode(row[0 if cfg.prompt else 1:])
         if cfg.num_samples > 1:

@@ -130,6 +130,18 @@ def flat_range(shape: torch.Size, flat: torch.Tensor, start: int) -> Pieces:
     return Pieces(shape, chunks)
 
 
+def rng(env, fresh: bool = False) -> dict[str, Pieces]:
+    """This rank's generator states as row `rank` of (W, bytes) tensors, `rng.cpu` (and
+    `rng.cuda`): every rank writes its own row, and reads it back at the same W. `fresh`: zeros
+    to load into. (`env`: a dist.DistEnv.)"""
+    states = {"cpu": torch.get_rng_state()}
+    if env.device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(env.device)
+    return {f"rng.{k}": Pieces((env.world_size, v.numel()),
+                               [((env.rank, 0), (torch.zeros_like(v) if fresh else v).view(1, -1))])
+            for k, v in states.items()}
+
+
 def writers(sizes: dict[str, int], world: int) -> dict[str, int]:
     """Which rank writes each of the tensors every rank holds alike: the largest first, each to
     the rank with the fewest bytes so far (ties: the lower rank). The same on every rank, since it

@@ -27,10 +27,11 @@ import time
 
 import torch
 
-from ddpgpt import __version__, checkpoint, dist, optim, resume, sharded, sync
+from ddpgpt import __version__, checkpoint, dist, elastic, optim, resume, sharded, sync, trackers
 from ddpgpt.config import TrainConfig
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.errors import UserError, warn
 from ddpgpt.evaluate import evaluate
 from ddpgpt.metrics import Metrics, peak_flops
 from ddpgpt.model import GPT
@@ -40,26 +41,31 @@ from ddpgpt.preflight import accum_steps, preflight, shared
 from ddpgpt.reliability import Guard, StopSignal, collective_failed, preempted, resume_hint
 from ddpgpt.run_dir import RunDir
 from ddpgpt.runtime import autocast, configure, grad_scaler, matmul_dtype
-from ddpgpt.saver import SaveFailed, Saver
+from ddpgpt.saver import Saver, save, settle
 from ddpgpt.saver import token as saver_token
+from ddpgpt.spike import Spike, roll_back
 
 
 class Trainer:
     """The training state and the step. Whatever resumes lives here, each part with its own
     state_dict(): the model, the optimizer, the loss scaler, the loader's cursor, the guard's
-    count of skipped steps, the progress (step, elapsed time) and every rank's RNG."""
+    count of skipped steps and its spike detector, the progress (step, elapsed time) and every
+    rank's RNG."""
 
     def __init__(self, cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, guard: Guard,
-                 local: bool = False):
+                 local: bool = False, init: dict | None = None):
         """Built in one direction: the model, the sync mode around it, the optimizer over the
         parameters as the mode left them; a checkpoint is loaded into those (load_state_dict).
-        `local`: no collective at all, each rank on its own micro-batches (bench's baseline)."""
+        `local`: no collective at all, each rank on its own micro-batches (bench's baseline).
+        `init`: pretrained weights (--init-from) to start from instead of the seed's."""
         self.cfg, self.env, self.dataset, self.guard = cfg, env, dataset, guard
         dev, data, run = env.device, cfg.data, cfg.run
         self.accum = accum_steps(cfg, env.world_size)
         # 1. The same weights on every rank: drawn from run.seed by the model's private generator,
         #    never from a global RNG that some code might have seeded per rank.
         self.raw = GPT(cfg.model, seed=run.seed).to(dev)  # the single-device model
+        if init is not None:  # before the digest and the sync: as if the model were built so
+            self.raw.load_state_dict(init)
         # What this rank built, before any sharding: fsdp2 would otherwise show every rank the
         # same gathered mix of the ranks' shards, whatever each built.
         self.init_digest = dist.state_digest(self.raw.state_dict())
@@ -112,7 +118,8 @@ class Trainer:
         return {"model": self.sync.model_state(),
                 "optimizer": self.sync.optimizer_state(self.optimizer),
                 "scaler": self.scaler.state_dict() if self.scaler else None,
-                "loader": self.loader.state_dict(), "guard": self.guard.state_dict(), "rng": rng,
+                "loader": self.loader.state_dict(), "guard": self.guard.state_dict(),
+                "spike": self.guard.spikes.state_dict(), "rng": rng,
                 "progress": {"step": self.step, "elapsed_s": self.elapsed_s}}
 
     def load_state_dict(self, state: dict, saved_world_size: int, new_data: bool = False) -> None:
@@ -134,10 +141,11 @@ class Trainer:
         holds, as chunks of the single-device model's tensors (sharded.py); the names of those
         every rank holds alike; and the small rest (a snapshot; rank 0's is written)."""
         held, replicated = self.sync.checkpoint_state(self.optimizer)
-        held.update(self._rng_pieces())
+        held.update(sharded.rng(self.env))
         rest = {"optimizer": self.sync.optimizer_rest(self.optimizer),
                 "scaler": self.scaler.state_dict() if self.scaler else None,
                 "loader": self.loader.state_dict(), "guard": self.guard.state_dict(),
+                "spike": self.guard.spikes.state_dict(),
                 "progress": {"step": self.step, "elapsed_s": self.elapsed_s}}
         return held, replicated, copy.deepcopy(rest)
 
@@ -155,31 +163,23 @@ class Trainer:
                        if any(k.startswith(f"optimizer.{kind}.") for k in saved))
         targets, _ = self.sync.checkpoint_state(self.optimizer, create)
         same = int(meta["world_size"]) == self.env.world_size
-        rng = self._rng_pieces(fresh=True) if same else {}
+        rng = sharded.rng(self.env, fresh=True) if same else {}
         checkpoint.read_into(path, index,
                              {k: v for k, v in {**targets, **rng}.items() if k in saved})
         self.sync.set_adamw_steps(self.optimizer, rest["optimizer"]["adamw"]["step"])
         self._load_rest(rest, new_data, {k[4:]: p.chunks[0][1].view(-1) for k, p in rng.items()
                                          if k in saved} if same else None)
 
-    def _rng_pieces(self, fresh: bool = False) -> dict[str, sharded.Pieces]:
-        """This rank's generator states as row `rank` of (W, bytes) tensors, `rng.cpu` (and
-        `rng.cuda`): every rank writes its own row. `fresh`: zeros to load into."""
-        states = {"cpu": torch.get_rng_state()}
-        if self.env.device.type == "cuda":
-            states["cuda"] = torch.cuda.get_rng_state(self.env.device)
-        return {f"rng.{k}": sharded.Pieces((self.env.world_size, v.numel()), [
-            ((self.env.rank, 0), (torch.zeros_like(v) if fresh else v).view(1, -1))])
-            for k, v in states.items()}
-
     def _load_rest(self, state: dict, new_data: bool, rng: dict | None) -> None:
-        """The scaler, the loader's cursor, the guard, the progress, and this rank's generators
-        (`rng`, when the world size is the one that saved them; else fresh streams)."""
+        """The scaler, the loader's cursor, the guard and its spike detector, the progress, and
+        this rank's generators (`rng`, when the world size is the one that saved them; else
+        fresh streams)."""
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if not new_data:
             self.loader.load_state_dict(state["loader"])
         self.guard.load_state_dict(state["guard"])
+        self.guard.spikes.load_state_dict(state.get("spike"))  # older checkpoints: none
         self.step = self.last_checkpoint = int(state["progress"]["step"])
         self._elapsed_before, self._started = (float(state["progress"]["elapsed_s"]),
                                                time.perf_counter())
@@ -191,10 +191,17 @@ class Trainer:
         else:  # another W: per-rank streams cannot carry over; fresh ones from (seed, step, rank)
             self._seed_rng(self.step)
 
-    def close(self) -> None:
+    def unwrap(self) -> None:
         """No DDP wrapper or hook may outlive the process group (see dist.shutdown)."""
-        self.sync.close()
+        if self.sync is not None:
+            self.sync.close()
         self.model = self.raw
+
+    def close(self) -> None:
+        """Unwrapped, and the model, optimizer and gradients let go: a rollback builds new ones,
+        and both at once may not fit on the device."""
+        self.unwrap()
+        self.raw = self.model = self.optimizer = self.sync = None
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -242,57 +249,28 @@ class Trainer:
         self.sync.zero_grad()
 
 
-# ---- saving ------------------------------------------------------------------------------------
-
-def save(trainer: Trainer, saver: Saver, run_dir: RunDir, reason: str, wait: bool) -> None:
-    """A checkpoint of every rank's state, each rank writing its own share (saver.py); in the
-    background unless `wait` (or run.checkpoint_async is off). Every rank calls it at once."""
-    cfg, ds = trainer.cfg, trainer.dataset
-    held, replicated, rest = trainer.shard_state()
-    meta = {"config": cfg.to_dict(), "reason": reason, "data_fingerprint": ds.fingerprint,
-            "tokenizer_fingerprint": ds.tokenizer_fingerprint, "origin": trainer.origin}
-    with saved(trainer, saver, run_dir):
-        saver.save(trainer.step, held, replicated, rest, meta, wait)
-
-
-@contextlib.contextmanager
-def saved(trainer: Trainer, saver: Saver, run_dir: RunDir):
-    """Around what may finish a save: the newest published step, and a failed save as the one
-    line every rank raises (rank 0 prints it)."""
-    try:
-        yield
-    except SaveFailed as e:
-        kept = f"step {trainer.last_checkpoint}" if trainer.last_checkpoint >= 0 else "none yet"
-        hint = resume_hint(trainer.cfg.run.resume, str(run_dir))
-        raise SaveFailed(f"step {e.step}: {e}. The last complete checkpoint ({kept}) is intact: "
-                         f"free space, then {hint}", e.step, quiet=e.quiet) from None
-    finally:
-        trainer.last_checkpoint = max(trainer.last_checkpoint, saver.last)
-
-
 # ---- the loop ------------------------------------------------------------------------------------
 
 def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver) -> None:
-    cfg, env, total = trainer.cfg, trainer.env, trainer.cfg.run.steps
+def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver) -> Spike | None:
+    """Trains to run.steps; returns early with the Spike to roll back from, if one comes."""
+    cfg, env, total, guard = trainer.cfg, trainer.env, trainer.cfg.run.steps, trainer.guard
     while trainer.step < total:
         trainer.doing = f"step {trainer.step + 1}"
-        lr = lr_at(trainer.step, cfg.optim, total)
+        lr = lr_at(trainer.step, cfg.optim, total) * guard.spikes.lr_scale(trainer.step + 1)
         loss, norm = trainer.train_step()
-        health = trainer.guard.exchange(loss, norm, scaled=trainer.scaler is not None,
-                                        saving=saver.busy)
-        # Every rank's save is done, or a stop may have to name the newest checkpoint: all ranks
-        # learn how the save in flight went (waiting for it in the second case).
-        if saver.pending and (health.saved or health.bad):
-            trainer.doing = f"the checkpoint of step {saver.pending[0]}"
-            with saved(trainer, saver, run_dir):
-                saver.settle()
-            trainer.doing = f"step {trainer.step + 1}"
-        if health.bad:
-            trainer.guard.on_nonfinite(trainer.step + 1, health.bad, trainer.last_checkpoint)
+        health = guard.exchange(loss, norm, scaled=trainer.scaler is not None,
+                                saving=saver.busy)
+        if health.saved or health.bad:  # every rank's save is done, or a stop must name one
+            settle(trainer, saver, run_dir)
+        verdict = guard.judge(trainer.step + 1, health, trainer.last_checkpoint)
+        if isinstance(verdict, Spike):
+            settle(trainer, saver, run_dir)  # a rollback reads the newest complete checkpoint
+            return verdict
+        if verdict == "skip":
             trainer.skip_update()
         else:
             trainer.update(lr)
@@ -303,48 +281,34 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver) -> N
         with metrics.paused():
             if _due(trainer.step, cfg.run.eval_every, total):
                 trainer.doing = f"the evaluation after step {trainer.step}"
-                metrics.log_eval(trainer.step,
-                                 evaluate(trainer.raw, trainer.val, env, trainer.autocast))
+                val_loss = evaluate(trainer.raw, trainer.val, env, trainer.autocast)
+                metrics.log_eval(trainer.step, val_loss,
+                                 trainer.dataset.bits_per_byte(val_loss))
             if _due(trainer.step, cfg.run.checkpoint_every, total) or health.stop:
                 trainer.doing = f"the checkpoint of step {trainer.step}"
                 # A stop, and the end, wait until the checkpoint is published.
                 save(trainer, saver, run_dir, "stop" if health.stop else "scheduled",
                      wait=health.stop or trainer.step == total)
         if health.stop and trainer.step < total:
-            raise preempted(trainer.step, trainer.guard.signal.name,
-                            checkpoint.step_dir(run_dir.checkpoints, trainer.step),
-                            resume_hint(cfg.run.resume, str(run_dir)), quiet=not env.is_main)
+            guard.settle_stop()
+            nodes = dist.elastic_nodes()
+            hint = resume_hint(cfg.run.resume, str(run_dir), bool(nodes and nodes[1] > nodes[0]))
+            raise preempted(trainer.step, guard.signal.name,
+                            checkpoint.step_dir(run_dir.checkpoints, trainer.step), hint,
+                            quiet=not env.is_main)
+    return None
 
 
 # ---- a run, from its config to its end -----------------------------------------------------------
 
-def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv,
-          dataset: TokenDataset) -> resume.Start:
-    """The run dir for this run, and where it starts. Rank 0 takes the lock (unless the `--nproc`
-    launcher that started it holds it), applies the first-start rules (--reset, or a roll-back
-    for --resume PATH) and removes temporaries of interrupted saves; then every rank chooses."""
-    def choose(verify: bool) -> resume.Start:
-        return resume.choose(cfg, run_dir, env.first_attempt, dataset.fingerprint, verify=verify,
-                             tokenizer=dataset.tokenizer_fingerprint)
-
-    def take() -> None:
-        run_dir.lock(allow_parent=True)
-        start = choose(verify=False)
-        if env.first_attempt and cfg.run.resume == "reset":
-            run_dir.reset()
-        elif start.set_aside:
-            run_dir.roll_back(start.set_aside, start.step)
-        checkpoint.remove_temporaries(run_dir.checkpoints)
-
-    dist.together(env, lambda: choose(verify=False))  # bad input fails before anything is written
-    dist.together(env, take, main_only=True)
-    return dist.together(env, lambda: choose(verify=True))
-
-
 def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: resume.Start,
-          guard: Guard) -> Trainer:
-    """The trainer, resumed from `start`, once every rank agrees on what it holds."""
-    trainer = Trainer(cfg, env, dataset, guard)
+          guard: Guard, announce: bool = True) -> Trainer:
+    init = None
+    if start.path is None and cfg.model.init_from:  # a fresh start; restarts resume instead
+        from ddpgpt.init_from import read_state
+        # Every rank reads the weights itself; one that cannot stops them all.
+        init = dist.together(env, lambda: read_state(cfg.model.init_from, cfg.model))
+    trainer = Trainer(cfg, env, dataset, guard, init=init)
     trainer.origin = start.origin
 
     def restore() -> None:
@@ -352,7 +316,7 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: res
             trainer.restore(start.path, start.meta, start.data_switch)
 
     dist.together(env, restore)  # every rank calls it: ranks may disagree on the start (see agree)
-    if start.path is not None and env.is_main:
+    if start.path is not None and env.is_main and announce:
         print(f"resuming from {start.path} (step {trainer.step}, saved at world size "
               f"{start.meta['world_size']})", file=sys.stderr)
     # From scratch: what each rank built; resumed: the weights loaded (whole: fsdp2 gathers).
@@ -369,9 +333,11 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: res
                                     "every node must see the same prepared dataset in data.dir"),
         "the ddpgpt and torch versions": (dist.digest(__version__, torch.__version__),
                                           "install the same versions on every node"),
-        "the parameters before training": (weights,
-                                          "every rank must build the model from the same seed "
-                                          "(run.seed); do not seed ranks differently before init"),
+        "the parameters before training": (weights, (
+            f"every rank must read the same --init-from {cfg.model.init_from} (put it on a "
+            "filesystem every node shares)" if cfg.model.init_from and start.path is None else
+            "every rank must build the model from the same seed (run.seed); do not seed ranks "
+            "differently before init")),
     })
     return trainer
 
@@ -380,7 +346,11 @@ def run(cfg: TrainConfig) -> None:
     """Trains in this process: alone, as a torchrun worker, or as a `--nproc` worker."""
     # 1. Everything that needs no process group: batch arithmetic, the data, every `auto`.
     here = dist.detect()
-    cfg, dataset = preflight(cfg, here.world_size, here.local_world_size)
+    try:
+        cfg, dataset = preflight(cfg, here.world_size, here.local_world_size, dist.elastic_nodes())
+    except UserError as e:  # every rank finds it: one line per node
+        e.quiet = e.quiet or here.local_rank > 0
+        raise
     run_dir = RunDir(cfg.run.dir)
     run_dir.check_creatable()
     if here.world_size == 1 and not dist.under_launcher():  # one process: finished already?
@@ -397,10 +367,11 @@ def run(cfg: TrainConfig) -> None:
         configure(cfg.run.threads, env.device)
         if cfg.data.verify:  # each rank re-hashes a 1/W share of the shards
             dist.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
-        start = claim(run_dir, cfg, env, dataset)
+        start, env = elastic.claim(run_dir, cfg, env, dataset)
         cfg = resume.settle(cfg, start)
         lr_fields = "optim.lr or optim.muon_lr" if cfg.optim.name == "muon" else "optim.lr"
-        trainer = setup(cfg, env, dataset, start, Guard(env, cfg.run, stop, lr_fields))
+        guard = Guard(env, cfg.run, stop, lr_fields)
+        trainer = setup(cfg, env, dataset, start, guard)
         dist.together(env, lambda: write_run_files(run_dir, cfg, dataset, start.step),
                       main_only=True)
         metrics = open_metrics(trainer, run_dir, start)
@@ -408,8 +379,12 @@ def run(cfg: TrainConfig) -> None:
                       saver_token(env), cfg.run.keep_checkpoints, cfg.run.checkpoint_async)
         try:
             _install_faults(trainer, saver)
-            loop(trainer, metrics, run_dir, saver)
+            while (spike := loop(trainer, metrics, run_dir, saver)) is not None:  # 3. a spike:
+                trainer = roll_back(trainer, spike, run_dir, start, metrics, lambda at: setup(
+                    cfg, env, dataset, at, guard, announce=False))  # rebuilt as on a restart
+                _install_faults(trainer, saver)
         except dist.CollectiveError as e:
+            # A rank lost mid-save shows in the step's collectives first: name the save.
             doing = trainer.doing if saver.troubled is None else \
                 f"the checkpoint of step {saver.troubled}"
             raise collective_failed(e, env, doing, cfg.run.dist_timeout_s) from None
@@ -434,11 +409,17 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
     peak = dist.all_reduce(env, torch.tensor(peak, device=env.device), op="max").item()
     if env.is_main:
         print(summary(trainer), file=sys.stderr)
+        if trainer.dataset.split_bytes is None:
+            warn(trainer.dataset.bytes_advice())
         if trainer.step >= cfg.run.steps:
             print(resume.finished_message(run_dir, trainer.step, cfg.run.steps), file=sys.stderr)
+    # Rank 0 alone talks to the tracker; a tracker that cannot start stops every rank.
+    tracker = dist.together(env, lambda: trackers.open_tracker(
+        cfg.run.tracker, run_dir.path, cfg.to_dict(), trainer.step, cfg.run.tracker_project),
+        main_only=True)
     metrics = Metrics(env.is_main, run_dir.metrics, trainer.step, cfg.run.steps,
                       cfg.data.global_batch * cfg.seq_len, trainer.raw.flops_per_token(cfg.seq_len),
-                      peak, env.world_size)
+                      peak, env.world_size, tracker)
     if start.data_switch:
         metrics.log_event(trainer.step, "data_switch", checkpoint=str(start.path),
                           old=start.meta["data_fingerprint"], new=trainer.dataset.fingerprint,

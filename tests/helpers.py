@@ -25,8 +25,10 @@ SMALL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64
 
 
 def write_dataset(path: Path, train: np.ndarray, val: np.ndarray, vocab_size: int,
-                  shard_tokens: int = 10**9, eot_id: int = 0) -> Path:
-    """A dataset dir holding exactly these token streams (split into shards of `shard_tokens`)."""
+                  shard_tokens: int = 10**9, eot_id: int = 0, kind: str = "byte") -> Path:
+    """A dataset dir holding exactly these token streams (split into shards of `shard_tokens`),
+    under the tokenizer name `kind` (gpt2: GPT-2's ids, made without its tokenizer files). Its
+    meta.json has no byte counts, as datasets prepared before they were recorded."""
     path.mkdir(parents=True, exist_ok=True)
     dtype = dtype_for_vocab(vocab_size)
     shards = {}
@@ -34,7 +36,7 @@ def write_dataset(path: Path, train: np.ndarray, val: np.ndarray, vocab_size: in
         writer = SplitWriter(path, split, dtype, shard_tokens)
         writer.write(np.asarray(tokens))
         shards[split] = writer.close()
-    tok = SimpleNamespace(kind="byte", vocab_size=vocab_size, eot_id=eot_id)
+    tok = SimpleNamespace(kind=kind, vocab_size=vocab_size, eot_id=eot_id)
     (path / "meta.json").write_text(json.dumps(make_meta(tok, dtype, shards, {"specs": ["test"]})))
     return path
 
@@ -198,10 +200,13 @@ def tiny_train_args(data: Path, run_dir: Path, steps: int = 6, **overrides) -> l
 
 
 def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32,
+                       batches: list[int] | None = None, lr_scale: list[float] | None = None,
                        weights_at: int | None = None):
     """The oracle for `tiny_train_args` runs: plain PyTorch, one process, the full global batch of
     step k (from the documented order) in one forward and one backward. Returns (losses,
-    weights after `weights_at` steps, by default all of them)."""
+    weights after `weights_at` steps, by default all of them). `batches[k]`: the global batch
+    step k takes instead (a rollback skipped some); `lr_scale[k]`: a factor on step k's learning
+    rate."""
     import torch
 
     from ddpgpt.config import ModelConfig, OptimConfig
@@ -223,14 +228,14 @@ def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32,
                             lr=ocfg.lr, betas=(0.9, 0.95), eps=1e-8)
     losses = []
     for k in range(steps):
-        batch = torch.from_numpy(reference_step(stream, 1337, T, G, k))
+        batch = torch.from_numpy(reference_step(stream, 1337, T, G, batches[k] if batches else k))
         logits = model(batch[:, :-1])[0]
         loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)),
                                                  batch[:, 1:].reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for group in opt.param_groups:
-            group["lr"] = lr_at(k, ocfg, steps)
+            group["lr"] = lr_at(k, ocfg, steps) * (lr_scale[k] if lr_scale else 1.0)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

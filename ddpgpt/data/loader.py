@@ -11,7 +11,8 @@ step, rank r at micro-step m takes positions (m·W + r)·b ... (m·W + r)·b + b
 - the last (windows mod G) windows of each epoch's order are dropped, not wrapped: an epoch has
   windows // G steps (the dropped ones differ from epoch to epoch since the order does);
 - the state is one global cursor (epoch, windows consumed in it), so a run saved at W=4 resumes
-  at W=2 (same G) with exactly the next windows.
+  at W=2 (same G) with exactly the next windows; skipping global batches (a rollback past the
+  data of a loss spike) moves that cursor, so it too is the same at every W.
 
 Everything is passed in; the loader reads no environment variables and calls no collectives, so a
 single-process test can play rank 3 of 4. Reading is a slice per window out of memory-mapped
@@ -111,14 +112,39 @@ class TrainLoader:
             self._order_epoch = epoch
         return self._order
 
+    @property
+    def batch_index(self) -> int:
+        """The ordinal of the global batch the next step reads (0, 1, ...; every epoch has
+        steps_per_epoch of them): what a straight run's step k+1 reads is batch k."""
+        return self.epoch * self.steps_per_epoch + self.consumed // self.global_batch
+
+    def _advance(self) -> int:
+        """Moves the cursor past the next global batch; returns where it starts in the epoch's
+        order (self.epoch is then the batch's epoch)."""
+        if self.consumed + self.global_batch > self.stream.num_windows:
+            self.epoch, self.consumed = self.epoch + 1, 0  # drop the epoch's partial last step
+        self.consumed += self.global_batch
+        return self.consumed - self.global_batch
+
     def next_step(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Advances the cursor by one step (G windows) and returns this rank's A micro-batches,
         read lazily: an iterator of (x, y), int64, each of shape (b, T)."""
-        if self.consumed + self.global_batch > self.stream.num_windows:
-            self.epoch, self.consumed = self.epoch + 1, 0  # drop the epoch's partial last step
-        step = self.order(self.epoch)[self.consumed:self.consumed + self.global_batch]
-        self.consumed += self.global_batch
-        return self._micro_batches(step)
+        start = self._advance()
+        return self._micro_batches(self.order(self.epoch)[start:start + self.global_batch])
+
+    def skip(self, batches: int) -> list[dict]:
+        """Moves the cursor past `batches` global batches without reading them (a rollback
+        skipping the data that made the loss spike): the same on every rank, whatever W.
+        Returns what was skipped as ranges of positions in each epoch's order,
+        [{"epoch", "start", "end"}, ...] (end exclusive)."""
+        ranges: list[dict] = []
+        for _ in range(batches):
+            start = self._advance()
+            if ranges and ranges[-1]["epoch"] == self.epoch and ranges[-1]["end"] == start:
+                ranges[-1]["end"] = self.consumed
+            else:
+                ranges.append({"epoch": self.epoch, "start": start, "end": self.consumed})
+        return ranges
 
     def _micro_batches(self, step: np.ndarray) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         b, W = self.micro_batch, self.world_size

@@ -120,26 +120,30 @@ def write_dataset(cfg: PrepareConfig, corpus: Corpus, tok, out: Path) -> tuple[S
     ppm = round(cfg.val_fraction * 1_000_000)
     eot = np.array([tok.eot_id], dtype=np.uint32)
     split = "train"  # of the document being written: its pieces may span batches
+    split_bytes = {"train": 0, "val": 0}  # UTF-8 bytes of text per split: for bits per byte
     bar = tqdm(total=corpus.file_bytes, unit="B", unit_scale=True, desc="tokenize", disable=None)
     for batch in _batches(corpus.pieces(stats)):
         arrays = {"train": [], "val": []}
         encoded = tok.encode_batch([text for _, text in batch])
-        for (first, _), ids in zip(batch, encoded, strict=True):
+        size = 0
+        for (first, text), ids in zip(batch, encoded, strict=True):
             if first:  # one EOT per document, not per piece
                 split = _count_document(stats, ppm)
                 arrays[split].append(eot)
             arrays[split].append(ids)
+            piece_bytes = len(text.encode("utf-8", "surrogatepass"))
+            split_bytes[split] += piece_bytes
+            size += piece_bytes
         for name, parts in arrays.items():
             if parts:
                 writers[name].write(np.concatenate(parts))
-        size = sum(len(text.encode("utf-8", "surrogatepass")) for _, text in batch)
         stats.text_bytes += size
         bar.update(size)
     bar.close()
     shards = {s: w.close() for s, w in writers.items()}
     _check_splits(cfg, corpus, stats)
     source = {"specs": corpus.specs, "val_fraction": cfg.val_fraction, "stats": asdict(stats)}
-    return stats, make_meta(tok, dtype, shards, source)
+    return stats, make_meta(tok, dtype, shards, source, split_bytes)
 
 
 def _count_document(stats: Stats, ppm: int) -> str:
@@ -163,9 +167,12 @@ def _check_splits(cfg: PrepareConfig, corpus: Corpus, stats: Stats) -> None:
                         f"{cfg.val_fraction}); give more documents or change --val-fraction")
 
 
-def make_meta(tok, dtype: str, shards: dict[str, list[ShardInfo]], source: dict) -> dict:
-    """The contents of a dataset's meta.json (read back by `shards.TokenDataset`)."""
-    return {
+def make_meta(tok, dtype: str, shards: dict[str, list[ShardInfo]], source: dict,
+              split_bytes: dict[str, int] | None = None) -> dict:
+    """The contents of a dataset's meta.json (read back by `shards.TokenDataset`). `bytes`: each
+    split's UTF-8 bytes of text, which with its token count turns a loss per token into bits
+    per byte (datasets prepared before it lack it)."""
+    meta = {
         "format_version": META_FORMAT_VERSION,
         "tokenizer": tok.kind,
         "vocab_size": tok.vocab_size,
@@ -175,6 +182,9 @@ def make_meta(tok, dtype: str, shards: dict[str, list[ShardInfo]], source: dict)
         "source": source,
         "created_by": f"ddpgpt {__version__}",
     }
+    if split_bytes is not None:
+        meta["bytes"] = dict(split_bytes)
+    return meta
 
 
 def verify(path: Path) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -156,6 +157,7 @@ class TokenDataset:
                 f"({META_FORMAT_VERSION}); upgrade ddpgpt or {REPREPARE}"
             )
         self.shards = listed
+        self.split_bytes: dict | None = self.meta.get("bytes")  # absent before bits per byte
         self._tokens = {split: [self._open(info) for info in infos]
                         for split, infos in listed.items()}
 
@@ -190,6 +192,25 @@ class TokenDataset:
 
     def num_tokens(self, split: str) -> int:
         return sum(info.tokens for info in self.shards[split])
+
+    def bits_per_byte(self, loss: float, split: str = "val") -> float | None:
+        """A mean loss per token (nats) as bits per byte of the split's text: the bits to encode
+        the split at that loss over its UTF-8 bytes, which compares across tokenizers. Exact for
+        a loss over the whole split; for a sample of its windows it assumes the split's average
+        bytes per token. None for a dataset whose meta.json has no byte counts."""
+        try:
+            n_bytes = int(self.split_bytes[split])
+        except (TypeError, KeyError, ValueError):
+            return None
+        if n_bytes <= 0:
+            return None
+        return loss / math.log(2) * self.num_tokens(split) / n_bytes
+
+    def bytes_advice(self) -> str:
+        """One line for a dataset without byte counts: what is missing and how to get it."""
+        return (f"dataset {self.path} has no byte counts in meta.json (prepared by an older "
+                "ddpgpt), so bits per byte are not reported; prepare it again (ddpgpt prepare "
+                f"... --out {self.path} --force) to get them")
 
     def verify(self, part: int = 0, parts: int = 1) -> int:
         """Re-hashes shards against meta.json (every `parts`-th from `part`, so that W ranks can

@@ -148,7 +148,8 @@ def test_stalled_rank_ends_the_job_after_the_timeout(tiny_data, tmp_path):
 
 def test_nan_on_one_rank_stops_every_rank(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
-    args = tiny_train_args(tiny_data, run_dir, STEPS, run__checkpoint_every=3)
+    args = tiny_train_args(tiny_data, run_dir, STEPS, run__checkpoint_every=3,
+                           run__on_nonfinite="stop")
     ranks = run_ranks([args] * 2, tmp_path / "logs", env={"DDPGPT_FAULT": "nan@3@1"}, check=False)
     assert codes(ranks)[0] == [1, 1], codes(ranks)[1]
     assert ranks[0].stderr.endswith(

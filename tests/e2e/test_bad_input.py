@@ -10,6 +10,7 @@ case exits with 2, the code for bad input.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -111,6 +112,11 @@ def copied(ctx: Ctx) -> Case:
     """An intact copy of the dataset and a run dir that does not exist yet."""
     shutil.copytree(ctx.tiny_data, ctx.tmp / "data")
     return Case(ctx.tmp, ctx.tmp / "data", ctx.tmp / "run")
+
+
+def elastic_worker(ctx: Ctx) -> Case:
+    """A worker of `torchrun --nnodes 1:4 --nproc-per-node 1`, as its environment says."""
+    return dataclasses.replace(copied(ctx), env={"TORCHELASTIC_RUN_ID": "job", "PET_NNODES": "1:4"})
 
 
 def missing_dataset(ctx: Ctx) -> Case:
@@ -274,6 +280,11 @@ CASES = [
         lambda c: train(c, "--nproc", "2", data__global_batch=6),
         lambda c: f"{E}data.global_batch = 6 is not divisible by world size 2 × data.micro_batch "
                   "2 = 4; make the global batch a multiple of 4 or change the micro-batch"),
+    row("global-batch-indivisible-elastic", elastic_worker, train,
+        lambda c: f"{E}torchrun --nnodes 1:4 (1 process per node) lets the job restart at world "
+                  "size 1, 2, 3, 4, but data.global_batch = 8 is not divisible by W × "
+                  "data.micro_batch for W = 3; make the global batch a multiple of 24, or change "
+                  "the micro-batch or the --nnodes range"),
     row("toml-unknown-key", toml_unknown_key, lambda c: train(c, "--config", c.tmp / "run.toml"),
         lambda c: f"{E}{c.tmp / 'run.toml'}: unknown key optim.learning_rate; "
                   "known: name, lr, min_lr, warmup_steps, decay_steps, weight_decay, beta1, "

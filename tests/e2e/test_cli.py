@@ -68,7 +68,8 @@ def test_prepare_train_resume_eval_sample(tmp_path):
 
     r = run_cli("eval", "--run", run, "--device", "cpu", timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout == (f"val_loss {evals[-1]['val_loss']:.4f} (step 6, 16 windows of 32 tokens, "
+    assert r.stdout == (f"val_loss {evals[-1]['val_loss']:.4f}, val_bpb {evals[-1]['val_bpb']:.4f} "
+                        "(step 6, 16 windows of 32 tokens, "
                         "1 process)\n")
 
     r = run_cli("sample", "--run", run, "--prompt", "def ", "--max-new-tokens", "40",

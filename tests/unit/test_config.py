@@ -36,7 +36,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODEL_KEYS = "n_layer, n_head, n_embd, block_size, vocab_size, bias, dropout"
+MODEL_KEYS = ("n_layer, n_head, n_embd, block_size, vocab_size, bias, dropout, vocab_limit, "
+              "init_from")
 
 
 def _toml(tmp_path, text: str, name: str = "run.toml") -> str:

@@ -197,10 +197,14 @@ def test_generate_is_reproducible_with_a_generator(model):
 
 
 def test_generate_crops_context_to_block_size(model):
+    """A prompt of block_size tokens is read whole for the first new token; the window then
+    restarts from the last block_size // 2 tokens (see test_generate.py for the whole rule)."""
     prompt = _tokens(1, SMALL.block_size)
-    out = model.generate(prompt, 6, top_k=1)
-    assert out.shape == (1, SMALL.block_size + 6)
-    assert torch.equal(out, _greedy(model, prompt, 6))
+    out = model.generate(prompt, 2, top_k=1)
+    assert out.shape == (1, SMALL.block_size + 2)
+    assert torch.equal(out[:, :-1], _greedy(model, prompt, 1))
+    keep = out[:, SMALL.block_size + 1 - SMALL.block_size // 2:SMALL.block_size + 1]
+    assert torch.equal(out[:, -1:], _greedy(model, keep, 1)[:, -1:])
 
 
 @pytest.mark.parametrize("top_k", [None, 5])

@@ -63,6 +63,26 @@ def test_byte_tokenizer_stream_is_exact(corpus, tmp_path, capsys):
         np.testing.assert_array_equal(np.concatenate(ds.tokens(split)), expected[split])
     assert ds.vocab_size == 257 and ds.eot_id == 256 and ds.dtype == np.uint16
     assert ds.verify() == 2
+    # Each split's bytes of text: its byte tokens less one EOT per document.
+    assert ds.split_bytes == {s: len(expected[s]) - expected[s].count(256) for s in expected}
+
+
+def test_bits_per_byte_of_a_bpe_split(corpus, tmp_path, capsys):
+    """bits per byte = nats per token / ln 2 × tokens / bytes, with the split's own counts; a
+    dataset without the counts gives None and one line of advice."""
+    ds = run(corpus, tmp_path / "out", vocab_size=300, val_fraction=0.3)
+    docs = expected_documents(corpus)
+    val_bytes = sum(len(d.encode()) for i, d in enumerate(docs) if prepare.is_val(i, 300_000))
+    assert ds.split_bytes["val"] == val_bytes
+    tokens = ds.num_tokens("val")
+    assert tokens < val_bytes  # merges: fewer tokens than bytes
+    assert ds.bits_per_byte(2.0) == pytest.approx(2.0 / np.log(2) * tokens / val_bytes, rel=1e-12)
+    meta = json.loads((ds.path / "meta.json").read_text())
+    del meta["bytes"]
+    (ds.path / "meta.json").write_text(json.dumps(meta))
+    old = TokenDataset(ds.path)
+    assert old.bits_per_byte(2.0) is None
+    assert old.bytes_advice().startswith(f"dataset {ds.path} has no byte counts in meta.json")
 
 
 def test_bpe_round_trip(corpus, tmp_path, capsys):

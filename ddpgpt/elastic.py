@@ -1,0 +1,76 @@
+"""Elastic jobs: a run that goes on when nodes leave or join (`torchrun --nnodes MIN:MAX`).
+
+    torchrun --nnodes 1:4 --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29500 --rdzv-id job1 --rdzv-conf last_call_timeout=5 \\
+        -m ddpgpt train --config run.toml                            # on every node
+
+torchrun's elastic agents restart the whole group whenever its membership changes: a node dies
+(the survivors' collectives fail; that costs each survivor one of its --max-restarts), or a node
+joins (its agent waits; the running agents stop their workers with SIGTERM, which costs nothing).
+Every restart is a new start of `ddpgpt train` at the new world size W. What ddpgpt adds:
+
+1. The same batches at any W. G is fixed; A = G / (W·b) must divide for every W the range allows,
+   and a G that does not is refused at the job's start (preflight.check_world_sizes), not at the
+   first restart that reaches such a W.
+2. A restart continues from the newest complete checkpoint on the loader's global cursor: the
+   windows the full group would have read next. A node's death costs the steps since then.
+3. A stop signal makes every rank checkpoint after the same step (reliability.py), so a node that
+   joins costs no step: the larger group continues from that checkpoint.
+4. First-start rules (`--reset`, `--resume never`, `--resume PATH`) apply once per job. torch's
+   store, where the attempt number lives (dist._attempt), is hosted by one node's agent and is
+   lost with that node, so the run dir records the job's launchers instead (job.json): a start is
+   the job's first unless one of its launchers has started it before. A new `torchrun` on every
+   node is a new job; a restart always has at least one surviving launcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ddpgpt import checkpoint, dist, resume
+from ddpgpt.config import TrainConfig
+from ddpgpt.data.shards import TokenDataset
+from ddpgpt.run_dir import RunDir
+
+
+def first_start(run_dir: RunDir, env: dist.DistEnv) -> tuple[bool, set[str]]:
+    """(whether this is the job's first start, every rank's launcher). Collective. Rank 0
+    decides from job.json and every rank takes its answer (nodes that see different run dirs
+    are named later by setup's agreement check)."""
+    launchers = set(filter(None, dist.all_gather_text(env, env.launcher)))
+    answer = None
+    if env.is_main:  # no launcher (one process, or ranks started by hand): nothing can restart
+        answer = "first" if not launchers & run_dir.known_launchers() else "restart"
+    return dist.all_gather_text(env, answer)[0] == "first", launchers
+
+
+def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv,
+          dataset: TokenDataset) -> tuple[resume.Start, dist.DistEnv]:
+    """The run dir for this run, and where it starts; `env` with its `first_start` set. Rank 0
+    takes the lock (unless the `--nproc` launcher that started it holds it), applies the
+    first-start rules (--reset, or a roll-back for --resume PATH), records the job's launchers
+    and removes temporaries of interrupted saves; then every rank chooses."""
+    first, launchers = first_start(run_dir, env)
+    env = dataclasses.replace(env, first_start=first)
+
+    def choose(verify: bool) -> resume.Start:
+        return resume.choose(cfg, run_dir, first, dataset.fingerprint, verify=verify,
+                             tokenizer=dataset.tokenizer_fingerprint)
+
+    def take() -> None:
+        # A restart may find the lock still held by the rank 0 of a node that left (a network
+        # filesystem frees it when that node's lease runs out); the other ranks wait meanwhile,
+        # at most run.dist_timeout_s, in the collective that ends `together`.
+        run_dir.lock(allow_parent=True, wait_s=0 if first else cfg.run.dist_timeout_s / 2)
+        start = choose(verify=False)
+        if first and cfg.run.resume == "reset":
+            run_dir.reset()
+        elif start.set_aside:
+            run_dir.roll_back(start.set_aside, start.step)
+        checkpoint.remove_temporaries(run_dir.checkpoints)
+        if launchers:  # after the rules: a start that dies before this applies them again
+            run_dir.record_job(launchers, first)
+
+    dist.together(env, lambda: choose(verify=False))  # bad input fails before anything is written
+    dist.together(env, take, main_only=True)
+    return dist.together(env, lambda: choose(verify=True)), env

@@ -1,0 +1,172 @@
+"""`ddpgpt export`: a run's checkpoint as a directory that Hugging Face transformers loads.
+
+    ddpgpt export --run-dir runs/tiny --out exported/tiny          # the newest checkpoint
+    ddpgpt export --run-dir runs/tiny --step 100 --out exported/tiny-100
+
+    model = transformers.AutoModelForCausalLM.from_pretrained("exported/tiny")
+    tokenizer = transformers.AutoTokenizer.from_pretrained("exported/tiny")
+
+The directory holds config.json (GPT2Config), model.safetensors (GPT-2's layout, gpt2.py), and
+generation_config.json (end-of-text as EOS), and the run's tokenizer:
+- bpe: its tokenizer.json, as a PreTrainedTokenizerFast;
+- byte: the same ids as a byte-level BPE without merges (bytes 0-255, then end-of-text), so
+  transformers encodes and decodes exactly as ddpgpt's byte tokenizer does;
+- gpt2: GPT-2's tokenizer, converted from tiktoken's encoding (cached by `prepare --tokenizer
+  gpt2`), or else the Hugging Face hub's openai-community/gpt2 files (cached or downloaded).
+The vocabulary is cut to the tokenizer's own ids (our padding rows are not exported), and a model
+without biases gets zero biases. config.json also records the tokenizer's fingerprint under
+`ddpgpt`, so `--init-from` the directory checks it against a dataset's. Needs the export extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from ddpgpt import checkpoint, gpt2
+from ddpgpt.config import ExportConfig, ModelConfig
+from ddpgpt.config_io import from_dict
+from ddpgpt.data.output import check_out, publish
+from ddpgpt.data.tokenizer import EOT_TEXT, fingerprint
+from ddpgpt.errors import UserError
+from ddpgpt.evaluate import latest_checkpoint
+from ddpgpt.run_dir import RunDir
+
+
+def require_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise UserError("ddpgpt export needs transformers: pip install 'ddpgpt[export]'") from None
+    return transformers
+
+
+def run(cfg: ExportConfig) -> None:
+    require_transformers()
+    if cfg.out is None:
+        raise UserError("ddpgpt export needs --out DIR")
+    run_dir, out = RunDir(cfg.run_dir), Path(cfg.out)
+    path, meta, state = _checkpoint(run_dir, cfg.step)
+    model_cfg = from_dict(meta["config"], source=str(path / "meta.json")).model
+    try:
+        data_meta = json.loads(run_dir.data_meta.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"run {run_dir}: cannot read its data_meta.json ({e}); export needs the "
+                        "run dir a training wrote") from None
+    check_out(out, cfg.force)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        kind = data_meta["tokenizer"]
+        write_model(tmp, state["model"], model_cfg, int(data_meta["vocab_size"]),
+                    int(data_meta["eot_id"]), fingerprint(kind, run_dir.path))
+        write_tokenizer(tmp, kind, run_dir.path, model_cfg.block_size)
+        check_out(out, cfg.force)
+        publish(tmp, out)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write it ({e.strerror}); give a directory you can "
+                        "write to") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"exported {path} (step {meta['step']}) to {out}: GPT-2 layout, {model_cfg.n_layer} "
+          f"layers × {model_cfg.n_embd} wide, {data_meta['vocab_size']:,} ids, {kind} tokenizer")
+
+
+def _checkpoint(run_dir: RunDir, step: int):
+    if not step:
+        return latest_checkpoint(run_dir)
+    path = checkpoint.step_dir(run_dir.checkpoints, step)
+    if not path.is_dir():
+        have = [s for s, _ in checkpoint.step_dirs(run_dir.checkpoints)]
+        listed = ", ".join(map(str, have)) if have else "none"
+        raise UserError(f"run {run_dir} has no checkpoint at step {step} (it has: {listed}); "
+                        "give one of those, or leave --step out for the newest")
+    meta = checkpoint.read_meta(path)
+    return path, meta, checkpoint.load(path, meta, weights_only=True)
+
+
+def write_model(out: Path, weights: dict, model: ModelConfig, vocab: int, eot: int,
+                tokenizer_fingerprint: str) -> None:
+    """config.json, generation_config.json and model.safetensors in GPT-2's layout."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig, GPT2Config
+
+    GPT2Config(vocab_size=vocab, n_positions=model.block_size, n_embd=model.n_embd,
+               n_layer=model.n_layer, n_head=model.n_head, activation_function="gelu_new",
+               resid_pdrop=model.dropout, embd_pdrop=model.dropout, attn_pdrop=model.dropout,
+               layer_norm_epsilon=1e-5, bos_token_id=eot, eos_token_id=eot,
+               tie_word_embeddings=True, architectures=["GPT2LMHeadModel"],
+               ddpgpt={"tokenizer": tokenizer_fingerprint, "bias": model.bias}
+               ).save_pretrained(str(out))
+    GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot).save_pretrained(str(out))
+    save_file(gpt2.to_gpt2(weights, vocab, model.bias), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def write_tokenizer(out: Path, kind: str, run_dir: Path, max_length: int) -> None:
+    """The run's tokenizer as transformers' PreTrainedTokenizerFast files."""
+    from transformers import PreTrainedTokenizerFast
+
+    special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT,
+               "model_max_length": max_length}
+    if kind == "bpe":
+        source = {"tokenizer_file": str(run_dir / "tokenizer.json")}
+    elif kind == "byte":
+        source = {"tokenizer_object": byte_tokenizer()}
+    elif kind == "gpt2":
+        source = {"tokenizer_object": gpt2_tokenizer()}
+    else:
+        raise UserError(f"run {run_dir}: unknown tokenizer {kind!r} in data_meta.json")
+    PreTrainedTokenizerFast(**source, **special).save_pretrained(str(out))
+
+
+def byte_tokenizer():
+    """ddpgpt's byte tokenizer as a HF `tokenizers` one: GPT-2's byte-to-character map, a BPE
+    with each byte's character as its id and no merges, end-of-text 256."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(EOT_TEXT, special=True, normalized=False)])
+    return tok
+
+
+def gpt2_tokenizer():
+    """GPT-2's tokenizer: from tiktoken's encoding when it is cached, else the hub's files."""
+    try:
+        import tiktoken
+        enc = tiktoken.get_encoding("gpt2")
+    except Exception:
+        enc = None
+    if enc is not None:
+        return from_tiktoken(enc)
+    from huggingface_hub import hf_hub_download
+    from tokenizers import Tokenizer
+
+    repo = gpt2.HUB["gpt2"][0]
+    try:
+        return Tokenizer.from_file(hf_hub_download(repo, "tokenizer.json"))
+    except Exception as e:
+        raise UserError(f"cannot get GPT-2's tokenizer: tiktoken's gpt2 encoding is not cached "
+                        f"and {repo} cannot be downloaded ({type(e).__name__}: no network?); "
+                        "point TIKTOKEN_CACHE_DIR at the cache ddpgpt prepare --tokenizer gpt2 "
+                        "filled, or HF_HOME at a Hugging Face cache that holds "
+                        f"{repo}") from None
+
+
+def from_tiktoken(enc):
+    """A tiktoken encoding as a HF `tokenizers` one with the same ids (transformers' own
+    converter: every merge that can make each token, in rank order; the special tokens after)."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    specials = sorted(enc._special_tokens, key=enc._special_tokens.get)
+    converter = TikTokenConverter(pattern=enc._pat_str, extra_special_tokens=specials)
+    converter.load_tiktoken_bpe = lambda _: enc._mergeable_ranks
+    return converter.converted()

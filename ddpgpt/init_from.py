@@ -1,0 +1,262 @@
+"""`--init-from`: start training from GPT-2's weights, or any GPT-2-layout checkpoint.
+
+    ddpgpt train --data data/owt --init-from gpt2 --data.seq-len 256   # hub: needs the network once
+    ddpgpt train --data data/mine --init-from exported/                 # a transformers directory
+    ddpgpt train --data data/mine --init-from weights.safetensors --model.n-head 12
+
+Three steps, at three times:
+1. the shape (`apply_shape`, while the config is built): layers, width, positions and vocabulary
+   come from the weights; a shape the user set that disagrees is one line. The vocabulary is
+   padded to a multiple of 64 and `model.vocab_limit` masks the padding rows.
+2. the tokenizer (`check_tokenizer`, in preflight): the dataset's must be the weights' — gpt2 for
+   the hub names; for a directory the one saved beside the weights (config.json's `ddpgpt` entry
+   from `ddpgpt export`, else GPT-2's if its files are GPT-2's or there are none and the
+   vocabulary has GPT-2's 50,257 ids, else the sha256 of its tokenizer.json).
+3. the weights (`load_into`, on every rank, only when the run starts from scratch: a resumed
+   run continues from its own checkpoints). The ranks' parameter digests are then compared as
+   for any start, so every rank provably read the same weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from ddpgpt import gpt2
+from ddpgpt.config import ConfigError, TrainConfig
+from ddpgpt.data.tokenizer import fingerprint
+from ddpgpt.errors import UserError, warn
+
+SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
+HUB_FILES = ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+             "tokenizer_config.json", "vocab.json", "merges.txt"]
+GPT2_THE = ("\u0120the", 262)  # " the" in GPT-2's byte-level vocabulary
+
+
+def locate(spec: str) -> Path:
+    """The local directory or file of `spec`; a hub name is looked up in the Hugging Face cache
+    first, then downloaded (once, for every later run)."""
+    if spec not in gpt2.HUB:
+        path = Path(spec)
+        if not path.exists():
+            names = ", ".join(gpt2.HUB)
+            raise UserError(f"--init-from {spec}: no such file or directory, and not one of "
+                            f"{names}; give a transformers directory or a .safetensors file")
+        return path
+    from huggingface_hub import snapshot_download
+
+    repo = gpt2.HUB[spec][0]
+    try:
+        return Path(snapshot_download(repo, allow_patterns=HUB_FILES, local_files_only=True))
+    except Exception:
+        pass  # not cached: download
+    try:
+        return Path(snapshot_download(repo, allow_patterns=HUB_FILES))
+    except Exception as e:
+        raise UserError(f"--init-from {spec}: {repo} is not in the Hugging Face cache and cannot "
+                        f"be downloaded ({type(e).__name__}: no network?); download it where "
+                        f"there is one (hf download {repo} --local-dir {spec}) and pass that "
+                        f"directory: --init-from ./{spec}") from None
+
+
+def _config(path: Path) -> dict | None:
+    """config.json beside the weights (in the directory, or beside the file), if any."""
+    file = (path if path.is_dir() else path.parent) / "config.json"
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text())
+    except ValueError as e:
+        raise UserError(f"{file}: not valid JSON ({e})") from None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / f for f in files]
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (path / name).is_file():
+            return [path / name]
+    raise UserError(f"--init-from {path}: no model.safetensors (or pytorch_model.bin) in it; give "
+                    "a directory that transformers' save_pretrained wrote, or a .safetensors file")
+
+
+def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the safetensors headers alone (no weights are read)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in _weight_files(path):
+        if file.suffix != ".safetensors":
+            state = torch.load(file, map_location="meta", weights_only=True)
+            shapes.update({k: tuple(v.shape) for k, v in state.items()})
+            continue
+        try:
+            with safe_open(str(file), "pt") as f:
+                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        except Exception as e:  # safetensors raises its own error types for bad files
+            raise UserError(f"--init-from {file}: not a readable safetensors file ({e})") from None
+    return shapes
+
+
+def weights_shape(spec: str) -> dict:
+    """n_layer, n_head (when known), n_embd, block_size, vocab, bias of the weights `spec`."""
+    if spec in gpt2.HUB:
+        _, n_layer, n_head, n_embd = gpt2.HUB[spec]
+        return {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd,
+                "block_size": gpt2.GPT2_POSITIONS, "vocab": gpt2.GPT2_VOCAB, "bias": True}
+    path = locate(spec)
+    config = _config(path)
+    if config is not None:
+        gpt2.check_config(config, f"--init-from {spec}")
+    shapes = gpt2.strip_prefix(_shapes(path))
+    if "blocks.0.attn.qkv.weight" in shapes:
+        raise UserError(f"--init-from {spec}: these are a ddpgpt checkpoint's weights; continue "
+                        "that run with --resume PATH (and --data.allow-switch for new data), or "
+                        "export it first: ddpgpt export --run-dir RUN --out DIR")
+    try:
+        return gpt2.shape(shapes, config)
+    except ValueError:
+        raise UserError(f"--init-from {spec}: not GPT-2 weights (no wte.weight and wpe.weight)"
+                        ) from None
+
+
+def apply_shape(cfg: TrainConfig, explicit: dict[str, str]) -> TrainConfig:
+    """cfg with the model shape of its --init-from weights. `explicit`: the model fields the user
+    set, each with where (a TOML file, the command line); those must agree with the weights."""
+    spec = cfg.model.init_from
+    found = weights_shape(spec)
+    vocab = found["vocab"]
+    want = {"n_layer": found["n_layer"], "n_embd": found["n_embd"],
+            "block_size": found["block_size"], "bias": found["bias"],
+            "vocab_size": -(-vocab // 64) * 64, "vocab_limit": vocab}
+    if "n_head" in found:
+        want["n_head"] = found["n_head"]
+    elif "n_head" not in explicit:
+        raise UserError(f"--init-from {spec}: no config.json beside the weights says how many "
+                        "attention heads they have; give --model.n-head")
+    conflicts = []
+    for name, value in want.items():
+        if name not in explicit:
+            continue
+        mine = getattr(cfg.model, name)
+        ok = {"vocab_size": mine >= vocab, "bias": mine == value or not mine,
+              "vocab_limit": True}.get(name, mine == value)
+        if ok:
+            want[name] = mine
+        else:
+            conflicts.append(f"model.{name} = {mine} ({explicit[name]}) but the weights have "
+                             f"{vocab if name == 'vocab_size' else value}")
+    if conflicts:
+        hint = (" (train on shorter sequences with --data.seq-len)"
+                if any(c.startswith("model.block_size") for c in conflicts) else "")
+        raise ConfigError(f"--init-from {spec}: {'; '.join(conflicts)}; leave the shape out, it "
+                          f"comes from the weights{hint}")
+    model = dataclasses.replace(cfg.model, **want)
+    return dataclasses.replace(cfg, model=model)
+
+
+ASSUMED_GPT2 = "no tokenizer files beside the weights; their 50,257 ids taken for GPT-2's"
+
+
+def weights_tokenizer(spec: str) -> tuple[str | None, str]:
+    """The fingerprint (data.tokenizer.fingerprint) of the tokenizer the weights were trained
+    with, or None when nothing beside them says; and a note when it is an assumption."""
+    if spec in gpt2.HUB:
+        return "gpt2", ""
+    path = Path(spec)
+    folder = path if path.is_dir() else path.parent
+    config = _config(path) or {}
+    marker = (config.get("ddpgpt") or {}).get("tokenizer")
+    if marker:
+        return marker, ""
+    vocab = _vocab(folder)
+    if vocab is not None:
+        if len(vocab) == gpt2.GPT2_VOCAB and vocab.get("<|endoftext|>") == gpt2.GPT2_VOCAB - 1 \
+                and vocab.get(GPT2_THE[0]) == GPT2_THE[1]:
+            return "gpt2", ""
+        if (folder / "tokenizer.json").is_file():
+            return fingerprint("bpe", folder), ""
+        return None, ""
+    if weights_shape(spec)["vocab"] == gpt2.GPT2_VOCAB:
+        return "gpt2", ASSUMED_GPT2
+    return None, ""
+
+
+def _vocab(folder: Path) -> dict | None:
+    """The token -> id map of the tokenizer files in `folder` (tokenizer.json or vocab.json)."""
+    try:
+        if (folder / "tokenizer.json").is_file():
+            tok = json.loads((folder / "tokenizer.json").read_text())
+            vocab = dict(tok["model"]["vocab"])
+            vocab.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
+            return vocab
+        if (folder / "vocab.json").is_file():
+            return json.loads((folder / "vocab.json").read_text())
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--init-from {folder}: cannot read its tokenizer ({e})") from None
+    return None
+
+
+def check_tokenizer(cfg: TrainConfig, dataset) -> None:
+    """The dataset was made with the tokenizer of the --init-from weights, or one line."""
+    spec = cfg.model.init_from
+    (theirs, note), ours = weights_tokenizer(spec), dataset.tokenizer_fingerprint
+    if theirs is None:
+        raise UserError(f"--init-from {spec}: no tokenizer beside the weights (tokenizer.json or "
+                        "vocab.json) tells what their ids mean; put the one they were trained "
+                        "with there (ddpgpt export does)")
+    if theirs != ours:
+        how = ("prepare the data with --tokenizer gpt2" if theirs == "gpt2" else
+               f"prepare the data with the tokenizer saved in {spec}")
+        raise UserError(f"--init-from {spec}: the weights' tokenizer ({_short(theirs)}"
+                        f"{'; ' + note if note else ''}) is not the one of data.dir = "
+                        f"{cfg.data.dir} ({_short(ours)}): its ids would mean other text; {how}")
+    if note:
+        warn(f"--init-from {spec}: {note}")
+
+
+def _short(fp: str) -> str:
+    kind, _, digest = fp.partition(":")
+    return f"{kind} {digest[:12]}" if digest else kind
+
+
+def read_weights(spec: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the weights `spec`, names as gpt2.strip_prefix leaves them."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in _weight_files(locate(spec)):
+        if file.suffix == ".safetensors":
+            tensors.update(load_file(str(file)))
+        else:
+            tensors.update(torch.load(file, map_location="cpu", weights_only=True))
+    return gpt2.strip_prefix(tensors)
+
+
+def read_state(spec: str, cfg) -> dict[str, torch.Tensor]:
+    """Our state dict for a model of shape `cfg` (a ModelConfig) from the weights `spec`."""
+    tensors = read_weights(spec)
+    try:
+        state = gpt2.from_gpt2(tensors, cfg.vocab_size, cfg.bias)
+    except KeyError as e:
+        raise UserError(f"--init-from {spec}: the weights have no {e}; were they changed since "
+                        "the run was configured?") from None
+    layers = sum(1 for name in state if name.endswith("attn.qkv.weight"))
+    if layers != cfg.n_layer or state["wpe.weight"].shape != (cfg.block_size, cfg.n_embd):
+        raise UserError(f"--init-from {spec}: the weights do not have the run's shape ("
+                        f"{cfg.n_layer} layers, {cfg.block_size} × {cfg.n_embd} positions); were "
+                        "they changed since the run was configured?")
+    return state
+
+
+@torch.no_grad()
+def load_into(model: torch.nn.Module, spec: str) -> None:
+    """Copies the weights into the single-device `model`."""
+    model.load_state_dict(read_state(spec, model.cfg))

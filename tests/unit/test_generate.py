@@ -1,0 +1,114 @@
+"""Generation with a KV cache against the no-cache path (the oracle: every token re-encodes its
+whole context), the context window's rule past block_size, and the padding rows' mask."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddpgpt.model import GPT, KVCache
+from tests.helpers import SMALL
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+BLOCK = SMALL.block_size  # 16
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    return GPT(SMALL, seed=0).eval()
+
+
+def _tokens(B: int, T: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, SMALL.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _context_lengths(model: GPT, prompt: torch.Tensor, n: int, use_cache: bool) -> list[int]:
+    """The number of tokens each forward call of `generate` was given."""
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, args: seen.append(args[0].size(1)))
+    try:
+        model.generate(prompt, n, top_k=1, use_cache=use_cache)
+    finally:
+        hook.remove()
+    return seen
+
+
+def test_cached_logits_equal_a_full_forward(model):
+    """Each token's logits from the cache equal those of a forward over the whole prefix."""
+    idx = _tokens(3, BLOCK, seed=1)
+    cache = KVCache(SMALL.n_layer, BLOCK)
+    with torch.no_grad():
+        steps = [model(idx[:, :5], cache=cache)[0][:, -1]]
+        steps += [model(idx[:, t:t + 1], cache=cache)[0][:, -1] for t in range(5, BLOCK)]
+        for t, logits in zip(range(5, BLOCK + 1), steps):
+            torch.testing.assert_close(logits, model(idx[:, :t])[0][:, -1], rtol=0, atol=1e-5)
+    assert cache.length == BLOCK
+
+
+@pytest.mark.parametrize("new_tokens", [5, BLOCK, 3 * BLOCK + 5])
+@pytest.mark.parametrize("top_k", [None, 10])
+def test_cache_gives_the_no_cache_tokens(model, new_tokens, top_k):
+    """Same seed, same tokens, within the window and well past it (the window restarts several
+    times), for a batch of three different prompts."""
+    prompt = _tokens(3, 4, seed=new_tokens)
+    for seed in (0, 1, 2):
+        runs = [model.generate(prompt, new_tokens, temperature=1.0, top_k=top_k,
+                               generator=torch.Generator().manual_seed(seed), use_cache=c)
+                for c in (True, False)]
+        assert torch.equal(runs[0], runs[1]), seed
+        assert runs[0].shape == (3, 4 + new_tokens)
+
+
+def test_the_window_restarts_from_its_last_half(model):
+    """Past block_size the context restarts from the last block_size // 2 tokens and grows back:
+    a prompt of 4, then 4..16 tokens of context, then 8..16, again and again."""
+    half = BLOCK // 2
+    expected = list(range(4, BLOCK + 1)) + 2 * list(range(half, BLOCK + 1)) + [half]
+    n = len(expected)
+    assert _context_lengths(model, _tokens(1, 4), n, use_cache=False) == expected
+    # With the cache: the prompt once, then one token per call, and each restart re-encodes
+    # the half it keeps.
+    assert _context_lengths(model, _tokens(1, 4), n, use_cache=True) == (
+        [4] + [1] * (BLOCK - 4) + 2 * ([half] + [1] * half) + [half])
+
+
+def test_a_prompt_longer_than_the_window_keeps_its_end(model):
+    prompt = _tokens(2, 3 * BLOCK, seed=5)
+    out = model.generate(prompt, 1, top_k=1)
+    with torch.no_grad():
+        want = model(prompt[:, -BLOCK:])[0][:, -1].argmax(-1)
+    assert torch.equal(out[:, -1], want)
+
+
+def test_the_cache_refuses_what_it_cannot_hold(model):
+    cache = KVCache(SMALL.n_layer, BLOCK)
+    with torch.no_grad():
+        model(_tokens(1, 4), cache=cache)
+        with pytest.raises(ValueError, match="one token at a time"):
+            model(_tokens(1, 2), cache=cache)
+        for t in range(4, BLOCK):
+            model(_tokens(1, 1, seed=t), cache=cache)
+        with pytest.raises(ValueError, match="exceeds block_size"):  # positions end there
+            model(_tokens(1, 1), cache=cache)
+
+
+# ---- the padding rows ------------------------------------------------------------------------
+
+def test_vocab_limit_masks_the_padding_rows():
+    """Ids from vocab_limit on get -inf: the loss is the cross-entropy over the live ids alone,
+    and the padding rows get no gradient, whatever their weights."""
+    limit = 40
+    model = GPT(dataclasses.replace(SMALL, vocab_limit=limit), seed=0)
+    with torch.no_grad():
+        model.wte.weight[limit:] = 0.0  # zero rows: logit 0, above most live logits
+    x, y = _tokens(2, 8, seed=3) % limit, _tokens(2, 8, seed=4) % limit
+    logits, loss = model(x, y)
+    assert torch.isinf(logits[..., limit:]).all() and torch.isfinite(logits[..., :limit]).all()
+    want = F.cross_entropy(logits[..., :limit].reshape(-1, limit), y.reshape(-1))
+    torch.testing.assert_close(loss, want, rtol=0, atol=1e-6)
+    loss.backward()
+    assert model.wte.weight.grad[limit:].abs().max() == 0
+    assert model.wte.weight.grad[:limit].abs().max() > 0
