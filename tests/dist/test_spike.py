@@ -14,12 +14,18 @@ import json
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from ddpgpt.config import OptimConfig
 from ddpgpt.optim import lr_at
 from ddpgpt.reliability import EXIT_PREEMPTED
-from tests.helpers import codes, read_metrics, reference_training, run_ranks, tiny_train_args
+from tests.helpers import (
+    codes,
+    read_metrics,
+    reference_training,
+    run_ranks,
+    saved_weights,
+    tiny_train_args,
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 STEPS, G = 10, 8
@@ -108,8 +114,8 @@ def test_a_run_resumed_after_a_rollback_goes_on_bitwise(runs, tiny_data, tmp_pat
         assert [r[key] for r in rows] == [r[key] for r in ref], key
     ((event,), (ref_event,)) = events(run_dir), events(reference)
     assert {**event, "checkpoint": None} == {**ref_event, "checkpoint": None}
-    final = f"checkpoints/step_{STEPS:07d}/model.safetensors"
-    weights, ref_weights = load_file(run_dir / final), load_file(reference / final)
+    final = f"checkpoints/step_{STEPS:07d}"
+    weights, ref_weights = saved_weights(run_dir / final), saved_weights(reference / final)
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
 
 
