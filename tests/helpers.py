@@ -90,6 +90,30 @@ def saved_weights(path: Path) -> dict:
     return checkpoint.weights(Path(path))
 
 
+def save_format_2(root: Path, step: int, state: dict, meta: dict) -> Path:
+    """A checkpoint as the store wrote them before format 3: rank 0's whole state in
+    model.safetensors and trainer.pt, meta.json with their sha256."""
+    import hashlib
+    import io
+
+    import torch
+    from safetensors.torch import save as save_safetensors
+
+    final = Path(root) / f"step_{step:07d}"
+    final.mkdir(parents=True)
+    buffer = io.BytesIO()
+    torch.save({k: v for k, v in state.items() if k != "model"}, buffer)
+    files = {"model.safetensors": save_safetensors({k: v.contiguous()
+                                                    for k, v in state["model"].items()}),
+             "trainer.pt": buffer.getvalue()}
+    for name, data in files.items():
+        (final / name).write_bytes(data)
+    (final / "meta.json").write_text(json.dumps({
+        "format_version": 2, "step": step, **meta,
+        "files": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}))
+    return final
+
+
 def reference_step(stream: np.ndarray, seed: int, seq_len: int, G: int, k: int) -> np.ndarray:
     """Step k's G windows, shape (G, T+1), straight from the documented ordering rule."""
     n = (len(stream) - 1) // seq_len

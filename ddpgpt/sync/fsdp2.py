@@ -178,6 +178,12 @@ class FSDP2Sync(Sync):
             return get_model_state_dict(self.model, options=FULL)
 
     def load_model_state(self, state: dict) -> None:
+        """Collective: each tensor is scattered from rank 0 in the order of `state`, so every rank
+        must list them alike: in the model's order (safetensors returns a file's tensors in an
+        order of its own in each process)."""
+        order = [n for n, _ in self.model.named_parameters()]
+        state = {n: state[n] for n in order if n in state} | {k: v for k, v in state.items()
+                                                              if k not in order}
         with dist.collective():
             set_model_state_dict(self.model, state, options=FULL)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 
 import numpy as np
@@ -38,6 +39,7 @@ from tests.helpers import (
     reference_training,
     run_cli,
     run_ranks,
+    save_format_2,
     saved_weights,
     tiny_train_args,
 )
@@ -154,6 +156,31 @@ def test_the_chain_trains_as_the_straight_run(chain, tiny_data):
     for name, value in weights.items():
         torch.testing.assert_close(final[name], value, rtol=0, atol=1e-4, msg=name)
     assert "Traceback" not in "".join(chain[k][1] for k in "ABCD")
+
+
+def test_a_format_2_checkpoint_resumes_under_fsdp2(chain, tiny_data, tmp_path):
+    """The chain's step 6, rewritten as the previous store wrote it (whole, model.safetensors +
+    trainer.pt), resumed at W=2 under fsdp2 (whose load scatters each tensor from rank 0, so
+    every rank must list them in the same order): the straight run's losses, and format 3 after
+    it."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(chain["run_dir"], run_dir)
+    root = run_dir / "checkpoints"
+    for path in root.iterdir():
+        if path.name > "step_0000006":
+            shutil.rmtree(path)
+    meta = checkpoint.read_meta(root / "step_0000006")
+    state = checkpoint.load(root / "step_0000006", meta)
+    shutil.rmtree(root / "step_0000006")
+    save_format_2(root, 6, state, {k: v for k, v in meta.items()
+                                   if k not in ("files", "format_version", "step")})
+    job = train(tiny_data, run_dir, 2, "fsdp2")
+    assert job.wait(240) == 0, job.text
+    assert f"resuming from {root / 'step_0000006'} (step 6, saved at world size 1)" in job.text
+    losses, _ = reference_training(tiny_data, STEPS)
+    rows = read_metrics(run_dir)[0]
+    np.testing.assert_allclose([r["loss"] for r in rows], losses, rtol=2e-5)
+    assert checkpoint.read_meta(root / f"step_{STEPS:07d}")["format_version"] == 3
 
 
 def test_a_full_disk_on_one_rank_stops_every_rank(tiny_data, tmp_path):

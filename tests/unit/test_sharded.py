@@ -2,7 +2,6 @@
 that tile each tensor, resharding between any two chunkings, the writers' balance, and what
 loading refuses (pickled objects, an index with anything but DCP's own classes)."""
 
-import io
 import json
 import os
 import pickle
@@ -11,12 +10,11 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save as save_safetensors
 
 from ddpgpt import checkpoint, sharded
 from ddpgpt.checkpoint import CheckpointError
 from ddpgpt.errors import UserError
-from tests.helpers import SMALL
+from tests.helpers import SMALL, save_format_2
 
 
 @pytest.mark.parametrize("shape", [(7,), (5, 6), (1, 9), (9, 1)])
@@ -115,24 +113,6 @@ def test_a_foreign_index_with_a_matching_hash_is_one_line(tmp_path):
 
 
 # ---- format 2: written whole by rank 0, still read ------------------------------------------
-
-def save_format_2(root, step: int, state: dict, meta: dict):
-    """A checkpoint as the previous store wrote it (model.safetensors + trainer.pt)."""
-    final = root / f"step_{step:07d}"
-    final.mkdir(parents=True)
-    files = {"model.safetensors": save_safetensors({k: v.contiguous()
-                                                    for k, v in state["model"].items()})}
-    buffer = io.BytesIO()
-    torch.save({k: v for k, v in state.items() if k != "model"}, buffer)
-    files["trainer.pt"] = buffer.getvalue()
-    for name, data in files.items():
-        (final / name).write_bytes(data)
-    import hashlib
-    (final / "meta.json").write_text(json.dumps({
-        "format_version": 2, "step": step, **meta,
-        "files": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}))
-    return final
-
 
 def test_format_2_still_loads_and_format_3_follows(tmp_path):
     """A run dir whose older checkpoint is format 2: found, verified and loaded whole; the next
