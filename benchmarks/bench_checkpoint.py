@@ -29,6 +29,17 @@ Resume: every rank checks the checkpoint's files (sha256, as a training's start 
 it into its trainer: format 3 in place, each rank its chunks; the previous format whole on every
 rank.
 Times are medians over --repeats; all ranks agree on when each save starts (a barrier).
+
+Then the same on paper for gpt2-124m, 1.3B and 7B at W=8 (`project`; `--project-only` prints it
+alone, from the ratios measured on the small preset unless --json's results are given): the
+state is fp32 weights and AdamW's two moments, 12 bytes a parameter. Rank 0's peak under the
+previous store is the state times the ratio this benchmark measured (the gathered state plus its
+serialized copy); a rank's under the sharded store is its share, 1/W of the state, staged for the
+background write. The step's stall is that copy from the GPU at PCIE_BYTES_S (pinned host memory,
+PCIe 5 x16 as measured in practice, not its 64 GB/s peak); the previous store's, the gather
+(NVLink, negligible), serializing at MEMCPY_BYTES_S and writing at DISK_BYTES_S, all by rank 0
+while every rank waits. The sharded write in the step is bound by the node's disk too: 8 ranks
+share it.
 """
 
 from __future__ import annotations
@@ -48,6 +59,16 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# On paper (`project`): parameters of each model (GPT-2's vocabulary, 1024 positions), the bytes
+# of state per parameter, and the rates of a GPU node.
+PROJECTED = {"gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768),
+             "1.3B": dict(n_layer=24, n_head=16, n_embd=2048),
+             "7B": dict(n_layer=32, n_head=32, n_embd=4096)}
+STATE_BYTES = 12               # fp32 weights + AdamW's exp_avg and exp_avg_sq
+PCIE_BYTES_S = 25e9            # device to pinned host memory, per GPU
+MEMCPY_BYTES_S = 5e9           # serializing in memory, one thread
+DISK_BYTES_S = 2e9             # one node's local NVMe
+MEASURED_RATIO = (1.65, 2.67)  # rank 0's peak / the state, previous store (small preset, CPU)
 
 
 def peak_kb() -> int:
@@ -259,6 +280,51 @@ def report(results: dict) -> None:
                   f"{worst(ranks, 'resume_sync', 's'):.2f} |")
 
 
+def state_ratio(results: dict) -> tuple[float, float]:
+    """Rank 0's peak during the previous store's save over the whole state, least and most."""
+    ratios = [ranks[0]["previous"]["peak_mb"] / (sum(r["share_bytes"] for r in ranks) / 2**20)
+              for modes in results.values() for ranks in modes.values()]
+    return min(ratios), max(ratios)
+
+
+def project(world: int = 8, ratio: tuple[float, float] = MEASURED_RATIO) -> list[dict]:
+    """Per model at `world` ranks: the state, the host memory and the step's stall of a save,
+    previous store against sharded (GB, s)."""
+    import torch
+
+    from ddpgpt.config import ModelConfig
+    from ddpgpt.model import GPT
+
+    rows = []
+    for name, shape in PROJECTED.items():
+        with torch.device("meta"):
+            n = GPT(ModelConfig(block_size=1024, vocab_size=50304, **shape)).num_params(
+                non_embedding=False)
+        state = STATE_BYTES * n
+        share = state / world
+        rows.append({"model": name, "params": n, "state_gb": state / 1e9,
+                     "previous_gb": (ratio[0] * state / 1e9, ratio[1] * state / 1e9),
+                     "sharded_gb": share / 1e9,
+                     "previous_s": state / MEMCPY_BYTES_S + state / DISK_BYTES_S,
+                     "in_step_s": state / DISK_BYTES_S,
+                     "async_s": share / PCIE_BYTES_S})
+    return rows
+
+
+def print_projection(rows: list[dict], world: int) -> None:
+    print(f"\nOn paper, W={world} on one node (state: {STATE_BYTES} bytes a parameter; "
+          f"{PCIE_BYTES_S / 1e9:.0f} GB/s device to host, {MEMCPY_BYTES_S / 1e9:.0f} GB/s "
+          f"serializing, {DISK_BYTES_S / 1e9:.0f} GB/s disk):")
+    print("| model | state (GB) | host memory during a save: previous, rank 0 / sharded, per "
+          "rank (GB) | the step blocked: previous / sharded in the step / background (s) |")
+    print("|---|---:|---|---|")
+    for r in rows:
+        low, high = r["previous_gb"]
+        print(f"| {r['model']} ({r['params'] / 1e9:.2f}B) | {r['state_gb']:.1f} | {low:.0f}–"
+              f"{high:.0f} / {r['sharded_gb']:.1f} | {r['previous_s']:.0f} / "
+              f"{r['in_step_s']:.0f} / {r['async_s']:.2f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default="data/stdlib")
@@ -269,11 +335,19 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default="")
     p.add_argument("--tmp", default="")
+    p.add_argument("--project-only", action="store_true",
+                   help="print the projection to larger models alone (from --json if it exists)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.project_only:
+        saved = Path(args.json) if args.json else None
+        ratio = state_ratio(json.loads(saved.read_text())) if saved and saved.exists() \
+            else MEASURED_RATIO
+        print_projection(project(8, ratio), 8)
         return
     with tempfile.TemporaryDirectory(dir=args.tmp or None) as tmp:
         args.tmp = tmp
@@ -281,6 +355,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     report(results)
+    print_projection(project(8, state_ratio(results)), 8)
 
 
 def report_file(path: str) -> None:
