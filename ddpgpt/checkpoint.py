@@ -203,9 +203,9 @@ def read_meta(path: Path, verify: bool = True) -> dict:
     return meta
 
 
-def find_latest(root: Path) -> tuple[Path, dict] | None:
+def find_latest(root: Path, quiet: bool = False) -> tuple[Path, dict] | None:
     """The newest checkpoint in `root` that validates, falling back past bad ones with a warning
-    each. When checkpoints exist but none validates, a CheckpointError names the newest's
+    each (unless `quiet`: another rank says it). When checkpoints exist but none validates, a CheckpointError names the newest's
     problem. `root` is named in messages by its run dir (its parent)."""
     problems = []
     for _, path in reversed(step_dirs(root)):
@@ -218,7 +218,7 @@ def find_latest(root: Path) -> tuple[Path, dict] | None:
         except CheckpointError as e:
             problems.append(e)
             continue
-        for e in problems:
+        for e in problems if not quiet else ():
             warn(f"skipping checkpoint: {e}; falling back to {path.name}")
         return path, meta
     if problems:

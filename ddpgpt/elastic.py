@@ -55,7 +55,7 @@ def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv,
 
     def choose(verify: bool) -> resume.Start:
         return resume.choose(cfg, run_dir, first, dataset.fingerprint, verify=verify,
-                             tokenizer=dataset.tokenizer_fingerprint)
+                             tokenizer=dataset.tokenizer_fingerprint, quiet=not env.is_main)
 
     def take() -> None:
         # A restart may find the lock still held by the rank 0 of a node that left (a network

@@ -47,9 +47,10 @@ class Start:
 
 
 def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: str,
-           verify: bool = True, tokenizer: str | None = None) -> Start:
+           verify: bool = True, tokenizer: str | None = None, quiet: bool = False) -> Start:
     """`fingerprint`: the dataset's (its meta.json's sha256); `tokenizer`: its tokenizer's
-    (data.tokenizer.fingerprint), checked when the data differs from the checkpoint's."""
+    (data.tokenizer.fingerprint), checked when the data differs from the checkpoint's. `quiet`:
+    a checkpoint skipped as bad is not announced (every rank chooses, rank 0 says it)."""
     mode = cfg.run.resume
     if mode in ("auto", "reset", "never"):
         existing = checkpoint.step_dirs(run_dir.checkpoints)
@@ -59,7 +60,7 @@ def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: st
             raise UserError(f"run dir {run_dir} already has checkpoints (up to step "
                             f"{existing[-1][0]}) and run.resume = never; use --resume auto to "
                             "continue, --reset to start over, or another --run-dir")
-        found = _latest(run_dir.checkpoints, verify)
+        found = _latest(run_dir.checkpoints, verify, quiet)
         start = Start(*found, origin=found[1].get("origin")) if found else Start()
     else:
         start = _explicit(run_dir, Path(mode), first_start, verify)
@@ -68,9 +69,9 @@ def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: st
     return start
 
 
-def _latest(root: Path, verify: bool) -> tuple[Path, dict] | None:
+def _latest(root: Path, verify: bool, quiet: bool) -> tuple[Path, dict] | None:
     if verify:
-        return checkpoint.find_latest(root)
+        return checkpoint.find_latest(root, quiet)
     for _, path in reversed(checkpoint.step_dirs(root)):
         try:
             return path, checkpoint.read_meta(path, verify=False)
@@ -78,7 +79,7 @@ def _latest(root: Path, verify: bool) -> tuple[Path, dict] | None:
             raise
         except CheckpointError:
             continue
-    return checkpoint.find_latest(root)  # none parses: its error names the newest's problem
+    return checkpoint.find_latest(root, quiet)  # none parses: its error names the newest's problem
 
 
 def _explicit(run_dir: RunDir, path: Path, first_start: bool, verify: bool) -> Start:

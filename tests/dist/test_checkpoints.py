@@ -139,8 +139,9 @@ def test_a_corrupt_shard_falls_back_with_a_warning_naming_it(chain):
     code, text, step = chain["D"]
     root = chain["run_dir"] / "checkpoints"
     assert code == 0, text
-    assert (f"ddpgpt: warning: skipping checkpoint: {root / 'step_0000007'}: __0_0.distcp does "
-            "not match its sha256 in meta.json (corrupt); falling back to step_0000006") in text
+    warning = (f"ddpgpt: warning: skipping checkpoint: {root / 'step_0000007'}: __0_0.distcp "
+               "does not match its sha256 in meta.json (corrupt); falling back to step_0000006")
+    assert text.count(warning) == 1, text  # rank 0 says it; rank 1 falls back as quietly
     assert f"resuming from {root / 'step_0000006'} (step 6, saved at world size 1)" in text
     assert step == STEPS
 
