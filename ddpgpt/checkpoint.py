@@ -205,8 +205,9 @@ def read_meta(path: Path, verify: bool = True) -> dict:
 
 def find_latest(root: Path, quiet: bool = False) -> tuple[Path, dict] | None:
     """The newest checkpoint in `root` that validates, falling back past bad ones with a warning
-    each (unless `quiet`: another rank says it). When checkpoints exist but none validates, a CheckpointError names the newest's
-    problem. `root` is named in messages by its run dir (its parent)."""
+    each (unless `quiet`: another rank says it). When checkpoints exist but none validates, a
+    CheckpointError names the newest's problem. `root` is named in messages by its run dir (its
+    parent)."""
     problems = []
     for _, path in reversed(step_dirs(root)):
         try:
