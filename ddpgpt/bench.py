@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from ddpgpt import dist, launch
-from ddpgpt.config import BenchConfig, TrainConfig
+from ddpgpt.command_config import BenchConfig
+from ddpgpt.config import TrainConfig
 from ddpgpt.config_io import build
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError

@@ -23,8 +23,7 @@ import json
 import os
 import sys
 
-from ddpgpt.config import (
-    SECTIONS,
+from ddpgpt.command_config import (
     BenchConfig,
     DoctorConfig,
     EvalConfig,
@@ -33,8 +32,8 @@ from ddpgpt.config import (
     PrepareConfig,
     RendezvousConfig,
     SampleConfig,
-    TrainConfig,
 )
+from ddpgpt.config import SECTIONS, TrainConfig
 from ddpgpt.config_io import add_flags, build, flat_config, from_dict, nest
 from ddpgpt.errors import UserError
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as tdist
 
 from ddpgpt import __version__, dist, launch
-from ddpgpt.config import DoctorConfig
+from ddpgpt.command_config import DoctorConfig
 
 
 def report() -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ddpgpt import checkpoint, dist
-from ddpgpt.config import EvalConfig
+from ddpgpt.command_config import EvalConfig
 from ddpgpt.config_io import from_dict
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset

@@ -26,7 +26,8 @@ import shutil
 from pathlib import Path
 
 from ddpgpt import checkpoint, gpt2
-from ddpgpt.config import ExportConfig, ModelConfig
+from ddpgpt.command_config import ExportConfig
+from ddpgpt.config import ModelConfig
 from ddpgpt.config_io import from_dict
 from ddpgpt.data.output import check_out, publish
 from ddpgpt.data.tokenizer import EOT_TEXT, fingerprint

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from ddpgpt.checkpoint import step_dirs
-from ddpgpt.config import PlotConfig
+from ddpgpt.command_config import PlotConfig
 from ddpgpt.errors import UserError
 from ddpgpt.files import describe
 from ddpgpt.run_dir import RunDir

@@ -12,7 +12,7 @@ import os
 import torch
 
 from ddpgpt import checkpoint, dist
-from ddpgpt.config import SampleConfig
+from ddpgpt.command_config import SampleConfig
 from ddpgpt.config_io import from_dict
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.evaluate import latest_checkpoint

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ddpgpt import checkpoint, cli
-from ddpgpt.config import PrepareConfig
+from ddpgpt.command_config import PrepareConfig
 from ddpgpt.config_io import build, from_dict
 from ddpgpt.data import prepare
 from ddpgpt.data.shards import TokenDataset

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddpgpt import cli, config, presets
+from ddpgpt import cli, command_config, config, presets
 from ddpgpt.config import (
     SYNC_MODES,
     ConfigError,
@@ -405,8 +405,9 @@ def test_preflight_refuses_what_the_mode_table_says_a_mode_cannot_do(dataset, mo
 
 # ---- field docstrings reach --help ------------------------------------------------------------
 
-CONFIG_CLASSES = [c for _, c in inspect.getmembers(config, inspect.isclass)
-                  if dataclasses.is_dataclass(c) and c.__module__ == config.__name__]
+CONFIG_CLASSES = [c for module in (config, command_config)
+                  for _, c in inspect.getmembers(module, inspect.isclass)
+                  if dataclasses.is_dataclass(c) and c.__module__ == module.__name__]
 
 
 def test_field_docs():
@@ -434,7 +435,8 @@ def test_every_field_has_a_docstring(cls):
 def test_meta_test_sees_every_config_class():
     assert {c.__name__ for c in CONFIG_CLASSES} >= {
         "PrepareConfig", "ModelConfig", "DataConfig", "OptimConfig", "RunConfig", "TrainConfig",
-        "SampleConfig", "EvalConfig", "DoctorConfig"}
+        "SampleConfig", "EvalConfig", "DoctorConfig", "PlotConfig", "ExportConfig", "BenchConfig",
+        "RendezvousConfig"}
 
 
 def test_example_configs_resolve():

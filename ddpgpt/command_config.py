@@ -1,0 +1,210 @@
+"""The settings of every command but `train` (config.py): prepare, sample, plot, eval, export,
+doctor, bench and rendezvous. Each is one dataclass whose fields become the command's flags
+(cli.py), with a docstring under every field and one line for a bad value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ddpgpt.config import MAX_BUCKET_MB, SYNC_MODES, _choice, _finite, _require
+
+
+@dataclass
+class PrepareConfig:
+    """`ddpgpt prepare`: corpus sources -> tokenizer -> token shards."""
+
+    sources: list[str] = field(default_factory=list)
+    """Corpus sources: `stdlib` (default), files, directories, globs, or
+    hf:NAME[:CONFIG][:SPLIT]."""
+    out: str | None = None
+    """Dataset directory to create (written to a temporary name, renamed when complete)."""
+    tokenizer: str = "bpe"
+    """bpe (trained on the corpus), byte (UTF-8 bytes), or gpt2 (tiktoken; needs the hf extra)."""
+    vocab_size: int = 4096
+    """Vocabulary size of the bpe tokenizer, end-of-text included (at least 257)."""
+    val_fraction: float = 0.01
+    """Fraction of documents, whole and evenly spaced, held out for validation (0 < f < 1)."""
+    shard_tokens: int = 100_000_000
+    """Tokens per shard file at most."""
+    bpe_train_mb: int = 256
+    """The bpe tokenizer is trained on at most this many MB of the corpus (the first documents)."""
+    force: bool = False
+    """Replace a non-empty --out directory (the old one is removed only after the new one is
+    complete)."""
+    verify: str | None = None
+    """Instead of preparing: re-check every shard of this dataset directory (header, size,
+    sha256)."""
+
+    def __post_init__(self):
+        _finite(self, "--")
+        _choice("prepare", "tokenizer", self.tokenizer, ("bpe", "byte", "gpt2"))
+        _require(0 < self.val_fraction < 1,
+                 f"--val-fraction {self.val_fraction} must be between 0 and 1")
+        _require(self.shard_tokens >= 1, f"--shard-tokens {self.shard_tokens} must be >= 1")
+        _require(self.bpe_train_mb >= 1, f"--bpe-train-mb {self.bpe_train_mb} must be >= 1")
+
+
+@dataclass
+class SampleConfig:
+    """`ddpgpt sample`: generate text from a run's latest checkpoint."""
+
+    run_dir: str = field(default="runs/default", metadata={"alias": "--run"})
+    """Run directory (its latest complete checkpoint is used). Under torchrun write --run-dir:
+    torchrun's own parser takes --run for an abbreviation of its --run-path."""
+    prompt: str = ""
+    """Text to continue; empty starts a fresh document (from the end-of-text token)."""
+    max_new_tokens: int = 200
+    """Tokens to generate."""
+    temperature: float = 0.8
+    """Softmax temperature; lower is more conservative."""
+    top_k: int = 50
+    """Sample among the k most likely tokens; 0 samples from all."""
+    num_samples: int = 1
+    """Independent samples to print."""
+    seed: int = 1337
+    """Sampling seed."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    threads: int = 0
+    """CPU threads; 0: one for models whose sampling step is small (under ~200M parameters ×
+    samples), where a second thread gains little and costs several times the step on a busy
+    machine; else the usable cores."""
+    cache: bool = True
+    """Keep keys and values between tokens (a KV cache): each token costs the same whatever the
+    length. --no-cache re-encodes the context for every token: the same tokens, slower."""
+
+    def __post_init__(self):
+        _finite(self, "--")
+        _require(self.threads >= 0, f"--threads {self.threads} must be >= 0 (0: auto)")
+        _require(self.max_new_tokens >= 1, f"--max-new-tokens {self.max_new_tokens} must be >= 1")
+        _require(self.temperature > 0, f"--temperature {self.temperature} must be > 0")
+        _require(self.top_k >= 0, f"--top-k {self.top_k} must be >= 0 (0: off)")
+        _require(self.num_samples >= 1, f"--num-samples {self.num_samples} must be >= 1")
+        _choice("sample", "device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class PlotConfig:
+    """`ddpgpt plot`: loss curves and throughput of one or more runs, in one picture."""
+
+    runs: list[str] = field(default_factory=list)
+    """Run directories (each with the metrics.jsonl `ddpgpt train` writes)."""
+    out: str | None = None
+    """PNG to write; default: next to the first run (runs/NAME -> runs/NAME.png)."""
+    smooth: float = -1.0
+    """Exponential smoothing of the train loss: -1 (auto) averages over 1/20 of each run's
+    logged rows (none for a 20-step run); 0 none; 0.9 about 10 rows."""
+
+    def __post_init__(self):
+        _finite(self, "--")
+        _require(self.smooth == -1 or 0 <= self.smooth < 1,
+                 f"--smooth {self.smooth} must be -1 (auto) or in [0, 1)")
+
+
+@dataclass
+class EvalConfig:
+    """`ddpgpt eval`: validation loss of a run's latest checkpoint (runs under torchrun too)."""
+
+    run_dir: str = field(default="runs/default", metadata={"alias": "--run"})
+    """Run directory (its latest complete checkpoint is used). Under torchrun write --run-dir:
+    torchrun's own parser takes --run for an abbreviation of its --run-path."""
+    windows: int = -1
+    """Validation windows to evaluate; -1 uses the run's data.eval_windows, 0 all of them."""
+    device: str = "auto"
+    """auto (cuda:LOCAL_RANK when available), cpu or cuda."""
+
+    def __post_init__(self):
+        _require(self.windows >= -1, f"--windows {self.windows} must be >= -1")
+        _choice("eval", "device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class RendezvousConfig:
+    """`ddpgpt rendezvous`: host the c10d rendezvous store of elastic jobs on a node that does
+    not train, so that losing any training node leaves the job able to go on."""
+
+    host: str = "0.0.0.0"
+    """Address to listen on (all interfaces by default)."""
+    port: int = 29500
+    """Port to listen on: the nodes' --rdzv-endpoint is THIS_HOST:PORT."""
+
+    def __post_init__(self):
+        _require(0 < self.port < 65536, f"--port {self.port} must be in 1..65535")
+
+
+@dataclass
+class ExportConfig:
+    """`ddpgpt export`: a run's checkpoint as a Hugging Face transformers directory."""
+
+    run_dir: str = field(default="runs/default", metadata={"alias": "--run"})
+    """Run directory to export from."""
+    step: int = 0
+    """The checkpoint's step; 0: the newest complete one."""
+    out: str | None = None
+    """Directory to write (config.json, model.safetensors, generation_config.json, the tokenizer);
+    written beside it under a temporary name and renamed when complete."""
+    force: bool = False
+    """Replace a non-empty --out (the old one is removed only after the new one is in place)."""
+
+    def __post_init__(self):
+        _require(self.step >= 0, f"--step {self.step} must be >= 0 (0: the newest checkpoint)")
+
+
+@dataclass
+class DoctorConfig:
+    """`ddpgpt doctor`: environment report and, with several processes, an all-reduce probe."""
+
+    nproc: int = 0
+    """Start this many local processes for the all-reduce probe (0: just this process, or
+    torchrun's)."""
+    probe_mb: float = 64.0
+    """Size of the all-reduce probe tensor in MB."""
+
+    def __post_init__(self):
+        _finite(self, "--")
+        _require(self.nproc >= 0, f"--nproc {self.nproc} must be >= 0")
+        _require(0 < self.probe_mb <= MAX_BUCKET_MB,
+                 f"--probe-mb {self.probe_mb:g} must be in (0, {MAX_BUCKET_MB}]")
+
+
+@dataclass
+class BenchConfig:
+    """`ddpgpt bench`: what each gradient-sync mode costs on this machine or cluster."""
+
+    data: str = "data/stdlib"
+    """Dataset directory made by `ddpgpt prepare`."""
+    preset: str = "tiny"
+    """Named config to measure (tiny, small, gpt2-124m, gpt2-350m)."""
+    config: str | None = None
+    """TOML file laid over the preset (as `train --config`), e.g. another model shape."""
+    sync: str = ",".join(SYNC_MODES)
+    """Comma-separated sync modes to measure."""
+    optim: str = ""
+    """The optimizer every mode steps: adamw, or muon (Muon for the blocks' matrices); empty:
+    the preset's or --config's."""
+    steps: int = 10
+    """Optimizer steps timed per mode and round (the median over all rounds is reported)."""
+    warmup: int = 2
+    """Optimizer steps run first and not timed."""
+    repeats: int = 1
+    """Rounds over the modes: the modes take turns, so a machine's drift reaches all of them."""
+    group: bool = False
+    """Join a process group even at world size 1, so each mode's own collectives run for real
+    (one GPU: a one-rank NCCL group)."""
+    nproc: int = 0
+    """Start this many local processes (0: just this one, or torchrun's)."""
+    out: str = "bench"
+    """Directory for bench.json and bench.png."""
+    device: str = "auto"
+    """auto (cuda:LOCAL_RANK when available), cpu or cuda."""
+
+    def __post_init__(self):
+        for mode in self.sync.split(","):
+            _choice("bench", "sync", mode, SYNC_MODES)
+        if self.optim:
+            _choice("bench", "optim", self.optim, ("adamw", "muon"))
+        _require(self.steps >= 1, f"--steps {self.steps} must be >= 1")
+        _require(self.warmup >= 0, f"--warmup {self.warmup} must be >= 0")
+        _require(self.repeats >= 1, f"--repeats {self.repeats} must be >= 1")
+        _require(self.nproc >= 0, f"--nproc {self.nproc} must be >= 0")
+        _choice("bench", "device", self.device, ("auto", "cpu", "cuda"))
