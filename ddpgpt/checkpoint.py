@@ -125,7 +125,11 @@ def commit(tmp: Path, final: Path, files: dict[str, str], rest: dict, meta: dict
     write_bytes(tmp / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())  # last: complete
     fsync(tmp)
     _publish(tmp, final)
-    fsync(final.parent)
+    try:
+        fsync(final.parent)
+    except OSError as e:  # published all the same: the rename is what counts
+        warn(f"checkpoint {final} is written, but its directory could not be synced "
+             f"({e.strerror}); it may not survive a power loss")
 
 
 def _torch_bytes(obj) -> bytes:
@@ -138,7 +142,11 @@ def _publish(tmp: Path, final: Path) -> None:
     if final.exists():  # the same step saved again (e.g. a resumed run's end): replace it
         old = final.with_name(f".old-{final.name}-{os.getpid()}")
         os.rename(final, old)
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            os.rename(old, final)  # the previous copy stays the checkpoint
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)

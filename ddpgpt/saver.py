@@ -40,6 +40,7 @@ import torch
 import torch.distributed as torch_dist
 
 from ddpgpt import checkpoint, dist, sharded
+from ddpgpt.errors import warn
 from ddpgpt.files import WriteError, describe, os_error_in
 from ddpgpt.reliability import resume_hint
 from ddpgpt.run_dir import RunDir
@@ -57,8 +58,18 @@ class Stager:
         self.keep = device.type == "cuda"
         self.buffers: list[torch.Tensor] = []
         self.staged_bytes = 0
+        self.prepared: dict[str, sharded.Pieces] | None = None
+
+    def prepare(self, state: dict[str, sharded.Pieces]) -> None:
+        """Copies `state` now, in the caller, so that a failure (out of memory) is known before
+        any collective of the save starts; `stage` then hands DCP this copy."""
+        self.prepared = self._copy(state)
 
     def stage(self, state: dict[str, sharded.Pieces]) -> dict[str, sharded.Pieces]:
+        staged, self.prepared = self.prepared, None
+        return staged if staged is not None else self._copy(state)
+
+    def _copy(self, state: dict[str, sharded.Pieces]) -> dict[str, sharded.Pieces]:
         chunks = [t for pieces in state.values() for _, t in pieces.chunks]
         if not self.keep or [b.shape for b in self.buffers] != [t.shape for t in chunks]:
             self.buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.keep)
@@ -77,15 +88,15 @@ class Stager:
         pass
 
     def close(self) -> None:
-        self.buffers = []
+        self.buffers, self.prepared = [], None
 
 
 class SaveFailed(WriteError):
     """Checkpoint `step` could not be written; every rank raises it with the same message."""
 
-    def __init__(self, message: str, step: int, quiet: bool = False):
+    def __init__(self, message: str, step: int, quiet: bool = False, fix: str = "free space"):
         super().__init__(message, quiet)
-        self.step = step
+        self.step, self.fix = step, fix
 
 
 class Saver:
@@ -126,16 +137,19 @@ class Saver:
         self.settle()  # at most one in flight
         tmp = checkpoint.temporary(self.root, step, self.token)
         mine = sharded.share(held, replicated, self.env.rank, self.env.world_size)
+        writer = sharded.Writer(tmp)
         if self.asynchronous:
-            writer, upload = sharded.save(mine, tmp, self.group, asynchronous=True,
-                                          stager=self.stager)
+            self._stage(step, mine)
+            _, upload = sharded.save(mine, tmp, self.group, asynchronous=True, stager=self.stager,
+                                     writer=writer)
             future = self.pool.submit(self._commit, step, tmp, writer, upload.result, rest, meta)
         else:
             future = Future()
             try:
-                writer, error = sharded.save(mine, tmp, self.group), None
+                sharded.save(mine, tmp, self.group, writer=writer)
+                error = None
             except BaseException as e:  # DCP's failures reach every rank alike
-                writer, error = None, e
+                error = e
             try:
                 future.set_result(self._commit(step, tmp, writer, lambda: _reraise(error), rest,
                                                meta))
@@ -145,6 +159,28 @@ class Saver:
         self.blocked_s = time.perf_counter() - started
         if wait:
             self.settle()
+
+    def _stage(self, step: int, mine: dict[str, sharded.Pieces]) -> None:
+        """Step 2 on every rank, then one exchange (on the checkpoint group, idle now: no save
+        is in flight) so that a copy that failed on any rank fails the save on every rank at this
+        step, before DCP's collectives start on some ranks only."""
+        try:
+            self.stager.prepare(mine)
+            problem = None
+        except Exception as e:  # out of (pinned) memory, most likely
+            problem = reason(e, self.env.rank)
+        problems = [problem]
+        if self.group is not None:
+            problems = [None] * self.env.world_size
+            with dist.collective():
+                torch_dist.all_gather_object(problems, problem, group=self.group)
+        failed = next((p for p in problems if p is not None), None)
+        if failed is not None:
+            self.stager.prepared = None
+            final = checkpoint.step_dir(self.root, step)
+            raise SaveFailed(f"cannot copy checkpoint {final} to memory: {failed}", step,
+                             quiet=not self.env.is_main,
+                             fix="free memory (or write in the step: --no-run.checkpoint-async)")
 
     def settle(self) -> None:
         """Waits for the save in flight, if any, and raises its failure: the same on every rank,
@@ -203,9 +239,12 @@ class Saver:
         try:
             checkpoint.commit(tmp, final, files, rest,
                               {"world_size": self.env.world_size, **meta})
-        except BaseException as e:
+        except BaseException as e:  # whatever it is, every rank must hear of it (the broadcast)
             return reason(e, 0)
-        checkpoint.prune(self.root, self.keep)
+        try:
+            checkpoint.prune(self.root, self.keep)
+        except Exception as e:  # the checkpoint is published; an old one stays
+            warn(f"could not prune old checkpoints in {self.root} ({e}); training goes on")
         return None
 
     def _gather(self, item) -> list:
@@ -249,7 +288,7 @@ def saved(trainer, saver: Saver, run_dir: RunDir):
         kept = f"step {trainer.last_checkpoint}" if trainer.last_checkpoint >= 0 else "none yet"
         hint = resume_hint(trainer.cfg.run.resume, str(run_dir))
         raise SaveFailed(f"step {e.step}: {e}. The last complete checkpoint ({kept}) is intact: "
-                         f"free space, then {hint}", e.step, quiet=e.quiet) from None
+                         f"{e.fix}, then {hint}", e.step, quiet=e.quiet, fix=e.fix) from None
     finally:
         trainer.last_checkpoint = max(trainer.last_checkpoint, saver.last)
 

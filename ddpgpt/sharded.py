@@ -267,11 +267,12 @@ def failures(error: BaseException) -> list[tuple[int | None, BaseException]]:
 # ---- save and load ---------------------------------------------------------------------------
 
 def save(state: dict[str, Pieces], path: os.PathLike, group, asynchronous: bool = False,
-         stager=None):
+         stager=None, writer: Writer | None = None):
     """Writes this rank's chunks into `path` (collective over `group`; None: this process alone).
-    Returns the Writer, whose `files` are filled once the write is done. `asynchronous`: returns
-    (writer, future) at once, after `stager` has copied the state; the write goes on in a thread."""
-    writer = Writer(path)
+    Returns the Writer (`writer`, if given: the caller keeps its `error` when this raises), whose
+    `files` are filled once the write is done. `asynchronous`: returns (writer, future) at once,
+    after `stager` has copied the state; the write goes on in a thread."""
+    writer = writer or Writer(path)
     kwargs = dict(storage_writer=writer, planner=SavePlanner(), process_group=group,
                   no_dist=group is None)
     with warnings.catch_warnings():

@@ -162,6 +162,12 @@ class Trainer:
         create = tuple(kind for kind in ("adamw", "muon")
                        if any(k.startswith(f"optimizer.{kind}.") for k in saved))
         targets, _ = self.sync.checkpoint_state(self.optimizer, create)
+        missing = sorted(k for k in targets if k not in saved)
+        if missing:  # resume._check_fit compared the shapes; this checkpoint lacks tensors
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise checkpoint.CheckpointError(
+                f"{path}: the checkpoint holds no {missing[0]}{more}; it was not written by "
+                "this model and optimizer: resume from another one, or --reset")
         same = int(meta["world_size"]) == self.env.world_size
         rng = sharded.rng(self.env, fresh=True) if same else {}
         checkpoint.read_into(path, index,

@@ -240,3 +240,30 @@ def test_a_save_allocates_at_most_its_share_and_the_largest_tensor(tiny_data, tm
                           f"{r['peak_staged'] / 1e3:.0f} kB (staged), gathering it "
                           f"{r['peak_gather'] / 1e3:.0f} kB"
                           for i, r in enumerate(ranks)))
+
+
+def test_a_failure_on_one_rank_is_the_same_line_on_every_rank(tmp_path):
+    """Straight through the Saver at W=2: rank 1 out of memory while it copies its share (before
+    any of the save's collectives: else rank 0 would go on into DCP's and fail later, elsewhere);
+    rank 1's disk full with run.checkpoint_async off (the OS's reason, not torch's "unexpected
+    pos"); rank 0 unable to prune after publishing (a warning: rank 1 must not wait for an
+    outcome that never comes). Each: every rank at once, nothing left behind."""
+    out = tmp_path / "out.json"
+    run_ranks([["-m", "tests.dist.workers", "saver_failures",
+                json.dumps({"root": str(tmp_path / "runs")}), str(out)]] * 2,
+              tmp_path / "logs", timeout=150)
+    result = {case: [json.loads(r) for r in ranks] for case, ranks in
+              json.loads(out.read_text()).items()}
+    stage = [outcome for outcome, _, _ in result["stage"]]
+    assert stage[0] == stage[1] and stage[0].startswith(
+        "SaveFailed: cannot copy checkpoint "), stage
+    assert stage[0].endswith("step_0000001 to memory: RuntimeError: DefaultCPUAllocator: can't "
+                             "allocate memory: you tried to allocate 1000 bytes on rank 1"), stage
+    assert all(listing == [] and took < 20 for _, listing, took in result["stage"]), result
+    enospc = [outcome for outcome, _, _ in result["sync-enospc"]]
+    assert enospc[0] == enospc[1] and enospc[0].endswith(
+        "No space left on device (ENOSPC) on rank 1; its temporary files were removed"), enospc
+    assert all(listing == [] for _, listing, _ in result["sync-enospc"]), result
+    assert [(outcome, listing) for outcome, listing, _ in result["prune"]] == \
+        [("saved", ["step_0000001"])] * 2, result
+    assert all(took < 20 for _, _, took in result["prune"]), result

@@ -430,5 +430,68 @@ def _storage(t) -> int | None:
         return None
 
 
+
+def saver_failures(env, root: str) -> dict:
+    """One save per case through the Saver, on a small state, with a failure on one rank: each
+    rank's outcome (the message it raised, or "saved"), the run dir's listing after it, and the
+    seconds it took. Cases: `stage` (rank 1 cannot copy its share to memory), `sync-enospc` (rank
+    1's write fails with a full disk, run.checkpoint_async off; torch wraps the OS's error),
+    `prune` (rank 0 cannot list the old checkpoints after publishing)."""
+    import errno
+    import os
+    import time
+
+    from torch.distributed.checkpoint import filesystem
+
+    from ddpgpt import checkpoint, sharded
+    from ddpgpt.saver import Saver
+
+    group = dist.checkpoint_group(env, 30)
+    held = {"model.w": sharded.whole(torch.ones(6, 4)), "model.b": sharded.whole(torch.ones(4))}
+    held.update(sharded.rng(env))
+    out = {}
+    for case in ("stage", "sync-enospc", "prune"):
+        where = Path(root) / case
+        saver = Saver(env, where, group, "t", keep=1, asynchronous=case != "sync-enospc")
+        restore = []
+        if case == "stage" and env.rank == 1:
+            def no_memory(state):
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to "
+                                   "allocate 1000 bytes")
+            saver.stager._copy = no_memory
+        if case == "sync-enospc" and env.rank == 1:
+            real = filesystem._write_item
+
+            def full(*args, **kwargs):
+                try:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                except OSError as e:  # as torch's writer does
+                    raise RuntimeError("unexpected pos 123 vs 45") from e
+            filesystem._write_item = full
+            restore.append(lambda real=real: setattr(filesystem, "_write_item", real))
+        if case == "prune" and env.is_main:
+            real_prune = checkpoint.prune
+
+            def unreadable(root, keep):
+                raise PermissionError(errno.EACCES, "Permission denied", str(root))
+            checkpoint.prune = unreadable
+            restore.append(lambda real=real_prune: setattr(checkpoint, "prune", real))
+        dist.barrier(env)
+        start = time.perf_counter()
+        try:
+            saver.save(1, held, {"model.w", "model.b"}, {"x": 1}, {}, wait=True)
+            outcome = "saved"
+        except Exception as e:
+            outcome = f"{type(e).__name__}: {e}"
+        took = time.perf_counter() - start
+        saver.close()
+        for undo in restore:
+            undo()
+        dist.barrier(env)
+        listing = sorted(os.listdir(where)) if where.is_dir() else []
+        out[case] = dist.all_gather_text(env, json.dumps([outcome, listing, took]))
+    return out
+
+
 if __name__ == "__main__":
     main()

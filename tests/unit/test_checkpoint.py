@@ -170,6 +170,46 @@ def test_resaving_a_step_replaces_it(tmp_path):
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0000003"]
 
 
+def test_a_failed_replacement_keeps_the_previous_copy(tmp_path, monkeypatch):
+    """Saving a step that exists moves the old copy aside first; if the new one cannot take its
+    place, the old one goes back: the step stays a complete checkpoint, as the error says."""
+    save(tmp_path, 3, seed=1)
+    real_rename = os.rename
+
+    def rename(a, b):
+        if os.path.basename(a).startswith(".tmp-step_0000003"):
+            raise OSError(5, "Input/output error", a)
+        real_rename(a, b)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(checkpoint.WriteError, match="Input/output error"):
+        save(tmp_path, 3, seed=2)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0000003"]
+    loaded = model(seed=99)
+    load_into(find_latest(tmp_path)[0], loaded)
+    assert torch.equal(loaded.wte.weight, model(1).wte.weight)
+
+
+def test_a_parent_that_cannot_be_synced_after_the_rename_is_a_warning(tmp_path, monkeypatch,
+                                                                      capsys):
+    """The rename published the checkpoint: a failed fsync of its parent afterwards is said, and
+    the save counts (it is not reported as failed while its directory is there)."""
+    real_fsync = checkpoint.fsync
+
+    def fsync(path):
+        if path.name == "checkpoints":
+            raise OSError(5, "Input/output error")
+        real_fsync(path)
+
+    monkeypatch.setattr(checkpoint, "fsync", fsync)
+    path = save(tmp_path, 2)
+    assert find_latest(tmp_path)[0] == path
+    err = capsys.readouterr().err
+    assert (f"ddpgpt: warning: checkpoint {path} is written, but its directory could not be "
+            "synced (Input/output error); it may not survive a power loss") in err
+
+
 def test_weights_of_another_shape_are_one_line(tmp_path):
     path = save(tmp_path, 1)
     other = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=16, block_size=4, vocab_size=16))
