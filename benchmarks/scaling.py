@@ -173,8 +173,8 @@ def print_muon(world: int, name: str = "gpt2-124m") -> None:
     print("| mode | GB sent per rank per step, AdamW | Muon | " + " | ".join(
         f"{f}: Muon exposed (AdamW)" for f in fabrics) + " |")
     print("|---|---:|---:|" + "---:|" * len(fabrics))
+    plain, muon = traffic(n, world, accum), traffic(n, world, accum, matrices=matrices)
     for mode in MODES:
-        plain, muon = traffic(n, world, accum), traffic(n, world, accum, matrices=matrices)
         cells = [f"{share(exposed(mode, muon, bw, step_s), step_s):.0%} "
                  f"({share(exposed(mode, plain, bw, step_s), step_s):.0%})"
                  for bw in FABRICS.values()]

@@ -303,13 +303,14 @@ def _reading(path: Path):
     try:
         yield
     except BaseException as e:
-        cause = os_error_in(sharded.failures(e)[0][1])
+        first = sharded.failures(e)[0][1]
+        cause = os_error_in(first)
         if isinstance(cause, FileNotFoundError) and not path.exists():
             raise CheckpointGone(f"{path}: deleted while being read") from None
         if cause is not None:
             raise CheckpointError(f"{path}: cannot read its tensors: {describe(cause)}") from None
-        if isinstance(sharded.failures(e)[0][1], UserError):
-            raise sharded.failures(e)[0][1] from None
+        if isinstance(first, UserError):
+            raise first from None
         raise
 
 

@@ -138,7 +138,8 @@ class Matrices:
         self.shapes = [tuple(p.shape) for p in params]
         self.dtype, self.device = params[0].dtype, params[0].device
         self.layout = plan(self.shapes, env.world_size, bucket_elems)
-        self.mine = self.layout.owned(env.rank)  # indices, in the order of this rank's share
+        self.owned = [self.layout.owned(r) for r in range(env.world_size)]
+        self.mine = self.owned[env.rank]  # indices, in the order of this rank's share
         self.width = max(self.layout.elements(r) for r in range(env.world_size))
 
     def gather(self, mine: list[torch.Tensor] | None) -> list[torch.Tensor | None]:
@@ -156,11 +157,12 @@ class Matrices:
         everyone = flat.new_empty(self.env.world_size, 1 + self.width)  # (W, 1 + width)
         dist.all_gather_into(self.env, everyone.view(-1), flat)
         out: list[torch.Tensor | None] = [None] * len(self.shapes)
+        flags = everyone[:, 0].tolist()  # one read of the W flags
         for rank in range(self.env.world_size):
-            if everyone[rank, 0] == 0:
+            if flags[rank] == 0:
                 continue
             offset = 1
-            for i in self.layout.owned(rank):
+            for i in self.owned[rank]:
                 n = self.shapes[i][0] * self.shapes[i][1]
                 out[i] = everyone[rank, offset:offset + n].view(self.shapes[i])
                 offset += n

@@ -48,6 +48,10 @@ class RunDir:
         return self.path / "job.json"
 
     @property
+    def configs(self) -> Path:
+        return self.path / "configs.jsonl"
+
+    @property
     def config(self) -> Path:
         return self.path / "config.json"
 
@@ -193,7 +197,7 @@ class RunDir:
         whose config differs from the previous start's is also appended to configs.jsonl, with
         the step it started from, so what each stretch of the run trained with stays known."""
         replace_text(self.config, json.dumps(config, indent=1) + "\n")
-        history = self.path / "configs.jsonl"
+        history = self.configs
         last = None
         if history.is_file():
             lines = history.read_text().splitlines()
@@ -236,7 +240,7 @@ class RunDir:
         """--reset: the checkpoints, metrics and tracker files go into reset-<time>/ (a new
         tracker run begins)."""
         aside = self.set_aside("reset", [self.checkpoints, self.metrics,
-                                         self.path / "configs.jsonl", *self.tracker_files])
+                                         self.configs, *self.tracker_files])
         if aside:
             print(f"ddpgpt: --reset: moved the previous checkpoints and metrics to {aside}",
                   file=sys.stderr)

@@ -53,11 +53,12 @@ class Trainer:
     rank's RNG."""
 
     def __init__(self, cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, guard: Guard,
-                 local: bool = False, init: dict | None = None):
+                 local: bool = False, init: dict | None = None, digest: bool = True):
         """Built in one direction: the model, the sync mode around it, the optimizer over the
         parameters as the mode left them; a checkpoint is loaded into those (load_state_dict).
         `local`: no collective at all, each rank on its own micro-batches (bench's baseline).
-        `init`: pretrained weights (--init-from) to start from instead of the seed's."""
+        `init`: pretrained weights (--init-from) to start from instead of the seed's. `digest`:
+        take `init_digest` (a start from scratch compares it across ranks; a resume does not)."""
         self.cfg, self.env, self.dataset, self.guard = cfg, env, dataset, guard
         dev, data, run = env.device, cfg.data, cfg.run
         self.accum = accum_steps(cfg, env.world_size)
@@ -68,7 +69,7 @@ class Trainer:
             self.raw.load_state_dict(init)
         # What this rank built, before any sharding: fsdp2 would otherwise show every rank the
         # same gathered mix of the ranks' shards, whatever each built.
-        self.init_digest = dist.state_digest(self.raw.state_dict())
+        self.init_digest = dist.state_digest(self.raw.state_dict()) if digest else None
         # 2. The sync mode wraps it (DDP, gradient buckets, zero1's flat buffers, fsdp2's shards)
         #    and says what this rank steps; the optimizer is built over exactly that.
         groups = optim.groups(self.raw, cfg.optim)
@@ -116,10 +117,15 @@ class Trainer:
             rng["cuda"] = dist.all_gather(env,
                                           torch.cuda.get_rng_state(env.device).to(env.device)).cpu()
         return {"model": self.sync.model_state(),
-                "optimizer": self.sync.optimizer_state(self.optimizer),
-                "scaler": self.scaler.state_dict() if self.scaler else None,
+                "optimizer": self.sync.optimizer_state(self.optimizer), "rng": rng,
+                **self._rest()}
+
+    def _rest(self) -> dict:
+        """The state beside the tensors: the scaler, the loader's cursor, the guard and its spike
+        detector, the progress."""
+        return {"scaler": self.scaler.state_dict() if self.scaler else None,
                 "loader": self.loader.state_dict(), "guard": self.guard.state_dict(),
-                "spike": self.guard.spikes.state_dict(), "rng": rng,
+                "spike": self.guard.spikes.state_dict(),
                 "progress": {"step": self.step, "elapsed_s": self.elapsed_s}}
 
     def load_state_dict(self, state: dict, saved_world_size: int, new_data: bool = False) -> None:
@@ -142,11 +148,7 @@ class Trainer:
         every rank holds alike; and the small rest (a snapshot; rank 0's is written)."""
         held, replicated = self.sync.checkpoint_state(self.optimizer)
         held.update(sharded.rng(self.env))
-        rest = {"optimizer": self.sync.optimizer_rest(self.optimizer),
-                "scaler": self.scaler.state_dict() if self.scaler else None,
-                "loader": self.loader.state_dict(), "guard": self.guard.state_dict(),
-                "spike": self.guard.spikes.state_dict(),
-                "progress": {"step": self.step, "elapsed_s": self.elapsed_s}}
+        rest = {"optimizer": self.sync.optimizer_rest(self.optimizer), **self._rest()}
         return held, replicated, copy.deepcopy(rest)
 
     def restore(self, path, meta: dict, new_data: bool = False) -> None:
@@ -314,7 +316,7 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: res
         from ddpgpt.init_from import read_state
         # Every rank reads the weights itself; one that cannot stops them all.
         init = dist.together(env, lambda: read_state(cfg.model.init_from, cfg.model))
-    trainer = Trainer(cfg, env, dataset, guard, init=init)
+    trainer = Trainer(cfg, env, dataset, guard, init=init, digest=start.path is None)
     trainer.origin = start.origin
 
     def restore() -> None:

@@ -48,10 +48,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ddpgpt import dist
 from ddpgpt.optim import Group, Optimizer
-from ddpgpt.sync.base import Sync, nbytes
+from ddpgpt.sync.base import MOMENTS, Sync, nbytes
 
 FULL = StateDictOptions(full_state_dict=True)
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def band(rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -66,8 +65,7 @@ class FSDP2Sync(Sync):
                  bucket_mb: float, mode: str = "fsdp2", compress: str = "none"):
         super().__init__(model, groups, env, bucket_mb)
         self.name = mode
-        names = {id(p): n for n, p in model.named_parameters()}
-        self.names = [[names[id(p)] for p in g.params] for g in groups]
+        self.names = [[self.param_names[id(p)] for p in g.params] for g in groups]
         self.mesh = init_device_mesh(env.device.type, (env.world_size,))
         for block in model.blocks:  # each block gathered and freed on its own
             fully_shard(block, mesh=self.mesh)
@@ -189,7 +187,7 @@ class FSDP2Sync(Sync):
 
     def _adamw(self) -> list[torch.Tensor]:
         """torch's AdamW over the whole model indexes these, in this order."""
-        return [p for g, s in zip(self.groups, self.sharded) if g.kind == "adamw" for p in s]
+        return [p for _, p in self.adamw_named()]
 
     def adamw_state(self, optimizer: Optimizer) -> dict:
         """Collective (when there is state): every moment's full tensor, same order on every

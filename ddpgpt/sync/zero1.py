@@ -38,7 +38,7 @@ from ddpgpt.sync.buckets import Bucket, BucketSync, packed
 class Zero1Sync(BucketSync):
     def __init__(self, model: torch.nn.Module, groups: list[Group], env: dist.DistEnv,
                  bucket_mb: float, mode: str = "zero1", compress: str = "none"):
-        super().__init__(model, groups, env, bucket_mb, mode="zero1", compress=compress)
+        super().__init__(model, groups, env, bucket_mb, mode=mode, compress=compress)
         self.group_of = {id(p): i for i, g in enumerate(groups) for p in g.params}
         for bucket in self.buckets:
             bucket.flat = bucket.buffer.new_zeros(bucket.buffer.numel())  # the parameters' values
