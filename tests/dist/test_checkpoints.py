@@ -230,7 +230,7 @@ def test_a_save_allocates_at_most_its_share_and_the_largest_tensor(tiny_data, tm
             bound = total / 2 + largest
             assert r["written"] <= bound, (case, r)
             assert r["staged"] == r["written"], (case, r)
-            assert r["peak_staged"] <= r["written"] + 64 * 1024, (case, r)
+            assert r["written"] <= r["peak_staged"] <= r["written"] + 64 * 1024, (case, r)
             assert r["peak_sync"] <= bound + 64 * 1024, (case, r)
         if case == "fsdp2 adamw":  # the count sees a gather: the state, whole, on every rank
             assert all(r["peak_gather"] >= 0.9 * total for r in ranks), ranks

@@ -23,6 +23,7 @@ from tests.helpers import (
     read_metrics,
     reference_training,
     run_ranks,
+    saved_state,
     saved_weights,
     tiny_train_args,
 )
@@ -104,7 +105,7 @@ def test_a_run_resumed_after_a_rollback_goes_on_bitwise(runs, tiny_data, tmp_pat
     run_dir = tmp_path / "run"
     stopped = spike_run(tiny_data, run_dir, 1, "spike@5,term@7", check=False)
     assert codes(stopped)[0] == [EXIT_PREEMPTED], codes(stopped)[1]
-    saved = torch.load(run_dir / "checkpoints" / "step_0000008" / "trainer.pt", weights_only=True)
+    saved = saved_state(run_dir / "checkpoints" / "step_0000008")
     assert saved["spike"]["rollbacks"] == [{"step": 6, "to": 3, "batches": 3}]
     assert saved["spike"]["lr_until"] == 9
     spike_run(tiny_data, run_dir, 1, "")

@@ -348,7 +348,11 @@ def checkpoint_memory(env, data: str, run_dir: str, cases: list[list[str]]) -> d
         held, replicated, rest = t.shard_state()
         mine = sharded.share(held, replicated, env.rank, env.world_size)
         written = sum(p.nbytes for p in mine.values())
-        total = dist.all_reduce(env, torch.tensor(float(written))).item()
+        # The whole state's bytes, from the logical tensors' shapes (not from what was written):
+        # the union of every rank's names, since a rank lists only what it holds.
+        sizes = {k: p.shape.numel() * p.chunks[0][1].element_size() for k, p in held.items()}
+        total = sum({k: v for text in dist.all_gather_text(env, json.dumps(sizes))
+                     for k, v in json.loads(text).items()}.values())
         largest = max(p.shape.numel() * p.chunks[0][1].element_size() for p in held.values())
         root = Path(dist.all_gather_text(env, tempfile.mkdtemp(dir=run_dir))[0])
         saver = Saver(env, root, dist.checkpoint_group(env), "test", keep=5, asynchronous=False)
