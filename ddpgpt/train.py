@@ -217,24 +217,25 @@ class Trainer:
         """Forward/backward over this rank's A micro-batches, gradients synced once, at the last.
         Returns (this rank's mean loss, the global gradient norm before clipping)."""
         loss_sum = torch.zeros((), device=self.env.device)
-        for m, (x, y) in enumerate(self.loader.next_step()):
-            last = m == self.accum - 1
-            # Before the last micro-step no gradient is synced: they accumulate locally.
-            with self.sync.micro_step(last):
-                with self.autocast():
-                    _, loss = self.model(x, y)  # mean over this micro-batch's b·T tokens
-                # /A: summed over micro-steps, then averaged over W ranks by the sync, the gradient
-                # is that of the mean loss over the global batch (every window has T targets).
-                scaled = loss / self.accum
-                # The last backward is where the sync's collectives start, and a lost peer shows.
-                with dist.collective() if last else contextlib.nullcontext():
+        # A lost peer shows in whichever collective comes first: the last backward's (DDP, the
+        # buckets), any forward's (fsdp2 gathers each block's weights), finish()'s or the norm's.
+        with dist.collective() if self.env.world_size > 1 else contextlib.nullcontext():
+            for m, (x, y) in enumerate(self.loader.next_step()):
+                last = m == self.accum - 1
+                # Before the last micro-step no gradient is synced: they accumulate locally.
+                with self.sync.micro_step(last):
+                    with self.autocast():
+                        _, loss = self.model(x, y)  # mean over this micro-batch's b·T tokens
+                    # /A: summed over micro-steps, then averaged over W ranks by the sync, the
+                    # gradient is that of the mean loss over the global batch (T targets each).
+                    scaled = loss / self.accum
                     (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            loss_sum += loss.detach()
-        self.sync.finish()
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        # After the sync every rank holds the same gradients, so this is the global norm.
-        norm = self.sync.clip(self.cfg.optim.grad_clip or float("inf"))
+                loss_sum += loss.detach()
+            self.sync.finish()
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            # After the sync every rank holds the same gradients, so this is the global norm.
+            norm = self.sync.clip(self.cfg.optim.grad_clip or float("inf"))
         return loss_sum / self.accum, norm
 
     def update(self, lr: float) -> None:

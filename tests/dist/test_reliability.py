@@ -146,6 +146,17 @@ def test_stalled_rank_ends_the_job_after_the_timeout(tiny_data, tmp_path):
           f"after the stall, the job {job.end - stalled:.1f} s after it")
 
 
+def test_a_peer_lost_during_an_fsdp2_forward_is_one_line(tiny_data, tmp_path):
+    """Under fsdp2 the first collective of a step is a forward's all-gather of a block's weights,
+    not the last backward's: rank 1 stalls before step 4 and rank 0's wait there ends in the same
+    one line, not a traceback."""
+    job = Launch(launch_args(tiny_data, tmp_path / "run", run__dist_timeout_s=4,
+                             run__sync="fsdp2"), env={"DDPGPT_FAULT": "stall@3@1"})
+    assert job.wait(120) == 1, job.text
+    assert "Traceback" not in job.text, job.text
+    assert "ddpgpt: error: step 4: a collective failed on rank 0 (" in job.text, job.text
+
+
 def test_nan_on_one_rank_stops_every_rank(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
     args = tiny_train_args(tiny_data, run_dir, STEPS, run__checkpoint_every=3,
