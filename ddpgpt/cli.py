@@ -35,7 +35,7 @@ from ddpgpt.command_config import (
 )
 from ddpgpt.config import SECTIONS, TrainConfig
 from ddpgpt.config_io import add_flags, build, flat_config, from_dict, nest
-from ddpgpt.errors import UserError
+from ddpgpt.errors import UserError, survive_closed_output
 
 
 class _Parser(argparse.ArgumentParser):
@@ -262,6 +262,7 @@ def rendezvous(cfg: RendezvousConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    survive_closed_output()
     debug = "--debug" in argv or os.environ.get("DDPGPT_DEBUG") == "1"
     try:
         dispatch([a for a in argv if a != "--debug"])

@@ -242,26 +242,30 @@ class RunConfig:
     naming the step after this long instead of hanging (gloo's own default is 30 minutes)."""
     on_nonfinite: str = field(default="spike", metadata={"alias": "--on-nonfinite"})
     """When any rank sees a non-finite loss or gradient norm: spike (a loss spike: run.on_spike
-    decides, and with on_spike = none the run stops), stop (every rank, naming the step; the last
-    checkpoint stays intact) or skip (no update for that step, counted)."""
+    decides, and with on_spike = none the run stops), stop (every rank, naming the step and the
+    newest healthy checkpoint) or skip (no update for that step, counted)."""
     max_skipped: int = 10
-    """With on_nonfinite = skip: stop once this many steps have been skipped in the run."""
-    on_spike: str = "rollback"
+    """Stop once this many steps have been skipped for a non-finite value in the run."""
+    on_spike: str = "recover"
     """When the global loss spikes (above spike_ratio × the median of the last spike_window
-    steps): rollback (reload the newest checkpoint before it, skip the global batches from there
-    to the spike, lower the lr for a while, go on), stop (every rank, naming the step), or none."""
+    healthy steps, or not finite): recover (find the cause with one forward over the last
+    healthy batch: bad data is skipped; bad weights are trained through as with none, and rolled
+    back to the newest healthy checkpoint at a lower lr if they do not heal within
+    spike_patience steps; never stops for a finite spike), stop (every rank, naming the newest
+    healthy checkpoint), or none (train on; a non-finite value stops). See docs/reliability.md."""
     spike_ratio: float = 2.0
     """A step's global loss above this multiple of the recent median is a spike."""
-    spike_window: int = 10
-    """Steps whose median loss a step is compared with; spikes are looked for once there are
-    this many (after a rollback, the checkpoint's are kept)."""
+    spike_window: int = 20
+    """Healthy steps whose median loss a step is compared with; spikes are looked for once there
+    are this many (a rollback restores the checkpoint's)."""
+    spike_patience: int = 10
+    """Steps a spike caused by the weights may last while the model trains through it, before
+    a rollback (on_spike = recover)."""
     rollback_lr_factor: float = 0.5
-    """After a rollback, the learning rate is multiplied by this ..."""
-    rollback_lr_steps: int = 20
-    """... for this many steps from the checkpoint rolled back to."""
+    """Each rollback multiplies the learning rate of the rest of the run by this."""
     max_rollbacks: int = 3
-    """Stop instead of rolling back once this many rollbacks have happened within the last
-    rollback_window steps."""
+    """Train on through a spike instead of rolling back once this many rollbacks have happened
+    within the last rollback_window steps."""
     rollback_window: int = 100
     """Steps over which max_rollbacks counts."""
     tracker: str = "none"
@@ -288,14 +292,13 @@ class RunConfig:
         _choice("run", "grad_compress", self.grad_compress, ("none", "bf16"))
         _choice("run", "precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _choice("run", "on_nonfinite", self.on_nonfinite, ("spike", "stop", "skip"))
-        _choice("run", "on_spike", self.on_spike, ("none", "stop", "rollback"))
+        _choice("run", "on_spike", self.on_spike, ("none", "stop", "recover"))
         _require(self.spike_ratio > 1, f"run.spike_ratio = {self.spike_ratio:g} must be > 1")
         _require(0 < self.rollback_lr_factor <= 1,
                  f"run.rollback_lr_factor = {self.rollback_lr_factor:g} must be in (0, 1]")
-        for name in ("spike_window", "rollback_window"):
+        for name in ("spike_window", "spike_patience", "rollback_window"):
             _require(getattr(self, name) >= 1, f"run.{name} = {getattr(self, name)} must be >= 1")
-        for name in ("rollback_lr_steps", "max_rollbacks"):
-            _require(getattr(self, name) >= 0, f"run.{name} = {getattr(self, name)} must be >= 0")
+        _require(self.max_rollbacks >= 0, f"run.max_rollbacks = {self.max_rollbacks} must be >= 0")
         _choice("run", "tracker", self.tracker, ("none", "tensorboard", "wandb"))
         _require(0 < self.dist_timeout_s <= MAX_TIMEOUT_S,
                  f"run.dist_timeout_s = {self.dist_timeout_s:g} must be in (0, {MAX_TIMEOUT_S}] "

@@ -144,8 +144,24 @@ def load_toml(path: str | Path) -> dict:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
 
 
+# What configs written by earlier versions hold that this one names otherwise: a retired key is
+# dropped (None), a retired value becomes its successor. Only for saved configs, never for input.
+RETIRED = {("run", "rollback_lr_steps"): None,  # rollbacks now lower the lr for good
+           ("run", "on_spike"): {"rollback": "recover"}}
+
+
 def from_dict(values: dict, source: str = "config.json") -> TrainConfig:
     """Rebuilds a TrainConfig from `to_dict()` output (a run's config.json, a checkpoint's)."""
+    values = {section: dict(fields) if isinstance(fields, dict) else fields
+              for section, fields in values.items()}
+    for (section, key), successor in RETIRED.items():
+        fields = values.get(section)
+        if not isinstance(fields, dict) or key not in fields:
+            continue
+        if successor is None:
+            del fields[key]
+        else:
+            fields[key] = successor.get(fields[key], fields[key])
     return overlay(TrainConfig(), values, source)
 
 

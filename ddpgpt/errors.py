@@ -4,7 +4,57 @@ A `UserError` says what is wrong, where (file, field, rank) and what to do about
 problems a person can fix; bugs stay ordinary exceptions with a traceback.
 """
 
+import errno
+import os
 import sys
+
+
+class _Unbroken:
+    """A text stream whose writes never raise once its reader is gone: `train ... | tee log`,
+    then Ctrl-C, stops tee with the same SIGINT, and a stop message or a progress bar written
+    to the closed pipe would raise BrokenPipeError wherever the run happened to be, costing the
+    checkpoint the stop was for. From the first such write, output goes to /dev/null (also the
+    file descriptor, so that the interpreter's own flush at exit cannot fail either)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _lost(self) -> None:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+        except (OSError, ValueError):
+            pass
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.ECONNRESET):
+                raise
+            self._lost()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.ECONNRESET):
+                raise
+            self._lost()
+            self._stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def survive_closed_output() -> None:
+    """Standard output and error that outlive their reader (see _Unbroken)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _Unbroken):
+            setattr(sys, name, _Unbroken(stream))
 
 
 def warn(message: str) -> None:

@@ -18,7 +18,13 @@ job's first start only (never after an elastic restart, so a restarted job can f
     spike        its loss on global batch STEP (the one a straight run's step STEP+1 reads) is
                  multiplied by 1000: bad data. A rollback skips that batch, so it comes once
     diverge      its loss is multiplied by 1000 every time step STEP+1 runs: a spike that
-                 skipping data does not cure (the rollback limit stops the run)
+                 skipping data does not cure
+    garbage      its windows of global batch STEP are replaced by uniformly random tokens (drawn
+                 from a generator seeded by STEP): bad data whose loss and gradient are real
+    weights      from step STEP+1 on, its losses are multiplied by 1000, the spike probe's too:
+                 weights that look broken on every batch and do not heal, until the run rolls
+                 back (then the fault is spent)
+    weights-always   the same every time the run is at step STEP+1 or later, rollbacks or not
 
 The actions above wait for the checkpoint this rank may be writing in the background (a crash
 between checkpoints). These happen around the checkpoint of step STEP (saver.py):
@@ -43,12 +49,14 @@ import signal
 import time
 from concurrent import futures
 
+import torch
+
 from ddpgpt import checkpoint, sharded
 from ddpgpt.reliability import GRACE_S
 
 SAVING = ("kill-saving", "kill-writing", "kill-committing", "hold-save", "term-saving")
 ACTIONS = ("kill", "kill-node", "term", "term2", "stall", "hold", "nan", "spike", "diverge",
-           *SAVING)
+           "garbage", "weights", "weights-always", *SAVING)
 LOSS_ACTIONS = {"nan": float("nan"), "spike": 1000.0, "diverge": 1000.0}
 HOLD_S = 300  # the longest a hold waits (a test that never releases it fails, not hangs)
 
@@ -98,6 +106,10 @@ def install(trainer, saver) -> None:
         fault = parse(spec, trainer.env.rank)
         if fault is not None and fault[0] in SAVING:
             _around_saving(*fault, trainer, saver)
+        elif fault is not None and fault[0] == "garbage":
+            _garbage(fault[1], trainer)
+        elif fault is not None and fault[0].startswith("weights"):
+            _broken_weights(*fault, trainer)
         elif fault is not None:
             _around_step(*fault, trainer, saver)
 
@@ -120,6 +132,42 @@ def _around_step(action: str, at: int, trainer, saver) -> None:
         return loss, norm
 
     trainer.train_step = faulty_step
+
+
+def _garbage(at: int, trainer) -> None:
+    """Global batch `at`, as this rank reads it, becomes random tokens."""
+    loader = trainer.loader
+    next_step = loader.next_step
+
+    def garbage_step():
+        due = loader.batch_index == at
+        batches = next_step()
+        if not due:
+            return batches
+        print(f"fault: garbage in global batch {at}", flush=True)
+        gen = torch.Generator().manual_seed(at)
+        vocab = trainer.dataset.vocab_size
+        return ((torch.randint(vocab, x.shape, generator=gen).to(x.device),
+                 torch.randint(vocab, y.shape, generator=gen).to(y.device)) for x, y in batches)
+
+    loader.next_step = garbage_step
+
+
+def _broken_weights(action: str, at: int, trainer) -> None:
+    step, probe = trainer.train_step, trainer.probe
+
+    def broken() -> bool:
+        return trainer.step >= at and (action == "weights-always"
+                                       or not trainer.guard.spikes.rollbacks)
+
+    def broken_step():
+        loss, norm = step()
+        return (loss * 1000, norm) if broken() else (loss, norm)
+
+    def broken_probe(batch: int) -> float:
+        return probe(batch) * (1000 if broken() else 1)
+
+    trainer.train_step, trainer.probe = broken_step, broken_probe
 
 
 def _around_saving(action: str, at: int, trainer, saver) -> None:

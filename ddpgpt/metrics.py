@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from ddpgpt.files import WriteError, describe
+from ddpgpt.trackers import kept_rows
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets.
 GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12,
@@ -158,11 +159,11 @@ class Metrics:
         """Back to `step` (a rollback): the rows after it go, as on resume, and the bar with
         them; the throughput is measured afresh from here."""
         self.mark, self.mark_step = time.perf_counter(), step
-        if self.tracker is not None:
-            self.tracker.rewind(step)
         if self.enabled:
             self.file.close()
             cut_log(self.path, step)
+            if self.tracker is not None:
+                self.tracker.rewind(step, kept_rows(self.path, step))
             self.file = open(self.path, "a")
             self.bar.n = step
             self.bar.refresh()

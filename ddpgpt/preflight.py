@@ -70,8 +70,6 @@ def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> T
     precision = cfg.run.precision
     if precision == "auto":
         precision = "bf16" if device == "cuda" else "fp32"
-    if precision == "fp16" and device != "cuda":
-        raise ConfigError("run.precision = fp16 needs CUDA; use bf16 or fp32 on CPU")
     check_mode(cfg, precision)
     threads = cfg.run.threads or max(1, len(os.sched_getaffinity(0)) // local_world_size)
     run = dataclasses.replace(cfg.run, device=device, precision=precision, threads=threads,

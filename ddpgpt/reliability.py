@@ -18,14 +18,16 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from ddpgpt import dist
+from ddpgpt import checkpoint, dist
 from ddpgpt.config import RunConfig
 from ddpgpt.errors import UserError, warn
-from ddpgpt.spike import Spike, SpikeDetector
+from ddpgpt.spike import Spike, SpikePolicy, Verdict
 
 # sysexits' EX_TEMPFAIL: stopped early on request, checkpoint saved; rerun to resume
 EXIT_PREEMPTED = 75
@@ -111,11 +113,13 @@ class Guard:
     rollback (spike.py) or a stop."""
 
     def __init__(self, env: dist.DistEnv, cfg: RunConfig, stop: StopSignal,
-                 lr_fields: str = "optim.lr"):
-        """`lr_fields`: the learning rates to name in advice ("optim.lr or optim.muon_lr")."""
+                 lr_fields: str = "optim.lr", checkpoints: Path | None = None):
+        """`lr_fields`: the learning rates to name in advice ("optim.lr or optim.muon_lr");
+        `checkpoints`: the run's checkpoint directory, whose healthy ones a stop names."""
         self.env, self.cfg, self.signal, self.lr_fields = env, cfg, stop, lr_fields
-        self.skipped = 0  # steps skipped in the run so far (saved in checkpoints)
-        self.spikes = SpikeDetector(cfg)  # saved in checkpoints by the trainer, as "spike"
+        self.checkpoints = checkpoints
+        self.skipped = 0  # steps skipped for a non-finite value in the run so far
+        self.spikes = SpikePolicy(cfg)
 
     def exchange(self, loss: torch.Tensor, norm: torch.Tensor, scaled: bool,
                  saving: bool = False) -> Health:
@@ -130,49 +134,60 @@ class Guard:
         return Health(rows[:, 0].mean().item(), bad, bool(rows[:, 2].any()),
                       not bool(rows[:, 3].any()))
 
-    def judge(self, step: int, health: Health, last_checkpoint: int) -> str | Spike:
-        """What step `step` (1-based) leads to, the same on every rank: "update", "skip" (a
-        non-finite step, with on_nonfinite = skip), or a Spike to roll back from; a stop
-        raises. A non-finite value is a spike unless on_nonfinite says otherwise."""
-        if health.bad and self.cfg.on_nonfinite != "spike":
-            self.on_nonfinite(step, health.bad, last_checkpoint)
-            return "skip"
-        if health.bad:
-            spike = self.spikes.nonfinite(step, health.loss, health.bad)
-        elif self.cfg.on_spike == "none":
-            self.spikes.losses.append(health.loss)
-            return "update"
-        elif (spike := self.spikes.check(step, health.loss)) is None:
-            return "update"
-        cfg, recent = self.cfg, self.spikes.recent(step)
-        if cfg.on_spike == "rollback" and recent < cfg.max_rollbacks:
-            return spike
-        if cfg.on_spike == "rollback":
-            why = (f" after {recent} rollback{'s' if recent != 1 else ''} within "
-                   f"{cfg.rollback_window} steps (run.max_rollbacks = {cfg.max_rollbacks})")
-            advice = "or raise run.max_rollbacks"
-        else:
-            why, advice = f" (run.on_spike = {cfg.on_spike})", "or use --run.on-spike rollback"
-        self._stop(f"step {step}: {spike.describe(cfg, len(self.spikes.losses))}", why, advice,
-                   last_checkpoint)
+    def judge(self, step: int, health: Health, batch: int,
+              probe: Callable[[int], float]) -> Verdict:
+        """What step `step` (1-based), which read global batch `batch`, leads to: the same on
+        every rank. A stop raises. `probe`: see SpikePolicy.recover."""
+        spikes, cfg = self.spikes, self.cfg
+        if health.bad and cfg.on_nonfinite != "spike":
+            self.on_nonfinite(step, health.bad)
+            return Verdict("skip")
+        if not health.bad and (cfg.on_spike == "none" or not spikes.outlier(health.loss)):
+            return spikes.healthy(step, health.loss, batch)
+        spike = Spike(step, health.loss, spikes.median, health.bad)
+        what = f"step {step}: {spike.describe(cfg.spike_ratio, len(spikes.losses))}"
+        if cfg.on_spike != "recover":  # stop, or none with a non-finite value
+            self._stop(what, f" (run.on_spike = {cfg.on_spike})",
+                       "or use --run.on-spike recover", spikes.through or step)
+        verdict = spikes.recover(spike, probe)
+        if verdict.fields.get("cause") == "nonfinite":
+            self._count_skip(what, spikes.through or step)
+        return verdict
 
-    def _stop(self, where: str, why: str, advice: str, last_checkpoint: int) -> None:
-        kept = f"step {last_checkpoint}" if last_checkpoint >= 0 else "none yet"
-        raise dist.DistError(f"{where}; stopped before the optimizer step{why}. The last "
-                             f"checkpoint ({kept}) is intact; lower {self.lr_fields} or raise "
+    def _stop(self, where: str, why: str, advice: str, first: int) -> None:
+        """Every rank raises the same line; `first`: the first step of the trouble, whose
+        previous checkpoint holds the update that caused it."""
+        raise dist.DistError(f"{where}; stopped before the optimizer step{why}. "
+                             f"{self.healthy_checkpoint(first)}; lower {self.lr_fields} or raise "
                              f"optim.warmup_steps, {advice}", quiet=not self.env.is_main)
 
-    def on_nonfinite(self, step: int, bad: list[int], last_checkpoint: int) -> None:
+    def healthy_checkpoint(self, first: int) -> str:
+        """Which checkpoint to resume from after trouble that began at step `first`, as advice."""
+        steps = checkpoint.step_dirs(self.checkpoints) if self.checkpoints else []
+        suspect = [p for s, p in steps if s >= first - 1]
+        good = [p for s, p in steps if s <= first - 2]
+        said = (f"The checkpoint {suspect[0]} was written after the trouble began (the update "
+                f"before step {first} may be its cause), and a plain rerun would resume from it; "
+                if suspect else "")
+        if good:
+            return (f"{said}the newest healthy checkpoint is {good[-1]}: to resume from it, run "
+                    f"the same command with --resume {good[-1]}")
+        return f"{said}no checkpoint before it is known healthy: --reset starts over"
+
+    def on_nonfinite(self, step: int, bad: list[int]) -> None:
         """Every rank takes the same branch: raise (stop) or count a skipped step."""
         where = f"step {step}: non-finite loss or gradient norm on rank {', '.join(map(str, bad))}"
         if self.cfg.on_nonfinite == "stop":
-            self._stop(where, "", "or use --on-nonfinite skip", last_checkpoint)
-        if self.skipped >= self.cfg.max_skipped:  # skipping already: more, or fewer bad steps
-            self._stop(where, f" after {self.skipped} skipped steps (run.max_skipped)",
-                       "or raise run.max_skipped", last_checkpoint)
-        self.skipped += 1
+            self._stop(where, "", "or use --on-nonfinite skip", step)
+        self._count_skip(where, step)
         if self.env.is_main:
             warn(f"{where}; skipped ({self.skipped} of at most {self.cfg.max_skipped})")
+
+    def _count_skip(self, where: str, first: int) -> None:
+        if self.skipped >= self.cfg.max_skipped:  # skipping already: more, or fewer bad steps
+            self._stop(where, f" after {self.skipped} skipped steps (run.max_skipped)",
+                       "or raise run.max_skipped", first)
+        self.skipped += 1
 
     def settle_stop(self) -> None:
         """After a stop checkpoint, on a rank that no signal reached: wait a little for its own.
@@ -186,16 +201,15 @@ class Guard:
         while not self.signal.requested and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    def reset(self) -> None:
-        """The state of a run's first step (a rollback to the start, or before a load)."""
-        self.skipped = 0
-        self.spikes.load_state_dict(None)
-
     def state_dict(self) -> dict:
-        return {"skipped": self.skipped}
+        return {"skipped": self.skipped, "spike": self.spikes.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.skipped = int(state["skipped"])
+    def load_state_dict(self, state: dict | None, spike: dict | None = None) -> None:
+        """`None`: a fresh start. `spike`: where checkpoints before the spike policy joined the
+        guard's state kept it (beside it, as "spike")."""
+        state = state or {}
+        self.skipped = int(state.get("skipped", 0))
+        self.spikes.load_state_dict(state.get("spike", spike))
 
 
 def preempted(step: int, signal_name: str, checkpoint_dir, hint: str, quiet: bool) -> Preempted:

@@ -1,166 +1,199 @@
-"""Loss spikes: found from the global loss, survived by rolling back past the data that caused them.
+"""Loss spikes: told apart by their cause, and survived without ever doing worse than training on.
 
 A step is a spike when its global loss (the mean of every rank's: the same number on every rank)
-is above `run.spike_ratio` × the median of the losses of the last `run.spike_window` steps, or
-when some rank's loss or gradient norm is not finite (with `run.on_nonfinite = spike`, the
-default). It is found in the health exchange, before the optimizer step, so no update is ever
-made from it. `run.on_spike` says what follows:
+is above `run.spike_ratio` × the median of the last `run.spike_window` healthy steps, or when
+some rank's loss or gradient norm is not finite (with `run.on_nonfinite = spike`, the default).
+It is found in the health exchange, before the optimizer step. `run.on_spike` says what follows:
 
-    rollback  (default) every rank reloads the newest checkpoint before the spike (or, if there
-              is none, the run's starting point), moves the loader's cursor past the global
-              batches from that checkpoint's step to the spike's, inclusive, multiplies the
-              learning rate by run.rollback_lr_factor for run.rollback_lr_steps steps, and goes
-              on. Once run.max_rollbacks rollbacks have happened within run.rollback_window
-              steps, the next spike stops the run instead.
-    stop      every rank stops before the update, naming the step; the checkpoints stay as
-              they are
-    none      finite spikes pass (a non-finite value still stops the run)
+    recover  (default) find the cause, then act on it.
+             The data: the weights still do as well on the last healthy global batch as before
+             (a probe: one forward over it, each rank its share, all-reduced: the same windows at
+             any W). The step's update, whose gradient comes from the bad batch, is skipped, and
+             the run goes on with the next batch.
+             The weights: the probe spikes too, so the update before the spike did the damage. The
+             model trains on through it, exactly as with `none`: a transient heals within a few
+             steps (an event says so). If it has not healed after `run.spike_patience` steps, or
+             a value is not finite, every rank rolls back to the newest healthy checkpoint (one
+             whose next step was not a spike: the checkpoint written just before the spike holds
+             the update that caused it), skips the global batches read since, and trains on at
+             `run.rollback_lr_factor` × the learning rate for the rest of the run (compounding
+             with earlier rollbacks). A rollback to the checkpoint the previous one went to goes
+             one further back. Once `run.max_rollbacks` rollbacks within `run.rollback_window`
+             steps have not helped, the run trains on through the next spike instead, saying so
+             (a non-finite step is skipped, counted against `run.max_skipped`).
+    stop     every rank stops before the update, naming the newest healthy checkpoint and the
+             command that resumes from it
+    none     finite spikes pass (a non-finite value still stops the run)
 
-Rollback is the default because it is what people do by hand to a diverging run (OPT-175B's
-logbook is a list of them): the cost of a false alarm is the steps since the checkpoint and a few
-batches of data, each logged; the cost of a real spike that passes is the run. The data is
-skipped because the batches just before a spike are its likeliest cause, and replaying them
-replays it; the lower learning rate is for when the weights are the cause.
+Why. Measured on runs that spike (docs/reliability.md): a rollback at every spike turned a
+transient that heals in two steps into a dead run, because the checkpoint it went back to already
+held the damage, and skipping data cures nothing when the weights are the cause. Training through
+a weight spike is what `none` does, so `recover` can only differ from it where the model fails to
+heal (and then a rollback at a lower lr saves the run) or where the data is the cause (and then
+skipping the batch is strictly better than learning from it).
 
-Reproducible. The detector's window of losses, the rollbacks so far and the lowered-lr window are
-state saved in every checkpoint; the cursor is global, so the batches skipped are the same at any
-W; a rollback reloads a checkpoint exactly as a restart does. The same command gives the same
-losses, rollbacks included, and a run resumed after a rollback goes on bitwise as if it had not
-stopped. Every rollback is a metrics.jsonl event row and one line on rank 0.
+Reproducible. The window of healthy losses, the spike being trained through, the lr factor and
+the rollbacks are state saved in every checkpoint; the probe reads a batch by its global index;
+a rollback reloads a checkpoint exactly as a restart does. The same command gives the same losses
+at any W, and a run resumed after any of these goes on bitwise as if it had not stopped. Every
+action is a metrics.jsonl event row and one line on rank 0.
 """
 
 from __future__ import annotations
 
-import gc
 import math
 import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ddpgpt import checkpoint, dist, resume
 from ddpgpt.config import RunConfig
-from ddpgpt.errors import warn
-from ddpgpt.run_dir import RunDir
 
 
 @dataclass
 class Spike:
     """A step whose loss spiked, as every rank saw it."""
 
-    step: int                  # the step (1-based) that made no update
+    step: int                  # the step (1-based)
     loss: float                # its global loss (inf or nan when not finite)
     median: float              # the recent median it was compared with (nan: too few steps yet)
     ranks: list[int] = field(default_factory=list)  # ranks with a non-finite value, if any
 
-    def describe(self, cfg: RunConfig, window: int) -> str:
+    def describe(self, ratio: float, window: int) -> str:
         if self.ranks:
             return ("non-finite loss or gradient norm on rank "
                     f"{', '.join(map(str, self.ranks))}")
-        return (f"loss spike: {self.loss:.4g} is above {cfg.spike_ratio:g} × the median "
+        return (f"loss spike: {self.loss:.4g} is above {ratio:g} × the median "
                 f"{self.median:.4g} of the last {window} steps")
 
 
-class SpikeDetector:
-    """The recent losses, the rollbacks of the run and the lowered-lr window: all of it state."""
+@dataclass
+class Verdict:
+    """What a step leads to, the same on every rank."""
+
+    action: str                        # "update", "skip" or "rollback"
+    spike: Spike | None = None
+    event: str | None = None           # the metrics.jsonl event to write, if any
+    fields: dict = field(default_factory=dict)
+    line: str = ""                     # the one line rank 0 prints
+    first: int = 0                     # a rollback: the first step of the spike (its cause)
+
+
+UPDATE = Verdict("update")
+
+
+class SpikePolicy:
+    """The recent healthy losses and what the run has done about spikes: all of it state."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.losses: deque[float] = deque(maxlen=cfg.spike_window)
+        self.through = 0        # the first step of a spike the model is training through (0: none)
+        self.probe_batch = -1   # the global batch of the newest healthy step (the probe reads it)
+        self.lr_factor = 1.0    # on every later step's lr: rollback_lr_factor per rollback
         self.rollbacks: list[dict] = []  # {"step": spike's, "to": checkpoint's, "batches": n}
-        self.lr_until = 0                # steps up to this one train at the lowered lr
 
-    def check(self, step: int, loss: float) -> Spike | None:
-        """A Spike when `loss` is above the ratio × the recent median; else the loss joins
-        the window."""
-        if len(self.losses) == self.losses.maxlen:
-            median = statistics.median(self.losses)
-            if loss > self.cfg.spike_ratio * median:
-                return Spike(step, loss, median)
+    # ---- detection ------------------------------------------------------------------------------
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.losses) if self.losses else math.nan
+
+    def outlier(self, loss: float) -> bool:
+        """Above the ratio × the median of a full window (never before it is full)."""
+        return len(self.losses) == self.losses.maxlen and not loss <= self.cfg.spike_ratio * \
+            self.median
+
+    def healthy(self, step: int, loss: float, batch: int) -> Verdict:
+        """A step that is no spike: its loss joins the window; a spike trained through ends."""
         self.losses.append(loss)
-        return None
+        self.probe_batch = batch
+        if not self.through:
+            return UPDATE
+        first, self.through = self.through, 0
+        return Verdict("update", event="recovered", fields={"spike_step": first},
+                       line=f"step {step}: the loss is back under {self.cfg.spike_ratio:g} × the "
+                            f"median after the spike at step {first}, trained through "
+                            f"({step - first} step{'s' * (step - first != 1)})")
 
-    def nonfinite(self, step: int, loss: float, ranks: list[int]) -> Spike:
-        median = statistics.median(self.losses) if self.losses else math.nan
-        return Spike(step, loss, median, ranks)
+    # ---- run.on_spike = recover -----------------------------------------------------------------
 
-    def lr_scale(self, step: int) -> float:
-        """The factor on step `step`'s learning rate (1-based, as Spike.step)."""
-        return self.cfg.rollback_lr_factor if step <= self.lr_until else 1.0
+    def recover(self, spike: Spike, probe: Callable[[int], float]) -> Verdict:
+        """`probe(batch)`: the global loss of the current weights on global batch `batch`
+        (collective: every rank calls this with the same spike, so every rank probes)."""
+        cfg, step = self.cfg, spike.step
+        what = spike.describe(cfg.spike_ratio, len(self.losses))
+        if not self.through:
+            probed = probe(self.probe_batch) if self.probe_batch >= 0 else math.inf
+            if math.isfinite(probed) and probed <= cfg.spike_ratio * self.median:
+                return Verdict("skip", spike, "skip", {"cause": "data", "probe_loss": probed},
+                               f"step {step}: {what}; the weights still give {probed:.4g} on the "
+                               "last healthy batch, so the data is the cause: this step's update "
+                               "is skipped")
+            self.through = step
+            if not spike.ranks:
+                return Verdict("update", spike, "spike", {"cause": "weights",
+                                                          "probe_loss": json_number(probed)},
+                               f"step {step}: {what}; the weights give {probed:.4g} on the last "
+                               "healthy batch too: training on through it (up to "
+                               f"{cfg.spike_patience} steps before a rollback)")
+        elif not spike.ranks and step - self.through < cfg.spike_patience:
+            return Verdict("update", spike)  # still healing: the event said so at its start
+        first = self.through
+        if self.recent(step) < cfg.max_rollbacks:
+            self.through = 0
+            return Verdict("rollback", spike, first=first)
+        # Rollbacks have not helped: train on as `none` would (a non-finite step cannot be).
+        self.through = 0 if spike.ranks else self.through
+        why = (f"{self.recent(step)} rollbacks within {cfg.rollback_window} steps have not "
+               f"helped (run.max_rollbacks = {cfg.max_rollbacks})")
+        if spike.ranks:
+            return Verdict("skip", spike, "skip", {"cause": "nonfinite", "why": why},
+                           f"step {step}: {what}; {why}: this step's update is skipped")
+        if step - first == cfg.spike_patience:
+            return Verdict("update", spike, "give_up", {"why": why},
+                           f"step {step}: {what}; {why}: training on through it", first=first)
+        return Verdict("update", spike)
+
+    def rolled_back(self, spike_step: int, to: int, batches: int) -> None:
+        self.rollbacks.append({"step": spike_step, "to": to, "batches": batches})
+        self.lr_factor *= self.cfg.rollback_lr_factor
 
     def recent(self, step: int) -> int:
         """Rollbacks within run.rollback_window steps before `step`."""
         return sum(r["step"] > step - self.cfg.rollback_window for r in self.rollbacks)
 
+    # ---- state ----------------------------------------------------------------------------------
+
     def state_dict(self) -> dict:
-        return {"losses": list(self.losses), "rollbacks": [dict(r) for r in self.rollbacks],
-                "lr_until": self.lr_until}
+        return {"losses": list(self.losses), "through": self.through,
+                "probe_batch": self.probe_batch, "lr_factor": self.lr_factor,
+                "rollbacks": [dict(r) for r in self.rollbacks]}
 
     def load_state_dict(self, state: dict | None) -> None:
-        """`None`: a checkpoint from before spikes were tracked, or a fresh start."""
+        """`None`: a fresh start, or a checkpoint from before spikes were tracked. A checkpoint
+        of the earlier policy (a temporary lr cut, `lr_until`) keeps its window and rollbacks."""
         state = state or {}
         self.losses.clear()
         self.losses.extend(float(x) for x in state.get("losses", []))
+        self.through = int(state.get("through", 0))
+        self.probe_batch = int(state.get("probe_batch", -1))
+        self.lr_factor = float(state.get("lr_factor", 1.0))
         self.rollbacks = [dict(r) for r in state.get("rollbacks", [])]
-        self.lr_until = int(state.get("lr_until", 0))
 
 
-def newest_before(run_dir: RunDir, step: int, origin: resume.Start) -> resume.Start:
-    """The newest complete checkpoint of this run before `step`, or `origin` (where this
-    process started: a checkpoint, or the initial state when its path is None)."""
-    for saved, path in reversed(checkpoint.step_dirs(run_dir.checkpoints)):
-        if saved >= step or saved < origin.step or (saved == origin.step and origin.path):
-            continue  # the starting checkpoint itself is `origin`, which knows a data switch
-        try:
-            meta = checkpoint.read_meta(path)
-        except checkpoint.CheckpointError as e:
-            warn(f"rollback: skipping checkpoint {path.name}: {e}")
-            continue
-        return resume.Start(path, meta, origin=meta.get("origin"))
-    return origin
+def target(steps: list[int], first: int, origin: int, rollbacks: list[dict]) -> int | None:
+    """The checkpoint step to roll back to for a spike whose first step is `first`, among the
+    run's complete checkpoints `steps` (ascending) and its starting point `origin` (None: from
+    this process's start, which is itself no checkpoint of this run). Healthy: written at most at
+    step first - 2, since the one of step first - 1 holds the update that caused the spike. One
+    further back when the previous rollback went to the same one and it spiked again."""
+    healthy = [s for s in steps if origin <= s <= first - 2]
+    if rollbacks and healthy and healthy[-1] == rollbacks[-1]["to"] and len(healthy) > 1:
+        return healthy[-2]
+    return healthy[-1] if healthy else None
 
 
-def roll_back(trainer, spike: Spike, run_dir: RunDir, origin: resume.Start, metrics,
-              build: Callable) -> object:
-    """The trainer that goes on after `spike`: rebuilt from the newest checkpoint before it by
-    `build(start)` (train.setup: the same path as a restart), the loader past the batches from
-    there to the spike, the lr lowered. Collective: every rank decides the same and calls it."""
-    cfg, guard, env = trainer.cfg.run, trainer.guard, trainer.env
-    detector = guard.spikes
-    target = newest_before(run_dir, spike.step, origin)
-    read = trainer.loader.batch_index  # past the spike's batch: the cursor to skip to
-    rollbacks, what = list(detector.rollbacks), spike.describe(cfg, len(detector.losses))
-    trainer.doing = f"the rollback after step {spike.step}"
-    trainer.close()  # the old model and optimizer go before the new ones are built
-    gc.collect()
-    guard.reset()
-    new = build(target)
-    # The batches from the checkpoint's cursor to the spike's: those of steps c+1..s, and any an
-    # earlier rollback to the same checkpoint skipped on the way.
-    batches = read - new.loader.batch_index
-    skipped = new.loader.skip(batches)
-    lr_until = target.step + cfg.rollback_lr_steps
-    rollbacks.append({"step": spike.step, "to": target.step, "batches": batches})
-    new.guard.spikes.rollbacks, new.guard.spikes.lr_until = rollbacks, lr_until
-    name = target.path.name if target.path else "the initial state"
-    steps = f" (steps {target.step + 1}-{spike.step})" * (batches == spike.step - target.step)
-    metrics.write(f"ddpgpt: warning: step {spike.step}: {what}; rolling back to step "
-                  f"{target.step} ({name}), skipping the {batches} global batch"
-                  f"{'es' if batches > 1 else ''} read after it{steps}, lr × "
-                  f"{cfg.rollback_lr_factor:g} for {cfg.rollback_lr_steps} steps (rollback "
-                  f"{new.guard.spikes.recent(spike.step)} of at most {cfg.max_rollbacks} within "
-                  f"{cfg.rollback_window} steps)")
-    metrics.rewind(new.step)
-    metrics.log_event(new.step, "rollback", spike_step=spike.step, spike_loss=_json(spike.loss),
-                      median=_json(spike.median), nonfinite_ranks=spike.ranks,
-                      checkpoint=str(target.path) if target.path else None,
-                      checkpoint_step=target.step, skipped_batches=batches,
-                      skipped_windows=skipped, lr_factor=cfg.rollback_lr_factor,
-                      lr_until_step=lr_until, rollbacks=len(rollbacks))
-    dist.barrier(env)  # every rank has rolled back before any trains on
-    return new
-
-
-def _json(x: float) -> float | str:
+def json_number(x: float) -> float | str:
     """JSON has no nan or inf: those are written as strings."""
     return x if math.isfinite(x) else str(x)

@@ -7,11 +7,11 @@ Each logs the scalars of every metrics.jsonl row under the same names (loss, lr,
 tokens, tokens_per_s, mfu, elapsed_s; val_loss, val_bpb) against the optimizer step, and the
 resolved config as hyperparameters. metrics.jsonl stays the record; a tracker only mirrors it.
 
-A resumed run continues the same tracker run. TensorBoard: the same directory, and the new
-writer's purge step discards what a crashed run logged after the checkpoint it resumes from (as
-metrics.jsonl is cut back). W&B: the run's id is kept in the run dir (tracker.json) and passed
-back with resume="allow"; rows are plotted against our `step`, so steps logged again after a
-crash sit beside the old ones instead of being dropped.
+A resumed run continues the same tracker run, and after a resume or a rollback each tracker shows
+what metrics.jsonl keeps. TensorBoard: the same directory, and the new writer's purge step hides
+what was logged after the step it goes on from (a crashed run's rows past its checkpoint, a
+rollback's undone steps, from step 0 too). W&B: the run's id is kept in the run dir
+(tracker.json), and the run is rewound to the rows metrics.jsonl keeps (WandB's docstring).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import secrets
 import string
 from pathlib import Path
 
-from ddpgpt.errors import UserError
+from ddpgpt.errors import UserError, warn
 from ddpgpt.files import replace_text
 
 TRACKERS = ("none", "tensorboard", "wandb")
@@ -70,11 +70,11 @@ class TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step: TensorBoard drops events at or after it from earlier files: a crashed
-        # run's rows past the checkpoint this run resumes from (metrics.jsonl keeps start_step).
-        self.writer = SummaryWriter(str(self.log_dir),
-                                    purge_step=start_step + 1 if start_step else None)
+        # run's rows past the checkpoint this run resumes from, or a rollback's undone rows
+        # (metrics.jsonl keeps start_step). From step 0 too: a rollback to the initial state.
+        self.writer = SummaryWriter(str(self.log_dir), purge_step=start_step + 1)
 
-    def rewind(self, step: int) -> None:
+    def rewind(self, step: int, kept: int) -> None:
         """A rollback to `step`: the rows after it are dropped, as from metrics.jsonl."""
         self.writer.close()
         self._open(step)
@@ -88,39 +88,87 @@ class TensorBoard:
 
 
 class WandB:
-    """A W&B run whose id lives in RUN/tracker.json; its files go into RUN/wandb/."""
+    """A W&B run whose id lives in RUN/tracker.json; its files go into RUN/wandb/.
 
-    def __init__(self, run_dir: Path, config: dict, project: str):
-        import wandb
+    W&B numbers its history rows itself (0, 1, ...: one per log call) and can cut a run's
+    history back to one of them, that row included (its rewind, `resume_from="ID?_step=N"`).
+    Every metrics.jsonl row is one log call, so the K rows metrics.jsonl keeps after a resume or
+    a rollback are W&B's rows 0..K-1: the run is rewound to K-1 (K = 0: a new W&B run). Where the
+    W&B server refuses to rewind (a preview feature, not enabled for every account), the run
+    continues instead, saying so: W&B then shows the undone steps beside the new ones."""
 
+    def __init__(self, run_dir: Path, config: dict, project: str, kept: int | None):
+        """`kept`: the rows metrics.jsonl keeps from earlier starts (None: a fresh run)."""
         state_path = run_dir / "tracker.json"
         state = json.loads(state_path.read_text()) if state_path.is_file() else {}
-        run_id = state.get("wandb_id") or "".join(
-            secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        self.id = state.get("wandb_id") or _new_id()
+        self.args = {"project": project, "name": run_dir.resolve().name, "id": self.id,
+                     "dir": str(run_dir), "config": flat(config)}
+        self.state_path, self.state = state_path, state
+        self._start(kept if state.get("wandb_id") else None)
+
+    def _start(self, kept: int | None) -> None:
+        import wandb
+
+        if kept == 0:  # nothing to keep: a new W&B run (rewinding keeps at least one row)
+            self.id = self.args["id"] = _new_id()
+        if self.state.get("wandb_id") != self.id:
+            self.state["wandb_id"] = self.id
+            replace_text(self.state_path, json.dumps(self.state) + "\n")
+        settings = wandb.Settings(silent=True)
         try:
-            self.run = wandb.init(project=project, name=run_dir.resolve().name, id=run_id,
-                                  resume="allow", dir=str(run_dir), config=flat(config),
-                                  settings=wandb.Settings(silent=True))
+            if kept:
+                try:
+                    self.run = wandb.init(**self.args, resume_from=f"{self.id}?_step={kept - 1}",
+                                          settings=settings)
+                    return self._define()
+                except Exception as e:  # noqa: BLE001 -- the server's own errors
+                    warn(f"run.tracker = wandb: W&B cannot rewind run {self.id} "
+                         f"({_first_line(e)}): it keeps the steps metrics.jsonl dropped beside "
+                         "the new ones; metrics.jsonl holds each step once")
+            self.run = wandb.init(**self.args, resume="allow", settings=settings)
         except Exception as e:  # wandb raises its own errors for login, network, settings
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UserError(f"run.tracker = wandb: cannot start a W&B run ({first}); log in "
-                            "(wandb login, or WANDB_API_KEY), or set WANDB_MODE=offline to log "
-                            "on this disk, or use run.tracker = none") from None
+            raise UserError(f"run.tracker = wandb: cannot start a W&B run ({_first_line(e)}); "
+                            "log in (wandb login, or WANDB_API_KEY), or set WANDB_MODE=offline "
+                            "to log on this disk, or use run.tracker = none") from None
+        self._define()
+
+    def _define(self) -> None:
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
-        if state.get("wandb_id") != run_id:
-            replace_text(state_path, json.dumps({**state, "wandb_id": run_id}) + "\n")
 
     def log(self, step: int, row: dict) -> None:
         self.run.log({**scalars(row), "step": step})
 
-    def rewind(self, step: int) -> None:
-        """A rollback to `step`: W&B keeps what was logged (its history cannot be cut), so the
-        steps after `step` appear twice, the rolled-back ones first; metrics.jsonl has one row
-        each and the rollback event."""
+    def rewind(self, step: int, kept: int) -> None:
+        """A rollback to `step`, after which metrics.jsonl keeps `kept` rows."""
+        self.run.finish()
+        self._start(kept)
 
     def close(self) -> None:
         self.run.finish()
+
+
+def _new_id() -> str:
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def kept_rows(path: Path, step: int) -> int:
+    """The rows a tracker mirrors (every metrics.jsonl row but events) at or before `step`."""
+    if not path.is_file():
+        return 0
+    count = 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            count += row["step"] <= step and "event" not in row
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line from a crash
+    return count
 
 
 def open_tracker(kind: str, run_dir: Path, config: dict, start_step: int, project: str):
@@ -129,5 +177,6 @@ def open_tracker(kind: str, run_dir: Path, config: dict, start_step: int, projec
     if kind == "tensorboard":
         return TensorBoard(run_dir / "tensorboard", config, start_step)
     if kind == "wandb":
-        return WandB(run_dir, config, project)
+        return WandB(run_dir, config, project,
+                     kept_rows(run_dir / "metrics.jsonl", start_step) if start_step else None)
     return None

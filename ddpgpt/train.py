@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 import os
 import sys
@@ -43,7 +44,7 @@ from ddpgpt.run_dir import RunDir
 from ddpgpt.runtime import autocast, configure, grad_scaler, matmul_dtype
 from ddpgpt.saver import Saver, save, settle
 from ddpgpt.saver import token as saver_token
-from ddpgpt.spike import Spike, roll_back
+from ddpgpt.spike import Verdict, json_number, target
 
 
 class Trainer:
@@ -92,6 +93,7 @@ class Trainer:
                               world_size=env.world_size, rank=env.rank,
                               max_windows=data.eval_windows, device=dev)
         self.step = 0                 # optimizer steps completed
+        self.batch = 0                # the global batch the newest step read
         self.doing = "step 1"         # what the loop is at, for a failure's message
         self.last_checkpoint = -1     # the step of the newest checkpoint this run can fall back to
         self.origin: dict | None = None  # the explicit --resume PATH this run descends from
@@ -125,7 +127,6 @@ class Trainer:
         detector, the progress."""
         return {"scaler": self.scaler.state_dict() if self.scaler else None,
                 "loader": self.loader.state_dict(), "guard": self.guard.state_dict(),
-                "spike": self.guard.spikes.state_dict(),
                 "progress": {"step": self.step, "elapsed_s": self.elapsed_s}}
 
     def load_state_dict(self, state: dict, saved_world_size: int, new_data: bool = False) -> None:
@@ -186,8 +187,7 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         if not new_data:
             self.loader.load_state_dict(state["loader"])
-        self.guard.load_state_dict(state["guard"])
-        self.guard.spikes.load_state_dict(state.get("spike"))  # older checkpoints: none
+        self.guard.load_state_dict(state["guard"], state.get("spike"))
         self.step = self.last_checkpoint = int(state["progress"]["step"])
         self._elapsed_before, self._started = (float(state["progress"]["elapsed_s"]),
                                                time.perf_counter())
@@ -216,6 +216,7 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over this rank's A micro-batches, gradients synced once, at the last.
         Returns (this rank's mean loss, the global gradient norm before clipping)."""
+        self.batch = self.loader.batch_index  # the global batch this step reads
         loss_sum = torch.zeros((), device=self.env.device)
         # A lost peer shows in whichever collective comes first: the last backward's (DDP, the
         # buckets), any forward's (fsdp2 gathers each block's weights), finish()'s or the norm's.
@@ -237,6 +238,12 @@ class Trainer:
             # After the sync every rank holds the same gradients, so this is the global norm.
             norm = self.sync.clip(self.cfg.optim.grad_clip or float("inf"))
         return loss_sum / self.accum, norm
+
+    def probe(self, batch: int) -> float:
+        """The global mean loss of the weights as they are on global batch `batch` (no update,
+        no gradient, no RNG drawn): each rank its share, one all-reduce. Collective."""
+        with dist.collective() if self.env.world_size > 1 else contextlib.nullcontext():
+            return evaluate(self.raw, self.loader.batch(batch), self.env, self.autocast)
 
     def update(self, lr: float) -> None:
         set_lr(self.optimizer, lr, momentum_at(self.step, self.cfg.optim))
@@ -264,22 +271,26 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver) -> Spike | None:
-    """Trains to run.steps; returns early with the Spike to roll back from, if one comes."""
+def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver) -> Verdict | None:
+    """Trains to run.steps; returns early with the rollback verdict of a spike, if one comes."""
     cfg, env, total, guard = trainer.cfg, trainer.env, trainer.cfg.run.steps, trainer.guard
     while trainer.step < total:
         trainer.doing = f"step {trainer.step + 1}"
-        lr = lr_at(trainer.step, cfg.optim, total) * guard.spikes.lr_scale(trainer.step + 1)
+        lr = lr_at(trainer.step, cfg.optim, total) * guard.spikes.lr_factor
         loss, norm = trainer.train_step()
         health = guard.exchange(loss, norm, scaled=trainer.scaler is not None,
                                 saving=saver.busy)
         if health.saved or health.bad:  # every rank's save is done, or a stop must name one
             settle(trainer, saver, run_dir)
-        verdict = guard.judge(trainer.step + 1, health, trainer.last_checkpoint)
-        if isinstance(verdict, Spike):
+        verdict = guard.judge(trainer.step + 1, health, trainer.batch, trainer.probe)
+        if verdict.action == "rollback":
             settle(trainer, saver, run_dir)  # a rollback reads the newest complete checkpoint
             return verdict
-        if verdict == "skip":
+        if verdict.event:
+            metrics.log_event(trainer.step + 1, verdict.event, **_spike_fields(verdict),
+                              **verdict.fields)
+            metrics.write(f"ddpgpt: warning: {verdict.line}")
+        if verdict.action == "skip":
             trainer.skip_update()
         else:
             trainer.update(lr)
@@ -379,7 +390,7 @@ def run(cfg: TrainConfig) -> None:
         start, env = elastic.claim(run_dir, cfg, env, dataset)
         cfg = resume.settle(cfg, start)
         lr_fields = "optim.lr or optim.muon_lr" if cfg.optim.name == "muon" else "optim.lr"
-        guard = Guard(env, cfg.run, stop, lr_fields)
+        guard = Guard(env, cfg.run, stop, lr_fields, run_dir.checkpoints)
         trainer = setup(cfg, env, dataset, start, guard)
         dist.together(env, lambda: write_run_files(run_dir, cfg, dataset, start.step),
                       main_only=True)
@@ -387,21 +398,96 @@ def run(cfg: TrainConfig) -> None:
         saver = Saver(env, run_dir.checkpoints, dist.checkpoint_group(env, cfg.run.dist_timeout_s),
                       saver_token(env), cfg.run.keep_checkpoints, cfg.run.checkpoint_async)
         try:
-            _install_faults(trainer, saver)
-            while (spike := loop(trainer, metrics, run_dir, saver)) is not None:  # 3. a spike:
-                trainer = roll_back(trainer, spike, run_dir, start, metrics, lambda at: setup(
-                    cfg, env, dataset, at, guard, announce=False))  # rebuilt as on a restart
+            try:
                 _install_faults(trainer, saver)
-        except dist.CollectiveError as e:
-            # A rank lost mid-save shows in the step's collectives first: name the save.
-            doing = trainer.doing if saver.troubled is None else \
-                f"the checkpoint of step {saver.troubled}"
-            raise collective_failed(e, env, doing, cfg.run.dist_timeout_s) from None
+                while (spike := loop(trainer, metrics, run_dir, saver)) is not None:  # 3. spike
+                    trainer = roll_back(trainer, spike, run_dir, start, metrics, lambda at: setup(
+                        cfg, env, dataset, at, guard, announce=False))  # built as on a restart
+                    _install_faults(trainer, saver)
+            except dist.CollectiveError as e:
+                # A rank lost mid-save shows in the step's collectives first: name the save.
+                doing = trainer.doing if saver.troubled is None else \
+                    f"the checkpoint of step {saver.troubled}"
+                raise collective_failed(e, env, doing, cfg.run.dist_timeout_s) from None
+        except UserError as e:  # the stop's one line, also where a closed pipe cannot lose it
+            with contextlib.suppress(UserError, OSError):
+                metrics.log_event(trainer.step, "stop", label=e.label, message=str(e),
+                                  exit_code=e.exit_code)
+            raise
         finally:
             saver.close()  # the save in flight, if any, finishes (or fails) first
             metrics.close()
             trainer.close()
             run_dir.unlock()
+
+
+def roll_back(trainer: Trainer, verdict: Verdict, run_dir: RunDir, origin: resume.Start,
+              metrics: Metrics, build) -> Trainer:
+    """The trainer that goes on after a spike the weights did not heal from: rebuilt by
+    `build(start)` (setup: the same path as a restart) from the newest healthy checkpoint
+    (spike.target), the loader moved past the batches read since, the lr lowered for the rest of
+    the run. Collective: every rank decides the same and calls it."""
+    cfg, guard, env, spike = trainer.cfg.run, trainer.guard, trainer.env, verdict.spike
+    spikes = guard.spikes
+    found = _healthy_start(run_dir, verdict.first, origin, spikes.rollbacks)
+    read = trainer.loader.batch_index  # past the spike's batch: the cursor to skip to
+    memory = spikes.rollbacks, spikes.lr_factor  # the run's, not the checkpoint's
+    trainer.doing = f"the rollback after step {spike.step}"
+    trainer.close()  # the old model and optimizer go before the new ones are built
+    gc.collect()
+    guard.load_state_dict(None)  # a start from scratch loads nothing into it
+    new = build(found)
+    spikes.rollbacks, spikes.lr_factor = memory
+    # The batches from the checkpoint's cursor to the spike's: those of steps c+1..s, and any an
+    # earlier rollback to the same checkpoint skipped on the way.
+    batches = read - new.loader.batch_index
+    skipped = new.loader.skip(batches)
+    spikes.rolled_back(spike.step, found.step, batches)
+    name = found.path.name if found.path else "the initial state"
+    steps = f" (steps {found.step + 1}-{spike.step})" * (batches == spike.step - found.step)
+    what = spike.describe(cfg.spike_ratio, len(spikes.losses))
+    since = "" if verdict.first == spike.step else f" (the spike began at step {verdict.first})"
+    metrics.write(f"ddpgpt: warning: step {spike.step}: {what}{since}; rolling back to step "
+                  f"{found.step} ({name}), skipping the {batches} global batch"
+                  f"{'es' if batches > 1 else ''} read after it{steps}, the lr × "
+                  f"{spikes.lr_factor:g} from now on (rollback {spikes.recent(spike.step)} of at "
+                  f"most {cfg.max_rollbacks} within {cfg.rollback_window} steps)")
+    metrics.rewind(new.step)
+    metrics.log_event(new.step, "rollback", **_spike_fields(verdict),
+                      checkpoint=str(found.path) if found.path else None,
+                      checkpoint_step=found.step, skipped_batches=batches,
+                      skipped_windows=skipped, lr_factor=spikes.lr_factor,
+                      rollbacks=len(spikes.rollbacks))
+    dist.barrier(env)  # every rank has rolled back before any trains on
+    return new
+
+
+def _healthy_start(run_dir: RunDir, first: int, origin: resume.Start,
+                   rollbacks: list[dict]) -> resume.Start:
+    """The checkpoint to roll back to (spike.target) as a Start; `origin` (where this process
+    started) when no checkpoint of this run qualifies. The starting checkpoint itself is
+    `origin`, which knows a data switch."""
+    dirs = dict(checkpoint.step_dirs(run_dir.checkpoints))
+    while (step := target(sorted(dirs), first, origin.step, rollbacks)) is not None:
+        if step == origin.step and origin.path:
+            return origin
+        try:
+            meta = checkpoint.read_meta(dirs[step])
+        except checkpoint.CheckpointError as e:
+            warn(f"rollback: skipping checkpoint {dirs[step].name}: {e}")
+            del dirs[step]
+            continue
+        return resume.Start(dirs[step], meta, origin=meta.get("origin"))
+    return origin
+
+
+def _spike_fields(verdict: Verdict) -> dict:
+    spike = verdict.spike
+    if spike is None:
+        return {}
+    return {"spike_step": spike.step, "spike_loss": json_number(spike.loss),
+            "median": json_number(spike.median), "nonfinite_ranks": spike.ranks,
+            **({"first_step": verdict.first} if verdict.first else {})}
 
 
 def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset, step: int) -> None:
@@ -420,6 +506,10 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         print(summary(trainer), file=sys.stderr)
         if trainer.dataset.split_bytes is None:
             warn(trainer.dataset.bytes_advice())
+        if cfg.run.on_spike == "recover" and not 0 < cfg.run.checkpoint_every < cfg.run.steps:
+            print(f"ddpgpt: note: no checkpoint before step {cfg.run.steps} "
+                  f"(run.checkpoint_every = {cfg.run.checkpoint_every}): a loss spike the model "
+                  "does not heal from can only roll back to the start", file=sys.stderr)
         if trainer.step >= cfg.run.steps:
             print(resume.finished_message(run_dir, trainer.step, cfg.run.steps), file=sys.stderr)
     # Rank 0 alone talks to the tracker; a tracker that cannot start stops every rank.

@@ -225,12 +225,12 @@ def tiny_train_args(data: Path, run_dir: Path, steps: int = 6, **overrides) -> l
 
 def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32,
                        batches: list[int] | None = None, lr_scale: list[float] | None = None,
-                       weights_at: int | None = None):
+                       weights_at: int | None = None, skip: tuple[int, ...] = ()):
     """The oracle for `tiny_train_args` runs: plain PyTorch, one process, the full global batch of
     step k (from the documented order) in one forward and one backward. Returns (losses,
     weights after `weights_at` steps, by default all of them). `batches[k]`: the global batch
     step k takes instead (a rollback skipped some); `lr_scale[k]`: a factor on step k's learning
-    rate."""
+    rate; `skip`: the steps (0-based) whose update is skipped."""
     import torch
 
     from ddpgpt.config import ModelConfig, OptimConfig
@@ -260,7 +260,8 @@ def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32,
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for group in opt.param_groups:
             group["lr"] = lr_at(k, ocfg, steps) * (lr_scale[k] if lr_scale else 1.0)
-        opt.step()
+        if k not in skip:
+            opt.step()
         opt.zero_grad()
         losses.append(loss.item())
         if k + 1 == (weights_at or steps):

@@ -132,6 +132,13 @@ class TrainLoader:
         start = self._advance()
         return self._micro_batches(self.order(self.epoch)[start:start + self.global_batch])
 
+    def batch(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of global batch `index` (as batch_index counts), without
+        moving the cursor: the same windows at any W (a loss spike's probe reads them again)."""
+        epoch, k = divmod(index, self.steps_per_epoch)
+        start = k * self.global_batch
+        return self._micro_batches(self.order(epoch)[start:start + self.global_batch])
+
     def skip(self, batches: int) -> list[dict]:
         """Moves the cursor past `batches` global batches without reading them (a rollback
         skipping the data that made the loss spike): the same on every rank, whatever W.

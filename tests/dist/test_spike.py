@@ -1,12 +1,12 @@
-"""Loss spikes roll back (spike.py): faults make one rank's loss 1000 times larger on an exact
-global batch (`spike@5`: the batch a straight run's step 6 reads) or at an exact step every time
-it runs (`diverge@5`). The oracle is the plain-PyTorch reference training of tests/helpers.py fed
-the batches the loader's documented order gives once the spike's are skipped, at the lowered lr.
+"""Loss spikes under run.on_spike = recover (spike.py), end to end. Faults make the cause exact:
+`spike@5` multiplies one rank's loss on global batch 5 by 1000 (bad data: its gradient is normal,
+and the probe of the weights on batch 4 is not touched); `weights@5` multiplies every loss from
+step 6 on by 1000, the probe's too, until the run rolls back (weights that look broken on every
+batch and do not heal); `weights-always@5` never stops. The oracle is the plain-PyTorch reference
+training of tests/helpers.py, fed the batches and learning rates the documented policy gives.
 
 The runs share one config: 10 steps, a checkpoint every 3, spikes looked for against the median
-of the last 3 steps, the lr halved for 6 steps after a rollback. A spike at step 6 rolls back to
-step 3 and skips global batches 3, 4 and 5 (windows 24-47 of epoch 0's order); steps 4-10 then
-read batches 6-12, steps 4-9 at half the lr.
+of the last 3 healthy steps, a spike caused by the weights trained through for 2 steps.
 """
 
 import json
@@ -30,9 +30,11 @@ from tests.helpers import (
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 STEPS, G = 10, 8
-SETTINGS = {"run__checkpoint_every": 3, "run__spike_window": 3, "run__rollback_lr_steps": 6}
-BATCHES = [0, 1, 2, 6, 7, 8, 9, 10, 11, 12]  # the batches of steps 4-6 (3, 4, 5) skipped
-LR_SCALE = [1.0] * 3 + [0.5] * 6 + [1.0]      # steps 4-9 (3 + 6) at half the lr
+SETTINGS = {"run__checkpoint_every": 3, "run__spike_window": 3, "run__spike_patience": 2}
+# weights@5: steps 6-7 trained through, step 8 rolls back to checkpoint 3 (4 = 6 - 2 is the
+# newest healthy step; 6 holds the cause) past batches 3-7; steps 4-10 read 8-14 at half the lr
+BATCHES = [0, 1, 2, 8, 9, 10, 11, 12, 13, 14]
+LR_SCALE = [1.0] * 3 + [0.5] * 7
 LOSS_TOL = 2e-5  # as tests/dist/test_equivalence.py: the order of float sums differs
 
 
@@ -42,38 +44,68 @@ def spike_run(data, run_dir, W: int, fault: str, check: bool = True, **overrides
                      env={"DDPGPT_FAULT": fault}, check=check)
 
 
-def events(run_dir) -> list[dict]:
+def events(run_dir, kind: str | None = None) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r.get("event") == "rollback"]
+    return [r for r in rows if "event" in r and kind in (None, r["event"])]
+
+
+def warnings(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("ddpgpt: warning")]
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
-    """The same bad batch at W=1 and at W=2 (there on rank 1 only)."""
+    """Bad data and broken weights, each at W=1 and at W=2 (bad data on rank 1 only; broken
+    weights on both ranks, as every rank holds the same weights)."""
     out = {}
-    for W, fault in ((1, "spike@5"), (2, "spike@5@1")):
-        run_dir = tmp_path_factory.mktemp(f"w{W}") / "run"
-        out[W] = run_dir, spike_run(tiny_data, run_dir, W, fault)
+    for name, W, fault in (("data", 1, "spike@5"), ("data", 2, "spike@5@1"),
+                           ("weights", 1, "weights@5"), ("weights", 2, "weights@5@0,weights@5@1")):
+        run_dir = tmp_path_factory.mktemp(f"{name}{W}") / "run"
+        out[name, W] = run_dir, spike_run(tiny_data, run_dir, W, fault)
     return out
 
 
-def test_a_spike_rolls_back_once_past_exactly_its_batches(runs, tiny_data):
-    run_dir, results = runs[1]
+def test_a_spike_from_bad_data_skips_that_update_and_nothing_else(runs, tiny_data):
+    run_dir, results = runs["data", 1]
     (event,) = events(run_dir)
-    straight, _ = reference_training(tiny_data, STEPS)  # without the spike
-    assert {k: v for k, v in event.items() if k not in ("spike_loss", "median")} == {
-        "step": 3, "event": "rollback", "spike_step": 6, "nonfinite_ranks": [],
-        "checkpoint": str(run_dir / "checkpoints" / "step_0000003"), "checkpoint_step": 3,
-        "skipped_batches": 3, "skipped_windows": [{"epoch": 0, "start": 3 * G, "end": 6 * G}],
-        "lr_factor": 0.5, "lr_until_step": 9, "rollbacks": 1}
+    straight, _ = reference_training(tiny_data, STEPS)
+    assert {k: v for k, v in event.items() if k not in ("spike_loss", "median", "probe_loss")} \
+        == {"step": 6, "event": "skip", "spike_step": 6, "nonfinite_ranks": [], "cause": "data"}
     assert event["spike_loss"] == pytest.approx(1000 * straight[5], rel=LOSS_TOL)
-    assert event["median"] == pytest.approx(straight[3], rel=LOSS_TOL)  # of steps 3-5: falling
-    warnings = [line for line in results[0].stderr.splitlines() if "warning" in line]
-    assert warnings == [
+    # the probe: the weights after step 5 on batch 4, the newest healthy step's (lower than the
+    # loss step 5 saw, before its own update)
+    assert event["probe_loss"] < straight[4] and event["probe_loss"] < 2 * event["median"]
+    assert warnings(results[0]) == [
         f"ddpgpt: warning: step 6: loss spike: {event['spike_loss']:.4g} is above 2 × the median "
-        f"{event['median']:.4g} of the last 3 steps; rolling back to step 3 (step_0000003), "
-        "skipping the 3 global batches read after it (steps 4-6), lr × 0.5 for 6 steps (rollback "
-        "1 of at most 3 within 100 steps)"]
+        f"{event['median']:.4g} of the last 3 steps; the weights still give "
+        f"{event['probe_loss']:.4g} on the last healthy batch, so the data is the cause: this "
+        "step's update is skipped"]
+    rows = read_metrics(run_dir)[0]
+    expected, _ = reference_training(tiny_data, STEPS, skip=(5,))  # no update at step 6
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    losses = [r["loss"] for r in rows]
+    np.testing.assert_allclose(losses[:5] + losses[6:], expected[:5] + expected[6:],
+                               rtol=LOSS_TOL, atol=0)
+    assert expected[6] != pytest.approx(straight[6], rel=1e-4)  # the skip made a difference
+
+
+def test_broken_weights_are_trained_through_then_rolled_back_to_a_healthy_checkpoint(
+        runs, tiny_data):
+    run_dir, results = runs["weights", 1]
+    (rollback,) = events(run_dir)  # the spike's own event went with the steps it undid
+    first = warnings(results[0])[0]
+    assert first.startswith("ddpgpt: warning: step 6: loss spike: ") and first.endswith(
+        "on the last healthy batch too: training on through it (up to 2 steps before a rollback)")
+    assert {k: v for k, v in rollback.items() if k not in ("spike_loss", "median")} == {
+        "step": 3, "event": "rollback", "spike_step": 8, "first_step": 6, "nonfinite_ranks": [],
+        "checkpoint": str(run_dir / "checkpoints" / "step_0000003"), "checkpoint_step": 3,
+        "skipped_batches": 5, "skipped_windows": [{"epoch": 0, "start": 3 * G, "end": 8 * G}],
+        "lr_factor": 0.5, "rollbacks": 1}
+    assert warnings(results[0])[1] == (
+        f"ddpgpt: warning: step 8: loss spike: {rollback['spike_loss']:.4g} is above 2 × the "
+        f"median {rollback['median']:.4g} of the last 3 steps (the spike began at step 6); "
+        "rolling back to step 3 (step_0000003), skipping the 5 global batches read after it "
+        "(steps 4-8), the lr × 0.5 from now on (rollback 1 of at most 3 within 100 steps)")
     # the run finished: every step once, on the batches and lr the oracle was given
     rows = read_metrics(run_dir)[0]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -82,67 +114,82 @@ def test_a_spike_rolls_back_once_past_exactly_its_batches(runs, tiny_data):
     schedule = OptimConfig(lr=1e-2, warmup_steps=2)
     assert [r["lr"] for r in rows] == pytest.approx(
         [lr_at(k, schedule, STEPS) * LR_SCALE[k] for k in range(STEPS)], rel=1e-12)
-    assert expected[3] != pytest.approx(straight[3], rel=1e-3)  # other data: a real difference
 
 
-def test_the_same_rollback_at_w1_and_w2(runs):
-    (run1, _), (run2, _) = runs[1], runs[2]
+@pytest.mark.parametrize("name", ["data", "weights"])
+def test_the_same_at_w1_and_w2(runs, name):
+    (run1, _), (run2, _) = runs[name, 1], runs[name, 2]
     rows1, rows2 = read_metrics(run1)[0], read_metrics(run2)[0]
     assert [r["step"] for r in rows2] == [r["step"] for r in rows1]
-    np.testing.assert_allclose([r["loss"] for r in rows2], [r["loss"] for r in rows1],
+    keep = [k for k in range(STEPS) if not (name == "data" and k == 5)]  # rank 1's 1000× only
+    np.testing.assert_allclose([rows2[k]["loss"] for k in keep], [rows1[k]["loss"] for k in keep],
                                rtol=LOSS_TOL, atol=0)
-    same = ("step", "spike_step", "checkpoint_step", "skipped_batches", "skipped_windows",
-            "lr_factor", "lr_until_step", "rollbacks")
-    (event1,), (event2,) = events(run1), events(run2)
-    assert {k: event2[k] for k in same} == {k: event1[k] for k in same}
-    assert event2["median"] == pytest.approx(event1["median"], rel=LOSS_TOL)
+    exact = ("step", "event", "spike_step", "cause", "checkpoint_step", "skipped_batches",
+             "skipped_windows", "lr_factor", "rollbacks")
+    assert [{k: e[k] for k in exact if k in e} for e in events(run2)] == \
+        [{k: e[k] for k in exact if k in e} for e in events(run1)]
 
 
 def test_a_run_resumed_after_a_rollback_goes_on_bitwise(runs, tiny_data, tmp_path):
     """The same command, stopped by SIGTERM after step 8 (after the rollback), then run again:
     the same losses as the uninterrupted run, rollback included, and the same final weights.
-    The checkpoint carries the rollback: its record and the lowered-lr window (to step 9)."""
+    The checkpoint carries the rollback: its record and the lowered lr."""
     run_dir = tmp_path / "run"
-    stopped = spike_run(tiny_data, run_dir, 1, "spike@5,term@7", check=False)
+    stopped = spike_run(tiny_data, run_dir, 1, "weights@5,term@8", check=False)
     assert codes(stopped)[0] == [EXIT_PREEMPTED], codes(stopped)[1]
-    saved = saved_state(run_dir / "checkpoints" / "step_0000008")
-    assert saved["spike"]["rollbacks"] == [{"step": 6, "to": 3, "batches": 3}]
-    assert saved["spike"]["lr_until"] == 9
+    saved = saved_state(run_dir / "checkpoints" / "step_0000009")["guard"]["spike"]
+    assert (saved["rollbacks"], saved["lr_factor"]) == ([{"step": 8, "to": 3, "batches": 5}],
+                                                        0.5)
+    assert events(run_dir, "stop")[0]["message"].startswith("at step 9 on SIGTERM; checkpoint ")
     spike_run(tiny_data, run_dir, 1, "")
-    reference, _ = runs[1]
+    reference, _ = runs["weights", 1]
     rows, ref = read_metrics(run_dir)[0], read_metrics(reference)[0]
     for key in ("step", "loss", "grad_norm", "lr"):
         assert [r[key] for r in rows] == [r[key] for r in ref], key
-    ((event,), (ref_event,)) = events(run_dir), events(reference)
-    assert {**event, "checkpoint": None} == {**ref_event, "checkpoint": None}
+    strip = ("checkpoint", "message")
+    assert [{k: v for k, v in e.items() if k not in strip} for e in events(run_dir)
+            if e["event"] != "stop"] == \
+        [{k: v for k, v in e.items() if k not in strip} for e in events(reference)]
     final = f"checkpoints/step_{STEPS:07d}"
     weights, ref_weights = saved_weights(run_dir / final), saved_weights(reference / final)
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
 
 
-def test_the_rollback_limit_stops_the_run_in_one_line(tiny_data, tmp_path):
-    """A spike that skipping data does not cure (every time step 6 runs) with
-    run.max_rollbacks = 2: two rollbacks to step 3, the second skipping every batch read since
-    that checkpoint (those the first skipped too), then the run stops at the third spike in one
-    line, with checkpoint 3 as the last."""
+def test_rollbacks_that_do_not_help_compound_and_then_the_run_trains_on(tiny_data, tmp_path):
+    """Weights broken every time the run passes step 5, run.max_rollbacks = 2: two rollbacks to
+    checkpoint 3 (no older one to go further back to), the lr halved each time, then the run
+    trains on through the spike and finishes: it never stops for a finite spike."""
     run_dir = tmp_path / "run"
-    (result,) = spike_run(tiny_data, run_dir, 1, "diverge@5", check=False, run__max_rollbacks=2)
-    assert result.returncode == 1, result.stderr
-    lines = result.stderr.splitlines()
-    assert [line.split("; ")[1] for line in lines if "warning: step 6: loss spike" in line] == [
-        "rolling back to step 3 (step_0000003), skipping the 3 global batches read after it "
-        "(steps 4-6), lr × 0.5 for 6 steps (rollback 1 of at most 2 within 100 steps)",
-        "rolling back to step 3 (step_0000003), skipping the 6 global batches read after it, "
-        "lr × 0.5 for 6 steps (rollback 2 of at most 2 within 100 steps)"]
-    assert [(e["skipped_batches"], e["skipped_windows"]) for e in events(run_dir)] == [
-        (3, [{"epoch": 0, "start": 3 * G, "end": 6 * G}]),
-        (6, [{"epoch": 0, "start": 3 * G, "end": 9 * G}])]
-    errors = [line for line in lines if line.startswith("ddpgpt: error:")]
-    assert len(errors) == 1 and errors[0] == lines[-1], result.stderr
-    assert errors[0].startswith("ddpgpt: error: step 6: loss spike: ")
-    assert errors[0].endswith(
-        "; stopped before the optimizer step after 2 rollbacks within 100 steps "
-        "(run.max_rollbacks = 2). The last checkpoint (step 3) is intact; lower optim.lr or "
-        "raise optim.warmup_steps, or raise run.max_rollbacks")
-    assert "Traceback" not in result.stderr
-    assert [r["step"] for r in read_metrics(run_dir)[0]] == [1, 2, 3, 4, 5]
+    (result,) = spike_run(tiny_data, run_dir, 1, "weights-always@5", run__max_rollbacks=2)
+    rollbacks = events(run_dir, "rollback")
+    assert [(e["checkpoint_step"], e["lr_factor"], e["skipped_batches"]) for e in rollbacks] == \
+        [(3, 0.5, 5), (3, 0.25, 10)]
+    (given_up,) = events(run_dir, "give_up")
+    assert (given_up["step"], given_up["first_step"]) == (8, 6)
+    assert warnings(result)[-1].endswith(
+        "2 rollbacks within 100 steps have not helped (run.max_rollbacks = 2): training on "
+        "through it")
+    rows = read_metrics(run_dir)[0]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert rows[-1]["lr"] == pytest.approx(
+        lr_at(STEPS - 1, OptimConfig(lr=1e-2, warmup_steps=2), STEPS) * 0.25, rel=1e-12)
+
+
+def test_tensorboard_shows_each_step_once_after_a_rollback_to_the_initial_state(
+        tiny_data, tmp_path):
+    """No checkpoint before the end: weights broken from step 4 roll back to the initial state;
+    TensorBoard's event files, as metrics.jsonl, then hold steps 1-10 once each."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    (result,) = spike_run(tiny_data, run_dir, 1, "weights@3", run__checkpoint_every=0,
+                          run__tracker="tensorboard")
+    assert "can only roll back to the start" in result.stderr
+    (rollback,) = events(run_dir, "rollback")
+    assert (rollback["step"], rollback["checkpoint"], rollback["spike_step"]) == (0, None, 6)
+    rows = read_metrics(run_dir)[0]
+    tb = EventAccumulator(str(run_dir / "tensorboard"))
+    tb.Reload()
+    got = [(e.step, e.value) for e in tb.Scalars("loss")]
+    assert [s for s, _ in got] == [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([v for _, v in got], [r["loss"] for r in rows], rtol=1e-6)

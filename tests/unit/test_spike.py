@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from ddpgpt import checkpoint
 from ddpgpt.config import ConfigError, DataConfig, RunConfig, TrainConfig
 from ddpgpt.data.loader import TrainLoader
 from ddpgpt.data.shards import TokenDataset
@@ -18,83 +19,164 @@ from ddpgpt.elastic import first_start
 from ddpgpt.preflight import check_world_sizes
 from ddpgpt.reliability import Guard, Health, StopSignal
 from ddpgpt.run_dir import RunDir, RunDirBusy
-from ddpgpt.spike import Spike, SpikeDetector
+from ddpgpt.spike import UPDATE, SpikePolicy, Verdict, target
 from tests.helpers import reference_step, write_dataset
 
 
 def test_the_detector_compares_with_the_median_of_its_window():
-    detector = SpikeDetector(RunConfig(spike_window=3, spike_ratio=2.0))
+    policy = SpikePolicy(RunConfig(spike_window=3, spike_ratio=2.0))
     losses = [5.0, 4.0, 9.0]  # the window fills; nothing is compared before
-    assert [detector.check(k + 1, x) for k, x in enumerate(losses)] == [None] * 3
+    assert [policy.outlier(x) for x in losses] == [False] * 3
+    for k, x in enumerate(losses):
+        policy.healthy(k + 1, x, batch=k)
     median = statistics.median(losses)  # 5: a single outlier does not move it
-    assert detector.check(4, 2 * median) is None  # not above: joins the window
-    spike = detector.check(5, 2 * statistics.median([4.0, 9.0, 10.0]) + 0.01)
-    assert spike == Spike(5, 18.01, 9.0)
-    assert list(detector.losses) == [4.0, 9.0, 10.0]  # a spike never joins the window
+    assert not policy.outlier(2 * median)  # not above
+    assert policy.outlier(2 * median + 0.01) and policy.outlier(float("nan"))
+    assert (policy.median, policy.probe_batch) == (5.0, 2)
 
 
-def test_the_detector_state_round_trips_and_old_checkpoints_start_fresh():
+def test_the_policy_state_round_trips_and_old_checkpoints_keep_their_window():
     cfg = RunConfig(spike_window=2)
-    detector = SpikeDetector(cfg)
-    detector.check(1, 3.0)
-    detector.rollbacks, detector.lr_until = [{"step": 6, "to": 3, "batches": 3}], 9
-    again = SpikeDetector(cfg)
-    again.load_state_dict(detector.state_dict())
-    assert again.state_dict() == {"losses": [3.0], "lr_until": 9,
+    policy = SpikePolicy(cfg)
+    policy.healthy(1, 3.0, batch=0)
+    policy.through, policy.lr_factor = 4, 0.25
+    policy.rollbacks = [{"step": 6, "to": 3, "batches": 3}]
+    again = SpikePolicy(cfg)
+    again.load_state_dict(policy.state_dict())
+    assert again.state_dict() == {"losses": [3.0], "through": 4, "probe_batch": 0,
+                                  "lr_factor": 0.25,
                                   "rollbacks": [{"step": 6, "to": 3, "batches": 3}]}
-    assert (again.lr_scale(9), again.lr_scale(10)) == (cfg.rollback_lr_factor, 1.0)
+    # a checkpoint of the earlier policy (a temporary lr cut) keeps its window and rollbacks
+    again.load_state_dict({"losses": [2.0], "rollbacks": [], "lr_until": 9})
+    assert again.state_dict() == {"losses": [2.0], "through": 0, "probe_batch": -1,
+                                  "lr_factor": 1.0, "rollbacks": []}
     again.load_state_dict(None)
-    assert again.state_dict() == {"losses": [], "rollbacks": [], "lr_until": 0}
+    assert again.state_dict() == SpikePolicy(cfg).state_dict()
 
 
-def guard(**run) -> Guard:
-    g = Guard(DistEnv(), RunConfig(spike_window=2, **run), StopSignal(announce=False))
+class Probe:
+    """A stand-in for Trainer.probe: the loss of the weights on a batch, and who asked."""
+
+    def __init__(self, loss: float):
+        self.loss, self.asked = loss, []
+
+    def __call__(self, batch: int) -> float:
+        self.asked.append(batch)
+        return self.loss
+
+
+def guard(tmp_path=None, **run) -> Guard:
+    """A guard whose window (2 steps) holds 4.0, 4.0, the second read global batch 1."""
+    g = Guard(DistEnv(), RunConfig(spike_window=2, **run), StopSignal(announce=False),
+              checkpoints=tmp_path)
     for step, loss in ((1, 4.0), (2, 4.0)):
-        assert g.judge(step, Health(loss, [], False), last_checkpoint=-1) == "update"
+        assert g.judge(step, Health(loss, [], False), step - 1, Probe(4.0)).action == "update"
     return g
 
 
 NAN, SPIKE = Health(float("nan"), [1], False), Health(9.0, [], False)
 
 
+def test_a_spike_the_data_caused_skips_its_update():
+    """The weights still do as well on the last healthy batch: the batch is the cause."""
+    g, probe = guard(), Probe(4.5)
+    verdict = g.judge(3, SPIKE, 2, probe)
+    assert (verdict.action, verdict.event, verdict.fields) == ("skip", "skip", {
+        "cause": "data", "probe_loss": 4.5})
+    assert probe.asked == [1]  # the batch of step 2, the newest healthy one
+    assert verdict.line == ("step 3: loss spike: 9 is above 2 × the median 4 of the last 2 "
+                            "steps; the weights still give 4.5 on the last healthy batch, so the "
+                            "data is the cause: this step's update is skipped")
+    assert g.judge(4, Health(4.2, [], False), 4, probe) == UPDATE  # no spike is open
+    assert g.skipped == 0  # skipping bad data is not skipping a non-finite step
+
+
+def test_a_spike_the_weights_caused_is_trained_through_until_it_heals():
+    g, probe = guard(spike_patience=3), Probe(9.5)
+    verdict = g.judge(3, SPIKE, 2, probe)
+    assert (verdict.action, verdict.event, verdict.fields["cause"]) == ("update", "spike",
+                                                                        "weights")
+    assert g.judge(4, SPIKE, 3, probe).action == "update" and probe.asked == [1]  # no new probe
+    healed = g.judge(5, Health(4.1, [], False), 4, probe)
+    assert (healed.action, healed.event, healed.fields) == ("update", "recovered",
+                                                            {"spike_step": 3})
+    assert list(g.spikes.losses) == [4.0, 4.1] and g.spikes.through == 0
+
+
+def test_weights_that_do_not_heal_roll_back_then_train_on_once_rollbacks_do_not_help():
+    g = guard(spike_patience=2, max_rollbacks=1, rollback_window=50)
+    probe = Probe(20.0)
+    assert [g.judge(s, SPIKE, s - 1, probe).action for s in (3, 4)] == ["update", "update"]
+    rollback = g.judge(5, SPIKE, 4, probe)
+    assert (rollback.action, rollback.first, rollback.spike.step) == ("rollback", 3, 5)
+    g.spikes.rolled_back(5, 0, 5)
+    assert g.spikes.lr_factor == 0.5  # for the rest of the run
+    assert [g.judge(s, SPIKE, s - 1, probe).action for s in (6, 7)] == ["update", "update"]
+    given_up = g.judge(8, SPIKE, 7, probe)  # a second rollback is past run.max_rollbacks
+    assert (given_up.action, given_up.event, given_up.first) == ("update", "give_up", 6)
+    assert given_up.fields == {"why": "1 rollbacks within 50 steps have not helped "
+                                      "(run.max_rollbacks = 1)"}
+    assert g.judge(9, SPIKE, 8, probe) == Verdict("update", g.judge(9, SPIKE, 8, probe).spike)
+
+
+def test_a_non_finite_step_the_weights_caused_rolls_back_at_once():
+    g = guard(max_rollbacks=1)
+    verdict = g.judge(3, NAN, 2, Probe(float("inf")))
+    assert (verdict.action, verdict.first, verdict.spike.ranks) == ("rollback", 3, [1])
+    g.spikes.rolled_back(3, 0, 3)
+    skipped = g.judge(4, NAN, 3, Probe(float("nan")))  # rollbacks exhausted: skipped, counted
+    assert (skipped.action, skipped.fields["cause"], g.skipped) == ("skip", "nonfinite", 1)
+
+
+def test_a_non_finite_step_on_healthy_weights_is_skipped_as_bad_data():
+    verdict = guard().judge(3, NAN, 2, Probe(4.0))
+    assert (verdict.action, verdict.fields["cause"]) == ("skip", "data")
+
+
 @pytest.mark.parametrize("on_nonfinite, on_spike, health, outcome", [
-    ("spike", "rollback", NAN, Spike(3, float("nan"), 4.0, [1])),
-    ("spike", "rollback", SPIKE, Spike(3, 9.0, 4.0)),
-    ("skip", "rollback", NAN, "skip"),           # skipping is the non-finite remedy asked for
+    ("skip", "recover", NAN, "skip"),            # skipping is the non-finite remedy asked for
     ("spike", "none", SPIKE, "update"),          # finite spikes pass
     ("spike", "none", NAN, "step 3: non-finite loss or gradient norm on rank 1; stopped before "
-     "the optimizer step (run.on_spike = none). The last checkpoint (step 2) is intact; lower "
-     "optim.lr or raise optim.warmup_steps, or use --run.on-spike rollback"),
+     "the optimizer step (run.on_spike = none). The checkpoint {c2} was written after the "
+     "trouble began (the update before step 3 may be its cause), and a plain rerun would resume "
+     "from it; the newest healthy checkpoint is {c1}: to resume from it, run the same command "
+     "with --resume {c1}; lower optim.lr or raise optim.warmup_steps, or use --run.on-spike "
+     "recover"),
     ("spike", "stop", SPIKE, "step 3: loss spike: 9 is above 2 × the median 4 of the last 2 "
-     "steps; stopped before the optimizer step (run.on_spike = stop). The last checkpoint (step "
-     "2) is intact; lower optim.lr or raise optim.warmup_steps, or use --run.on-spike rollback"),
-    ("stop", "rollback", NAN, "step 3: non-finite loss or gradient norm on rank 1; stopped "
-     "before the optimizer step. The last checkpoint (step 2) is intact; lower optim.lr or raise "
-     "optim.warmup_steps, or use --on-nonfinite skip"),
+     "steps; stopped before the optimizer step (run.on_spike = stop). The checkpoint {c2} was "
+     "written after the trouble began (the update before step 3 may be its cause), and a plain "
+     "rerun would resume from it; the newest healthy checkpoint is {c1}: to resume from it, run "
+     "the same command with --resume {c1}; lower optim.lr or raise optim.warmup_steps, or use "
+     "--run.on-spike recover"),
+    ("stop", "recover", NAN, "step 3: non-finite loss or gradient norm on rank 1; stopped "
+     "before the optimizer step. The checkpoint {c2} was written after the trouble began (the "
+     "update before step 3 may be its cause), and a plain rerun would resume from it; the newest "
+     "healthy checkpoint is {c1}: to resume from it, run the same command with --resume {c1}; "
+     "lower optim.lr or raise optim.warmup_steps, or use --on-nonfinite skip"),
 ])
-def test_what_a_bad_step_leads_to(on_nonfinite, on_spike, health, outcome):
+def test_what_a_bad_step_leads_to(on_nonfinite, on_spike, health, outcome, tmp_path):
     """One story for both knobs: a non-finite value is a spike unless run.on_nonfinite says
-    stop or skip; run.on_spike decides for spikes, and none never trains through a NaN."""
-    g = guard(on_nonfinite=on_nonfinite, on_spike=on_spike)
-    if isinstance(outcome, str) and outcome.startswith("step"):
+    stop or skip; run.on_spike decides for spikes, and none never trains through a NaN. A stop
+    names the newest checkpoint known healthy, never the one written just before the spike."""
+    c1, c2 = (checkpoint.step_dir(tmp_path, s) for s in (1, 2))
+    for c in (c1, c2):
+        c.mkdir()
+    g = guard(tmp_path, on_nonfinite=on_nonfinite, on_spike=on_spike)
+    if outcome.startswith("step"):
         with pytest.raises(DistError) as e:
-            g.judge(3, health, last_checkpoint=2)
-        assert str(e.value) == outcome
+            g.judge(3, health, 2, Probe(4.0))
+        assert str(e.value) == outcome.format(c1=c1, c2=c2)
         return
-    verdict = g.judge(3, health, last_checkpoint=2)
-    if isinstance(outcome, Spike) and outcome.ranks:  # nan != nan
-        assert (verdict.step, verdict.median, verdict.ranks) == (3, 4.0, [1])
-    else:
-        assert verdict == outcome
+    assert g.judge(3, health, 2, Probe(4.0)).action == outcome
 
 
-def test_rollbacks_are_counted_within_their_window():
-    g = guard(max_rollbacks=2, rollback_window=10)
-    g.spikes.rollbacks = [{"step": 3, "to": 0, "batches": 3}, {"step": 8, "to": 5, "batches": 3}]
-    with pytest.raises(DistError, match=r"after 2 rollbacks within 10 steps "
-                                        r"\(run.max_rollbacks = 2\)"):
-        g.judge(12, SPIKE, last_checkpoint=10)
-    assert isinstance(g.judge(13, SPIKE, last_checkpoint=10), Spike)  # step 3 is out of the window
+def test_the_rollback_target_is_the_newest_healthy_checkpoint_and_goes_further_back_on_repeat():
+    steps = [5, 10, 15]
+    assert target(steps, first=16, origin=0, rollbacks=[]) == 10  # 15 holds the cause
+    assert target(steps, first=17, origin=0, rollbacks=[]) == 15
+    assert target(steps, first=16, origin=0, rollbacks=[{"step": 14, "to": 10}]) == 5
+    assert target(steps, first=6, origin=0, rollbacks=[]) is None  # the initial state
+    assert target(steps, first=16, origin=12, rollbacks=[]) is None  # before this process
 
 
 def test_skipping_batches_moves_the_global_cursor_as_reading_them_would(tmp_path):

@@ -40,5 +40,6 @@ def test_the_nonfinite_stop_advises_what_is_not_already_on(on_nonfinite, lr_fiel
     guard = Guard(DistEnv(), RunConfig(on_nonfinite=on_nonfinite, max_skipped=0),
                   StopSignal(announce=False), lr_fields)
     with pytest.raises(DistError) as e:
-        guard.on_nonfinite(4, [1], last_checkpoint=3)
-    assert str(e.value).endswith(f"The last checkpoint (step 3) is intact; {advice}")
+        guard.on_nonfinite(4, [1])
+    assert str(e.value).endswith(f"no checkpoint before it is known healthy: --reset starts "
+                                 f"over; {advice}")
