@@ -128,14 +128,48 @@ def table(outcomes: list[dict], steps: dict[str, int]) -> str:
     return "\n".join(out + ([""] + noise if noise else []))
 
 
+def alarms(run_dir: Path, window: int, ratio: float) -> list[int]:
+    """The steps of a finished run whose loss the detector (run.spike_window, run.spike_ratio)
+    would have taken for a spike: its false alarms, on a healthy run."""
+    from ddpgpt.config import RunConfig
+    from ddpgpt.spike import SpikePolicy
+
+    policy, found = SpikePolicy(RunConfig(spike_window=window, spike_ratio=ratio)), []
+    for row in rows(run_dir):
+        if row.get("loss") is None:
+            continue
+        if policy.outlier(row["loss"]):
+            found.append(row["step"])  # a skipped step's loss never joins the window
+        else:
+            policy.healthy(row["step"], row["loss"], batch=row["step"] - 1)
+    return found
+
+
+def replay(run_dirs: list[str], windows: list[int], ratio: float) -> None:
+    print("| healthy run | steps | " + " | ".join(f"alarms, window {w}" for w in windows) + " |")
+    print("|---|---:|" + "---:|" * len(windows))
+    for run in map(Path, run_dirs):
+        steps = sum(1 for r in rows(run) if r.get("loss") is not None)
+        found = [alarms(run, w, ratio) for w in windows]
+        print(f"| {run} | {steps} | " + " | ".join(
+            f"{len(f)}" + (f" (steps {', '.join(map(str, f[:5]))})" if f else "") for f in found)
+              + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replay", nargs="+", metavar="RUN_DIR",
+                    help="count the detector's alarms over these finished healthy runs instead")
+    ap.add_argument("--windows", nargs="+", type=int, default=[10, 20])
+    ap.add_argument("--ratio", type=float, default=2.0)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--policies", nargs="+", default=["none", "stop", "auto"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[1337])
     ap.add_argument("--out", default="runs/spikes")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    if args.replay:
+        return replay(args.replay, args.windows, args.ratio)
     root = Path(args.out)
     outcomes = []
     for config in args.configs:

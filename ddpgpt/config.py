@@ -255,7 +255,7 @@ class RunConfig:
     healthy checkpoint), or none (train on; a non-finite value stops). See docs/reliability.md."""
     spike_ratio: float = 2.0
     """A step's global loss above this multiple of the recent median is a spike."""
-    spike_window: int = 20
+    spike_window: int = 10
     """Healthy steps whose median loss a step is compared with; spikes are looked for once there
     are this many (a rollback restores the checkpoint's)."""
     spike_patience: int = 10

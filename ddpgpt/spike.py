@@ -90,6 +90,7 @@ class SpikePolicy:
         self.losses: deque[float] = deque(maxlen=cfg.spike_window)
         self.through = 0        # the first step of a spike the model is training through (0: none)
         self.probe_batch = -1   # the global batch of the newest healthy step (the probe reads it)
+        self.skips = 0          # steps skipped in a row as bad data
         self.lr_factor = 1.0    # on every later step's lr: rollback_lr_factor per rollback
         self.rollbacks: list[dict] = []  # {"step": spike's, "to": checkpoint's, "batches": n}
 
@@ -107,7 +108,7 @@ class SpikePolicy:
     def healthy(self, step: int, loss: float, batch: int) -> Verdict:
         """A step that is no spike: its loss joins the window; a spike trained through ends."""
         self.losses.append(loss)
-        self.probe_batch = batch
+        self.probe_batch, self.skips = batch, 0
         if not self.through:
             return UPDATE
         first, self.through = self.through, 0
@@ -125,13 +126,17 @@ class SpikePolicy:
         what = spike.describe(cfg.spike_ratio, len(self.losses))
         if not self.through:
             probed = probe(self.probe_batch) if self.probe_batch >= 0 else math.inf
-            if math.isfinite(probed) and probed <= cfg.spike_ratio * self.median:
+            data = math.isfinite(probed) and probed <= cfg.spike_ratio * self.median
+            if data and self.skips < cfg.spike_patience:
+                self.skips += 1
                 return Verdict("skip", spike, "skip", {"cause": "data", "probe_loss": probed},
                                f"step {step}: {what}; the weights still give {probed:.4g} on the "
                                "last healthy batch, so the data is the cause: this step's update "
                                "is skipped")
-            self.through = step
-            if not spike.ranks:
+            # A spike on every batch for spike_patience steps is no longer the data's doing,
+            # whatever the probe's one batch says: it is handled as the weights' from the first.
+            self.through = step - self.skips if data else step
+            if not data and not spike.ranks:
                 return Verdict("update", spike, "spike", {"cause": "weights",
                                                           "probe_loss": json_number(probed)},
                                f"step {step}: {what}; the weights give {probed:.4g} on the last "
@@ -166,7 +171,7 @@ class SpikePolicy:
     # ---- state ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"losses": list(self.losses), "through": self.through,
+        return {"losses": list(self.losses), "through": self.through, "skips": self.skips,
                 "probe_batch": self.probe_batch, "lr_factor": self.lr_factor,
                 "rollbacks": [dict(r) for r in self.rollbacks]}
 
@@ -177,6 +182,7 @@ class SpikePolicy:
         self.losses.clear()
         self.losses.extend(float(x) for x in state.get("losses", []))
         self.through = int(state.get("through", 0))
+        self.skips = int(state.get("skips", 0))
         self.probe_batch = int(state.get("probe_batch", -1))
         self.lr_factor = float(state.get("lr_factor", 1.0))
         self.rollbacks = [dict(r) for r in state.get("rollbacks", [])]

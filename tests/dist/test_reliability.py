@@ -165,8 +165,10 @@ def test_nan_on_one_rank_stops_every_rank(tiny_data, tmp_path):
     assert codes(ranks)[0] == [1, 1], codes(ranks)[1]
     assert ranks[0].stderr.endswith(
         "ddpgpt: error: step 4: non-finite loss or gradient norm on rank 1; stopped before the "
-        "optimizer step. The last checkpoint (step 3) is intact; lower optim.lr or raise "
-        "optim.warmup_steps, or use --on-nonfinite skip\n")
+        f"optimizer step. The checkpoint {run_dir / 'checkpoints' / 'step_0000003'} was written "
+        "after the trouble began (the update before step 4 may be its cause), and a plain rerun "
+        "would resume from it; no checkpoint before it is known healthy: --reset starts over; "
+        "lower optim.lr or raise optim.warmup_steps, or use --on-nonfinite skip\n")
     assert ranks[1].stderr == ""
     assert [p.name for _, p in checkpoint.step_dirs(run_dir / "checkpoints")] == ["step_0000003"]
     # intact: hashes match
@@ -186,7 +188,7 @@ def test_nan_skip_and_its_limit(tiny_data, tmp_path):
     assert all(r["loss"] is not None for r in rows[:3] + rows[4:])
     final = run_dir / "checkpoints" / "step_0000006"
     saved = saved_state(final)
-    assert saved["guard"] == {"skipped": 1}
+    assert saved["guard"]["skipped"] == 1
     state = saved["optimizer"]["state"]
     assert {int(s["step"]) for s in state.values()} == {5}  # 6 steps, one without an update
 
@@ -195,9 +197,12 @@ def test_nan_skip_and_its_limit(tiny_data, tmp_path):
     ranks = run_ranks([limited] * 2, tmp_path / "logs2", env={"DDPGPT_FAULT": "nan@3@1"},
                       check=False)
     assert codes(ranks)[0] == [1, 1], codes(ranks)[1]
+    checkpoint_3 = tmp_path / "limit" / "checkpoints" / "step_0000003"
     assert ranks[0].stderr.endswith(
-        "stopped before the optimizer step after 0 skipped steps (run.max_skipped). The last "
-        "checkpoint (step 3) is intact; lower optim.lr or raise optim.warmup_steps, or raise "
+        "stopped before the optimizer step after 0 skipped steps (run.max_skipped). The "
+        f"checkpoint {checkpoint_3} was written after the trouble began (the update before step "
+        "4 may be its cause), and a plain rerun would resume from it; no checkpoint before it is "
+        "known healthy: --reset starts over; lower optim.lr or raise optim.warmup_steps, or raise "
         "run.max_skipped\n")
 
 

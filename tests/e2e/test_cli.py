@@ -130,3 +130,46 @@ def test_deliberate_switch_of_dataset_is_recorded(tiny_data, tmp_path):
     state = torch.load(run / "checkpoints" / "step_0000004" / "trainer.pt", weights_only=True)
     # 2 steps of G=8 on the new data
     assert (state["loader"]["epoch"], state["loader"]["consumed"]) == (0, 2 * 8)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ctrl_c_through_tee_still_checkpoints(tiny_data, tmp_path, nproc):
+    """`train ... 2>&1 | tee log`, then Ctrl-C: SIGINT reaches the whole foreground group, tee
+    included, so the stop message and the progress bar meet a closed pipe. The run must still
+    stop at a step boundary with its checkpoint (exit 75), and say so in metrics.jsonl, where
+    the pipe cannot lose it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import kill_tree
+
+    run = tmp_path / "run"
+    args = tiny_train_args(tiny_data, run, steps=400, run__checkpoint_every=0)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    train = subprocess.Popen([sys.executable, *args, "--nproc", str(nproc)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                             process_group=0)  # a foreground job: one group, tee joins it
+    tee = subprocess.Popen(["tee", str(tmp_path / "log")], stdin=train.stdout,
+                           stdout=subprocess.DEVNULL, process_group=train.pid)
+    train.stdout.close()  # tee is the pipe's only reader
+    try:
+        deadline = time.monotonic() + 120
+        while len(read_metrics(run)[0] if (run / "metrics.jsonl").is_file() else []) < 3:
+            assert train.poll() is None and time.monotonic() < deadline, "no step was logged"
+            time.sleep(0.05)
+        os.killpg(train.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
+        code = train.wait(timeout=120)
+    finally:
+        kill_tree(train.pid)
+        tee.kill()
+    assert tee.wait() == -signal.SIGINT
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (stop,) = [r for r in rows if r.get("event") == "stop"]
+    step = stop["step"]
+    assert code == 75 and stop["exit_code"] == 75, (code, rows[-3:])
+    assert stop["message"].startswith(f"at step {step} on SIGINT; checkpoint ")
+    assert (run / "checkpoints" / f"step_{step:07d}" / "meta.json").is_file()
+    assert 3 <= step < 400

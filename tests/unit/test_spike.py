@@ -43,12 +43,12 @@ def test_the_policy_state_round_trips_and_old_checkpoints_keep_their_window():
     policy.rollbacks = [{"step": 6, "to": 3, "batches": 3}]
     again = SpikePolicy(cfg)
     again.load_state_dict(policy.state_dict())
-    assert again.state_dict() == {"losses": [3.0], "through": 4, "probe_batch": 0,
+    assert again.state_dict() == {"losses": [3.0], "through": 4, "skips": 0, "probe_batch": 0,
                                   "lr_factor": 0.25,
                                   "rollbacks": [{"step": 6, "to": 3, "batches": 3}]}
     # a checkpoint of the earlier policy (a temporary lr cut) keeps its window and rollbacks
     again.load_state_dict({"losses": [2.0], "rollbacks": [], "lr_until": 9})
-    assert again.state_dict() == {"losses": [2.0], "through": 0, "probe_batch": -1,
+    assert again.state_dict() == {"losses": [2.0], "through": 0, "skips": 0, "probe_batch": -1,
                                   "lr_factor": 1.0, "rollbacks": []}
     again.load_state_dict(None)
     assert again.state_dict() == SpikePolicy(cfg).state_dict()
@@ -117,6 +117,20 @@ def test_weights_that_do_not_heal_roll_back_then_train_on_once_rollbacks_do_not_
     assert given_up.fields == {"why": "1 rollbacks within 50 steps have not helped "
                                       "(run.max_rollbacks = 1)"}
     assert g.judge(9, SPIKE, 8, probe) == Verdict("update", g.judge(9, SPIKE, 8, probe).spike)
+
+
+def test_bad_data_on_every_batch_for_the_patience_is_the_weights_after_all():
+    """The probe's one batch may be the only one the weights still get right (fp16 overflowing
+    on every other batch): skips in a row are capped by run.spike_patience, then it rolls back
+    from the first of them."""
+    g, probe = guard(spike_patience=3), Probe(4.0)
+    assert [g.judge(s, SPIKE, s - 1, probe).action for s in (3, 4, 5)] == ["skip"] * 3
+    rollback = g.judge(6, SPIKE, 5, probe)
+    assert (rollback.action, rollback.first) == ("rollback", 3)
+    g = guard(spike_patience=3)
+    assert g.judge(3, SPIKE, 2, probe).action == "skip"
+    assert g.judge(4, Health(4.0, [], False), 3, probe) == UPDATE  # a healthy step ends the run
+    assert [g.judge(s, SPIKE, s - 1, probe).action for s in (5, 6, 7)] == ["skip"] * 3
 
 
 def test_a_non_finite_step_the_weights_caused_rolls_back_at_once():
