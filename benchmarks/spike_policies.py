@@ -31,17 +31,23 @@ TINY2 = ["--preset", "tiny", "--model.n-layer", "2", "--data.global-batch", "8",
          "--data.micro-batch", "4"]
 # name: (corpus, flags, steps, DDPGPT_FAULT); every run evaluates all val windows at its end
 CONFIGS = {
-    # the issue's report: AdamW spikes to 10.5 at step 15 and heals by step 17
+    # AdamW spikes to 10.5 at step 15 and heals by step 17 (Debian's license texts)
     "heal": ("licenses", TINY2 + ["--run.checkpoint-every", "5"], 60, None),
-    "lr-high": ("stdlib", TINY2 + ["--optim.lr", "2e-2", "--optim.min-lr", "2e-3",
-                                   "--run.checkpoint-every", "10"], 100, None),
-    "fp16": ("stdlib", TINY2 + ["--run.precision", "fp16", "--optim.lr", "1e-2",
-                                "--optim.min-lr", "1e-3", "--run.checkpoint-every", "10"],
-             100, None),
-    "muon-high": ("stdlib", TINY2 + ["--optim.name", "muon", "--optim.muon-lr", "0.5",
-                                     "--run.checkpoint-every", "10"], 100, None),
+    # global batches 40-42 are random tokens: a real loss and a real gradient
     "garbage": ("stdlib", TINY2 + ["--run.checkpoint-every", "10"], 100,
                 ",".join(f"garbage@{k}" for k in range(40, 43))),
+    # lr 1 reached by a slow warmup, no clipping: the loss drifts up from step ~100
+    "lr-high": ("stdlib", TINY2 + ["--optim.lr", "1", "--optim.min-lr", "0.1",
+                                   "--optim.warmup-steps", "500", "--optim.grad-clip", "0",
+                                   "--run.checkpoint-every", "10"], 120, None),
+    # fp16 at lr 1 (warmup 200): activations leave fp16's range, the loss turns non-finite
+    "fp16": ("stdlib", TINY2 + ["--run.precision", "fp16", "--optim.lr", "1",
+                                "--optim.min-lr", "0.1", "--optim.warmup-steps", "200",
+                                "--run.checkpoint-every", "10"], 120, None),
+    # Muon at 500× its lr: slow, but it does not spike
+    "muon-high": ("stdlib", TINY2 + ["--optim.name", "muon", "--optim.muon-lr", "10",
+                                     "--optim.warmup-steps", "50", "--run.checkpoint-every", "10"],
+                  120, None),
 }
 
 
