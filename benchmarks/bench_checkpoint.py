@@ -119,7 +119,7 @@ def previous_save(trainer, root: Path, step: int) -> None:
 def train_steps(t, n: int) -> float:
     """Seconds of `n` training steps (every rank; a barrier at the end)."""
     from ddpgpt import dist
-    from ddpgpt.optim import lr_at
+    from ddpgpt.optim.optimizer import lr_at
 
     start = time.perf_counter()
     for _ in range(n):
@@ -134,7 +134,7 @@ def measure(t, env, root: Path, group, method: str, step: int, steps) -> dict:
     the checkpoint was published (nothing else running); for async, also what the background
     write costs 3 training steps that run during it (a second save)."""
     from ddpgpt import dist
-    from ddpgpt.saver import Saver
+    from ddpgpt.checkpoint.saver import Saver
 
     def save(at: int, during: int) -> tuple[float, float, float]:
         saver = Saver(env, root, group, "bench", keep=100, asynchronous=method == "async")
@@ -168,10 +168,11 @@ def worker(args) -> None:
     """One rank: every mode, every method; rank 0 writes the results."""
     import torch
 
-    from ddpgpt import checkpoint, dist, sharded
-    from ddpgpt.config_io import build
-    from ddpgpt.preflight import preflight
-    from ddpgpt.reliability import Guard, StopSignal
+    from ddpgpt import checkpoint, dist
+    from ddpgpt.checkpoint import sharded
+    from ddpgpt.config.io import build
+    from ddpgpt.guard.health import Guard, StopSignal
+    from ddpgpt.run.preflight import preflight
     from ddpgpt.train import Trainer
 
     results = {}
@@ -292,7 +293,7 @@ def project(world: int = 8, ratio: tuple[float, float] = MEASURED_RATIO) -> list
     previous store against sharded (GB, s)."""
     import torch
 
-    from ddpgpt.config import ModelConfig
+    from ddpgpt.config.schema import ModelConfig
     from ddpgpt.model import GPT
 
     rows = []

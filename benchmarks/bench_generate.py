@@ -17,8 +17,8 @@ import time
 
 import torch
 
+from ddpgpt.config.presets import get_preset
 from ddpgpt.model import GPT
-from ddpgpt.presets import get_preset
 
 
 def measure(model: GPT, new: int, use_cache: bool, device: torch.device) -> tuple[float, list]:

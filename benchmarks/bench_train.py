@@ -48,12 +48,12 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt.config import ConfigError
-from ddpgpt.config_io import from_dict
-from ddpgpt.metrics import measure_matmul_flops, peak_flops
+from ddpgpt.config.io import from_dict
+from ddpgpt.config.presets import get_preset
+from ddpgpt.config.schema import ConfigError
 from ddpgpt.model import GPT
-from ddpgpt.preflight import accum_steps
-from ddpgpt.presets import get_preset
+from ddpgpt.run.metrics import measure_matmul_flops, peak_flops
+from ddpgpt.run.preflight import accum_steps
 
 MFU_TARGET, EFFICIENCY_TARGET = 0.80, 0.95
 

@@ -47,10 +47,10 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt.config import ModelConfig
+from ddpgpt.config.schema import ModelConfig
 from ddpgpt.model import GPT
-from ddpgpt.muon import plan
-from ddpgpt.optim import is_muon_param
+from ddpgpt.optim.muon import plan
+from ddpgpt.optim.optimizer import is_muon_param
 from ddpgpt.sync import MODES, Traffic
 
 MODELS = {  # name: (shape, micro-batch b a GPU fits, as the presets choose)

@@ -137,8 +137,8 @@ def table(outcomes: list[dict], steps: dict[str, int]) -> str:
 def alarms(run_dir: Path, window: int, ratio: float) -> list[int]:
     """The steps of a finished run whose loss the detector (run.spike_window, run.spike_ratio)
     would have taken for a spike: its false alarms, on a healthy run."""
-    from ddpgpt.config import RunConfig
-    from ddpgpt.spike import SpikePolicy
+    from ddpgpt.config.schema import RunConfig
+    from ddpgpt.guard.spike import SpikePolicy
 
     policy, found = SpikePolicy(RunConfig(spike_window=window, spike_ratio=ratio)), []
     for row in rows(run_dir):

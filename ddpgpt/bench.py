@@ -36,17 +36,18 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt import dist, launch
-from ddpgpt.command_config import BenchConfig
-from ddpgpt.config import TrainConfig
-from ddpgpt.config_io import build
+from ddpgpt import dist
+from ddpgpt.config.commands import BenchConfig
+from ddpgpt.config.io import build
+from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
 from ddpgpt.files import describe
-from ddpgpt.optim import lr_at
-from ddpgpt.preflight import preflight
-from ddpgpt.reliability import Guard, StopSignal
-from ddpgpt.runtime import configure
+from ddpgpt.guard.health import Guard, StopSignal
+from ddpgpt.optim.optimizer import lr_at
+from ddpgpt.run import launch
+from ddpgpt.run.precision import configure
+from ddpgpt.run.preflight import preflight
 from ddpgpt.sync import MODES, Traffic
 from ddpgpt.train import Trainer
 

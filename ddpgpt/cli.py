@@ -23,7 +23,7 @@ import json
 import os
 import sys
 
-from ddpgpt.command_config import (
+from ddpgpt.config.commands import (
     BenchConfig,
     DoctorConfig,
     EvalConfig,
@@ -33,8 +33,8 @@ from ddpgpt.command_config import (
     RendezvousConfig,
     SampleConfig,
 )
-from ddpgpt.config import SECTIONS, TrainConfig
-from ddpgpt.config_io import add_flags, build, flat_config, from_dict, nest
+from ddpgpt.config.io import add_flags, build, flat_config, from_dict, nest
+from ddpgpt.config.schema import SECTIONS, TrainConfig
 from ddpgpt.errors import UserError, survive_closed_output
 
 
@@ -137,11 +137,12 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
 def print_config(cfg: TrainConfig, nproc: int | None) -> None:
     """What `train` would run with, as TOML. Every `auto` is resolved as the run would resolve
     it; without the dataset, the values that depend on it stay as given, and a comment says so."""
-    from ddpgpt import dist, resume
-    from ddpgpt.config_io import to_toml
+    from ddpgpt import dist
+    from ddpgpt.config.io import to_toml
     from ddpgpt.errors import DataError
-    from ddpgpt.preflight import preflight
-    from ddpgpt.run_dir import RunDir
+    from ddpgpt.run import resume
+    from ddpgpt.run.preflight import preflight
+    from ddpgpt.run.run_dir import RunDir
 
     here = dist.detect()
     world = nproc or here.world_size
@@ -223,7 +224,7 @@ def dispatch(argv: list[str]) -> None:
             from ddpgpt import train
             train.run(cfg)
         else:
-            from ddpgpt import launch
+            from ddpgpt.run import launch
             sys.exit(launch.train(cfg, nproc, max_restarts))
     elif ns.command == "sample":
         from ddpgpt import sample

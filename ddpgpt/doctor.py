@@ -19,8 +19,9 @@ import time
 import torch
 import torch.distributed as tdist
 
-from ddpgpt import __version__, dist, launch
-from ddpgpt.command_config import DoctorConfig
+from ddpgpt import __version__, dist
+from ddpgpt.config.commands import DoctorConfig
+from ddpgpt.run import launch
 
 
 def report() -> list[str]:

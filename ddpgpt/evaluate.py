@@ -13,14 +13,14 @@ from pathlib import Path
 import torch
 
 from ddpgpt import checkpoint, dist
-from ddpgpt.command_config import EvalConfig
-from ddpgpt.config_io import from_dict
+from ddpgpt.config.commands import EvalConfig
+from ddpgpt.config.io import from_dict
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError, warn
 from ddpgpt.model import GPT
-from ddpgpt.run_dir import RunDir
-from ddpgpt.runtime import autocast, inference_precision
+from ddpgpt.run.precision import autocast, inference_precision
+from ddpgpt.run.run_dir import RunDir
 
 
 @torch.no_grad()

@@ -26,14 +26,14 @@ import shutil
 from pathlib import Path
 
 from ddpgpt import checkpoint, gpt2
-from ddpgpt.command_config import ExportConfig
-from ddpgpt.config import ModelConfig
-from ddpgpt.config_io import from_dict
+from ddpgpt.config.commands import ExportConfig
+from ddpgpt.config.io import from_dict
+from ddpgpt.config.schema import ModelConfig
 from ddpgpt.data.output import check_out, publish
 from ddpgpt.data.tokenizer import EOT_TEXT, fingerprint
 from ddpgpt.errors import UserError
 from ddpgpt.evaluate import latest_checkpoint
-from ddpgpt.run_dir import RunDir
+from ddpgpt.run.run_dir import RunDir
 
 
 def require_transformers():

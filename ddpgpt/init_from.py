@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ddpgpt import gpt2
-from ddpgpt.config import ConfigError, TrainConfig
+from ddpgpt.config.schema import ConfigError, TrainConfig
 from ddpgpt.data.tokenizer import fingerprint
 from ddpgpt.errors import UserError, warn
 

@@ -26,11 +26,11 @@ import os
 import sys
 from pathlib import Path
 
-from ddpgpt.checkpoint import step_dirs
-from ddpgpt.command_config import PlotConfig
+from ddpgpt.checkpoint.store import step_dirs
+from ddpgpt.config.commands import PlotConfig
 from ddpgpt.errors import UserError
 from ddpgpt.files import describe
-from ddpgpt.run_dir import RunDir
+from ddpgpt.run.run_dir import RunDir
 
 FORMATS = (".png", ".pdf", ".svg")
 

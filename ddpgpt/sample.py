@@ -12,13 +12,13 @@ import os
 import torch
 
 from ddpgpt import checkpoint, dist
-from ddpgpt.command_config import SampleConfig
-from ddpgpt.config_io import from_dict
+from ddpgpt.config.commands import SampleConfig
+from ddpgpt.config.io import from_dict
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.evaluate import latest_checkpoint
 from ddpgpt.model import GPT
-from ddpgpt.run_dir import RunDir
-from ddpgpt.runtime import autocast, inference_precision
+from ddpgpt.run.precision import autocast, inference_precision
+from ddpgpt.run.run_dir import RunDir
 
 SMALL_STEP = 200e6  # parameters × samples: one thread below (see SampleConfig.threads)
 

@@ -28,23 +28,25 @@ import time
 
 import torch
 
-from ddpgpt import __version__, checkpoint, dist, elastic, optim, resume, sharded, sync, trackers
-from ddpgpt.config import TrainConfig
+from ddpgpt import __version__, checkpoint, dist, optim, sync
+from ddpgpt.checkpoint import sharded
+from ddpgpt.checkpoint.saver import Saver, save, settle
+from ddpgpt.checkpoint.saver import token as saver_token
+from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError, warn
 from ddpgpt.evaluate import evaluate
-from ddpgpt.metrics import Metrics, peak_flops
+from ddpgpt.guard.health import Guard, StopSignal, collective_failed, preempted, resume_hint
+from ddpgpt.guard.spike import Verdict, json_number, target
 from ddpgpt.model import GPT
-from ddpgpt.muon import momentum_at
-from ddpgpt.optim import lr_at, set_lr
-from ddpgpt.preflight import accum_steps, preflight, shared
-from ddpgpt.reliability import Guard, StopSignal, collective_failed, preempted, resume_hint
-from ddpgpt.run_dir import RunDir
-from ddpgpt.runtime import autocast, configure, grad_scaler, matmul_dtype
-from ddpgpt.saver import Saver, save, settle
-from ddpgpt.saver import token as saver_token
-from ddpgpt.spike import Verdict, json_number, target
+from ddpgpt.optim.muon import momentum_at
+from ddpgpt.optim.optimizer import lr_at, set_lr
+from ddpgpt.run import elastic, resume, trackers
+from ddpgpt.run.metrics import Metrics, peak_flops
+from ddpgpt.run.precision import autocast, configure, grad_scaler, matmul_dtype
+from ddpgpt.run.preflight import accum_steps, preflight, shared
+from ddpgpt.run.run_dir import RunDir
 
 
 class Trainer:
@@ -538,7 +540,7 @@ def _install_faults(trainer: Trainer, saver: Saver) -> None:
     """Test-only fault injection (DDPGPT_FAULT), wrapped around the step and the saver from
     outside the loop."""
     if os.environ.get("DDPGPT_FAULT"):
-        from ddpgpt import faults
+        from ddpgpt.guard import faults
         faults.install(trainer, saver)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpgpt.command_config import PrepareConfig
+from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.data import prepare
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

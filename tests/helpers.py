@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ddpgpt.config import ModelConfig
+from ddpgpt.config.schema import ModelConfig
 from ddpgpt.data.prepare import SplitWriter, make_meta
 from ddpgpt.data.shards import dtype_for_vocab
 
@@ -233,10 +233,10 @@ def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32,
     rate; `skip`: the steps (0-based) whose update is skipped."""
     import torch
 
-    from ddpgpt.config import ModelConfig, OptimConfig
+    from ddpgpt.config.schema import ModelConfig, OptimConfig
     from ddpgpt.data.shards import TokenDataset
     from ddpgpt.model import GPT
-    from ddpgpt.optim import lr_at
+    from ddpgpt.optim.optimizer import lr_at
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run; restored below for the rest of the session

@@ -38,7 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ddpgpt import __version__
-from ddpgpt.command_config import PrepareConfig
+from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.data.output import CleanExit, check_out, make_partial, publish
 from ddpgpt.data.shards import (
     META_FORMAT_VERSION,

@@ -17,9 +17,9 @@ import contextlib
 import torch
 
 from ddpgpt import dist
-from ddpgpt.muon import Matrices
-from ddpgpt.optim import Group, Optimizer, load_state
-from ddpgpt.sharded import Pieces, of_dtensor, whole
+from ddpgpt.checkpoint.sharded import Pieces, of_dtensor, whole
+from ddpgpt.optim.muon import Matrices
+from ddpgpt.optim.optimizer import Group, Optimizer, load_state
 from ddpgpt.sync import MODES
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddpgpt import dist
-from ddpgpt.optim import Group
+from ddpgpt.optim.optimizer import Group
 from ddpgpt.sync.base import Replicated, nbytes
 
 

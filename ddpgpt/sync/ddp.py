@@ -7,7 +7,7 @@ import contextlib
 import torch
 
 from ddpgpt import dist
-from ddpgpt.optim import Group
+from ddpgpt.optim.optimizer import Group
 from ddpgpt.sync.base import Replicated
 
 

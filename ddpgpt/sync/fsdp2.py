@@ -47,7 +47,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ddpgpt import dist
-from ddpgpt.optim import Group, Optimizer
+from ddpgpt.optim.optimizer import Group, Optimizer
 from ddpgpt.sync.base import MOMENTS, Sync, nbytes
 
 FULL = StateDictOptions(full_state_dict=True)

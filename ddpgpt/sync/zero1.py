@@ -29,8 +29,8 @@ import math
 import torch
 
 from ddpgpt import dist
-from ddpgpt.optim import Group, Optimizer
-from ddpgpt.sharded import Pieces, flat_range
+from ddpgpt.checkpoint.sharded import Pieces, flat_range
+from ddpgpt.optim.optimizer import Group, Optimizer
 from ddpgpt.sync.base import MOMENTS, adamw_state, nbytes
 from ddpgpt.sync.buckets import Bucket, BucketSync, packed
 

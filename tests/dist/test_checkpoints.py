@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from ddpgpt import checkpoint
-from ddpgpt.reliability import EXIT_PREEMPTED
+from ddpgpt.guard.health import EXIT_PREEMPTED
 from tests.dist.test_recovery import mount_namespace
 from tests.helpers import (
     Launch,

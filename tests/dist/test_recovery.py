@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ddpgpt import checkpoint
-from ddpgpt.reliability import EXIT_PREEMPTED
+from ddpgpt.guard.health import EXIT_PREEMPTED
 from tests.helpers import Launch, free_port, read_metrics, run_cli, saved_weights, tiny_train_args
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ddpgpt import checkpoint
-from ddpgpt.reliability import EXIT_PREEMPTED
+from ddpgpt.guard.health import EXIT_PREEMPTED
 from tests.helpers import (
     Launch,
     codes,

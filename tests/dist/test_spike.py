@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from ddpgpt.config import OptimConfig
-from ddpgpt.optim import lr_at
-from ddpgpt.reliability import EXIT_PREEMPTED
+from ddpgpt.config.schema import OptimConfig
+from ddpgpt.guard.health import EXIT_PREEMPTED
+from ddpgpt.optim.optimizer import lr_at
 from tests.helpers import (
     codes,
     read_metrics,

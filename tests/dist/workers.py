@@ -17,7 +17,7 @@ from ddpgpt import dist
 
 def eval_loss(env, data: str, max_windows: int) -> float:
     """evaluate() of a seeded tiny model, with the val windows split across the ranks."""
-    from ddpgpt.config import ModelConfig
+    from ddpgpt.config.schema import ModelConfig
     from ddpgpt.data.loader import EvalLoader
     from ddpgpt.data.shards import TokenDataset
     from ddpgpt.evaluate import evaluate
@@ -34,9 +34,9 @@ def count_allreduces(env, data: str, run_dir: str, accum: int, steps: int) -> di
     step, by index (DDP re-buckets after its first iteration, so the count can change once)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from ddpgpt.config_io import build
-    from ddpgpt.preflight import preflight
-    from ddpgpt.reliability import Guard, StopSignal
+    from ddpgpt.config.io import build
+    from ddpgpt.guard.health import Guard, StopSignal
+    from ddpgpt.run.preflight import preflight
     from ddpgpt.train import Trainer
 
     overrides = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
@@ -75,10 +75,10 @@ def early_checkpoint(env, data: str, run_dir: str, steps: int, modes: list[list[
     then steps with. Plus ddp's losses with no early checkpoint, the reference."""
     import copy
 
-    from ddpgpt.config_io import build
-    from ddpgpt.optim import lr_at
-    from ddpgpt.preflight import preflight
-    from ddpgpt.reliability import Guard, StopSignal
+    from ddpgpt.config.io import build
+    from ddpgpt.guard.health import Guard, StopSignal
+    from ddpgpt.optim.optimizer import lr_at
+    from ddpgpt.run.preflight import preflight
     from ddpgpt.train import Trainer
 
     changed = {"weight_decay": 0.7, "beta1": 0.6, "eps": 1e-6, "muon_ns_steps": 2}
@@ -134,8 +134,8 @@ def muon_modes(env, data: str, run_dir: str, steps: int, modes: list[str],
     the ones it steps; Muon's and AdamW's state elements per rank; whether every rank ends with
     the same weights. `chain` ({mode, first, last, load, save}): steps first..last under `mode`,
     from the checkpoint state at `load` (None: from scratch), its state saved to `save`."""
-    from ddpgpt import muon
-    from ddpgpt.optim import lr_at
+    from ddpgpt.optim import muon
+    from ddpgpt.optim.optimizer import lr_at
 
     real, calls = muon.newton_schulz, []
 
@@ -201,9 +201,9 @@ def muon_modes(env, data: str, run_dir: str, steps: int, modes: list[str],
 
 
 def make_trainer(env, flags: dict):
-    from ddpgpt.config_io import build
-    from ddpgpt.preflight import preflight
-    from ddpgpt.reliability import Guard, StopSignal
+    from ddpgpt.config.io import build
+    from ddpgpt.guard.health import Guard, StopSignal
+    from ddpgpt.run.preflight import preflight
     from ddpgpt.train import Trainer
 
     cfg, dataset = preflight(build(None, None, flags), env.world_size, env.local_world_size)
@@ -231,10 +231,10 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
     losses and the dtypes sent of each mode in `compressed` with run.grad_compress = bf16."""
     import copy
 
-    from ddpgpt.config_io import build
-    from ddpgpt.optim import lr_at
-    from ddpgpt.preflight import preflight
-    from ddpgpt.reliability import Guard, StopSignal
+    from ddpgpt.config.io import build
+    from ddpgpt.guard.health import Guard, StopSignal
+    from ddpgpt.optim.optimizer import lr_at
+    from ddpgpt.run.preflight import preflight
     from ddpgpt.train import Trainer
 
     def trainer(mode, compress="none"):
@@ -330,9 +330,9 @@ def checkpoint_memory(env, data: str, run_dir: str, cases: list[list[str]]) -> d
     write (all the step waits for), and gathered whole as the previous store did."""
     import tempfile
 
-    from ddpgpt import sharded
-    from ddpgpt.optim import lr_at
-    from ddpgpt.saver import Saver, Stager
+    from ddpgpt.checkpoint import sharded
+    from ddpgpt.checkpoint.saver import Saver, Stager
+    from ddpgpt.optim.optimizer import lr_at
 
     out = {}
     for mode, optimizer in cases:
@@ -447,8 +447,8 @@ def saver_failures(env, root: str) -> dict:
 
     from torch.distributed.checkpoint import filesystem
 
-    from ddpgpt import checkpoint, sharded
-    from ddpgpt.saver import Saver
+    from ddpgpt.checkpoint import sharded, store
+    from ddpgpt.checkpoint.saver import Saver
 
     group = dist.checkpoint_group(env, 30)
     held = {"model.w": sharded.whole(torch.ones(6, 4)), "model.b": sharded.whole(torch.ones(4))}
@@ -474,12 +474,12 @@ def saver_failures(env, root: str) -> dict:
             filesystem._write_item = full
             restore.append(lambda real=real: setattr(filesystem, "_write_item", real))
         if case == "prune" and env.is_main:
-            real_prune = checkpoint.prune
+            real_prune = store.prune
 
             def unreadable(root, keep):
                 raise PermissionError(errno.EACCES, "Permission denied", str(root))
-            checkpoint.prune = unreadable
-            restore.append(lambda real=real_prune: setattr(checkpoint, "prune", real))
+            store.prune = unreadable
+            restore.append(lambda real=real_prune: setattr(store, "prune", real))
         dist.barrier(env)
         start = time.perf_counter()
         try:

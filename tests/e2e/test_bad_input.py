@@ -369,7 +369,7 @@ def test_nproc_above_visible_gpus(monkeypatch):
     CPU workers (--device cpu) are not limited by the GPU count."""
     import torch
 
-    from ddpgpt import launch
+    from ddpgpt.run import launch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

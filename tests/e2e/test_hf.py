@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from ddpgpt import checkpoint, cli
-from ddpgpt.command_config import PrepareConfig
-from ddpgpt.config_io import build, from_dict
+from ddpgpt.config.commands import PrepareConfig
+from ddpgpt.config.io import build, from_dict
 from ddpgpt.data import prepare
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import EOT_TEXT, load_tokenizer

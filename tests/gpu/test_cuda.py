@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ddpgpt.config import ModelConfig
+from ddpgpt.config.schema import ModelConfig
 from ddpgpt.data.loader import TrainLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.model import GPT

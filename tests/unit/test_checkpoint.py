@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from ddpgpt import checkpoint
-from ddpgpt.checkpoint import CheckpointError
-from ddpgpt.config import ModelConfig
+from ddpgpt.checkpoint import store as checkpoint
+from ddpgpt.checkpoint.store import CheckpointError
+from ddpgpt.config.schema import ModelConfig
 from ddpgpt.model import GPT
 from tests.helpers import json_error
 

@@ -12,8 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddpgpt import cli, command_config, config, presets
-from ddpgpt.config import (
+from ddpgpt import cli
+from ddpgpt.config import commands, presets, schema
+from ddpgpt.config.io import build as resolve
+from ddpgpt.config.io import field_docs, from_dict, nest
+from ddpgpt.config.schema import (
     SYNC_MODES,
     ConfigError,
     DataConfig,
@@ -22,12 +25,10 @@ from ddpgpt.config import (
     RunConfig,
     TrainConfig,
 )
-from ddpgpt.config_io import build as resolve
-from ddpgpt.config_io import field_docs, from_dict, nest
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
-from ddpgpt.preflight import accum_steps, preflight
-from ddpgpt.preflight import resolve as resolve_autos
+from ddpgpt.run.preflight import accum_steps, preflight
+from ddpgpt.run.preflight import resolve as resolve_autos
 from ddpgpt.sync import MODES
 from tests.helpers import run_cli, write_dataset
 
@@ -406,7 +407,7 @@ def test_preflight_refuses_what_the_mode_table_says_a_mode_cannot_do(dataset, mo
 
 # ---- field docstrings reach --help ------------------------------------------------------------
 
-CONFIG_CLASSES = [c for module in (config, command_config)
+CONFIG_CLASSES = [c for module in (schema, commands)
                   for _, c in inspect.getmembers(module, inspect.isclass)
                   if dataclasses.is_dataclass(c) and c.__module__ == module.__name__]
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ddpgpt import gpt2
-from ddpgpt.config import ConfigError, ModelConfig
-from ddpgpt.config_io import build
+from ddpgpt.config.io import build
+from ddpgpt.config.schema import ConfigError, ModelConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import EOT_TEXT, ByteTokenizer
 from ddpgpt.errors import UserError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ddpgpt.metrics import Metrics
+from ddpgpt.run.metrics import Metrics
 
 
 def test_mfu_cannot_exceed_one_when_the_measured_peak_reads_low(tmp_path, monkeypatch):
@@ -12,7 +12,7 @@ def test_mfu_cannot_exceed_one_when_the_measured_peak_reads_low(tmp_path, monkey
     (rows of 1.05 and 1.39 were seen). The peak is raised to any rate the run reaches, and stays
     raised, so each row's utilization is against the best rate known so far."""
     clock = iter([0.0, 1.0, 2.0, 3.0])  # one second per logged step
-    monkeypatch.setattr("ddpgpt.metrics.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("ddpgpt.run.metrics.time.perf_counter", lambda: next(clock))
     # 1,000 tokens per step, 6 FLOPs per token, 2 processes: 3,000 FLOP/s per process per
     # 1,000 tokens/s. The measured peak says 2,000 FLOP/s per device: too low.
     metrics = Metrics(True, tmp_path / "metrics.jsonl", 0, 3, 1000, 6.0, peak=2000.0,
@@ -27,7 +27,7 @@ def test_mfu_cannot_exceed_one_when_the_measured_peak_reads_low(tmp_path, monkey
 
 def test_mfu_against_a_peak_the_run_does_not_reach(tmp_path, monkeypatch):
     clock = iter([0.0, 1.0])
-    monkeypatch.setattr("ddpgpt.metrics.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("ddpgpt.run.metrics.time.perf_counter", lambda: next(clock))
     metrics = Metrics(False, tmp_path / "metrics.jsonl", 0, 1, 1000, 6.0, peak=12000.0,
                       world_size=1)
     assert metrics.log_step(1, 1.0, 1e-3, 1.0, 1.0)["mfu"] == 0.5

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpgpt.config import ModelConfig
+from ddpgpt.config.schema import ModelConfig
 from ddpgpt.model import GPT
 from tests.helpers import SMALL
 

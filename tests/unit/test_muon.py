@@ -18,10 +18,10 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from ddpgpt import optim
-from ddpgpt.config import ModelConfig, OptimConfig
-from ddpgpt.dist import DistEnv
+from ddpgpt.config.schema import ModelConfig, OptimConfig
+from ddpgpt.dist.group import DistEnv
 from ddpgpt.model import GPT
-from ddpgpt.muon import Matrices, momentum_at, newton_schulz, ns_cost, plan
+from ddpgpt.optim.muon import Matrices, momentum_at, newton_schulz, ns_cost, plan
 from ddpgpt.sync.base import Sync
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ddpgpt.config import ModelConfig, OptimConfig
-from ddpgpt.dist import DistEnv
+from ddpgpt.config.schema import ModelConfig, OptimConfig
+from ddpgpt.dist.group import DistEnv
 from ddpgpt.model import GPT
-from ddpgpt.optim import Optimizer, groups, lr_at, set_lr
+from ddpgpt.optim.optimizer import Optimizer, groups, lr_at, set_lr
 from ddpgpt.sync.base import Sync
 from tests.helpers import SMALL
 

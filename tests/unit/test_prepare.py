@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from ddpgpt.command_config import PrepareConfig
+from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.data import prepare
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import ByteTokenizer, load_tokenizer

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ddpgpt.command_config import PrepareConfig
+from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.data import prepare, sources, tokenizer
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import EOT_TEXT, BPETokenizer, load_tokenizer

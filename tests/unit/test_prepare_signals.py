@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ddpgpt.command_config import PrepareConfig
+from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.data import output, prepare
 from ddpgpt.data.shards import TokenDataset
 from tests.helpers import kill_tree, run_cli

@@ -7,11 +7,12 @@ import dataclasses
 
 import pytest
 
-from ddpgpt import checkpoint, resume
-from ddpgpt.config import DataConfig, OptimConfig, RunConfig, TrainConfig
+from ddpgpt import checkpoint
+from ddpgpt.config.schema import DataConfig, OptimConfig, RunConfig, TrainConfig
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT
-from ddpgpt.run_dir import RunDir
+from ddpgpt.run import resume
+from ddpgpt.run.run_dir import RunDir
 from tests.conftest import STDLIB
 from tests.helpers import SMALL
 

@@ -12,13 +12,14 @@ import time
 import pytest
 import torch
 
-from ddpgpt import checkpoint, launch
-from ddpgpt.config_io import build
+from ddpgpt import checkpoint
+from ddpgpt.config.io import build
 from ddpgpt.model import GPT
-from ddpgpt.run_dir import RunDir, RunDirBusy
+from ddpgpt.run import launch
+from ddpgpt.run.run_dir import RunDir, RunDirBusy
 from tests.helpers import REPO
 
-HOLD = ("import sys, time; from ddpgpt.run_dir import RunDir; RunDir(sys.argv[1]).lock(); "
+HOLD = ("import sys, time; from ddpgpt.run.run_dir import RunDir; RunDir(sys.argv[1]).lock(); "
         "print('locked', flush=True); time.sleep(60)")
 
 
@@ -52,7 +53,7 @@ def test_a_worker_accepts_its_launchers_lock(tmp_path):
     """A child of the holder may run under the holder's lock (allow_parent); others may not."""
     run = RunDir(tmp_path / "run")
     run.lock()
-    child = ("import sys; from ddpgpt.run_dir import RunDir, RunDirBusy\n"
+    child = ("import sys; from ddpgpt.run.run_dir import RunDir, RunDirBusy\n"
              "r = RunDir(sys.argv[1]); r.lock(allow_parent=True)\n"
              "try:\n    r.lock()\nexcept RunDirBusy:\n    print('busy')\n")
     out = subprocess.run([sys.executable, "-c", child, str(run.path)], capture_output=True,

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ddpgpt import checkpoint, sharded
-from ddpgpt.checkpoint import CheckpointError
+from ddpgpt import checkpoint
+from ddpgpt.checkpoint import sharded
+from ddpgpt.checkpoint.store import CheckpointError
 from ddpgpt.errors import UserError
 from tests.helpers import SMALL, save_format_2
 

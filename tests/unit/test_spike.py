@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 from ddpgpt import checkpoint
-from ddpgpt.config import ConfigError, DataConfig, RunConfig, TrainConfig
+from ddpgpt.config.schema import ConfigError, DataConfig, RunConfig, TrainConfig
 from ddpgpt.data.loader import TrainLoader
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.dist import DistEnv, DistError, parse_nnodes
-from ddpgpt.elastic import first_start
-from ddpgpt.preflight import check_world_sizes
-from ddpgpt.reliability import Guard, Health, StopSignal
-from ddpgpt.run_dir import RunDir, RunDirBusy
-from ddpgpt.spike import UPDATE, SpikePolicy, Verdict, target
+from ddpgpt.dist.group import DistEnv, DistError, parse_nnodes
+from ddpgpt.guard.health import Guard, Health, StopSignal
+from ddpgpt.guard.spike import UPDATE, SpikePolicy, Verdict, target
+from ddpgpt.run.elastic import first_start
+from ddpgpt.run.preflight import check_world_sizes
+from ddpgpt.run.run_dir import RunDir, RunDirBusy
 from tests.helpers import reference_step, write_dataset
 
 

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from ddpgpt.reliability import StopSignal
+from ddpgpt.guard.health import StopSignal
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT],
@@ -33,9 +33,9 @@ def test_each_stop_signal_is_a_stop_request(sig):
 def test_the_nonfinite_stop_advises_what_is_not_already_on(on_nonfinite, lr_fields, advice):
     """With skipping on, advising --on-nonfinite skip says nothing; under Muon the matrices'
     learning rate is optim.muon_lr."""
-    from ddpgpt.config import RunConfig
-    from ddpgpt.dist import DistEnv, DistError
-    from ddpgpt.reliability import Guard
+    from ddpgpt.config.schema import RunConfig
+    from ddpgpt.dist.group import DistEnv, DistError
+    from ddpgpt.guard.health import Guard
 
     guard = Guard(DistEnv(), RunConfig(on_nonfinite=on_nonfinite, max_skipped=0),
                   StopSignal(announce=False), lr_fields)

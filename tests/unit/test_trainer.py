@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from ddpgpt.config_io import build
-from ddpgpt.dist import DistEnv
-from ddpgpt.preflight import preflight
-from ddpgpt.reliability import Guard, StopSignal
+from ddpgpt.config.io import build
+from ddpgpt.dist.group import DistEnv
+from ddpgpt.guard.health import Guard, StopSignal
+from ddpgpt.run.preflight import preflight
 from ddpgpt.train import Trainer
 
 
@@ -124,7 +124,7 @@ def test_a_checkpoint_without_one_of_the_models_tensors_is_refused(tiny_data, tm
     consistent: not written by ddpgpt for this model) is refused in one line, where the tensor
     would have kept its fresh initialization."""
     from ddpgpt import checkpoint
-    from ddpgpt.saver import Saver
+    from ddpgpt.checkpoint.saver import Saver
 
     first = make(tiny_data, tmp_path)
     first.train_step()

@@ -21,12 +21,13 @@ import time
 
 import torch
 
-from ddpgpt import checkpoint, dist, resume
-from ddpgpt.config import TrainConfig
+from ddpgpt import checkpoint, dist
+from ddpgpt.config.schema import TrainConfig
 from ddpgpt.errors import UserError
-from ddpgpt.preflight import preflight
-from ddpgpt.reliability import EXIT_PREEMPTED, resume_hint
-from ddpgpt.run_dir import RunDir
+from ddpgpt.guard.health import EXIT_PREEMPTED, resume_hint
+from ddpgpt.run import resume
+from ddpgpt.run.preflight import preflight
+from ddpgpt.run.run_dir import RunDir
 
 
 def check_nproc(nproc: int, device: str) -> None:

@@ -47,7 +47,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ddpgpt.config import RunConfig
+from ddpgpt.config.schema import RunConfig
 
 
 @dataclass

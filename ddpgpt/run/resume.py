@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpgpt import checkpoint
-from ddpgpt.checkpoint import CheckpointError
-from ddpgpt.config import TrainConfig
+from ddpgpt.checkpoint.store import CheckpointError
+from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.tokenizer import fingerprint as fingerprint_of
 from ddpgpt.errors import UserError
-from ddpgpt.run_dir import RunDir
+from ddpgpt.run.run_dir import RunDir
 
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
 

@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from ddpgpt.files import WriteError, describe
-from ddpgpt.trackers import kept_rows
+from ddpgpt.run.trackers import kept_rows
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets.
 GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12,

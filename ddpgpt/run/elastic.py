@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from ddpgpt import checkpoint, dist, resume
-from ddpgpt.config import TrainConfig
+from ddpgpt import checkpoint, dist
+from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.run_dir import RunDir
+from ddpgpt.run import resume
+from ddpgpt.run.run_dir import RunDir
 
 
 def first_start(run_dir: RunDir, env: dist.DistEnv) -> tuple[bool, set[str]]:

@@ -44,7 +44,7 @@ import torch
 from torch.optim._muon import _adjust_lr
 
 from ddpgpt import dist
-from ddpgpt.config import OptimConfig
+from ddpgpt.config.schema import OptimConfig
 
 
 def ns_cost(shape: tuple[int, int]) -> int:

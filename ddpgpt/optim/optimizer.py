@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ddpgpt.config import OptimConfig
-from ddpgpt.muon import Muon
+from ddpgpt.config.schema import OptimConfig
+from ddpgpt.optim.muon import Muon
 
 
 @dataclass

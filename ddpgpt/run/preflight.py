@@ -17,10 +17,11 @@ import os
 
 import torch
 
-from ddpgpt import dist, trackers
-from ddpgpt.config import ConfigError, TrainConfig
+from ddpgpt import dist
+from ddpgpt.config.schema import ConfigError, TrainConfig
 from ddpgpt.data.loader import TokenStream, require_windows
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.run import trackers
 from ddpgpt.sync import MODES
 
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from ddpgpt.config import SECTIONS, ConfigError, TrainConfig
+from ddpgpt.config.schema import SECTIONS, ConfigError, TrainConfig
 
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
               list: "a list"}
@@ -167,7 +167,7 @@ def from_dict(values: dict, source: str = "config.json") -> TrainConfig:
 
 def build(preset: str | None, config_file: str | None, flags: dict) -> TrainConfig:
     """preset -> TOML file -> command-line flags ({section: {field: text}}), each validated."""
-    from ddpgpt.presets import get_preset
+    from ddpgpt.config.presets import get_preset
 
     file_values = load_toml(config_file) if config_file else {}
     file_preset = file_values.pop("preset", None)

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from ddpgpt import checkpoint, dist
-from ddpgpt.config import RunConfig
+from ddpgpt.config.schema import RunConfig
 from ddpgpt.errors import UserError, warn
-from ddpgpt.spike import Spike, SpikePolicy, Verdict
+from ddpgpt.guard.spike import Spike, SpikePolicy, Verdict
 
 # sysexits' EX_TEMPFAIL: stopped early on request, checkpoint saved; rerun to resume
 EXIT_PREEMPTED = 75

@@ -51,8 +51,8 @@ from concurrent import futures
 
 import torch
 
-from ddpgpt import checkpoint, sharded
-from ddpgpt.reliability import GRACE_S
+from ddpgpt.checkpoint import sharded, store
+from ddpgpt.guard.health import GRACE_S
 
 SAVING = ("kill-saving", "kill-writing", "kill-committing", "hold-save", "term-saving")
 ACTIONS = ("kill", "kill-node", "term", "term2", "stall", "hold", "nan", "spike", "diverge",
@@ -171,7 +171,7 @@ def _broken_weights(action: str, at: int, trainer) -> None:
 
 
 def _around_saving(action: str, at: int, trainer, saver) -> None:
-    name = checkpoint.step_dir(saver.root, at).name
+    name = store.step_dir(saver.root, at).name
     if action == "kill-saving":
         shard_state = trainer.shard_state
 
@@ -182,16 +182,16 @@ def _around_saving(action: str, at: int, trainer, saver) -> None:
 
         trainer.shard_state = dying_shard_state
     elif action == "kill-committing" and trainer.env.is_main:
-        publish = checkpoint._publish
+        publish = store._publish
 
         def dying_publish(tmp, final):
             if final.name == name:
                 act("kill", at)
             publish(tmp, final)
 
-        checkpoint._publish = dying_publish
+        store._publish = dying_publish
     elif action == "kill-committing":
-        hash_files = checkpoint.hash_files
+        hash_files = store.hash_files
 
         def dying_hash(directory, names):
             hashes = hash_files(directory, names)
@@ -199,7 +199,7 @@ def _around_saving(action: str, at: int, trainer, saver) -> None:
                 act("kill", at)
             return hashes
 
-        checkpoint.hash_files = dying_hash
+        store.hash_files = dying_hash
     else:
         _around_write(action, at, name, trainer, saver)
 

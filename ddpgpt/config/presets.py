@@ -9,7 +9,14 @@ override any field of it.
 
 from __future__ import annotations
 
-from ddpgpt.config import ConfigError, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+from ddpgpt.config.schema import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+)
 
 
 def tiny() -> TrainConfig:

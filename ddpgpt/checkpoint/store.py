@@ -39,7 +39,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file as save_safetensors_file
 
-from ddpgpt import __version__, sharded
+from ddpgpt import __version__
+from ddpgpt.checkpoint import sharded
 from ddpgpt.errors import UserError, warn
 from ddpgpt.files import WriteError, describe, fsync, os_error_in, sha256, write_bytes
 

@@ -15,7 +15,7 @@ One save, on every rank:
     on the checkpoint's own gloo group, so that its collectives never meet the training's.
  3. DCP: each rank writes its file (fsynced), rank 0 the index.
  4. Commit, in a thread: each rank hashes the files it wrote; rank 0 gathers the hashes, writes
-    trainer.pt and meta.json last, fsyncs, renames the directory and prunes (checkpoint.commit);
+    trainer.pt and meta.json last, fsyncs, renames the directory and prunes (store.commit);
     rank 0 then tells every rank the outcome, so every rank raises the same failure at the same
     step (`settle`), and a failed save's temporary directory is removed.
 Without run.checkpoint_async the same steps run in the caller, without the copy.
@@ -39,11 +39,12 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 
-from ddpgpt import checkpoint, dist, sharded
+from ddpgpt import dist
+from ddpgpt.checkpoint import sharded, store
 from ddpgpt.errors import warn
 from ddpgpt.files import WriteError, describe, os_error_in
-from ddpgpt.reliability import resume_hint
-from ddpgpt.run_dir import RunDir
+from ddpgpt.guard.health import resume_hint
+from ddpgpt.run.run_dir import RunDir
 
 
 class Stager:
@@ -135,7 +136,7 @@ class Saver:
         checkpoint is published (or raises why not)."""
         started = time.perf_counter()
         self.settle()  # at most one in flight
-        tmp = checkpoint.temporary(self.root, step, self.token)
+        tmp = store.temporary(self.root, step, self.token)
         mine = sharded.share(held, replicated, self.env.rank, self.env.world_size)
         writer = sharded.Writer(tmp)
         if self.asynchronous:
@@ -177,7 +178,7 @@ class Saver:
         failed = next((p for p in problems if p is not None), None)
         if failed is not None:
             self.stager.prepared = None
-            final = checkpoint.step_dir(self.root, step)
+            final = store.step_dir(self.root, step)
             raise SaveFailed(f"cannot copy checkpoint {final} to memory: {failed}", step,
                              quiet=not self.env.is_main,
                              fix="free memory (or write in the step: --no-run.checkpoint-async)")
@@ -210,12 +211,12 @@ class Saver:
 
     def _commit(self, step: int, tmp: Path, writer, written, rest: dict, meta: dict) -> None:
         """Steps 3-4 above on every rank; collective over the checkpoint group."""
-        final = checkpoint.step_dir(self.root, step)
+        final = store.step_dir(self.root, step)
         hashes, problem, own = {}, None, False
         try:
             written()  # DCP's own outcome: a CheckpointException names every rank that failed
             names = writer.files + ([sharded.INDEX] if self.env.is_main else [])
-            hashes = checkpoint.hash_files(tmp, names)
+            hashes = store.hash_files(tmp, names)
         except BaseException as e:  # this rank's own error says most: it has the OS's reason
             own = getattr(writer, "error", None) is not None or sharded.failures(e)[0][0] is None
             problem = reason(getattr(writer, "error", None) or e, self.env.rank)
@@ -237,12 +238,12 @@ class Saver:
         """Rank 0: trainer.pt, meta.json, the rename, keep-last-k. The reason it failed, or None."""
         files = {name: digest for hashes, _, _ in gathered for name, digest in hashes.items()}
         try:
-            checkpoint.commit(tmp, final, files, rest,
+            store.commit(tmp, final, files, rest,
                               {"world_size": self.env.world_size, **meta})
         except BaseException as e:  # whatever it is, every rank must hear of it (the broadcast)
             return reason(e, 0)
         try:
-            checkpoint.prune(self.root, self.keep)
+            store.prune(self.root, self.keep)
         except Exception as e:  # the checkpoint is published; an old one stays
             warn(f"could not prune old checkpoints in {self.root} ({e}); training goes on")
         return None

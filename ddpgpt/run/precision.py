@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from ddpgpt.config import RunConfig
+from ddpgpt.config.schema import RunConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

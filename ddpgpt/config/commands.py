@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ddpgpt.config import MAX_BUCKET_MB, SYNC_MODES, _choice, _finite, _require
+from ddpgpt.config.schema import MAX_BUCKET_MB, SYNC_MODES, _choice, _finite, _require
 
 
 @dataclass
