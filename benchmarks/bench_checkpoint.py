@@ -173,7 +173,7 @@ def worker(args) -> None:
     from ddpgpt.config.io import build
     from ddpgpt.guard.health import Guard, StopSignal
     from ddpgpt.run.preflight import preflight
-    from ddpgpt.train import Trainer
+    from ddpgpt.trainer import Trainer
 
     results = {}
     with dist.session(device=args.device) as env:

@@ -49,7 +49,7 @@ from ddpgpt.run import launch
 from ddpgpt.run.precision import configure
 from ddpgpt.run.preflight import preflight
 from ddpgpt.sync import MODES, Traffic
-from ddpgpt.train import Trainer
+from ddpgpt.trainer import Trainer
 
 
 def traffic(trainer: Trainer, compress: bool = False) -> Traffic:

@@ -19,255 +19,30 @@ requests; see reliability.py) -> the update -> log, evaluate, save.
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import json
 import os
 import sys
-import time
 
 import torch
 
-from ddpgpt import __version__, checkpoint, dist, optim, sync
-from ddpgpt.checkpoint import sharded
+from ddpgpt import __version__, checkpoint, dist
 from ddpgpt.checkpoint.saver import Saver, save, settle
 from ddpgpt.checkpoint.saver import token as saver_token
 from ddpgpt.config.schema import TrainConfig
-from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError, warn
 from ddpgpt.evaluate import evaluate
 from ddpgpt.guard.health import Guard, StopSignal, collective_failed, preempted, resume_hint
 from ddpgpt.guard.spike import Verdict, json_number, target
-from ddpgpt.model import GPT
-from ddpgpt.optim.muon import momentum_at
-from ddpgpt.optim.optimizer import lr_at, set_lr
+from ddpgpt.optim.optimizer import lr_at
 from ddpgpt.run import elastic, resume, trackers
 from ddpgpt.run.metrics import Metrics, peak_flops
-from ddpgpt.run.precision import autocast, configure, grad_scaler, matmul_dtype
-from ddpgpt.run.preflight import accum_steps, preflight, shared
+from ddpgpt.run.precision import configure, matmul_dtype
+from ddpgpt.run.preflight import preflight, shared
 from ddpgpt.run.run_dir import RunDir
+from ddpgpt.trainer import Trainer
 
-
-class Trainer:
-    """The training state and the step. Whatever resumes lives here, each part with its own
-    state_dict(): the model, the optimizer, the loss scaler, the loader's cursor, the guard's
-    count of skipped steps and its spike detector, the progress (step, elapsed time) and every
-    rank's RNG."""
-
-    def __init__(self, cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, guard: Guard,
-                 local: bool = False, init: dict | None = None, digest: bool = True):
-        """Built in one direction: the model, the sync mode around it, the optimizer over the
-        parameters as the mode left them; a checkpoint is loaded into those (load_state_dict).
-        `local`: no collective at all, each rank on its own micro-batches (bench's baseline).
-        `init`: pretrained weights (--init-from) to start from instead of the seed's. `digest`:
-        take `init_digest` (a start from scratch compares it across ranks; a resume does not)."""
-        self.cfg, self.env, self.dataset, self.guard = cfg, env, dataset, guard
-        dev, data, run = env.device, cfg.data, cfg.run
-        self.accum = accum_steps(cfg, env.world_size)
-        # 1. The same weights on every rank: drawn from run.seed by the model's private generator,
-        #    never from a global RNG that some code might have seeded per rank.
-        self.raw = GPT(cfg.model, seed=run.seed).to(dev)  # the single-device model
-        if init is not None:  # before the digest and the sync: as if the model were built so
-            self.raw.load_state_dict(init)
-        # What this rank built, before any sharding: fsdp2 would otherwise show every rank the
-        # same gathered mix of the ranks' shards, whatever each built.
-        self.init_digest = dist.state_digest(self.raw.state_dict()) if digest else None
-        # 2. The sync mode wraps it (DDP, gradient buckets, zero1's flat buffers, fsdp2's shards)
-        #    and says what this rank steps; the optimizer is built over exactly that.
-        groups = optim.groups(self.raw, cfg.optim)
-        self.sync = sync.make(None if local else run.sync, self.raw, groups, env, run.bucket_mb,
-                              run.grad_compress)
-        self.scaler = grad_scaler(run.precision, dev)  # fp16: it must see every gradient held
-        ns_dtype = torch.float32 if run.precision == "fp32" else torch.bfloat16
-        self.optimizer = optim.Optimizer(groups, self.sync.params(), cfg.optim, dev,
-                                         held=self.sync.held() if self.scaler else (),
-                                         ns_dtype=ns_dtype)
-        # 3. Compile after the sync: for DDP, dynamo's DDPOptimizer then splits the graph at
-        #    DDP's bucket boundaries, so each bucket's all-reduce overlaps the backward.
-        self.model = torch.compile(self.sync.model) if run.compile else self.sync.model
-        self.autocast = autocast(cfg.run.precision, dev)
-        # 4. This rank's share of the data; the order is the loader's, not a per-rank seed's.
-        self.loader = TrainLoader(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,
-                                  world_size=env.world_size, rank=env.rank, accum_steps=self.accum,
-                                  seed=data.seed, shuffle=data.shuffle, device=dev)
-        self.val = EvalLoader(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,
-                              world_size=env.world_size, rank=env.rank,
-                              max_windows=data.eval_windows, device=dev)
-        self.step = 0                 # optimizer steps completed
-        self.batch = 0                # the global batch the newest step read
-        self.doing = "step 1"         # what the loop is at, for a failure's message
-        self.last_checkpoint = -1     # the step of the newest checkpoint this run can fall back to
-        self.origin: dict | None = None  # the explicit --resume PATH this run descends from
-        self._elapsed_before, self._started = 0.0, time.perf_counter()
-        self._seed_rng(0)
-
-    @property
-    def elapsed_s(self) -> float:
-        """Wall time of the run so far, across resumes."""
-        return self._elapsed_before + time.perf_counter() - self._started
-
-    def _seed_rng(self, step: int) -> None:
-        """This rank's global RNG (dropout) from (seed, rank, step): masks differ per rank."""
-        torch.manual_seed(self.cfg.run.seed + 1 + self.env.rank + 1_000_003 * step)
-
-    # ---- state ------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict:
-        """Collective: every rank's RNG state is gathered, so every rank must call it."""
-        env = self.env
-        rng = {"cpu": dist.all_gather(env, torch.get_rng_state().to(env.device)).cpu()}
-        if env.device.type == "cuda":
-            rng["cuda"] = dist.all_gather(env,
-                                          torch.cuda.get_rng_state(env.device).to(env.device)).cpu()
-        return {"model": self.sync.model_state(),
-                "optimizer": self.sync.optimizer_state(self.optimizer), "rng": rng,
-                **self._rest()}
-
-    def _rest(self) -> dict:
-        """The state beside the tensors: the scaler, the loader's cursor, the guard and its spike
-        detector, the progress."""
-        return {"scaler": self.scaler.state_dict() if self.scaler else None,
-                "loader": self.loader.state_dict(), "guard": self.guard.state_dict(),
-                "progress": {"step": self.step, "elapsed_s": self.elapsed_s}}
-
-    def load_state_dict(self, state: dict, saved_world_size: int, new_data: bool = False) -> None:
-        """Into the model and optimizer as the sync mode laid them out (whatever mode and W saved
-        the state). `new_data`: a deliberate switch to another dataset, whose windows the loader
-        starts from the beginning."""
-        self.sync.load_model_state(state["model"])
-        # this run's hyperparameters win over the saved ones
-        self.sync.load_optimizer_state(self.optimizer, optim.upgrade(state["optimizer"]))
-        rng = None
-        if saved_world_size == self.env.world_size:
-            rng = {k: v[self.env.rank] for k, v in state["rng"].items() if v is not None}
-        self._load_rest(state, new_data, rng)
-
-    # ---- the sharded checkpoint (sharded.py, saver.py) ------------------------------------------
-
-    def shard_state(self) -> tuple[dict[str, sharded.Pieces], set[str], dict]:
-        """What a checkpoint takes from this rank, with no copy and no collective: every tensor it
-        holds, as chunks of the single-device model's tensors (sharded.py); the names of those
-        every rank holds alike; and the small rest (a snapshot; rank 0's is written)."""
-        held, replicated = self.sync.checkpoint_state(self.optimizer)
-        held.update(sharded.rng(self.env))
-        rest = {"optimizer": self.sync.optimizer_rest(self.optimizer), **self._rest()}
-        return held, replicated, copy.deepcopy(rest)
-
-    def restore(self, path, meta: dict, new_data: bool = False) -> None:
-        """Loads checkpoint `path`, whatever mode and W wrote it. Format 3: in place, each rank
-        reading only the chunks it holds, so no rank ever holds the whole state, with no
-        collective (ranks that disagree on the checkpoint are named by `setup` afterwards);
-        formats 1-2: whole, through load_state_dict."""
-        if int(meta["format_version"]) < 3:
-            self.load_state_dict(checkpoint.load(path, meta), meta["world_size"], new_data)
-            return
-        index, rest = checkpoint.open_sharded(path, meta)
-        saved = set(index.state_dict_metadata)
-        create = tuple(kind for kind in ("adamw", "muon")
-                       if any(k.startswith(f"optimizer.{kind}.") for k in saved))
-        targets, _ = self.sync.checkpoint_state(self.optimizer, create)
-        missing = sorted(k for k in targets if k not in saved)
-        if missing:  # resume._check_fit compared the shapes; this checkpoint lacks tensors
-            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            raise checkpoint.CheckpointError(
-                f"{path}: the checkpoint holds no {missing[0]}{more}; it was not written by "
-                "this model and optimizer: resume from another one, or --reset")
-        same = int(meta["world_size"]) == self.env.world_size
-        rng = sharded.rng(self.env, fresh=True) if same else {}
-        checkpoint.read_into(path, index,
-                             {k: v for k, v in {**targets, **rng}.items() if k in saved})
-        self.sync.set_adamw_steps(self.optimizer, rest["optimizer"]["adamw"]["step"])
-        self._load_rest(rest, new_data, {k[4:]: p.chunks[0][1].view(-1) for k, p in rng.items()
-                                         if k in saved} if same else None)
-
-    def _load_rest(self, state: dict, new_data: bool, rng: dict | None) -> None:
-        """The scaler, the loader's cursor, the guard and its spike detector, the progress, and
-        this rank's generators (`rng`, when the world size is the one that saved them; else
-        fresh streams)."""
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        if not new_data:
-            self.loader.load_state_dict(state["loader"])
-        self.guard.load_state_dict(state["guard"], state.get("spike"))
-        self.step = self.last_checkpoint = int(state["progress"]["step"])
-        self._elapsed_before, self._started = (float(state["progress"]["elapsed_s"]),
-                                               time.perf_counter())
-        if rng is not None:
-            # clone(): set_rng_state crashes (torch 2.13) on a view with an offset
-            torch.set_rng_state(rng["cpu"].clone())
-            if rng.get("cuda") is not None and self.env.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"].clone(), self.env.device)
-        else:  # another W: per-rank streams cannot carry over; fresh ones from (seed, step, rank)
-            self._seed_rng(self.step)
-
-    def unwrap(self) -> None:
-        """No DDP wrapper or hook may outlive the process group (see dist.shutdown)."""
-        if self.sync is not None:
-            self.sync.close()
-        self.model = self.raw
-
-    def close(self) -> None:
-        """Unwrapped, and the model, optimizer and gradients let go: a rollback builds new ones,
-        and both at once may not fit on the device."""
-        self.unwrap()
-        self.raw = self.model = self.optimizer = self.sync = None
-
-    # ---- the step ---------------------------------------------------------------------------
-
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward over this rank's A micro-batches, gradients synced once, at the last.
-        Returns (this rank's mean loss, the global gradient norm before clipping)."""
-        self.batch = self.loader.batch_index  # the global batch this step reads
-        loss_sum = torch.zeros((), device=self.env.device)
-        # A lost peer shows in whichever collective comes first: the last backward's (DDP, the
-        # buckets), any forward's (fsdp2 gathers each block's weights), finish()'s or the norm's.
-        with dist.collective() if self.env.world_size > 1 else contextlib.nullcontext():
-            for m, (x, y) in enumerate(self.loader.next_step()):
-                last = m == self.accum - 1
-                # Before the last micro-step no gradient is synced: they accumulate locally.
-                with self.sync.micro_step(last):
-                    with self.autocast():
-                        _, loss = self.model(x, y)  # mean over this micro-batch's b·T tokens
-                    # /A: summed over micro-steps, then averaged over W ranks by the sync, the
-                    # gradient is that of the mean loss over the global batch (T targets each).
-                    scaled = loss / self.accum
-                    (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-                loss_sum += loss.detach()
-            self.sync.finish()
-            if self.scaler is not None:
-                self.scaler.unscale_(self.optimizer)
-            # After the sync every rank holds the same gradients, so this is the global norm.
-            norm = self.sync.clip(self.cfg.optim.grad_clip or float("inf"))
-        return loss_sum / self.accum, norm
-
-    def probe(self, batch: int) -> float:
-        """The global mean loss of the weights as they are on global batch `batch` (no update,
-        no gradient, no RNG drawn): each rank its share, one all-reduce. Collective."""
-        with dist.collective() if self.env.world_size > 1 else contextlib.nullcontext():
-            return evaluate(self.raw, self.loader.batch(batch), self.env, self.autocast)
-
-    def update(self, lr: float) -> None:
-        set_lr(self.optimizer, lr, momentum_at(self.step, self.cfg.optim))
-        self.sync.before_update()  # fsdp2: Muon's matrices, whole, to their owners
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.sync.after_update()  # every rank gets the parameters that others updated
-        self.sync.zero_grad()
-
-    def skip_update(self) -> None:
-        """A step skipped for a non-finite value: its gradients are dropped. The scaler still
-        closes the step (update() lowers the scale after an overflow); without it the next
-        step's unscale_() would refuse to run."""
-        if self.scaler is not None:
-            self.scaler.update()
-        self.sync.zero_grad()
-
-
-# ---- the loop ------------------------------------------------------------------------------------
 
 def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)

@@ -37,7 +37,7 @@ def count_allreduces(env, data: str, run_dir: str, accum: int, steps: int) -> di
     from ddpgpt.config.io import build
     from ddpgpt.guard.health import Guard, StopSignal
     from ddpgpt.run.preflight import preflight
-    from ddpgpt.train import Trainer
+    from ddpgpt.trainer import Trainer
 
     overrides = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
                  "data": {"dir": data, "micro_batch": 2,
@@ -79,7 +79,7 @@ def early_checkpoint(env, data: str, run_dir: str, steps: int, modes: list[list[
     from ddpgpt.guard.health import Guard, StopSignal
     from ddpgpt.optim.optimizer import lr_at
     from ddpgpt.run.preflight import preflight
-    from ddpgpt.train import Trainer
+    from ddpgpt.trainer import Trainer
 
     changed = {"weight_decay": 0.7, "beta1": 0.6, "eps": 1e-6, "muon_ns_steps": 2}
 
@@ -204,7 +204,7 @@ def make_trainer(env, flags: dict):
     from ddpgpt.config.io import build
     from ddpgpt.guard.health import Guard, StopSignal
     from ddpgpt.run.preflight import preflight
-    from ddpgpt.train import Trainer
+    from ddpgpt.trainer import Trainer
 
     cfg, dataset = preflight(build(None, None, flags), env.world_size, env.local_world_size)
     return Trainer(cfg, env, dataset, Guard(env, cfg.run, StopSignal(announce=False)))
@@ -235,7 +235,7 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
     from ddpgpt.guard.health import Guard, StopSignal
     from ddpgpt.optim.optimizer import lr_at
     from ddpgpt.run.preflight import preflight
-    from ddpgpt.train import Trainer
+    from ddpgpt.trainer import Trainer
 
     def trainer(mode, compress="none"):
         flags = {"model": {"n_layer": 2, "n_head": 2, "n_embd": n_embd, "block_size": 32},

@@ -11,7 +11,7 @@ from ddpgpt.config.io import build
 from ddpgpt.dist.group import DistEnv
 from ddpgpt.guard.health import Guard, StopSignal
 from ddpgpt.run.preflight import preflight
-from ddpgpt.train import Trainer
+from ddpgpt.trainer import Trainer
 
 
 def make(tiny_data, tmp_path, optim: dict | None = None, **run) -> Trainer:
