@@ -35,7 +35,6 @@ from ddpgpt.errors import UserError, warn
 from ddpgpt.evaluate import evaluate
 from ddpgpt.guard.health import Guard, StopSignal, collective_failed, preempted, resume_hint
 from ddpgpt.guard.spike import Verdict, json_number, target
-from ddpgpt.optim.optimizer import lr_at
 from ddpgpt.run import elastic, resume, trackers
 from ddpgpt.run.metrics import Metrics, peak_flops
 from ddpgpt.run.precision import configure, matmul_dtype
@@ -53,7 +52,7 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver) -> V
     cfg, env, total, guard = trainer.cfg, trainer.env, trainer.cfg.run.steps, trainer.guard
     while trainer.step < total:
         trainer.doing = f"step {trainer.step + 1}"
-        lr = lr_at(trainer.step, cfg.optim, total) * guard.spikes.lr_factor
+        rates = trainer.schedule.at(trainer.step)
         loss, norm = trainer.train_step()
         health = guard.exchange(loss, norm, scaled=trainer.scaler is not None,
                                 saving=saver.busy)
@@ -70,10 +69,10 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver) -> V
         if verdict.action == "skip":
             trainer.skip_update()
         else:
-            trainer.update(lr)
+            trainer.update(rates)
         trainer.step += 1
         if _due(trainer.step, cfg.run.log_every, total):
-            metrics.log_step(trainer.step, None if health.bad else health.loss, lr,
+            metrics.log_step(trainer.step, None if health.bad else health.loss, rates.lr,
                              None if health.bad else norm.item(), trainer.elapsed_s)
         with metrics.paused():
             if _due(trainer.step, cfg.run.eval_every, total):

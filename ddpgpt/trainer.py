@@ -18,8 +18,8 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.evaluate import evaluate
 from ddpgpt.guard.health import Guard
 from ddpgpt.model import GPT
-from ddpgpt.optim.muon import momentum_at
 from ddpgpt.optim.optimizer import set_lr
+from ddpgpt.optim.schedule import Rates, Schedule
 from ddpgpt.run.precision import autocast, grad_scaler
 from ddpgpt.run.preflight import accum_steps
 
@@ -58,6 +58,8 @@ class Trainer:
         self.optimizer = optim.Optimizer(groups, self.sync.params(), cfg.optim, dev,
                                          held=self.sync.held() if self.scaler else (),
                                          ns_dtype=ns_dtype)
+        # Each step's lr and momentum; a rollback's lower lr comes from the guard at each step.
+        self.schedule = Schedule(cfg.optim, run.steps, lambda: guard.spikes.lr_factor)
         # 3. Compile after the sync: for DDP, dynamo's DDPOptimizer then splits the graph at
         #    DDP's bucket boundaries, so each bucket's all-reduce overlaps the backward.
         self.model = torch.compile(self.sync.model) if run.compile else self.sync.model
@@ -222,8 +224,9 @@ class Trainer:
         with dist.collective() if self.env.world_size > 1 else contextlib.nullcontext():
             return evaluate(self.raw, self.loader.batch(batch), self.env, self.autocast)
 
-    def update(self, lr: float) -> None:
-        set_lr(self.optimizer, lr, momentum_at(self.step, self.cfg.optim))
+    def update(self, rates: Rates) -> None:
+        """The optimizer step at `rates` (the schedule's for this step: self.schedule.at)."""
+        set_lr(self.optimizer, rates.lr, rates.momentum)
         self.sync.before_update()  # fsdp2: Muon's matrices, whole, to their owners
         if self.scaler is not None:
             self.scaler.step(self.optimizer)

@@ -77,7 +77,7 @@ def early_checkpoint(env, data: str, run_dir: str, steps: int, modes: list[list[
 
     from ddpgpt.config.io import build
     from ddpgpt.guard.health import Guard, StopSignal
-    from ddpgpt.optim.optimizer import lr_at
+    from ddpgpt.optim.schedule import Schedule
     from ddpgpt.run.preflight import preflight
     from ddpgpt.trainer import Trainer
 
@@ -98,7 +98,7 @@ def early_checkpoint(env, data: str, run_dir: str, steps: int, modes: list[list[
         for k in range(steps):
             loss, _ = t.train_step()
             losses.append((dist.all_reduce(env, loss.detach().clone()) / env.world_size).item())
-            t.update(lr_at(k, t.cfg.optim, steps))
+            t.update(Schedule(t.cfg.optim, steps).at(k))
         return losses
 
     out = {}
@@ -135,7 +135,7 @@ def muon_modes(env, data: str, run_dir: str, steps: int, modes: list[str],
     the same weights. `chain` ({mode, first, last, load, save}): steps first..last under `mode`,
     from the checkpoint state at `load` (None: from scratch), its state saved to `save`."""
     from ddpgpt.optim import muon
-    from ddpgpt.optim.optimizer import lr_at
+    from ddpgpt.optim.schedule import Schedule
 
     real, calls = muon.newton_schulz, []
 
@@ -160,7 +160,7 @@ def muon_modes(env, data: str, run_dir: str, steps: int, modes: list[str],
             calls.clear()
             loss, _ = t.train_step()
             losses.append((dist.all_reduce(env, loss.detach().clone()) / env.world_size).item())
-            t.update(lr_at(k, t.cfg.optim, steps))
+            t.update(Schedule(t.cfg.optim, steps).at(k))
             t.step += 1
             per_step.append(dist.all_gather(env, torch.tensor([len(calls)])).flatten().tolist())
         return losses, per_step
@@ -233,7 +233,7 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
 
     from ddpgpt.config.io import build
     from ddpgpt.guard.health import Guard, StopSignal
-    from ddpgpt.optim.optimizer import lr_at
+    from ddpgpt.optim.schedule import Schedule
     from ddpgpt.run.preflight import preflight
     from ddpgpt.trainer import Trainer
 
@@ -271,7 +271,7 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
             loss, norm = t.train_step()
             losses.append((dist.all_reduce(env, loss.detach().clone()) / env.world_size).item())
             norms.append(norm.item())
-            t.update(lr_at(k, t.cfg.optim, steps))
+            t.update(Schedule(t.cfg.optim, steps).at(k))
             per_step.append(list(issued))
             t.step += 1
         return losses, norms, per_step
@@ -332,7 +332,7 @@ def checkpoint_memory(env, data: str, run_dir: str, cases: list[list[str]]) -> d
 
     from ddpgpt.checkpoint import sharded
     from ddpgpt.checkpoint.saver import Saver, Stager
-    from ddpgpt.optim.optimizer import lr_at
+    from ddpgpt.optim.schedule import Schedule
 
     out = {}
     for mode, optimizer in cases:
@@ -344,7 +344,7 @@ def checkpoint_memory(env, data: str, run_dir: str, cases: list[list[str]]) -> d
                     "bucket_mb": 0.01}})
         for k in range(2):
             t.train_step()
-            t.update(lr_at(k, t.cfg.optim, 2))
+            t.update(Schedule(t.cfg.optim, 2).at(k))
         held, replicated, rest = t.shard_state()
         mine = sharded.share(held, replicated, env.rank, env.world_size)
         written = sum(p.nbytes for p in mine.values())
