@@ -1,23 +1,29 @@
 """Validation loss: token-weighted over the loader's fixed windows, all-reduced across ranks, and
-the same as bits per byte of text (comparable across tokenizers; see TokenDataset.bits_per_byte).
+the same as bits per byte of text (comparable across tokenizers; see TokenDataset.bits_per_byte);
+with --task, multiple-choice accuracy as llm.c scores HellaSwag (evals/).
 
     ddpgpt eval --run-dir runs/demo                                  # one process
-    torchrun --standalone --nproc_per_node 8 -m ddpgpt eval --run-dir runs/demo
+    ddpgpt eval --run-dir runs/demo --task hellaswag --limit 1000 --json
+    ddpgpt eval --run-dir runs/demo --task piqa --task-data piqa.jsonl
+    torchrun --standalone --nproc_per_node 8 -m ddpgpt eval --run-dir runs/demo --task hellaswag
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import torch
 
-from ddpgpt import checkpoint, dist
+from ddpgpt import checkpoint, dist, evals
 from ddpgpt.config.commands import EvalConfig
 from ddpgpt.config.io import from_dict
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.errors import UserError, warn
+from ddpgpt.evals.multiple_choice import Scorer
 from ddpgpt.model import GPT
 from ddpgpt.run.precision import autocast, inference_precision
 from ddpgpt.run.run_dir import RunDir
@@ -50,6 +56,9 @@ def run(cfg: EvalConfig) -> None:
     path, meta, state = latest_checkpoint(run_dir)
     train_cfg = from_dict(meta["config"], source=str(path / "meta.json"))
     dataset = TokenDataset(train_cfg.data.dir)
+    # Bad task files and the download fail here, on every rank, before the group exists.
+    tasks = evals.load_all(cfg.task, cfg.task_data, cfg.limit, "--task", "--task-data")
+    tokenizer = run_tokenizer(run_dir) if tasks else None
     with dist.session(cfg.device, "auto") as env:
         model = GPT(train_cfg.model).to(env.device)
         checkpoint.load_weights(path, model, state["model"])
@@ -57,16 +66,45 @@ def run(cfg: EvalConfig) -> None:
         loader = EvalLoader(dataset, seq_len=train_cfg.seq_len,
                             micro_batch=train_cfg.data.micro_batch, world_size=env.world_size,
                             rank=env.rank, max_windows=windows, device=env.device)
-        precision = inference_precision(train_cfg.run, env.device)
-        loss = evaluate(model, loader, env, autocast(precision, env.device))
+        precision = autocast(inference_precision(train_cfg.run, env.device), env.device)
+        loss = evaluate(model, loader, env, precision)
+        scores = {}
+        if tasks:
+            scorer = Scorer(tasks, tokenizer, train_cfg.model.block_size, env)
+            scores = scorer.score(model, precision)
         if env.is_main:
-            bpb = dataset.bits_per_byte(loss)
-            if bpb is None:
-                warn(dataset.bytes_advice())
-            bits = "" if bpb is None else f", val_bpb {bpb:.4f}"
-            print(f"val_loss {loss:.4f}{bits} (step {meta['step']}, {len(loader.windows)} "
-                  f"windows of {train_cfg.seq_len} tokens, {env.world_size} "
-                  f"process{'es' if env.world_size > 1 else ''})")
+            report(cfg, dataset, loss, scores, tasks, meta["step"], len(loader.windows),
+                   train_cfg.seq_len, env.world_size)
+
+
+def report(cfg: EvalConfig, dataset: TokenDataset, loss: float, scores: dict, tasks: list,
+           step: int, windows: int, seq_len: int, world_size: int) -> None:
+    """One line per result, or with --json one object."""
+    bpb = dataset.bits_per_byte(loss)
+    if bpb is None:
+        warn(dataset.bytes_advice())
+    if cfg.json:
+        print(json.dumps({"step": step, "val_loss": loss, "val_bpb": bpb,
+                          **{k: v for k, v in scores.items() if not k.endswith("_s")}}))
+        return
+    bits = "" if bpb is None else f", val_bpb {bpb:.4f}"
+    print(f"val_loss {loss:.4f}{bits} (step {step}, {windows} windows of {seq_len} tokens, "
+          f"{world_size} process{'es' if world_size > 1 else ''})")
+    for task in tasks:
+        name = task.name
+        print(f"{name}: acc_norm {scores[name + '_acc_norm']:.4f}, acc {scores[name + '_acc']:.4f}"
+              f", acc_char {scores[name + '_acc_char']:.4f} ({scores[name + '_n']:,} examples of "
+              f"{task.source}, {scores[name + '_s']:.1f} s)")
+
+
+def run_tokenizer(run_dir: RunDir):
+    """The tokenizer a run was trained with (the run dir keeps its data's meta and files)."""
+    try:
+        kind = json.loads(run_dir.data_meta.read_text())["tokenizer"]
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"run {run_dir}: cannot read its data_meta.json ({e}); tasks need the "
+                        "run dir a training wrote") from None
+    return load_tokenizer(run_dir.path, kind)
 
 
 def latest_checkpoint(run_dir: RunDir) -> tuple[Path, dict, dict]:

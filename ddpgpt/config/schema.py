@@ -212,6 +212,19 @@ class RunConfig:
     """Write a metrics.jsonl row every this many steps."""
     eval_every: int = 100
     """Evaluate on the validation windows every this many steps (and at the end); 0: end only."""
+    eval_tasks: str = ""
+    """Multiple-choice tasks scored at every evaluation, comma-separated: hellaswag (downloaded
+    once) or NAME with eval_task_data. metrics.jsonl's eval rows get NAME_acc_norm, NAME_acc,
+    NAME_acc_char, NAME_n and NAME_s (the seconds it took); the same at any number of processes."""
+    eval_task_data: str = ""
+    """The eval_tasks' jsonl files (ctx, endings, label per line), comma-separated in their order;
+    empty for hellaswag's download."""
+    eval_task_limit: int = 0
+    """Score the first this many examples of each task at each evaluation; 0: all."""
+    target_val_loss: float = 0.0
+    """Stop at the first evaluation whose val loss is at most this (time to target): a
+    checkpoint, a metrics.jsonl row {"event": "target", "val_loss", "elapsed_s", "train_s",
+    "tokens"} and one line. 0: off."""
     checkpoint_every: int = 100
     """Save a checkpoint every this many steps (and at the end); 0: end only."""
     keep_checkpoints: int = 3
@@ -314,6 +327,12 @@ class RunConfig:
         _require(0 < self.dist_timeout_s <= MAX_TIMEOUT_S,
                  f"run.dist_timeout_s = {self.dist_timeout_s:g} must be in (0, {MAX_TIMEOUT_S}] "
                  "seconds")
+        _require(self.eval_task_limit >= 0,
+                 f"run.eval_task_limit = {self.eval_task_limit} must be >= 0 (0: all)")
+        _require(self.target_val_loss >= 0,
+                 f"run.target_val_loss = {self.target_val_loss:g} must be >= 0 (0: off)")
+        _require(bool(self.eval_tasks) or not self.eval_task_data,
+                 "run.eval_task_data needs run.eval_tasks (the tasks its files hold)")
         _require(self.max_skipped >= 0, f"run.max_skipped = {self.max_skipped} must be >= 0")
 
 
