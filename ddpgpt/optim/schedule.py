@@ -53,7 +53,7 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
         start = decay_start(cfg, length)
         if step < start:
             return cfg.lr
-        progress = min(1.0, (step - start) / max(1, length - 1 - start))
+        progress = min(1.0, (step - start + 1) / (length - start))  # min_lr at the last step
         return cfg.min_lr + (cfg.lr - cfg.min_lr) * (1 - progress)
     span = max(1, length - 1 - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)

@@ -160,9 +160,9 @@ WSD = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, schedule="wsd", decay_f
 def test_wsd_is_flat_then_linear_to_min_lr_over_the_last_fraction():
     lrs = [lr_at(step, WSD, 100) for step in range(100)]
     assert lrs[:10] == [lr_at(step, CFG, TOTAL) for step in range(10)]  # cosine's warmup
-    assert lrs[10:81] == [1e-3] * 71  # flat up to the decay's first step, 100 - 20 = 80
-    for step in range(80, 100):  # linear from lr at step 80 to min_lr at the last step
-        assert lrs[step] == pytest.approx(1e-3 - 9e-4 * (step - 80) / 19, rel=1e-12)
+    assert lrs[10:80] == [1e-3] * 70  # flat up to the decay's first step, 100 - 20 = 80
+    for step in range(80, 100):  # linear over the last 20 steps, down to min_lr at the last
+        assert lrs[step] == pytest.approx(1e-3 - 9e-4 * (step - 79) / 20, rel=1e-12)
     assert lrs[99] == 1e-4 and lr_at(150, WSD, 100) == 1e-4
 
 
@@ -187,7 +187,7 @@ def test_wsd_resumed_in_its_flat_phase_with_more_steps_stays_flat_and_decays_at_
     after = [lr_at(s, resumed, 300) for s in range(50, 300)]
     assert before[10:] == [1e-3] * 40
     assert after[:190] == [1e-3] * 190  # no re-warming, no jump: flat to step 240 = 300 - 60
-    assert after[190] == 1e-3 and after[191] < 1e-3 and after[-1] == 1e-4
+    assert after[190] < 1e-3 and after[-1] == 1e-4
     # Resumed inside its decay, or as a cosine, the schedule keeps its first length.
     assert _resumed(WSD, 100, 85, 300).decay_steps == 100
     assert _resumed(CFG, 100, 50, 300).decay_steps == 100
