@@ -133,13 +133,6 @@ class OptimConfig:
     """Peak learning rate, reached after warmup_steps."""
     min_lr: float = 1e-4
     """Learning rate at the end of the decay (cosine and wsd; the schedule's last step)."""
-    schedule: str = "cosine"
-    """The lr after warmup: cosine (down to min_lr at the schedule's end), wsd (warmup, stable,
-    decay: flat at lr, then linear down to min_lr over the last decay_fraction of the schedule;
-    a run resumed in its flat phase with more run.steps stays flat and decays at the new end) or
-    constant (flat at lr)."""
-    decay_fraction: float = 0.2
-    """wsd: the share of the schedule, at its end, over which lr falls linearly to min_lr."""
     warmup_steps: int = 20
     """Steps of linear warmup from 0 to lr."""
     decay_steps: int = 0
@@ -148,6 +141,13 @@ class OptimConfig:
     resumes, so raising run.steps to train further goes on at min_lr rather than re-shaping the
     cosine mid-run (set it to re-shape the schedule on purpose). wsd resumed in its flat phase
     takes the new run.steps instead."""
+    schedule: str = "cosine"
+    """The lr after warmup: cosine (down to min_lr at the schedule's end), wsd (warmup, stable,
+    decay: flat at lr, then linear down to min_lr over the last decay_fraction of the schedule;
+    a run resumed in its flat phase with more run.steps stays flat and decays at the new end) or
+    constant (flat at lr)."""
+    decay_fraction: float = 0.2
+    """wsd: the share of the schedule, at its end, over which lr falls linearly to min_lr."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices and embeddings only (not biases or norms)."""
     beta1: float = 0.9
