@@ -127,11 +127,17 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
                 raise UserError(f"--reset and --resume {values['run.resume']} contradict each "
                                 "other; give one")
             values["run.resume"] = "reset"
-        cfg = build(options["preset"], options["config"], nest(values))
+        cfg = build(options["preset"], options["config"], nest(values), shape=_pretrained_shape)
     if options["print_config"]:
         print_config(cfg, options["nproc"])
         sys.exit(0)
     return cfg, options["nproc"], options["max_restarts"] or 0
+
+
+def _pretrained_shape(cfg: TrainConfig, explicit: dict) -> TrainConfig:
+    """--model.init-from: the shape of its weights (read only when asked for)."""
+    from ddpgpt.init_from import apply_shape
+    return apply_shape(cfg, explicit)
 
 
 def print_config(cfg: TrainConfig, nproc: int | None) -> None:

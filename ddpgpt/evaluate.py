@@ -8,17 +8,15 @@ the same as bits per byte of text (comparable across tokenizers; see TokenDatase
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import torch
 
-from ddpgpt import checkpoint, dist
+from ddpgpt import dist
+from ddpgpt.checkpoint.load import model_of, saved
 from ddpgpt.config.commands import EvalConfig
-from ddpgpt.config.io import from_dict
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.errors import UserError, warn
-from ddpgpt.model import GPT
+from ddpgpt.errors import warn
 from ddpgpt.run.precision import autocast, inference_precision
 from ddpgpt.run.run_dir import RunDir
 
@@ -47,12 +45,11 @@ def evaluate(model: torch.nn.Module, loader: EvalLoader, env: dist.DistEnv,
 
 def run(cfg: EvalConfig) -> None:
     run_dir = RunDir(cfg.run_dir)
-    path, meta, state = latest_checkpoint(run_dir)
-    train_cfg = from_dict(meta["config"], source=str(path / "meta.json"))
+    found = saved(run_dir)
+    train_cfg = found.config
     dataset = TokenDataset(train_cfg.data.dir)
     with dist.session(cfg.device, "auto") as env:
-        model = GPT(train_cfg.model).to(env.device)
-        checkpoint.load_weights(path, model, state["model"])
+        model = model_of(found, env.device)
         windows = train_cfg.data.eval_windows if cfg.windows < 0 else cfg.windows
         loader = EvalLoader(dataset, seq_len=train_cfg.seq_len,
                             micro_batch=train_cfg.data.micro_batch, world_size=env.world_size,
@@ -64,16 +61,6 @@ def run(cfg: EvalConfig) -> None:
             if bpb is None:
                 warn(dataset.bytes_advice())
             bits = "" if bpb is None else f", val_bpb {bpb:.4f}"
-            print(f"val_loss {loss:.4f}{bits} (step {meta['step']}, {len(loader.windows)} "
+            print(f"val_loss {loss:.4f}{bits} (step {found.step}, {len(loader.windows)} "
                   f"windows of {train_cfg.seq_len} tokens, {env.world_size} "
                   f"process{'es' if env.world_size > 1 else ''})")
-
-
-def latest_checkpoint(run_dir: RunDir) -> tuple[Path, dict, dict]:
-    """(path, meta, weights) of a run's newest complete checkpoint, or one line saying there is
-    none."""
-    found = checkpoint.load_latest(run_dir.checkpoints)
-    if found is None:
-        raise UserError(f"run {run_dir} has no complete checkpoint; train first "
-                        f"(ddpgpt train --run-dir {run_dir})")
-    return found

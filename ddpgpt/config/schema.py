@@ -13,9 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from ddpgpt.errors import UserError
-from ddpgpt.sync import MODES
 
-SYNC_MODES = tuple(MODES)  # the table of modes: ddpgpt/sync/__init__.py
 MAX_BUCKET_MB = 65536     # 64 GiB: larger than any device's memory, far below an int overflow
 MAX_TIMEOUT_S = 1_000_000  # ~11.6 days: longer waits overflow the backends' timeouts
 
@@ -288,7 +286,6 @@ class RunConfig:
                  "gradient bucket)")
         _choice("run", "device", self.device, ("auto", "cpu", "cuda"))
         _choice("run", "backend", self.backend, ("auto", "nccl", "gloo"))
-        _choice("run", "sync", self.sync, SYNC_MODES)
         _choice("run", "grad_compress", self.grad_compress, ("none", "bf16"))
         _choice("run", "precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _choice("run", "on_nonfinite", self.on_nonfinite, ("spike", "stop", "skip"))

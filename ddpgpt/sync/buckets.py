@@ -28,6 +28,7 @@ import torch
 from ddpgpt import dist
 from ddpgpt.optim.optimizer import Group
 from ddpgpt.sync.base import Replicated, nbytes
+from ddpgpt.sync.modes import MODES
 
 
 def plan(sizes: list[int], bucket_elems: int, multiple: int) -> list[tuple[list[int], int]]:
@@ -78,7 +79,7 @@ class BucketSync(Replicated):
         one tensor); each group's parameters are bucketed last first."""
         super().__init__(model, groups, env, bucket_mb)
         self.name = mode
-        self.reduce_scatter = mode in ("rs-ag", "zero1")
+        self.reduce_scatter = MODES[mode].reduce_scatter
         self.wire_dtype = torch.bfloat16 if compress == "bf16" else None
         params = [p for g in groups for p in g.params]
         assert all(p.dtype == params[0].dtype for p in params), "one gradient dtype per model"
