@@ -12,7 +12,7 @@ import contextlib
 import torch
 
 from ddpgpt import dist
-from ddpgpt.checkpoint.load import model_of, saved
+from ddpgpt.checkpoint.read import model_of, saved
 from ddpgpt.config.commands import EvalConfig
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset

@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 
 from ddpgpt import gpt2
-from ddpgpt.checkpoint.load import saved
+from ddpgpt.checkpoint.read import saved
 from ddpgpt.config.commands import ExportConfig
 from ddpgpt.config.schema import ModelConfig
 from ddpgpt.data.output import check_out, publish

@@ -12,7 +12,7 @@ import os
 import torch
 
 from ddpgpt import dist
-from ddpgpt.checkpoint.load import load_model
+from ddpgpt.checkpoint.read import load_model
 from ddpgpt.config.commands import SampleConfig
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.run.precision import autocast, inference_precision
