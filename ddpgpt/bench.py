@@ -12,7 +12,7 @@ For each mode, with the preset's batch (A micro-steps per step):
 - the exposed communication: that time minus the median of the same steps with no collective
   at all (every rank computing its own micro-batches: the work that no mode can hide);
 - the bytes each rank sends per step, computed for ring algorithms by the mode table's formula
-  (sync/__init__.py) from N, W, A and, under Muon, its matrices' layout by owner (not measured:
+  (sync/modes.py) from N, W, A and, under Muon, its matrices' layout by owner (not measured:
   DDP and FSDP2 run their collectives inside torch);
 - the memory each rank holds for parameters, gradients and optimizer state (measured from the
   tensors; under Muon also how much of the state is Muon's momentum), and on CUDA the

@@ -10,9 +10,9 @@
     ddpgpt bench [--nproc N] [--sync MODES]        what each sync mode costs (bench.py)
     ddpgpt plot RUN [RUN ...] [--out FILE.png]     loss curves and tokens/s of runs (plot.py)
     ddpgpt export --run-dir DIR --out DIR          a checkpoint for transformers (export.py)
-    ddpgpt rendezvous [--port 29500]               host elastic jobs' rendezvous store (dist.py)
+    ddpgpt rendezvous [--port 29500]               elastic jobs' rendezvous store (dist/group.py)
 
-Flags are generated from the config dataclasses (config_io.py), so `--help` shows each field's
+Flags are generated from the config dataclasses (config/io.py), so `--help` shows each field's
 docstring. Bad input (unknown flag, bad value, missing data) is one line on stderr and exit code
 2; `--debug` shows the traceback instead.
 """

@@ -13,7 +13,7 @@ depend only on (seed, T, G, k), so the optimizer takes the same steps whatever W
 
 The loop reads: the batch and its forward/backward (gradients synced once, at the last
 micro-step) -> the health exchange (one all_gather: global loss, non-finite values, stop
-requests; see reliability.py) -> the update -> log, evaluate, save.
+requests; see guard/health.py) -> the update -> log, evaluate, save.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ metrics.jsonl holds one JSON object per logged step,
 one per evaluation, {"step", "val_loss", "val_bpb"} (bits per byte of the val text; absent for
 datasets prepared without byte counts), and one per event a reader of the curves must know
 about, {"step", "event", ...} (a deliberate switch of dataset on resume, a settings change, a
-rollback past a loss spike: spike.py). `step` counts optimizer
+rollback past a loss spike: guard/spike.py). `step` counts optimizer
 steps completed (the row after the first step says 1); `tokens` is the global count so far;
 `tokens_per_s` is global, over the steps since the previous row; `mfu` is the model FLOPs per
 second per process divided by one device's peak. On resume the file is cut back to the
