@@ -43,8 +43,10 @@ bench: $(STAMP) data
 	$(PY) -m ddpgpt bench --nproc $(NPROC) --data $(DATA) --repeats 3 --out bench
 	$(PY) -m benchmarks.scaling --out bench/scaling.png
 
+# Style (ruff) and the house's one direction (import-linter's contracts in pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ddpgpt tests benchmarks
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,6 +1,6 @@
 """What each loss-spike policy does to runs that spike: the table in docs/reliability.md.
 
-    python -m benchmarks.spike_policies [--configs heal lr-high ...] [--policies none stop auto]
+    python -m benchmarks.spike_policies [--configs heal lr-high ...] [--policies none stop recover]
                                         [--seeds 1337 ...] [--out runs/spikes]
 
 Each config is a short CPU run on a byte-level corpus that spikes for a real reason: a tiny AdamW
@@ -169,7 +169,7 @@ def main() -> None:
     ap.add_argument("--windows", nargs="+", type=int, default=[10, 20])
     ap.add_argument("--ratio", type=float, default=2.0)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    ap.add_argument("--policies", nargs="+", default=["none", "stop", "auto"])
+    ap.add_argument("--policies", nargs="+", default=["none", "stop", "recover"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[1337])
     ap.add_argument("--out", default="runs/spikes")
     ap.add_argument("--threads", type=int, default=1)

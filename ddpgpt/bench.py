@@ -12,7 +12,7 @@ For each mode, with the preset's batch (A micro-steps per step):
 - the exposed communication: that time minus the median of the same steps with no collective
   at all (every rank computing its own micro-batches: the work that no mode can hide);
 - the bytes each rank sends per step, computed for ring algorithms by the mode table's formula
-  (sync/__init__.py) from N, W, A and, under Muon, its matrices' layout by owner (not measured:
+  (sync/modes.py) from N, W, A and, under Muon, its matrices' layout by owner (not measured:
   DDP and FSDP2 run their collectives inside torch);
 - the memory each rank holds for parameters, gradients and optimizer state (measured from the
   tensors; under Muon also how much of the state is Muon's momentum), and on CUDA the
@@ -44,11 +44,13 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
 from ddpgpt.files import describe
 from ddpgpt.guard.health import Guard, StopSignal
+from ddpgpt.init_from import apply_shape
 from ddpgpt.optim.schedule import Schedule
 from ddpgpt.run import launch
 from ddpgpt.run.precision import configure
 from ddpgpt.run.preflight import preflight
 from ddpgpt.sync import MODES, Traffic
+from ddpgpt.sync import check as check_mode
 from ddpgpt.trainer import Trainer
 
 
@@ -89,14 +91,22 @@ def train_config(cfg: BenchConfig, world: int, local: int, mode: str | None,
     flags = {"data": {"dir": cfg.data, "verify": False},
              "run": {"dir": "bench-run", "device": device, "sync": mode or "ddp"},
              **({"optim": {"name": cfg.optim}} if cfg.optim else {})}
-    return preflight(build(cfg.preset, cfg.config, flags), world, local)
+    return preflight(build(cfg.preset, cfg.config, flags, shape=apply_shape), world, local)
+
+
+def modes(cfg: BenchConfig) -> list[str]:
+    """The modes to measure: --sync's, each a row of the table, or every row."""
+    names = cfg.sync.split(",") if cfg.sync else list(MODES)
+    for name in names:
+        check_mode(name, "bench.sync")
+    return names
 
 
 def check(cfg: BenchConfig, world: int, local: int) -> Path:
     """Everything bench can know before measuring, once, where it is started (the `--nproc`
     launcher, or this process): every mode's config at this world size, and the output
     directory (created here). Bad input is one line before any worker starts."""
-    for mode in [None, *cfg.sync.split(",")]:
+    for mode in [None, *modes(cfg)]:
         train_config(cfg, world, local, mode, cfg.device)
     out = Path(cfg.out)
     try:
@@ -149,19 +159,19 @@ def run(cfg: BenchConfig) -> None:
             elif key != "nproc" and value is not None:
                 args.append(f"--{flag}={value}")
         sys.exit(launch.start(cfg.nproc, args)[0])
-    modes = [None, *cfg.sync.split(",")]
+    order = [None, *modes(cfg)]
     with dist.session(cfg.device, group_at_one=cfg.group) as env, \
             StopSignal(announce=False) as stop:
         dist.together(env, lambda: check(cfg, env.world_size, env.local_world_size))
         if env.is_main:
-            print(f"ddpgpt bench: measuring {len(modes)} modes ({', '.join(cfg.sync.split(','))} "
+            print(f"ddpgpt bench: measuring {len(order)} modes ({', '.join(order[1:])} "
                   f"and no sync) × {cfg.repeats} round{'s' if cfg.repeats > 1 else ''} on "
                   f"{env.world_size} process{'es' if env.world_size > 1 else ''}; Ctrl-C stops "
                   "after the mode being measured and reports what was", file=sys.stderr,
                   flush=True)
         measured: dict[str | None, list[dict]] = {}
         for _ in range(cfg.repeats):
-            for mode in modes:
+            for mode in order:
                 measured.setdefault(mode, []).append(measure(cfg, env, mode))
                 if agreed_stop(env, stop):
                     break
@@ -171,10 +181,10 @@ def run(cfg: BenchConfig) -> None:
         rows = summarize(env, measured)
         if env.is_main:
             report(cfg, env, rows, stopped=stop.name if stop.requested else None,
-                   total=len(modes))
+                   total=len(order))
         if stop.requested:
             raise BenchStopped(f"bench stopped by {stop.name or 'a signal to another rank'} "
-                               f"after measuring {len(measured)} of {len(modes)} modes; the "
+                               f"after measuring {len(measured)} of {len(order)} modes; the "
                                f"table above and {Path(cfg.out) / 'bench.json'} hold them",
                                quiet=not env.is_main, signum=stop.signum)
 

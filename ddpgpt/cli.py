@@ -1,4 +1,5 @@
-"""The `ddpgpt` command line: each subcommand parses into a config and calls `<module>.run(cfg)`.
+"""The `ddpgpt` command line: each subcommand parses into a config and calls `<module>.run(cfg)`
+(COMMANDS: one row per command; train has its own flags, built from the config's sections).
 
     ddpgpt prepare [SOURCE ...] --out DIR          corpus -> token shards        (data/prepare.py)
     ddpgpt train --data DIR [--preset tiny]        train, 1 process or --nproc N (train.py,
@@ -9,9 +10,9 @@
     ddpgpt bench [--nproc N] [--sync MODES]        what each sync mode costs (bench.py)
     ddpgpt plot RUN [RUN ...] [--out FILE.png]     loss curves and tokens/s of runs (plot.py)
     ddpgpt export --run-dir DIR --out DIR          a checkpoint for transformers (export.py)
-    ddpgpt rendezvous [--port 29500]               host elastic jobs' rendezvous store (dist.py)
+    ddpgpt rendezvous [--port 29500]               elastic jobs' rendezvous store (dist/group.py)
 
-Flags are generated from the config dataclasses (config_io.py), so `--help` shows each field's
+Flags are generated from the config dataclasses (config/io.py), so `--help` shows each field's
 docstring. Bad input (unknown flag, bad value, missing data) is one line on stderr and exit code
 2; `--debug` shows the traceback instead.
 """
@@ -19,6 +20,7 @@ docstring. Bad input (unknown flag, bad value, missing data) is one line on stde
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -46,20 +48,46 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{where + ': ' if where else ''}{message} (see --help)")
 
 
+# Every command but train: its settings (config/commands.py), where its run(cfg) lives (imported
+# only when it runs, so that a bad flag is one line before torch loads), and its one line of help.
+COMMANDS = {
+    "prepare": (PrepareConfig, "ddpgpt.data.prepare:run",
+                "turn a corpus into token shards (docs/usage.md: Data)"),
+    "sample": (SampleConfig, "ddpgpt.sample:run", "generate text from a run's latest checkpoint"),
+    "eval": (EvalConfig, "ddpgpt.evaluate:run", "print a run's validation loss"),
+    "doctor": (DoctorConfig, "ddpgpt.doctor:run",
+               "print the environment; probe all-reduce bandwidth"),
+    "bench": (BenchConfig, "ddpgpt.bench:run",
+              "measure each gradient-sync mode: time, bytes, memory"),
+    "plot": (PlotConfig, "ddpgpt.plot:run", "draw runs' loss curves and tokens/s into one PNG"),
+    "export": (ExportConfig, "ddpgpt.export:run",
+               "write a checkpoint as a Hugging Face transformers directory"),
+    "rendezvous": (RendezvousConfig, "ddpgpt.cli:rendezvous",
+                   "host the rendezvous store of elastic jobs (torchrun --nnodes MIN:MAX) on a "
+                   "node that does not train"),
+}
+
 TRAIN_OPTIONS = ("preset", "config", "nproc", "max_restarts", "reset", "resolved_config",
                  "print_config")
 
 
 def _build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
     """`shown`: the config whose values `train --help` lists as defaults (a preset's)."""
-    parser = _Parser(prog="ddpgpt", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = _Parser(prog="ddpgpt", allow_abbrev=False,
+                     description="Train GPT-style language models with data parallelism: one CPU "
+                     "process, N local processes (--nproc), or many nodes under torchrun. "
+                     "Start with `ddpgpt prepare`, then `ddpgpt train` (docs/usage.md).")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("prepare", help="turn a corpus into token shards", allow_abbrev=False,
-                       description="Turn a text corpus into token shards (docs/usage.md: Data).")
-    add_flags(p, PrepareConfig)
+    for name, (cls, _, help_) in COMMANDS.items():
+        if name == "sample":  # train's place: after prepare
+            _add_train(sub, shown)
+        add_flags(sub.add_parser(name, help=help_, description=help_, allow_abbrev=False), cls)
+    return parser
 
+
+def _add_train(sub, shown: TrainConfig | None) -> None:
     t = sub.add_parser("train", help="train a model (one process, --nproc N, or under torchrun)",
                        allow_abbrev=False,
                        description="Train a GPT with data parallelism (docs/usage.md).")
@@ -82,23 +110,6 @@ def _build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
                         "--config reads; then exit")
     for section, cls in SECTIONS.items():
         add_flags(t, cls, section, getattr(shown, section) if shown else None)
-
-    for name, cls, help_ in (("sample", SampleConfig,
-                              "generate text from a run's latest checkpoint"),
-                             ("eval", EvalConfig, "print a run's validation loss"),
-                             ("doctor", DoctorConfig,
-                              "print the environment; probe all-reduce bandwidth"),
-                             ("bench", BenchConfig,
-                              "measure each gradient-sync mode: time, bytes, memory"),
-                             ("plot", PlotConfig,
-                              "draw runs' loss curves and tokens/s into one PNG"),
-                             ("export", ExportConfig,
-                              "write a checkpoint as a Hugging Face transformers directory"),
-                             ("rendezvous", RendezvousConfig,
-                              "host the rendezvous store of elastic jobs (torchrun --nnodes "
-                              "MIN:MAX) on a node that does not train")):
-        add_flags(sub.add_parser(name, help=help_, description=help_, allow_abbrev=False), cls)
-    return parser
 
 
 def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
@@ -127,11 +138,17 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
                 raise UserError(f"--reset and --resume {values['run.resume']} contradict each "
                                 "other; give one")
             values["run.resume"] = "reset"
-        cfg = build(options["preset"], options["config"], nest(values))
+        cfg = build(options["preset"], options["config"], nest(values), shape=_pretrained_shape)
     if options["print_config"]:
         print_config(cfg, options["nproc"])
         sys.exit(0)
     return cfg, options["nproc"], options["max_restarts"] or 0
+
+
+def _pretrained_shape(cfg: TrainConfig, explicit: dict) -> TrainConfig:
+    """--model.init-from: the shape of its weights (read only when asked for)."""
+    from ddpgpt.init_from import apply_shape
+    return apply_shape(cfg, explicit)
 
 
 def print_config(cfg: TrainConfig, nproc: int | None) -> None:
@@ -215,10 +232,7 @@ def dispatch(argv: list[str]) -> None:
     parser = _build_parser(help_defaults(argv))
     ns = parser.parse_args(bool_values(parser, argv))
     values = {k: v for k, v in vars(ns).items() if k not in ("command", "debug")}
-    if ns.command == "prepare":
-        from ddpgpt.data import prepare
-        prepare.run(flat_config(PrepareConfig, values))
-    elif ns.command == "train":
+    if ns.command == "train":
         cfg, nproc, max_restarts = train_config(values)  # checked before torch loads
         if nproc is None:
             from ddpgpt import train
@@ -226,26 +240,10 @@ def dispatch(argv: list[str]) -> None:
         else:
             from ddpgpt.run import launch
             sys.exit(launch.train(cfg, nproc, max_restarts))
-    elif ns.command == "sample":
-        from ddpgpt import sample
-        sample.run(flat_config(SampleConfig, values))
-    elif ns.command == "eval":
-        from ddpgpt import evaluate
-        evaluate.run(flat_config(EvalConfig, values))
-    elif ns.command == "bench":
-        from ddpgpt import bench
-        bench.run(flat_config(BenchConfig, values))
-    elif ns.command == "plot":
-        from ddpgpt import plot
-        plot.run(flat_config(PlotConfig, values))
-    elif ns.command == "export":
-        from ddpgpt import export
-        export.run(flat_config(ExportConfig, values))
-    elif ns.command == "rendezvous":
-        rendezvous(flat_config(RendezvousConfig, values))
-    elif ns.command == "doctor":
-        from ddpgpt import doctor
-        doctor.run(flat_config(DoctorConfig, values))
+        return
+    cls, target, _ = COMMANDS[ns.command]
+    module, function = target.split(":")
+    getattr(importlib.import_module(module), function)(flat_config(cls, values))
 
 
 def rendezvous(cfg: RendezvousConfig) -> None:

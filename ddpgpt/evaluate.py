@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-from pathlib import Path
 
 import torch
 
-from ddpgpt import checkpoint, dist, evals
+from ddpgpt import dist, evals
+from ddpgpt.checkpoint.read import model_of, saved
 from ddpgpt.config.commands import EvalConfig
-from ddpgpt.config.io import from_dict
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.errors import UserError, warn
 from ddpgpt.evals.multiple_choice import Scorer
-from ddpgpt.model import GPT
 from ddpgpt.run.precision import autocast, inference_precision
 from ddpgpt.run.run_dir import RunDir
 
@@ -53,15 +51,14 @@ def evaluate(model: torch.nn.Module, loader: EvalLoader, env: dist.DistEnv,
 
 def run(cfg: EvalConfig) -> None:
     run_dir = RunDir(cfg.run_dir)
-    path, meta, state = latest_checkpoint(run_dir)
-    train_cfg = from_dict(meta["config"], source=str(path / "meta.json"))
+    found = saved(run_dir)
+    train_cfg = found.config
     dataset = TokenDataset(train_cfg.data.dir)
     # Bad task files and the download fail here, on every rank, before the group exists.
     tasks = evals.load_all(cfg.task, cfg.task_data, cfg.limit, "--task", "--task-data")
     tokenizer = run_tokenizer(run_dir) if tasks else None
     with dist.session(cfg.device, "auto") as env:
-        model = GPT(train_cfg.model).to(env.device)
-        checkpoint.load_weights(path, model, state["model"])
+        model = model_of(found, env.device)
         windows = train_cfg.data.eval_windows if cfg.windows < 0 else cfg.windows
         loader = EvalLoader(dataset, seq_len=train_cfg.seq_len,
                             micro_batch=train_cfg.data.micro_batch, world_size=env.world_size,
@@ -73,7 +70,7 @@ def run(cfg: EvalConfig) -> None:
             scorer = Scorer(tasks, tokenizer, train_cfg.model.block_size, env)
             scores = scorer.score(model, precision)
         if env.is_main:
-            report(cfg, dataset, loss, scores, tasks, meta["step"], len(loader.windows),
+            report(cfg, dataset, loss, scores, tasks, found.step, len(loader.windows),
                    train_cfg.seq_len, env.world_size)
 
 
@@ -105,13 +102,3 @@ def run_tokenizer(run_dir: RunDir):
         raise UserError(f"run {run_dir}: cannot read its data_meta.json ({e}); tasks need the "
                         "run dir a training wrote") from None
     return load_tokenizer(run_dir.path, kind)
-
-
-def latest_checkpoint(run_dir: RunDir) -> tuple[Path, dict, dict]:
-    """(path, meta, weights) of a run's newest complete checkpoint, or one line saying there is
-    none."""
-    found = checkpoint.load_latest(run_dir.checkpoints)
-    if found is None:
-        raise UserError(f"run {run_dir} has no complete checkpoint; train first "
-                        f"(ddpgpt train --run-dir {run_dir})")
-    return found

@@ -25,14 +25,13 @@ import os
 import shutil
 from pathlib import Path
 
-from ddpgpt import checkpoint, gpt2
+from ddpgpt import gpt2
+from ddpgpt.checkpoint.read import saved
 from ddpgpt.config.commands import ExportConfig
-from ddpgpt.config.io import from_dict
 from ddpgpt.config.schema import ModelConfig
 from ddpgpt.data.output import check_out, publish
 from ddpgpt.data.tokenizer import EOT_TEXT, fingerprint
 from ddpgpt.errors import UserError
-from ddpgpt.evaluate import latest_checkpoint
 from ddpgpt.run.run_dir import RunDir
 
 
@@ -49,8 +48,8 @@ def run(cfg: ExportConfig) -> None:
     if cfg.out is None:
         raise UserError("ddpgpt export needs --out DIR")
     run_dir, out = RunDir(cfg.run_dir), Path(cfg.out)
-    path, meta, state = _checkpoint(run_dir, cfg.step)
-    model_cfg = from_dict(meta["config"], source=str(path / "meta.json")).model
+    found = saved(run_dir, cfg.step)
+    path, meta, model_cfg = found.path, found.meta, found.config.model
     try:
         data_meta = json.loads(run_dir.data_meta.read_text())
     except (OSError, ValueError) as e:
@@ -63,7 +62,7 @@ def run(cfg: ExportConfig) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         kind = data_meta["tokenizer"]
-        write_model(tmp, state["model"], model_cfg, int(data_meta["vocab_size"]),
+        write_model(tmp, found.weights, model_cfg, int(data_meta["vocab_size"]),
                     int(data_meta["eot_id"]), fingerprint(kind, run_dir.path))
         write_tokenizer(tmp, kind, run_dir.path, model_cfg.block_size)
         check_out(out, cfg.force)
@@ -75,19 +74,6 @@ def run(cfg: ExportConfig) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"exported {path} (step {meta['step']}) to {out}: GPT-2 layout, {model_cfg.n_layer} "
           f"layers × {model_cfg.n_embd} wide, {data_meta['vocab_size']:,} ids, {kind} tokenizer")
-
-
-def _checkpoint(run_dir: RunDir, step: int):
-    if not step:
-        return latest_checkpoint(run_dir)
-    path = checkpoint.step_dir(run_dir.checkpoints, step)
-    if not path.is_dir():
-        have = [s for s, _ in checkpoint.step_dirs(run_dir.checkpoints)]
-        listed = ", ".join(map(str, have)) if have else "none"
-        raise UserError(f"run {run_dir} has no checkpoint at step {step} (it has: {listed}); "
-                        "give one of those, or leave --step out for the newest")
-    meta = checkpoint.read_meta(path)
-    return path, meta, checkpoint.load(path, meta, weights_only=True)
 
 
 def write_model(out: Path, weights: dict, model: ModelConfig, vocab: int, eot: int,

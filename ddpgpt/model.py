@@ -1,5 +1,5 @@
 """A GPT-2-style decoder on one device. It knows nothing of processes: parallelism is applied from
-the outside (`dist.wrap_model`).
+the outside (`sync/ddp.py`'s wrap_model).
 
 Token + learned position embeddings, pre-LayerNorm blocks of causal self-attention (through
 `F.scaled_dot_product_attention`, which picks flash/memory-efficient kernels where it can) and a

@@ -11,12 +11,10 @@ import os
 
 import torch
 
-from ddpgpt import checkpoint, dist
+from ddpgpt import dist
+from ddpgpt.checkpoint.read import load_model
 from ddpgpt.config.commands import SampleConfig
-from ddpgpt.config.io import from_dict
 from ddpgpt.data.tokenizer import load_tokenizer
-from ddpgpt.evaluate import latest_checkpoint
-from ddpgpt.model import GPT
 from ddpgpt.run.precision import autocast, inference_precision
 from ddpgpt.run.run_dir import RunDir
 
@@ -32,15 +30,12 @@ def sampling_threads(work: float) -> int:
 
 def run(cfg: SampleConfig) -> None:
     run_dir = RunDir(cfg.run_dir)
-    path, meta, state = latest_checkpoint(run_dir)
-    train_cfg = from_dict(meta["config"], source=str(path / "meta.json"))
     tok = load_tokenizer(run_dir.path, json.loads(run_dir.data_meta.read_text())["tokenizer"])
     device = dist.resolve_device(cfg.device, 0)
-    model = GPT(train_cfg.model).to(device)
+    model, found = load_model(run_dir, device)
+    train_cfg, meta = found.config, found.meta
     torch.set_num_threads(cfg.threads or sampling_threads(model.num_params(False) *
                                                           cfg.num_samples))
-    checkpoint.load_weights(path, model, state["model"])
-    model.eval()
     ids = tok.encode_batch([cfg.prompt])[0].tolist() if cfg.prompt else [tok.eot_id]
     context = torch.tensor([ids] * cfg.num_samples, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)

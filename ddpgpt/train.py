@@ -13,7 +13,7 @@ depend only on (seed, T, G, k), so the optimizer takes the same steps whatever W
 
 The loop reads: the batch and its forward/backward (gradients synced once, at the last
 micro-step) -> the health exchange (one all_gather: global loss, non-finite values, stop
-requests; see reliability.py) -> the update -> log, evaluate, save.
+requests; see guard/health.py) -> the update -> log, evaluate, save.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import torch
 
 from ddpgpt import __version__, checkpoint, dist, evals
-from ddpgpt.checkpoint.saver import Saver, save, settle
+from ddpgpt.checkpoint.saver import SaveFailed, Saver
 from ddpgpt.checkpoint.saver import token as saver_token
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
@@ -278,6 +278,42 @@ def _spike_fields(verdict: Verdict) -> dict:
     return {"spike_step": spike.step, "spike_loss": json_number(spike.loss),
             "median": json_number(spike.median), "nonfinite_ranks": spike.ranks,
             **({"first_step": verdict.first} if verdict.first else {})}
+
+
+def save(trainer, saver: Saver, run_dir: RunDir, reason: str, wait: bool) -> None:
+    """A checkpoint of every rank's state, each rank writing its own share (checkpoint/saver.py);
+    in the background unless `wait` (or run.checkpoint_async is off). Every rank calls it at
+    once."""
+    cfg, ds = trainer.cfg, trainer.dataset
+    held, replicated, rest = trainer.shard_state()
+    meta = {"config": cfg.to_dict(), "reason": reason, "data_fingerprint": ds.fingerprint,
+            "tokenizer_fingerprint": ds.tokenizer_fingerprint, "origin": trainer.origin}
+    with saved(trainer, saver, run_dir):
+        saver.save(trainer.step, held, replicated, rest, meta, wait)
+
+
+@contextlib.contextmanager
+def saved(trainer, saver: Saver, run_dir: RunDir):
+    """Around what may finish a save: the newest published step, and a failed save as the one
+    line every rank raises (rank 0 prints it)."""
+    try:
+        yield
+    except SaveFailed as e:
+        kept = f"step {trainer.last_checkpoint}" if trainer.last_checkpoint >= 0 else "none yet"
+        hint = resume_hint(trainer.cfg.run.resume, str(run_dir))
+        raise SaveFailed(f"step {e.step}: {e}. The last complete checkpoint ({kept}) is intact: "
+                         f"{e.fix}, then {hint}", e.step, quiet=e.quiet, fix=e.fix) from None
+    finally:
+        trainer.last_checkpoint = max(trainer.last_checkpoint, saver.last)
+
+
+def settle(trainer, saver: Saver, run_dir: RunDir) -> None:
+    """Every rank, at the same step: waits for the save in flight and learns how it went."""
+    if saver.pending:
+        trainer.doing, doing = f"the checkpoint of step {saver.pending[0]}", trainer.doing
+        with saved(trainer, saver, run_dir):
+            saver.settle()
+        trainer.doing = doing
 
 
 def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset, step: int) -> None:

@@ -1,7 +1,22 @@
-"""Checkpoints: the store (store.py: layout, atomic publication, validated load, prune), each
-rank's share through torch.distributed.checkpoint (sharded.py) and saving in the background
-(saver.py)."""
+"""Checkpoints: the store (store.py: layout, atomic publication, prune), reading them back and a
+run's model (read.py), each rank's share through torch.distributed.checkpoint (sharded.py) and
+saving in the background (saver.py)."""
 
+from ddpgpt.checkpoint.read import (  # noqa: F401
+    Saved,
+    export_safetensors,
+    load,
+    load_latest,
+    load_model,
+    load_weights,
+    model_of,
+    open_sharded,
+    read_into,
+    read_tensors,
+    read_verified,
+    saved,
+    weights,
+)
 from ddpgpt.checkpoint.store import (  # noqa: F401 -- the package's face
     FORMAT_VERSION,
     STEP_DIR,
@@ -10,22 +25,13 @@ from ddpgpt.checkpoint.store import (  # noqa: F401 -- the package's face
     CheckpointGone,
     CheckpointVersionError,
     commit,
-    export_safetensors,
     find_latest,
     hash_files,
-    load,
-    load_latest,
-    load_weights,
-    open_sharded,
     prune,
-    read_into,
     read_meta,
-    read_tensors,
-    read_verified,
     remove_temporaries,
     save,
     step_dir,
     step_dirs,
     temporary,
-    weights,
 )

@@ -28,7 +28,6 @@ newest complete one, and the next start removes the temporary directory.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import threading
@@ -43,8 +42,6 @@ from ddpgpt import dist
 from ddpgpt.checkpoint import sharded, store
 from ddpgpt.errors import warn
 from ddpgpt.files import WriteError, describe, os_error_in
-from ddpgpt.guard.health import resume_hint
-from ddpgpt.run.run_dir import RunDir
 
 
 class Stager:
@@ -264,43 +261,6 @@ class Saver:
         with dist.collective():
             torch_dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
-
-
-# ---- the training's side (train.loop) -----------------------------------------------------------
-
-def save(trainer, saver: Saver, run_dir: RunDir, reason: str, wait: bool) -> None:
-    """A checkpoint of every rank's state, each rank writing its own share (saver.py); in the
-    background unless `wait` (or run.checkpoint_async is off). Every rank calls it at once."""
-    cfg, ds = trainer.cfg, trainer.dataset
-    held, replicated, rest = trainer.shard_state()
-    meta = {"config": cfg.to_dict(), "reason": reason, "data_fingerprint": ds.fingerprint,
-            "tokenizer_fingerprint": ds.tokenizer_fingerprint, "origin": trainer.origin}
-    with saved(trainer, saver, run_dir):
-        saver.save(trainer.step, held, replicated, rest, meta, wait)
-
-
-@contextlib.contextmanager
-def saved(trainer, saver: Saver, run_dir: RunDir):
-    """Around what may finish a save: the newest published step, and a failed save as the one
-    line every rank raises (rank 0 prints it)."""
-    try:
-        yield
-    except SaveFailed as e:
-        kept = f"step {trainer.last_checkpoint}" if trainer.last_checkpoint >= 0 else "none yet"
-        hint = resume_hint(trainer.cfg.run.resume, str(run_dir))
-        raise SaveFailed(f"step {e.step}: {e}. The last complete checkpoint ({kept}) is intact: "
-                         f"{e.fix}, then {hint}", e.step, quiet=e.quiet, fix=e.fix) from None
-    finally:
-        trainer.last_checkpoint = max(trainer.last_checkpoint, saver.last)
-
-
-def settle(trainer, saver: Saver, run_dir: RunDir) -> None:
-    """Every rank, at the same step: waits for the save in flight and learns how it went."""
-    if saver.pending:
-        trainer.doing, doing = f"the checkpoint of step {saver.pending[0]}", trainer.doing
-        with saved(trainer, saver, run_dir):
-            saver.settle()
-        trainer.doing = doing
 
 
 def _reraise(error: BaseException | None) -> None:

@@ -5,7 +5,6 @@ from ddpgpt.config.schema import (  # noqa: F401 -- the package's face
     MAX_BUCKET_MB,
     MAX_TIMEOUT_S,
     SECTIONS,
-    SYNC_MODES,
     ConfigError,
     DataConfig,
     ModelConfig,

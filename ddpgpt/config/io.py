@@ -165,8 +165,12 @@ def from_dict(values: dict, source: str = "config.json") -> TrainConfig:
     return overlay(TrainConfig(), values, source)
 
 
-def build(preset: str | None, config_file: str | None, flags: dict) -> TrainConfig:
-    """preset -> TOML file -> command-line flags ({section: {field: text}}), each validated."""
+def build(preset: str | None, config_file: str | None, flags: dict,
+          shape: Callable[[TrainConfig, dict], TrainConfig] | None = None) -> TrainConfig:
+    """preset -> TOML file -> command-line flags ({section: {field: text}}), each validated.
+    `shape(cfg, explicit)`: for model.init_from, the model's shape from the weights, checked
+    against the fields the user set (init_from.apply_shape; the caller passes it, so the config
+    imports no component)."""
     from ddpgpt.config.presets import get_preset
 
     file_values = load_toml(config_file) if config_file else {}
@@ -176,12 +180,10 @@ def build(preset: str | None, config_file: str | None, flags: dict) -> TrainConf
     if file_values:
         cfg = overlay(cfg, file_values, config_file)
     cfg = overlay(cfg, flags, "command line", parse_text)
-    if cfg.model.init_from:  # the shape comes from the weights; what the user set must agree
-        from ddpgpt.init_from import apply_shape
-
+    if cfg.model.init_from and shape is not None:  # what the user set must agree with the weights
         explicit = {name: config_file for name in file_values.get("model", {})}
         explicit.update({name: "command line" for name in flags.get("model", {})})
-        cfg = apply_shape(cfg, explicit)
+        cfg = shape(cfg, explicit)
     return cfg
 
 

@@ -1,9 +1,9 @@
 """Typed configuration: one dataclass per concern, a docstring under every field, validation.
 
-A training config is built in layers (`config_io.py`): a preset (`presets.py`), a TOML file,
+A training config is built in layers (`io.py`): a preset (`presets.py`), a TOML file,
 then command-line flags. Every value is checked for its type and range before any process group
 exists; a bad one is a `ConfigError`: one line naming the field, the source and the fix. Every
-`auto` is then resolved once (`preflight.py`) and the result saved as the run's `config.json`.
+`auto` is then resolved once (`run/preflight.py`) and the result saved as the run's `config.json`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from ddpgpt.errors import UserError
-from ddpgpt.sync import MODES
 
-SYNC_MODES = tuple(MODES)  # the table of modes: ddpgpt/sync/__init__.py
 MAX_BUCKET_MB = 65536     # 64 GiB: larger than any device's memory, far below an int overflow
 MAX_TIMEOUT_S = 1_000_000  # ~11.6 days: longer waits overflow the backends' timeouts
 
@@ -128,7 +126,7 @@ class OptimConfig:
 
     name: str = "adamw"
     """adamw, or muon: torch's Muon for the blocks' 2-D weight matrices, each stepped by one
-    owner rank, and AdamW (lr, betas) for the embeddings, norms and biases (see ddpgpt/muon.py)."""
+    owner rank, and AdamW (lr, betas) for the embeddings, norms and biases (docs/muon.md)."""
     lr: float = 1e-3
     """Peak learning rate, reached after warmup_steps."""
     min_lr: float = 1e-4
@@ -312,7 +310,6 @@ class RunConfig:
                  "gradient bucket)")
         _choice("run", "device", self.device, ("auto", "cpu", "cuda"))
         _choice("run", "backend", self.backend, ("auto", "nccl", "gloo"))
-        _choice("run", "sync", self.sync, SYNC_MODES)
         _choice("run", "grad_compress", self.grad_compress, ("none", "bf16"))
         _choice("run", "precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _choice("run", "on_nonfinite", self.on_nonfinite, ("spike", "stop", "skip"))

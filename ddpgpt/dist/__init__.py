@@ -1,10 +1,8 @@
-"""Process groups and collectives: the only place that reads torchrun's environment or touches a
-process group."""
+"""Process groups (group.py: the environment, devices, a group's life) and the collectives over
+them (collectives.py): the only place that reads torchrun's environment or touches a process
+group."""
 
-from ddpgpt.dist.group import (  # noqa: F401 -- the package's face
-    CollectiveError,
-    DistEnv,
-    DistError,
+from ddpgpt.dist.collectives import (  # noqa: F401
     agree,
     all_gather,
     all_gather_async,
@@ -14,24 +12,28 @@ from ddpgpt.dist.group import (  # noqa: F401 -- the package's face
     all_reduce_async,
     all_to_all,
     barrier,
+    digest,
+    fail_together,
+    reduce_scatter_async,
+    state_digest,
+    together,
+)
+from ddpgpt.dist.group import (  # noqa: F401 -- the package's face
+    CollectiveError,
+    DistEnv,
+    DistError,
     checkpoint_group,
     collective,
     default_backend,
     detect,
     die_with_launcher,
-    digest,
     elastic_nodes,
-    fail_together,
     init,
     launcher_id,
     parse_nnodes,
-    reduce_scatter_async,
     resolve_device,
     serve_store,
     session,
     shutdown,
-    state_digest,
-    together,
     under_launcher,
-    wrap_model,
 )

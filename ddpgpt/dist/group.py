@@ -1,9 +1,9 @@
-"""Processes, devices and collectives: the only module that reads torchrun's environment
-(RANK, LOCAL_RANK, WORLD_SIZE, ...) or touches process groups.
+"""Processes, devices and the process group's life: the only module that reads torchrun's
+environment (RANK, LOCAL_RANK, WORLD_SIZE, ...) or creates and destroys process groups (the
+collectives over them are collectives.py's).
 
     env = detect()                      # environment only: usable before any group exists
     with session(device="cpu") as env:  # group created (W > 1), destroyed on every exit path
-        model = wrap_model(model, env)  # DDP with a process group, the model itself otherwise
         all_reduce(env, t)              # no-op at W = 1, so callers never branch on W
 
 A `DistEnv`'s defaults describe world size 1: rank 0 of 1, CPU, no process group, attempt 1.
@@ -20,8 +20,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import hashlib
-import inspect
 import os
 import signal
 import socket
@@ -35,7 +33,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from ddpgpt.errors import UserError
 
@@ -270,6 +267,21 @@ def serve_store(host: str, port: int, ready=None) -> None:
         time.sleep(3600)
 
 
+@contextlib.contextmanager
+def collective():
+    """Around code that runs collectives: their failure becomes a CollectiveError.
+
+    gloo reports a lost or stalled peer as a plain RuntimeError (torch 2.13), so the failure is
+    known by where it happened, not by its type; running out of memory is not a lost peer."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as e:  # DistBackendError, DistNetworkError, ... are RuntimeErrors too
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CollectiveError(first.split("] ", 1)[-1][:160]) from e  # drop gloo's file prefix
+
+
 def checkpoint_group(env: DistEnv, timeout_s: float = 600):
     """A second group of every rank, gloo, for the checkpoint's collectives (None without a
     process group). They run in a background thread while the step's run on the default group:
@@ -303,185 +315,3 @@ def session(device: str = "auto", backend: str = "auto", timeout_s: float = 600,
         raise
     finally:
         shutdown()
-
-
-# ---- collectives: no-ops at world size 1 ----------------------------------------------------
-
-@contextlib.contextmanager
-def collective():
-    """Around code that runs collectives: their failure becomes a CollectiveError.
-
-    gloo reports a lost or stalled peer as a plain RuntimeError (torch 2.13), so the failure is
-    known by where it happened, not by its type; running out of memory is not a lost peer."""
-    try:
-        yield
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError as e:  # DistBackendError, DistNetworkError, ... are RuntimeErrors too
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CollectiveError(first.split("] ", 1)[-1][:160]) from e  # drop gloo's file prefix
-
-
-def all_reduce(env: DistEnv, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In place; `op` is sum or max."""
-    if env.world_size > 1:
-        with collective():
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return tensor
-
-
-def all_gather(env: DistEnv, tensor: torch.Tensor) -> torch.Tensor:
-    """(W, *tensor.shape): every rank's tensor, on every rank."""
-    if env.world_size == 1:
-        return tensor.unsqueeze(0)
-    out = [torch.empty_like(tensor) for _ in range(env.world_size)]
-    with collective():
-        dist.all_gather(out, tensor)
-    return torch.stack(out)
-
-
-def all_gather_text(env: DistEnv, text: str | None) -> list[str | None]:
-    """Every rank's string (or None), on every rank."""
-    if env.world_size == 1:
-        return [text]
-    out: list = [None] * env.world_size
-    with collective():
-        dist.all_gather_object(out, text)
-    return out
-
-
-def all_reduce_async(env: DistEnv, tensor: torch.Tensor) -> dist.Work:
-    """Sum in place, issued now, done when the returned work's wait() returns."""
-    with collective():
-        return dist.all_reduce(tensor, async_op=True)
-
-
-# torch 2.13 names them *_single; 2.4 has only the *_tensor names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def reduce_scatter_async(env: DistEnv, shard: torch.Tensor, full: torch.Tensor) -> dist.Work:
-    """shard (n/W,) <- the sum over ranks of this rank's n/W slice of `full` (n,)."""
-    with collective():
-        return _reduce_scatter(shard, full, async_op=True)
-
-
-def all_gather_async(env: DistEnv, full: torch.Tensor, shard: torch.Tensor) -> dist.Work:
-    """full (n,) <- every rank's shard (n/W,), in rank order."""
-    with collective():
-        return _all_gather(full, shard, async_op=True)
-
-
-def all_gather_into(env: DistEnv, full: torch.Tensor, shard: torch.Tensor) -> None:
-    """full (W·n,) <- every rank's shard (n,), in rank order; one buffer, no list of W."""
-    if env.world_size == 1:
-        full.copy_(shard.reshape(-1))
-        return
-    work = all_gather_async(env, full, shard)
-    with collective():
-        work.wait()
-
-
-def all_to_all(env: DistEnv, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
-               in_splits: list[int]) -> None:
-    """out <- from each rank r, in rank order, its next out_splits[r] elements; `inp` is cut
-    into in_splits[r] elements for each rank r in turn (uneven splits allowed)."""
-    if env.world_size == 1:
-        out.copy_(inp)
-        return
-    with collective():
-        dist.all_to_all_single(out, inp, out_splits, in_splits)
-
-
-def barrier(env: DistEnv) -> None:
-    if env.world_size > 1:
-        with collective():
-            dist.barrier()
-
-
-def fail_together(env: DistEnv, error: Exception | None) -> None:
-    """Every rank learns whether any rank hit an error, so all exit together rather than hang.
-
-    Each rank that failed raises its own error; it prints it unless a lower rank failed with the
-    same message (W ranks reading the same bad file say so once). The others raise quietly."""
-    messages = all_gather_text(env, None if error is None else str(error))
-    if error is not None:
-        if str(error) in messages[:env.rank] and isinstance(error, UserError):
-            error.quiet = True
-        raise error
-    failed = [r for r, m in enumerate(messages) if m is not None]
-    if failed:
-        raise DistError(f"stopping: rank {', '.join(map(str, failed))} failed (see its message)",
-                        quiet=True)
-
-
-def together(env: DistEnv, fn, main_only: bool = False):
-    """Runs `fn` on every rank (or rank 0 alone) and returns its result; a UserError it raises
-    ends every rank together (see fail_together)."""
-    result, error = None, None
-    if env.is_main or not main_only:
-        try:
-            result = fn()
-        except UserError as e:
-            error = e
-    fail_together(env, error)
-    return result
-
-
-def digest(*parts: bytes | str) -> bytes:
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part.encode() if isinstance(part, str) else part)
-    return h.digest()
-
-
-def state_digest(state: dict[str, torch.Tensor]) -> bytes:
-    """sha256 over every tensor's name and exact bytes (a model's state_dict)."""
-    h = hashlib.sha256()
-    for name, t in state.items():
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.digest()
-
-
-def agree(env: DistEnv, items: dict[str, tuple[bytes, str]]) -> None:
-    """Every rank checks that all ranks hold the same digest for each item, in one all_gather.
-
-    items: {what: (digest, how to fix)}, in the order a reader should see them (a cause before
-    its effects). Every item that differs is named, with the ranks that differ from rank 0; every
-    rank raises the same DistError, so all stop together (rank 0 prints)."""
-    if env.world_size == 1:
-        return
-    local = torch.tensor([list(d) for d, _ in items.values()], dtype=torch.uint8, device=env.device)
-    gathered = all_gather(env, local).cpu()  # (W, items, 32)
-    problems = []
-    for i, (what, (_, fix)) in enumerate(items.items()):
-        differ = [r for r in range(env.world_size)
-                  if not torch.equal(gathered[r, i], gathered[0, i])]
-        if differ:
-            ranks = ", ".join(map(str, differ))
-            problems.append(f"{what}: rank{'s' if len(differ) > 1 else ''} {ranks} "
-                            f"differ{'' if len(differ) > 1 else 's'} from rank 0; {fix}")
-    if problems:
-        raise DistError("ranks disagree on " + "; and on ".join(problems), quiet=env.rank != 0)
-
-
-# ---- data parallelism ---------------------------------------------------------------------
-
-def wrap_model(model: torch.nn.Module, env: DistEnv, bucket_mb: float = 25.0) -> torch.nn.Module:
-    """DDP when there is a process group (W > 1, or bench's one-rank group), else the model.
-
-    init_sync=False: DDP would otherwise broadcast rank 0's weights and hide a rank that built
-    different ones; ranks instead build identical weights from one seed and `agree` proves it.
-    No buffer broadcast: the model has no buffers that change during training."""
-    if env.backend is None:
-        return model
-    # torch >= 2.12 renames broadcast_buffers to forward_sync_buffers (and warns on the old name).
-    params = inspect.signature(DistributedDataParallel.__init__).parameters
-    no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in params
-                      else "broadcast_buffers": False}
-    return DistributedDataParallel(
-        model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-        init_sync=False, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, **no_buffer_sync,
-    )

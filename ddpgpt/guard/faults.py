@@ -27,7 +27,7 @@ job's first start only (never after an elastic restart, so a restarted job can f
     weights-always   the same every time the run is at step STEP+1 or later, rollbacks or not
 
 The actions above wait for the checkpoint this rank may be writing in the background (a crash
-between checkpoints). These happen around the checkpoint of step STEP (saver.py):
+between checkpoints). These happen around the checkpoint of step STEP (checkpoint/saver.py):
 
     kill-saving      SIGKILL itself as the checkpoint is taken, before its save starts
     kill-writing     SIGKILL itself in the middle of the write of its share (in the background)

@@ -105,7 +105,7 @@ class Health:
     loss: float              # the global mean loss (meaningless when `bad` is not empty)
     bad: list[int]           # the ranks that saw a non-finite loss or gradient norm
     stop: bool               # some rank was asked to stop
-    saved: bool = True       # no rank has a checkpoint save still running (saver.py)
+    saved: bool = True       # no rank has a checkpoint save still running (checkpoint/saver.py)
 
 
 class Guard:

@@ -2,7 +2,7 @@
 momentum, orthogonalizes it and steps it; the other ranks get the new weights.
 
 The step itself is torch's: `torch.optim.Muon` with adjust_lr_fn = "match_rms_adamw", over the
-matrices a rank owns (see optim.py). For a matrix W with gradient G and momentum m:
+matrices a rank owns (see optimizer.py). For a matrix W with gradient G and momentum m:
 
     B <- m·B + (1 - m)·G                  momentum buffer (the only state: 4 bytes per element)
     U <- (1 - m)·G + m·B                  Nesterov

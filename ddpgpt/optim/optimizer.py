@@ -1,5 +1,5 @@
 """The optimizer: torch's AdamW, or torch's Muon for the blocks' matrices with torch's AdamW for the
-rest (muon.py). The learning-rate schedule is schedule.py's.
+rest (optim/muon.py). The learning-rate schedule is optim/schedule.py's.
 
 Built in one direction (train.py): the whole model's parameter groups (`groups`) go to the sync
 mode, which lays the parameters out as it needs (whole, zero1's slices, fsdp2's shards, Muon

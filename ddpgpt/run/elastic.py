@@ -14,7 +14,7 @@ Every restart is a new start of `ddpgpt train` at the new world size W. What ddp
    first restart that reaches such a W.
 2. A restart continues from the newest complete checkpoint on the loader's global cursor: the
    windows the full group would have read next. A node's death costs the steps since then.
-3. A stop signal makes every rank checkpoint after the same step (reliability.py), so a node that
+3. A stop signal makes every rank checkpoint after the same step (guard/health.py), so a node that
    joins costs no step: the larger group continues from that checkpoint.
 4. First-start rules (`--reset`, `--resume never`, `--resume PATH`) apply once per job. torch's
    store, where the attempt number lives (dist._attempt), is hosted by one node's agent and is

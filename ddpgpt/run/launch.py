@@ -110,7 +110,7 @@ def start(nproc: int, worker_args: list[str],
         run(args)
     except SignalException as e:
         # The agent forwarded the signal to every worker and waited for them to stop: each
-        # stops at its next step boundary and checkpoints first (see reliability.py).
+        # stops at its next step boundary and checkpoints first (see guard/health.py).
         return 128 + e.sigval.value, e.sigval
     except ChildFailedError as e:
         local_rank, failure = e.get_first_failure()

@@ -7,7 +7,7 @@ datasets prepared without byte counts) with each task's {NAME_acc_norm, NAME_acc
 NAME_n, NAME_s} (run.eval_tasks) and the run's seconds so far {elapsed_s, train_s, eval_s,
 checkpoint_s} (train_s: without evaluations and checkpoints), and one per event a reader of the
 curves must know about, {"step", "event", ...} (a deliberate switch of dataset on resume, a
-settings change, a rollback past a loss spike: spike.py; the first evaluation at
+settings change, a rollback past a loss spike: guard/spike.py; the first evaluation at
 run.target_val_loss: "target", with val_loss, elapsed_s, train_s and tokens). `step` counts
 optimizer steps completed (the row after the first step says 1); `tokens` is the global count so
 far; `tokens_per_s` is global, over the steps since the previous row; `mfu` is the model FLOPs per

@@ -22,7 +22,7 @@ from ddpgpt.config.schema import ConfigError, TrainConfig
 from ddpgpt.data.loader import TokenStream, require_windows
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.run import trackers
-from ddpgpt.sync import MODES
+from ddpgpt.sync.modes import MODES, check
 
 
 def accum_steps(cfg: TrainConfig, world_size: int) -> int:
@@ -83,7 +83,7 @@ def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> T
 def check_mode(cfg: TrainConfig, precision: str) -> None:
     """What the sync mode declares it cannot do (sync.MODES), refused in one line each."""
     name = cfg.run.sync
-    mode = MODES[name]
+    mode = check(name)
 
     def refuse(what: str, setting: str, fix: str) -> None:
         able = [m for m, row in MODES.items() if getattr(row, what)]
@@ -94,8 +94,6 @@ def check_mode(cfg: TrainConfig, precision: str) -> None:
         refuse("loss_scaler", "run.precision = fp16", "use bf16")
     if cfg.run.grad_compress != "none" and not mode.compression:
         refuse("compression", f"run.grad_compress = {cfg.run.grad_compress}", "use none")
-    if cfg.optim.name == "muon" and not mode.whole_matrices:
-        refuse("whole_matrices", "optim.name = muon", "use adamw")
 
 
 def check_windows(cfg: TrainConfig, dataset: TokenDataset) -> None:

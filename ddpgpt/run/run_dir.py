@@ -10,7 +10,7 @@
       data_meta.json     the dataset's meta.json, and tokenizer.json (bpe): `sample` needs only
                          this dir
       metrics.jsonl      one row per logged step and per evaluation (see metrics.py)
-      checkpoints/       step_NNNNNNN/ (see checkpoint.py)
+      checkpoints/       step_NNNNNNN/ (see checkpoint/store.py)
       tensorboard/, wandb/, tracker.json    run.tracker's files (see trackers.py)
       reset-<time>/      what --reset set aside; rollback-<time>/ what --resume PATH set aside
 """

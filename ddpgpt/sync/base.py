@@ -20,7 +20,7 @@ from ddpgpt import dist
 from ddpgpt.checkpoint.sharded import Pieces, of_dtensor, whole
 from ddpgpt.optim.muon import Matrices
 from ddpgpt.optim.optimizer import Group, Optimizer, load_state
-from ddpgpt.sync import MODES
+from ddpgpt.sync.modes import MODES
 
 
 class Sync:

@@ -28,6 +28,7 @@ import torch
 from ddpgpt import dist
 from ddpgpt.optim.optimizer import Group
 from ddpgpt.sync.base import Replicated, nbytes
+from ddpgpt.sync.modes import MODES
 
 
 def plan(sizes: list[int], bucket_elems: int, multiple: int) -> list[tuple[list[int], int]]:
@@ -78,7 +79,7 @@ class BucketSync(Replicated):
         one tensor); each group's parameters are bucketed last first."""
         super().__init__(model, groups, env, bucket_mb)
         self.name = mode
-        self.reduce_scatter = mode in ("rs-ag", "zero1")
+        self.reduce_scatter = MODES[mode].reduce_scatter
         self.wire_dtype = torch.bfloat16 if compress == "bf16" else None
         params = [p for g in groups for p in g.params]
         assert all(p.dtype == params[0].dtype for p in params), "one gradient dtype per model"
@@ -142,12 +143,17 @@ class BucketSync(Replicated):
             if self.reduce_scatter:
                 bucket.works = [dist.all_gather_async(self.env, bucket.wire, bucket.wire_shard)]
         for bucket in self.buckets:
-            self._wait(bucket)
-            if bucket.wire is not bucket.buffer:
-                bucket.buffer.copy_(bucket.wire)
-            bucket.buffer.div_(self.env.world_size)
-            bucket.ready, bucket.works = 0, []
+            self._land(bucket, bucket.wire, bucket.buffer)
         self.syncing = False
+
+    def _land(self, bucket: Bucket, wire: torch.Tensor, target: torch.Tensor) -> None:
+        """Waits for the bucket's collectives and leaves the mean of the summed `wire` (bf16
+        under compression) in `target`; the bucket is ready for the next step."""
+        self._wait(bucket)
+        if wire is not target:
+            target.copy_(wire)
+        target.div_(self.env.world_size)
+        bucket.ready, bucket.works = 0, []
 
     def _issue_the_rest(self) -> None:
         """Issues the buckets whose gradients never all arrived (a parameter unused in this

@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from ddpgpt import dist
 from ddpgpt.optim.optimizer import Group
 from ddpgpt.sync.base import Replicated
+
+
+def wrap_model(model: torch.nn.Module, env: dist.DistEnv,
+               bucket_mb: float = 25.0) -> torch.nn.Module:
+    """DDP when there is a process group (W > 1, or bench's one-rank group), else the model.
+
+    init_sync=False: DDP would otherwise broadcast rank 0's weights and hide a rank that built
+    different ones; ranks instead build identical weights from one seed and `agree` proves it.
+    No buffer broadcast: the model has no buffers that change during training."""
+    if env.backend is None:
+        return model
+    # torch >= 2.12 renames broadcast_buffers to forward_sync_buffers (and warns on the old name).
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in params
+                      else "broadcast_buffers": False}
+    return DistributedDataParallel(
+        model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        init_sync=False, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, **no_buffer_sync,
+    )
 
 
 class DDPSync(Replicated):
@@ -16,7 +37,7 @@ class DDPSync(Replicated):
                  bucket_mb: float, mode: str = "ddp", compress: str = "none"):
         super().__init__(model, groups, env, bucket_mb)
         self.name = mode
-        self.model = dist.wrap_model(model, env, bucket_mb)
+        self.model = wrap_model(model, env, bucket_mb)
         if compress == "bf16":
             self.model.register_comm_hook(None, bf16_hook(env))
 

@@ -103,11 +103,7 @@ class Zero1Sync(BucketSync):
         """Rank r ends with the mean gradient of its slices (no all-gather of gradients)."""
         self._issue_the_rest()
         for bucket in self.buckets:
-            self._wait(bucket)
-            if bucket.wire_shard is not bucket.shard:
-                bucket.shard.copy_(bucket.wire_shard)
-            bucket.shard.div_(self.env.world_size)
-            bucket.ready, bucket.works = 0, []
+            self._land(bucket, bucket.wire_shard, bucket.shard)
         self.syncing = False
 
     def clip(self, max_norm: float) -> torch.Tensor:

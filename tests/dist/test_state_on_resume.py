@@ -23,8 +23,7 @@ from tests.helpers import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 STEPS = 3
-CASES = [[m, o] for o in ("adamw", "muon") for m in MODES
-         if o == "adamw" or MODES[m].whole_matrices]
+CASES = [[m, o] for o in ("adamw", "muon") for m in MODES]
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from ddpgpt.config.io import build, from_dict
 from ddpgpt.data import prepare
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import EOT_TEXT, load_tokenizer
-from ddpgpt.init_from import check_tokenizer, load_into
+from ddpgpt.init_from import apply_shape, check_tokenizer, load_into
 from ddpgpt.model import GPT
 from tests.helpers import read_metrics, reference_step, run_cli, write_dataset
 
@@ -118,7 +118,7 @@ def test_export_then_init_from_gives_the_same_weights(bpe):
     """The export's tokenizer (config.json's ddpgpt entry) is the data's, and --init-from it
     loads the checkpoint's weights exactly; the padding rows come back zero, and masked."""
     cfg = build(None, None, {"model": {"init_from": str(bpe.out)},
-                             "data": {"dir": str(bpe.data)}})
+                             "data": {"dir": str(bpe.data)}}, shape=apply_shape)
     check_tokenizer(cfg, TokenDataset(bpe.data))
     model = GPT(cfg.model)
     load_into(model, str(bpe.out))

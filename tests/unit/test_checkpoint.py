@@ -7,7 +7,9 @@ import shutil
 import pytest
 import torch
 
-from ddpgpt.checkpoint import store as checkpoint
+from ddpgpt import checkpoint
+from ddpgpt.checkpoint import read as load_module
+from ddpgpt.checkpoint import store
 from ddpgpt.checkpoint.store import CheckpointError
 from ddpgpt.config.schema import ModelConfig
 from ddpgpt.model import GPT
@@ -182,7 +184,7 @@ def test_a_failed_replacement_keeps_the_previous_copy(tmp_path, monkeypatch):
         real_rename(a, b)
 
     monkeypatch.setattr(os, "rename", rename)
-    with pytest.raises(checkpoint.WriteError, match="Input/output error"):
+    with pytest.raises(store.WriteError, match="Input/output error"):
         save(tmp_path, 3, seed=2)
     monkeypatch.setattr(os, "rename", real_rename)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0000003"]
@@ -195,14 +197,14 @@ def test_a_parent_that_cannot_be_synced_after_the_rename_is_a_warning(tmp_path, 
                                                                       capsys):
     """The rename published the checkpoint: a failed fsync of its parent afterwards is said, and
     the save counts (it is not reported as failed while its directory is there)."""
-    real_fsync = checkpoint.fsync
+    real_fsync = store.fsync
 
     def fsync(path):
         if path.name == "checkpoints":
             raise OSError(5, "Input/output error")
         real_fsync(path)
 
-    monkeypatch.setattr(checkpoint, "fsync", fsync)
+    monkeypatch.setattr(store, "fsync", fsync)
     path = save(tmp_path, 2)
     assert find_latest(tmp_path)[0] == path
     err = capsys.readouterr().err
@@ -231,7 +233,7 @@ def test_load_latest_skips_a_checkpoint_pruned_while_read(tmp_path, monkeypatch)
             shutil.rmtree(root / ".del-step_0000002-1")
         return real_load(path, meta, **kw)
 
-    monkeypatch.setattr(checkpoint, "load", pruned_first)
+    monkeypatch.setattr(load_module, "load", pruned_first)
     path, meta, state = checkpoint.load_latest(root)
     assert (path.name, meta["step"]) == ("step_0000001", 1)
     assert torch.equal(state["model"]["wte.weight"], model(1).wte.weight)

@@ -12,15 +12,26 @@ import pytest
 import torch
 
 from ddpgpt import gpt2
-from ddpgpt.config.io import build
+from ddpgpt.config import io as config_io
 from ddpgpt.config.schema import ConfigError, ModelConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import EOT_TEXT, ByteTokenizer
 from ddpgpt.errors import UserError
 from ddpgpt.export import byte_tokenizer, from_tiktoken, write_model
-from ddpgpt.init_from import ASSUMED_GPT2, check_tokenizer, load_into, weights_tokenizer
+from ddpgpt.init_from import (
+    ASSUMED_GPT2,
+    apply_shape,
+    check_tokenizer,
+    load_into,
+    weights_tokenizer,
+)
 from ddpgpt.model import GPT
 from tests.helpers import write_dataset
+
+
+def build(preset, config_file, flags):
+    """`train`'s config: the shape of --model.init-from's weights applied (as the CLI does)."""
+    return config_io.build(preset, config_file, flags, shape=apply_shape)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,0 +1,89 @@
+"""The house reads in one direction (docs/development.md): the import contracts in pyproject.toml
+hold, no module imports one that imports it back, the config imports no component, and no module
+outgrows a reading."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+grimp = pytest.importorskip("grimp")
+
+LARGEST = 400  # lines: a module past this is two rooms
+
+
+def test_the_layers_contract_holds():
+    """lint-imports (import-linter) on pyproject's contracts: each layer imports only the layers
+    below it, the rooms of one layer not each other."""
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    assert exe, "import-linter is not installed: pip install -e '.[dev]'"
+    proc = subprocess.run([exe, "--no-cache"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "0 broken" in proc.stdout
+
+
+def _cycles(graph) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.find_modules_directly_imported_by(v):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph.modules):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    assert _cycles(grimp.build_graph("ddpgpt")) == []
+
+
+def test_the_cycle_finder_finds_a_cycle(tmp_path, monkeypatch):
+    """The oracle for the test above: two modules importing each other are one cycle."""
+    pkg = tmp_path / "loop_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from loop_pkg import b\n")
+    (pkg / "b.py").write_text("import loop_pkg.a\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _cycles(grimp.build_graph("loop_pkg", cache_dir=None)) == [["loop_pkg.a",
+                                                                        "loop_pkg.b"]]
+
+
+def test_the_config_imports_no_component():
+    """config/ is the ground: it imports nothing of ddpgpt but errors (and itself)."""
+    graph = grimp.build_graph("ddpgpt")
+    config = graph.find_children("ddpgpt.config") | {"ddpgpt.config"}
+    reached = {i for m in config for i in graph.find_modules_directly_imported_by(m)}
+    assert {m for m in reached if m.startswith("ddpgpt")} - config == {"ddpgpt.errors"}
+
+
+def test_no_module_outgrows_a_reading():
+    sizes = {p.relative_to(REPO): len(p.read_text().splitlines())
+             for p in (REPO / "ddpgpt").rglob("*.py")}
+    assert {p: n for p, n in sizes.items() if n > LARGEST} == {}
