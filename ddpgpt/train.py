@@ -152,8 +152,7 @@ def run(cfg: TrainConfig) -> None:
     here = dist.detect()
     try:
         cfg, dataset = preflight(cfg, here.world_size, here.local_world_size, dist.elastic_nodes())
-        tasks = evals.load_all(cfg.run.eval_tasks, cfg.run.eval_task_data,
-                               cfg.run.eval_task_limit, "run.eval_tasks", "run.eval_task_data")
+        tasks = evals.for_run(cfg.run)  # a bad task file, or HellaSwag offline: one line
     except UserError as e:  # every rank finds it: one line per node
         e.quiet = e.quiet or here.local_rank > 0
         raise

@@ -178,7 +178,8 @@ def test_a_bad_task_file_is_one_line_in_eval_and_train(runs, tmp_path):
     r = run_cli("eval", "--run-dir", runs.w1, "--task", "piqa", "--task-data", bad)
     assert r.returncode == 2 and r.stderr.startswith(line) and r.stderr.count("\n") == 1
     run = tmp_path / "never"
-    r = run_cli(*tiny_train_args(runs.data, run, run__eval_tasks="piqa",
-                                 run__eval_task_data=bad)[2:])
-    assert r.returncode == 2 and r.stderr.startswith(line) and r.stderr.count("\n") == 1
-    assert not run.exists()  # refused before anything is written
+    for nproc in ([], ["--nproc", "2"]):  # the launcher checks it before starting any worker
+        r = run_cli(*tiny_train_args(runs.data, run, run__eval_tasks="piqa",
+                                     run__eval_task_data=bad)[2:], *nproc)
+        assert r.returncode == 2 and r.stderr.startswith(line) and r.stderr.count("\n") == 1
+        assert not run.exists()  # refused before anything is written
