@@ -61,7 +61,7 @@ def runs(tmp_path_factory):
             "hellaswag": oracle.write_examples(hs, 9, seed=int(rng.integers(100)))}
     task_flags = dict(run__eval_tasks="mine,hellaswag", run__eval_task_data=f"{mine},{hs}")
     w1, w2, target = root / "w1", root / "w2", root / "target"
-    _train(data, w1, **task_flags)
+    _train(data, w1, run__tracker="tensorboard", **task_flags)
     _train(data, w2, "--nproc", "2", **task_flags)
     val4 = next(r["val_loss"] for r in read_metrics(w1)[1] if r["step"] == 4)
     stopped = _train(data, target, run__target_val_loss=val4)
@@ -90,6 +90,20 @@ def test_task_scores_during_training_are_the_same_at_w1_and_w2(runs):
         assert (a["mine_n"], a["hellaswag_n"]) == (13, 9)
         assert a["mine_s"] > 0 and a["train_s"] + a["eval_s"] + a["checkpoint_s"] == \
             pytest.approx(a["elapsed_s"], abs=1e-9)
+
+
+def test_task_scores_reach_the_tracker(runs):
+    """TensorBoard mirrors each eval row's task scores (and their seconds) at its step."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(runs.w1 / "tensorboard"))
+    events.Reload()
+    evals = read_metrics(runs.w1)[1]
+    for name in ("mine_acc_norm", "mine_acc", "hellaswag_acc_char", "hellaswag_n", "mine_s",
+                 "train_s"):
+        got = [(e.step, e.value) for e in events.Scalars(name)]
+        assert got == [(r["step"], pytest.approx(r[name], rel=1e-6)) for r in evals], name
 
 
 def test_eval_equals_llm_c_definition_at_w1_and_w2(runs):
