@@ -17,7 +17,7 @@ from ddpgpt.config.commands import EvalConfig
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import warn
-from ddpgpt.run.precision import autocast, inference_precision
+from ddpgpt.run.precision import Precision
 from ddpgpt.run.run_dir import RunDir
 
 
@@ -54,8 +54,8 @@ def run(cfg: EvalConfig) -> None:
         loader = EvalLoader(dataset, seq_len=train_cfg.seq_len,
                             micro_batch=train_cfg.data.micro_batch, world_size=env.world_size,
                             rank=env.rank, max_windows=windows, device=env.device)
-        precision = inference_precision(train_cfg.run, env.device)
-        loss = evaluate(model, loader, env, autocast(precision, env.device))
+        precision = Precision.for_inference(train_cfg.run, env.device)
+        loss = evaluate(model, loader, env, precision.autocast)
         if env.is_main:
             bpb = dataset.bits_per_byte(loss)
             if bpb is None:

@@ -38,7 +38,7 @@ from ddpgpt.guard.spike import Verdict, json_number, target
 from ddpgpt.optim.optimizer import lr_at
 from ddpgpt.run import elastic, resume, trackers
 from ddpgpt.run.metrics import Metrics, peak_flops
-from ddpgpt.run.precision import configure, matmul_dtype
+from ddpgpt.run.precision import configure
 from ddpgpt.run.preflight import preflight, shared
 from ddpgpt.run.run_dir import RunDir
 from ddpgpt.trainer import Trainer
@@ -312,7 +312,7 @@ def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset, st
 
 def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metrics:
     cfg, env = trainer.cfg, trainer.env
-    peak = peak_flops(env.device, matmul_dtype(cfg.run.precision))
+    peak = peak_flops(env.device, trainer.precision.matmul_dtype)
     # Every rank measures at once; a host hiccup can halve one reading, so take the best.
     peak = dist.all_reduce(env, torch.tensor(peak, device=env.device), op="max").item()
     if env.is_main:
