@@ -168,9 +168,7 @@ def print_config(cfg: TrainConfig, nproc: int | None) -> None:
     except DataError as e:
         print(f"# not resolved (model.vocab_size, data.seq_len, run.*: auto): {e}")
     else:
-        start = resume.choose(cfg, RunDir(cfg.run.dir), True, dataset.fingerprint, verify=False,
-                              tokenizer=dataset.tokenizer_fingerprint)
-        cfg = resume.settle(cfg, start)
+        cfg, start = resume.plan(cfg, RunDir(cfg.run.dir), dataset)
         where = f"resuming {start.path}" if start.path else "from scratch"
         print(f"# resolved for {world} process{'es' if world > 1 else ''}, {where}")
     print(to_toml(cfg), end="")

@@ -151,12 +151,8 @@ def run(cfg: TrainConfig) -> None:
     run_dir = RunDir(cfg.run.dir)
     run_dir.check_creatable()
     if here.world_size == 1 and not dist.under_launcher():  # one process: finished already?
-        first = resume.choose(cfg, run_dir, True, dataset.fingerprint, verify=False,
-                              tokenizer=dataset.tokenizer_fingerprint)
-        if resume.finished(resume.settle(cfg, first), first):
-            with run_dir.locked():  # another run training here is refused, as always
-                print(resume.finished_message(run_dir, first.step, cfg.run.steps),
-                      file=sys.stderr)
+        settled, first = resume.plan(cfg, run_dir, dataset)
+        if resume.report_finished(settled, run_dir, first):
             return
     # 2. Join the group (W > 1); it is destroyed on every way out of this block.
     with dist.session(cfg.run.device, cfg.run.backend, cfg.run.dist_timeout_s) as env, \
@@ -164,8 +160,7 @@ def run(cfg: TrainConfig) -> None:
         configure(cfg.run.threads, env.device)
         if cfg.data.verify:  # each rank re-hashes a 1/W share of the shards
             dist.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
-        start, env = elastic.claim(run_dir, cfg, env, dataset)
-        cfg = resume.settle(cfg, start)
+        cfg, start, env = elastic.claim(run_dir, cfg, env, dataset)
         lr_fields = "optim.lr or optim.muon_lr" if cfg.optim.name == "muon" else "optim.lr"
         guard = Guard(env, cfg.run, stop, lr_fields, run_dir.checkpoints)
         trainer = setup(cfg, env, dataset, start, guard)
