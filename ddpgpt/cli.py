@@ -37,15 +37,55 @@ from ddpgpt.config.commands import (
 )
 from ddpgpt.config.io import add_flags, build, flat_config, from_dict, nest
 from ddpgpt.config.schema import SECTIONS, TrainConfig
-from ddpgpt.errors import UserError, survive_closed_output
+from ddpgpt.errors import UserError, did_you_mean, survive_closed_output
+
+# What other trainers call some of our flags (nanoGPT's, transformers' Trainer's): a name typed
+# from habit is answered with ours.
+OTHER_NAMES = {"learning-rate": "lr", "max-iters": "steps", "max-steps": "steps",
+               "batch-size": "global-batch", "n-layers": "n-layer", "n-heads": "n-head",
+               "warmup-iters": "warmup-steps", "out-dir": "run-dir"}
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is a UserError (one line) instead of usage text + exit."""
+    """argparse, but a usage error is a UserError (one line) instead of usage text + exit, and a
+    mistyped flag is answered with the closest one the command has."""
 
-    def error(self, message):
+    def error(self, message, hint: str = ""):
         where = self.prog.removeprefix("ddpgpt").strip()
-        raise UserError(f"{where + ': ' if where else ''}{message} (see --help)")
+        raise UserError(f"{where + ': ' if where else ''}{message}{hint or ' (see --help)'}")
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            flag = next((a.split("=")[0] for a in extras if a.startswith("--")), "")
+            self.error(f"unrecognized arguments: {' '.join(extras)}",
+                       closest_flag(self._command(ns), flag))
+        return ns
+
+    def _command(self, ns) -> argparse.ArgumentParser:
+        """The subcommand's parser that `ns` was parsed by (this one if none)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action.choices.get(getattr(ns, "command", None), self)
+        return self
+
+
+def closest_flag(parser: argparse.ArgumentParser, flag: str) -> str:
+    """" (did you mean --x?)" for a flag `parser` does not have (dashes and underscores alike, in
+    its section first, other trainers' names too), or ""."""
+    if not flag:
+        return ""
+    flags = [o for a in parser._actions for o in a.option_strings
+             if o.startswith("--") and "_" not in o]  # each flag's dashed spelling
+    typed = flag.replace("_", "-")
+    section, _, name = typed[2:].rpartition(".")
+    ours = OTHER_NAMES.get(name)
+    if ours:
+        named = [f for f in flags if (f.endswith("." + ours) or f == "--" + ours)
+                 and (not section or f.startswith(f"--{section}."))]
+        if named:
+            return f" (did you mean {named[0]}?)"
+    return did_you_mean(typed, flags)
 
 
 # Every command but train: its settings (config/commands.py), where its run(cfg) lives (imported

@@ -187,7 +187,8 @@ def test_unknown_flag_is_a_one_line_user_error():
     from ddpgpt.errors import UserError
     with pytest.raises(UserError) as e:
         _parse_train(["--data", "d", "--model.n-layers", "2"])
-    assert str(e.value) == "unrecognized arguments: --model.n-layers 2 (see --help)"
+    assert str(e.value) == ("unrecognized arguments: --model.n-layers 2 (did you mean "
+                            "--model.n-layer?)")
 
 
 # ---- messages: ranges, presets, files --------------------------------------------------------
