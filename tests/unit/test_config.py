@@ -425,10 +425,10 @@ def test_field_docs():
 
 
 def test_help_shows_field_docs_and_defaults():
-    sub = next(a for a in cli._build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    sub = next(a for a in cli._build_parser(every=True)._actions
+               if isinstance(a, argparse._SubParsersAction))
     text = " ".join(sub.choices["train"].format_help().split())
-    assert ("--model.n-layer N_LAYER, --model.n_layer N_LAYER Transformer blocks. (default: 4)"
-            in text)
+    assert "--model.n-layer N_LAYER Transformer blocks. (default: 4)" in text
     assert ("--data DIR, --data.dir DIR Dataset directory made by `ddpgpt prepare`. "
             "(default: data/stdlib)" in text)
 
