@@ -176,6 +176,8 @@ def run(cfg: TrainConfig) -> None:
                     trainer = roll_back(trainer, spike, run_dir, start, metrics, lambda at: setup(
                         cfg, env, dataset, at, guard, announce=False))  # built as on a restart
                     _install_faults(trainer, saver)
+                if env.is_main:
+                    print(run_dir.next_commands(), file=sys.stderr)
             except dist.CollectiveError as e:
                 # A rank lost mid-save shows in the step's collectives first: name the save.
                 doing = trainer.doing if saver.troubled is None else \
