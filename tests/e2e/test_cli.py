@@ -87,7 +87,7 @@ def test_flags_pass_through_torchrun_parser():
     abbreviation of one of its options (as --run would of --run-path)."""
     from torch.distributed.run import parse_args
 
-    help_text = run_cli("train", "--help").stdout + run_cli("eval", "--help").stdout
+    help_text = run_cli("train", "--help-all").stdout + run_cli("eval", "--help").stdout
     flags = sorted(set(re.findall(r"(?<![\w-])--[a-z][\w.-]*", help_text))
                    - {"--help", "--run", "--nproc", "--max-restarts"})
     assert "--run-dir" in flags and "--optim.lr" in flags
