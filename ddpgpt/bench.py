@@ -58,7 +58,7 @@ def traffic(trainer: Trainer, compress: bool = False) -> Traffic:
     """What the trainer's steps move: its model's parameters, W, A and, under Muon, its
     matrices and their layout by owner."""
     matrices = trainer.sync.matrices
-    n = sum(p.numel() for p in trainer.raw.parameters())  # a DTensor counts its whole tensor
+    n = trainer.raw.num_params(non_embedding=False)  # a DTensor counts its whole tensor
     return Traffic(n, trainer.env.world_size, trainer.accum, 2 if compress else 4,
                    matrices=sum(r * c for r, c in matrices.shapes) if matrices else 0,
                    padded=matrices.layout.padded() if matrices else 0)

@@ -20,6 +20,7 @@ docstring. Bad input (unknown flag, bad value, missing data) is one line on stde
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -37,42 +38,110 @@ from ddpgpt.config.commands import (
 )
 from ddpgpt.config.io import add_flags, build, flat_config, from_dict, nest
 from ddpgpt.config.schema import SECTIONS, TrainConfig
-from ddpgpt.errors import UserError, survive_closed_output
+from ddpgpt.errors import UserError, did_you_mean, survive_closed_output
+
+# What other trainers call some of our flags (nanoGPT's, transformers' Trainer's): a name typed
+# from habit is answered with ours.
+OTHER_NAMES = {"learning-rate": "lr", "max-iters": "steps", "max-steps": "steps",
+               "batch-size": "global-batch", "n-layers": "n-layer", "n-heads": "n-head",
+               "warmup-iters": "warmup-steps", "out-dir": "run-dir"}
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's, except that a text of several lines (the examples) keeps its lines."""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is a UserError (one line) instead of usage text + exit."""
+    """argparse, but a usage error is a UserError (one line) instead of usage text + exit, and a
+    mistyped flag is answered with the closest one the command has."""
 
-    def error(self, message):
+    def error(self, message, hint: str = ""):
         where = self.prog.removeprefix("ddpgpt").strip()
-        raise UserError(f"{where + ': ' if where else ''}{message} (see --help)")
+        raise UserError(f"{where + ': ' if where else ''}{message}{hint or ' (see --help)'}")
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            flag = next((a.split("=")[0] for a in extras if a.startswith("--")), "")
+            self.error(f"unrecognized arguments: {' '.join(extras)}",
+                       closest_flag(self._command(ns), flag))
+        return ns
+
+    def _command(self, ns) -> argparse.ArgumentParser:
+        """The subcommand's parser that `ns` was parsed by (this one if none)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action.choices.get(getattr(ns, "command", None), self)
+        return self
+
+
+def closest_flag(parser: argparse.ArgumentParser, flag: str) -> str:
+    """" (did you mean --x?)" for a flag `parser` does not have (dashes and underscores alike, in
+    its section first, other trainers' names too), or ""."""
+    if not flag:
+        return ""
+    flags = [o for a in parser._actions for o in a.option_strings
+             if o.startswith("--") and "_" not in o]  # each flag's dashed spelling
+    typed = flag.replace("_", "-")
+    section, _, name = typed[2:].rpartition(".")
+    ours = OTHER_NAMES.get(name)
+    if ours:
+        named = [f for f in flags if (f.endswith("." + ours) or f == "--" + ours)
+                 and (not section or f.startswith(f"--{section}."))]
+        if named:
+            return f" (did you mean {named[0]}?)"
+    return did_you_mean(typed, flags)
 
 
 # Every command but train: its settings (config/commands.py), where its run(cfg) lives (imported
 # only when it runs, so that a bad flag is one line before torch loads), and its one line of help.
 COMMANDS = {
     "prepare": (PrepareConfig, "ddpgpt.data.prepare:run",
-                "turn a corpus into token shards (docs/usage.md: Data)"),
-    "sample": (SampleConfig, "ddpgpt.sample:run", "generate text from a run's latest checkpoint"),
-    "eval": (EvalConfig, "ddpgpt.evaluate:run", "print a run's validation loss"),
+                "turn a corpus into token shards (docs/usage.md: Data)",
+                "ddpgpt prepare 'books/*.txt' --tokenizer bpe --out data/books"),
+    "sample": (SampleConfig, "ddpgpt.sample:run", "generate text from a run's latest checkpoint",
+               "ddpgpt sample --run-dir runs/demo --prompt 'def ' --temperature 0"),
+    "eval": (EvalConfig, "ddpgpt.evaluate:run", "print a run's validation loss",
+             "ddpgpt eval --run-dir runs/demo"),
     "doctor": (DoctorConfig, "ddpgpt.doctor:run",
-               "print the environment; probe all-reduce bandwidth"),
+               "print the environment; probe all-reduce bandwidth",
+               "ddpgpt doctor --nproc 2"),
     "bench": (BenchConfig, "ddpgpt.bench:run",
-              "measure each gradient-sync mode: time, bytes, memory"),
-    "plot": (PlotConfig, "ddpgpt.plot:run", "draw runs' loss curves and tokens/s into one PNG"),
+              "measure each gradient-sync mode: time, bytes, memory",
+              "ddpgpt bench --nproc 2 --sync ddp,zero1"),
+    "plot": (PlotConfig, "ddpgpt.plot:run", "draw runs' loss curves and tokens/s into one PNG",
+             "ddpgpt plot runs/adamw runs/muon --out curves.png"),
     "export": (ExportConfig, "ddpgpt.export:run",
-               "write a checkpoint as a Hugging Face transformers directory"),
+               "write a checkpoint as a Hugging Face transformers directory",
+               "ddpgpt export --run-dir runs/demo --out exported/demo"),
     "rendezvous": (RendezvousConfig, "ddpgpt.cli:rendezvous",
                    "host the rendezvous store of elastic jobs (torchrun --nnodes MIN:MAX) on a "
-                   "node that does not train"),
+                   "node that does not train", "ddpgpt rendezvous --port 29500"),
 }
+
+# What `train --help` lists; --help-all lists every flag (each works either way).
+TRAIN_LISTED = {"data.dir", "run.dir", "run.steps", "run.device", "run.resume", "run.sync",
+                "run.precision", "run.compile", "run.eval_every", "run.checkpoint_every",
+                "run.tracker", "run.seed", "optim.name", "optim.lr",
+                "data.global_batch", "data.micro_batch", "model.init_from"}
+TRAIN_EXAMPLES = """examples:
+  ddpgpt train --data data/stdlib --preset tiny --nproc 2
+  torchrun --nproc_per_node 8 -m ddpgpt train --data data/fineweb --preset gpt2-124m
+  ddpgpt train --preset tiny --print-config      # the whole config, every value resolved"""
 
 TRAIN_OPTIONS = ("preset", "config", "nproc", "max_restarts", "reset", "resolved_config",
                  "print_config")
 
 
-def _build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
-    """`shown`: the config whose values `train --help` lists as defaults (a preset's)."""
+def _build_parser(shown: TrainConfig | None = None, every: bool = False
+                  ) -> argparse.ArgumentParser:
+    """`shown`: the config whose values `train --help` lists as defaults (a preset's). `every`:
+    `train --help` lists every flag (--help-all), not only TRAIN_LISTED."""
     parser = _Parser(prog="ddpgpt", allow_abbrev=False,
                      description="Train GPT-style language models with data parallelism: one CPU "
                      "process, N local processes (--nproc), or many nodes under torchrun. "
@@ -80,17 +149,26 @@ def _build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    for name, (cls, _, help_) in COMMANDS.items():
+    for name, (cls, _, help_, example) in COMMANDS.items():
         if name == "sample":  # train's place: after prepare
-            _add_train(sub, shown)
-        add_flags(sub.add_parser(name, help=help_, description=help_, allow_abbrev=False), cls)
+            _add_train(sub, shown, every)
+        add_flags(sub.add_parser(name, help=help_, description=help_, allow_abbrev=False,
+                                 epilog=f"example:\n  {example}", formatter_class=_Formatter),
+                  cls)
     return parser
 
 
-def _add_train(sub, shown: TrainConfig | None) -> None:
+def _add_train(sub, shown: TrainConfig | None, every: bool) -> None:
+    hidden = sum(f"{section}.{f.name}" not in TRAIN_LISTED for section, cls in SECTIONS.items()
+                 for f in dataclasses.fields(cls))
     t = sub.add_parser("train", help="train a model (one process, --nproc N, or under torchrun)",
-                       allow_abbrev=False,
-                       description="Train a GPT with data parallelism (docs/usage.md).")
+                       allow_abbrev=False, formatter_class=_Formatter,
+                       usage="ddpgpt train [--data DIR] [--preset NAME] [--nproc N] [FLAG ...]",
+                       description="Train a GPT with data parallelism (docs/usage.md).",
+                       epilog=TRAIN_EXAMPLES + ("" if every else f"\n\n{hidden} more flags "
+                                                "(model shape, data, optimizer, run): "
+                                                "ddpgpt train --help-all"))
+    t.add_argument("--help-all", action="store_true", help="list every flag, then exit")
     t.add_argument("--preset", help="named config: tiny, small, gpt2-124m, gpt2-350m")
     t.add_argument("--config", help="TOML file with [model] [data] [optim] [run] sections")
     t.add_argument("--nproc", type=int,
@@ -109,7 +187,8 @@ def _add_train(sub, shown: TrainConfig | None) -> None:
                         "(for the dataset, --nproc and the run dir's checkpoint), as TOML that "
                         "--config reads; then exit")
     for section, cls in SECTIONS.items():
-        add_flags(t, cls, section, getattr(shown, section) if shown else None)
+        add_flags(t, cls, section, getattr(shown, section) if shown else None,
+                  listed=None if every else TRAIN_LISTED.__contains__)
 
 
 def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
@@ -168,9 +247,7 @@ def print_config(cfg: TrainConfig, nproc: int | None) -> None:
     except DataError as e:
         print(f"# not resolved (model.vocab_size, data.seq_len, run.*: auto): {e}")
     else:
-        start = resume.choose(cfg, RunDir(cfg.run.dir), True, dataset.fingerprint, verify=False,
-                              tokenizer=dataset.tokenizer_fingerprint)
-        cfg = resume.settle(cfg, start)
+        cfg, start = resume.plan(cfg, RunDir(cfg.run.dir), dataset)
         where = f"resuming {start.path}" if start.path else "from scratch"
         print(f"# resolved for {world} process{'es' if world > 1 else ''}, {where}")
     print(to_toml(cfg), end="")
@@ -229,9 +306,12 @@ def help_defaults(argv: list[str]) -> TrainConfig | None:
 
 
 def dispatch(argv: list[str]) -> None:
-    parser = _build_parser(help_defaults(argv))
+    every = argv[:1] == ["train"] and "--help-all" in argv
+    if every:
+        argv = [a if a != "--help-all" else "--help" for a in argv]
+    parser = _build_parser(help_defaults(argv), every)
     ns = parser.parse_args(bool_values(parser, argv))
-    values = {k: v for k, v in vars(ns).items() if k not in ("command", "debug")}
+    values = {k: v for k, v in vars(ns).items() if k not in ("command", "debug", "help_all")}
     if ns.command == "train":
         cfg, nproc, max_restarts = train_config(values)  # checked before torch loads
         if nproc is None:
@@ -241,7 +321,7 @@ def dispatch(argv: list[str]) -> None:
             from ddpgpt.run import launch
             sys.exit(launch.train(cfg, nproc, max_restarts))
         return
-    cls, target, _ = COMMANDS[ns.command]
+    cls, target, _, _ = COMMANDS[ns.command]
     module, function = target.split(":")
     getattr(importlib.import_module(module), function)(flat_config(cls, values))
 

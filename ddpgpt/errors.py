@@ -76,3 +76,35 @@ class UserError(Exception):
 
 class DataError(UserError):
     """A dataset directory or shard that is missing, malformed or inconsistent."""
+
+
+def closest(word: str, choices) -> str | None:
+    """The choice closest to a mistyped `word` (difflib's ratio at least 0.6), or None."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def did_you_mean(word: str, choices) -> str:
+    """" (did you mean X?)" for the choice closest to a mistyped `word`, or ""."""
+    meant = closest(word, choices)
+    return f" (did you mean {meant}?)" if meant else ""
+
+
+def beside(path, marker: str, what: str) -> str:
+    """For a path that does not exist: " (did you mean X?)" naming the directory next to it (in
+    its parent) that holds `marker` and whose name is closest, or " (WHAT beside it: A, B)"
+    listing them all, or "" when there are none: the datasets (meta.json) or runs (checkpoints) a
+    mistyped path was meant to name."""
+    from pathlib import Path
+
+    parent = Path(path).parent
+    try:
+        there = sorted(p.parent for p in parent.glob(f"*/{marker}"))
+    except OSError:
+        return ""
+    meant = closest(Path(path).name, [p.name for p in there])
+    if meant:
+        return f" (did you mean {parent / meant}?)"
+    return f" ({what} beside it: {', '.join(map(str, there))})" if there else ""

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 
 import torch
+from tqdm import tqdm
 
 from ddpgpt import dist, evals
 from ddpgpt.checkpoint.read import model_of, saved
@@ -23,23 +25,28 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.errors import UserError, warn
 from ddpgpt.evals.multiple_choice import Scorer
-from ddpgpt.run.precision import autocast, inference_precision
+from ddpgpt.run.precision import Precision
 from ddpgpt.run.run_dir import RunDir
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader: EvalLoader, env: dist.DistEnv,
-             autocast=contextlib.nullcontext) -> float:
+             autocast=contextlib.nullcontext, progress: bool = False) -> float:
     """Mean cross-entropy per target token over every rank's windows.
 
     Each rank sums its losses and counts its targets (padding rows have none); one all-reduce of
     the two sums makes the result exactly the single-process value up to float rounding. Call it
     on the unwrapped model: the forward then runs no collectives, and the single all-reduce is
-    the only sync point."""
+    the only sync point. `progress`: a bar on rank 0 (`ddpgpt eval`; a line every few seconds
+    when stderr is a log file, not a terminal)."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)  # (loss sum, target count)
-    for x, y in loader:
+    batches = loader
+    if progress and env.is_main:
+        batches = tqdm(loader, total=loader.num_batches, desc="eval", unit="batch",
+                       mininterval=0.1 if sys.stderr.isatty() else 5.0, dynamic_ncols=True)
+    for x, y in batches:
         with autocast():
             _, loss = model(x, y, reduction="sum")
         totals[0] += loss.double()
@@ -63,12 +70,12 @@ def run(cfg: EvalConfig) -> None:
         loader = EvalLoader(dataset, seq_len=train_cfg.seq_len,
                             micro_batch=train_cfg.data.micro_batch, world_size=env.world_size,
                             rank=env.rank, max_windows=windows, device=env.device)
-        precision = autocast(inference_precision(train_cfg.run, env.device), env.device)
-        loss = evaluate(model, loader, env, precision)
+        precision = Precision.for_inference(train_cfg.run, env.device)
+        loss = evaluate(model, loader, env, precision.autocast, progress=True)
         scores = {}
         if tasks:
             scorer = Scorer(tasks, tokenizer, train_cfg.model.block_size, env)
-            scores = scorer.score(model, precision)
+            scores = scorer.score(model, precision.autocast, progress=True)
         if env.is_main:
             report(cfg, dataset, loss, scores, tasks, found.step, len(loader.windows),
                    train_cfg.seq_len, env.world_size)

@@ -12,7 +12,7 @@ Three steps, at three times:
    the hub names; for a directory the one saved beside the weights (config.json's `ddpgpt` entry
    from `ddpgpt export`, else GPT-2's if its files are GPT-2's or there are none and the
    vocabulary has GPT-2's 50,257 ids, else the sha256 of its tokenizer.json).
-3. the weights (`load_into`, on every rank, only when the run starts from scratch: a resumed
+3. the weights (`read_state`, on every rank, only when the run starts from scratch: a resumed
    run continues from its own checkpoints). The ranks' parameter digests are then compared as
    for any start, so every rank provably read the same weights.
 """
@@ -254,9 +254,3 @@ def read_state(spec: str, cfg) -> dict[str, torch.Tensor]:
                         f"{cfg.n_layer} layers, {cfg.block_size} × {cfg.n_embd} positions); were "
                         "they changed since the run was configured?")
     return state
-
-
-@torch.no_grad()
-def load_into(model: torch.nn.Module, spec: str) -> None:
-    """Copies the weights into the single-device `model`."""
-    model.load_state_dict(read_state(spec, model.cfg))

@@ -202,6 +202,7 @@ class GPT(nn.Module):
         the same tokens (fp32; both draw from `generator` once per token), at a cost that grows
         with the context.
 
+        `temperature` 0: greedy decoding (the most likely token each time, as top_k=1).
         `vocab_size`: the tokenizer's own vocabulary. The model's is padded up to a multiple of
         64 (257 byte ids -> 320 rows); the padding ids mean nothing to the tokenizer, so they are
         never sampled, however little the model has learned to avoid them."""
@@ -217,13 +218,17 @@ class GPT(nn.Module):
             else:
                 logits = self(idx[:, -1:], cache=cache)[0]  # (B, 1, V)
             start = moved
-            logits = logits[:, -1, :].float() / temperature  # (B, V)
+            logits = logits[:, -1, :].float()  # (B, V)
             if vocab_size is not None and vocab_size < logits.size(-1):
                 logits[:, vocab_size:] = float("-inf")
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = F.softmax(logits, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+            if temperature == 0:  # greedy: the most likely token, no draw
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = F.softmax(logits, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
             idx = torch.cat([idx, nxt], dim=1)
         return idx

@@ -15,7 +15,7 @@ from ddpgpt import dist
 from ddpgpt.checkpoint.read import load_model
 from ddpgpt.config.commands import SampleConfig
 from ddpgpt.data.tokenizer import load_tokenizer
-from ddpgpt.run.precision import autocast, inference_precision
+from ddpgpt.run.precision import Precision
 from ddpgpt.run.run_dir import RunDir
 
 SMALL_STEP = 200e6  # parameters × samples: one thread below (see SampleConfig.threads)
@@ -39,7 +39,7 @@ def run(cfg: SampleConfig) -> None:
     ids = tok.encode_batch([cfg.prompt])[0].tolist() if cfg.prompt else [tok.eot_id]
     context = torch.tensor([ids] * cfg.num_samples, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    with autocast(inference_precision(train_cfg.run, device), device)():
+    with Precision.for_inference(train_cfg.run, device).autocast():
         out = model.generate(context, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None,
                              generator=gen, vocab_size=tok.vocab_size, use_cache=cfg.cache)
     for i, row in enumerate(out.tolist()):

@@ -38,7 +38,7 @@ from ddpgpt.guard.health import Guard, StopSignal, collective_failed, preempted,
 from ddpgpt.guard.spike import Verdict, json_number, target
 from ddpgpt.run import elastic, resume, trackers
 from ddpgpt.run.metrics import Metrics, peak_flops
-from ddpgpt.run.precision import configure, matmul_dtype
+from ddpgpt.run.precision import configure
 from ddpgpt.run.preflight import preflight, shared
 from ddpgpt.run.run_dir import RunDir
 from ddpgpt.trainer import Trainer
@@ -159,12 +159,8 @@ def run(cfg: TrainConfig) -> None:
     run_dir = RunDir(cfg.run.dir)
     run_dir.check_creatable()
     if here.world_size == 1 and not dist.under_launcher():  # one process: finished already?
-        first = resume.choose(cfg, run_dir, True, dataset.fingerprint, verify=False,
-                              tokenizer=dataset.tokenizer_fingerprint)
-        if resume.finished(resume.settle(cfg, first), first):
-            with run_dir.locked():  # another run training here is refused, as always
-                print(resume.finished_message(run_dir, first.step, cfg.run.steps),
-                      file=sys.stderr)
+        settled, first = resume.plan(cfg, run_dir, dataset)
+        if resume.report_finished(settled, run_dir, first):
             return
     # 2. Join the group (W > 1); it is destroyed on every way out of this block.
     with dist.session(cfg.run.device, cfg.run.backend, cfg.run.dist_timeout_s) as env, \
@@ -172,8 +168,7 @@ def run(cfg: TrainConfig) -> None:
         configure(cfg.run.threads, env.device)
         if cfg.data.verify:  # each rank re-hashes a 1/W share of the shards
             dist.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
-        start, env = elastic.claim(run_dir, cfg, env, dataset)
-        cfg = resume.settle(cfg, start)
+        cfg, start, env = elastic.claim(run_dir, cfg, env, dataset)
         scorer = dist.together(env, lambda: Scorer(  # each rank's share of the tasks, rendered once
             tasks, load_tokenizer(dataset.path, dataset.tokenizer), cfg.model.block_size, env)
         ) if tasks else None
@@ -193,6 +188,8 @@ def run(cfg: TrainConfig) -> None:
                     trainer = roll_back(trainer, spike, run_dir, start, metrics, lambda at: setup(
                         cfg, env, dataset, at, guard, announce=False))  # built as on a restart
                     _install_faults(trainer, saver)
+                if env.is_main:
+                    print(run_dir.next_commands(), file=sys.stderr)
             except dist.CollectiveError as e:
                 # A rank lost mid-save shows in the step's collectives first: name the save.
                 doing = trainer.doing if saver.troubled is None else \
@@ -324,7 +321,7 @@ def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset, st
 
 def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metrics:
     cfg, env = trainer.cfg, trainer.env
-    peak = peak_flops(env.device, matmul_dtype(cfg.run.precision))
+    peak = peak_flops(env.device, trainer.precision.matmul_dtype)
     # Every rank measures at once; a host hiccup can halve one reading, so take the best.
     peak = dist.all_reduce(env, torch.tensor(peak, device=env.device), op="max").item()
     if env.is_main:

@@ -21,7 +21,7 @@ from ddpgpt.guard.health import Guard
 from ddpgpt.model import GPT
 from ddpgpt.optim.optimizer import set_lr
 from ddpgpt.optim.schedule import Rates, Schedule
-from ddpgpt.run.precision import autocast, grad_scaler
+from ddpgpt.run.precision import Precision
 from ddpgpt.run.preflight import accum_steps
 
 
@@ -54,17 +54,17 @@ class Trainer:
         groups = optim.groups(self.raw, cfg.optim)
         self.sync = sync.make(None if local else run.sync, self.raw, groups, env, run.bucket_mb,
                               run.grad_compress)
-        self.scaler = grad_scaler(run.precision, dev)  # fp16: it must see every gradient held
-        ns_dtype = torch.float32 if run.precision == "fp32" else torch.bfloat16
+        self.precision = Precision.of(run, dev)
+        self.scaler = self.precision.scaler()  # fp16: it must see every gradient held
         self.optimizer = optim.Optimizer(groups, self.sync.params(), cfg.optim, dev,
                                          held=self.sync.held() if self.scaler else (),
-                                         ns_dtype=ns_dtype)
+                                         ns_dtype=self.precision.newton_schulz_dtype)
         # Each step's lr and momentum; a rollback's lower lr comes from the guard at each step.
         self.schedule = Schedule(cfg.optim, run.steps, lambda: guard.spikes.lr_factor)
         # 3. Compile after the sync: for DDP, dynamo's DDPOptimizer then splits the graph at
         #    DDP's bucket boundaries, so each bucket's all-reduce overlaps the backward.
         self.model = torch.compile(self.sync.model) if run.compile else self.sync.model
-        self.autocast = autocast(cfg.run.precision, dev)
+        self.autocast = self.precision.autocast
         # 4. This rank's share of the data; the order is the loader's, not a per-rank seed's.
         self.loader = TrainLoader(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,
                                   world_size=env.world_size, rank=env.rank, accum_steps=self.accum,

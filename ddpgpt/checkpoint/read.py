@@ -28,7 +28,7 @@ from ddpgpt.checkpoint.store import (
 )
 from ddpgpt.config.io import from_dict
 from ddpgpt.config.schema import TrainConfig
-from ddpgpt.errors import UserError
+from ddpgpt.errors import UserError, beside
 from ddpgpt.files import describe, os_error_in
 from ddpgpt.model import GPT
 
@@ -226,7 +226,10 @@ def saved(run_dir, step: int = 0) -> Saved:
     else:
         found = load_latest(run_dir.checkpoints)
         if found is None:
-            raise UserError(f"run {run_dir} has no complete checkpoint; train first "
+            near = ""
+            if not Path(str(run_dir)).exists():
+                near = beside(str(run_dir), "checkpoints", "runs")
+            raise UserError(f"run {run_dir} has no complete checkpoint{near}; train first "
                             f"(ddpgpt train --run-dir {run_dir})")
     path, meta, state = found
     return Saved(path, meta, from_dict(meta["config"], source=str(path / "meta.json")),

@@ -266,6 +266,16 @@ def failures(error: BaseException) -> list[tuple[int | None, BaseException]]:
 
 # ---- save and load ---------------------------------------------------------------------------
 
+def _alone_is_meant() -> None:
+    """Without a process group (one process, `eval`, `export`) DCP warns at every save and load
+    that it assumes a single process: true here by design. That one message is silenced, for
+    every thread (the background save's too); every other warning still shows. Set at each call:
+    whoever saved the filters before (pytest, a caller's catch_warnings) may restore them."""
+    warnings.filterwarnings("ignore", category=UserWarning, message=(
+        r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
+        r"(save|load) in a single process"))
+
+
 def save(state: dict[str, Pieces], path: os.PathLike, group, asynchronous: bool = False,
          stager=None, writer: Writer | None = None):
     """Writes this rank's chunks into `path` (collective over `group`; None: this process alone).
@@ -273,23 +283,21 @@ def save(state: dict[str, Pieces], path: os.PathLike, group, asynchronous: bool 
     `files` are filled once the write is done. `asynchronous`: returns (writer, future) at once,
     after `stager` has copied the state; the write goes on in a thread."""
     writer = writer or Writer(path)
+    _alone_is_meant()
     kwargs = dict(storage_writer=writer, planner=SavePlanner(), process_group=group,
                   no_dist=group is None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that it saves alone when there is no group
-        if asynchronous:
-            return writer, dcp.async_save(state, async_stager=stager, **kwargs)
-        dcp.save(state, **kwargs)
+    if asynchronous:
+        return writer, dcp.async_save(state, async_stager=stager, **kwargs)
+    dcp.save(state, **kwargs)
     return writer
 
 
 def load(targets: dict[str, Pieces], path: os.PathLike, index: dcp_metadata.Metadata,
          group) -> None:
     """Reads into `targets` in place, each rank what it holds (collective over `group`)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(targets, storage_reader=Reader(path, index), planner=LoadPlanner(),
-                 process_group=group, no_dist=group is None)
+    _alone_is_meant()
+    dcp.load(targets, storage_reader=Reader(path, index), planner=LoadPlanner(),
+             process_group=group, no_dist=group is None)
 
 
 def read_whole(path: os.PathLike, index: dcp_metadata.Metadata, prefix: str

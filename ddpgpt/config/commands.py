@@ -56,7 +56,8 @@ class SampleConfig:
     max_new_tokens: int = 200
     """Tokens to generate."""
     temperature: float = 0.8
-    """Softmax temperature; lower is more conservative."""
+    """Softmax temperature; lower is more conservative; 0 is greedy (the most likely token each
+    time, as --top-k 1)."""
     top_k: int = 50
     """Sample among the k most likely tokens; 0 samples from all."""
     num_samples: int = 1
@@ -77,7 +78,8 @@ class SampleConfig:
         _finite(self, "--")
         _require(self.threads >= 0, f"--threads {self.threads} must be >= 0 (0: auto)")
         _require(self.max_new_tokens >= 1, f"--max-new-tokens {self.max_new_tokens} must be >= 1")
-        _require(self.temperature > 0, f"--temperature {self.temperature} must be > 0")
+        _require(self.temperature >= 0, f"--temperature {self.temperature} must be >= 0 (0: "
+                 "greedy)")
         _require(self.top_k >= 0, f"--top-k {self.top_k} must be >= 0 (0: off)")
         _require(self.num_samples >= 1, f"--num-samples {self.num_samples} must be >= 1")
         _choice("sample", "device", self.device, ("auto", "cpu", "cuda"))

@@ -190,29 +190,39 @@ def build(preset: str | None, config_file: str | None, flags: dict,
 # ---- flags --------------------------------------------------------------------------------------
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, section: str | None = None,
-              shown=None) -> None:
-    """One flag per dataclass field: `--name` or, in a section, `--section.name` (dashes or
-    underscores). Values stay strings here; `parse_text` converts them and names the field.
-    `shown`: an instance whose values `--help` shows as the defaults (a preset's section)."""
+              shown=None, listed: Callable[[str], bool] | None = None) -> None:
+    """One flag per dataclass field: `--name` or, in a section, `--section.name` (dashes; the
+    underscore spelling works too, unlisted). Values stay strings here; `parse_text` converts
+    them and names the field. `shown`: an instance whose values `--help` shows as the defaults
+    (a preset's section). `listed(dest)`: whether `--help` lists the flag (all by default); an
+    unlisted flag works all the same."""
     docs, types_ = field_docs(cls), field_types(cls)
-    group = parser.add_argument_group(section or "options", (cls.__doc__ or "").strip())
+    about = " ".join((cls.__doc__ or "").split())
+    group = parser.add_argument_group(section, about) if section else parser
     for f in dataclasses.fields(cls):
         dest = f"{section}.{f.name}" if section else f.name
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if shown is not None:
             default = getattr(shown, f.name)
         kind = base_type(types_[f.name])
-        help_ = f"{docs.get(f.name, '')} (default: {default})".lstrip()
+        told = "" if default in (None, "", [], False) else f" (default: {default})"
+        help_ = f"{docs.get(f.name, '')}{told}".lstrip()
+        if listed is not None and not listed(dest):
+            help_ = argparse.SUPPRESS
         if kind is list:  # the positional sources of `prepare`
             group.add_argument(dest, nargs="*", default=argparse.SUPPRESS, help=help_,
                                metavar=f.name.upper().rstrip("S"))
             continue
-        flags = [f"--{dest.replace('_', '-')}"] + ([f"--{dest}"] if "_" in f.name else [])
+        flags = [f"--{dest.replace('_', '-')}"]
         if "alias" in f.metadata:
             flags.insert(0, f.metadata["alias"])
         action = argparse.BooleanOptionalAction if kind is bool else "store"
+        value = {} if kind is bool else {"metavar": f.name.upper()}
         group.add_argument(*flags, dest=dest, action=action, default=argparse.SUPPRESS, help=help_,
-                           **({} if kind is bool else {"metavar": f.name.upper()}))
+                           **value)
+        if "_" in f.name:  # --section.field_name, as a config file spells it
+            group.add_argument(f"--{dest}", dest=dest, action=action, default=argparse.SUPPRESS,
+                               help=argparse.SUPPRESS, **value)
 
 
 def flat_config(cls: type, values: dict):

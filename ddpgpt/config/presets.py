@@ -17,6 +17,7 @@ from ddpgpt.config.schema import (
     RunConfig,
     TrainConfig,
 )
+from ddpgpt.errors import did_you_mean
 
 
 def tiny() -> TrainConfig:
@@ -61,5 +62,6 @@ PRESETS = {"tiny": tiny, "small": small, "gpt2-124m": gpt2_124m, "gpt2-350m": gp
 
 def get_preset(name: str) -> TrainConfig:
     if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; choose one of "
+                          f"{', '.join(PRESETS)}")
     return PRESETS[name]()

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from ddpgpt.errors import UserError
+from ddpgpt.errors import UserError, did_you_mean
 
 MAX_BUCKET_MB = 65536     # 64 GiB: larger than any device's memory, far below an int overflow
 MAX_TIMEOUT_S = 1_000_000  # ~11.6 days: longer waits overflow the backends' timeouts
@@ -39,7 +39,8 @@ def _finite(obj, prefix: str) -> None:
 
 
 def _choice(section: str, name: str, value: str, choices: tuple[str, ...]) -> None:
-    _require(value in choices, f"{section}.{name} = {value!r}; choose one of {', '.join(choices)}")
+    _require(value in choices, f"{section}.{name} = {value!r}{did_you_mean(value, choices)}; "
+             f"choose one of {', '.join(choices)}")
 
 
 @dataclass

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddpgpt.errors import DataError
+from ddpgpt.errors import DataError, beside
 from ddpgpt.files import sha256
 
 MAGIC = b"DDPGPTTK"
@@ -134,7 +134,8 @@ class TokenDataset:
         meta_path = self.path / "meta.json"
         if not meta_path.is_file():
             if not self.path.exists():
-                raise DataError(f"dataset {self.path} does not exist; create it with: "
+                near = beside(self.path, "meta.json", "prepared")
+                raise DataError(f"dataset {self.path} does not exist{near}; create it with: "
                                 f"ddpgpt prepare --out {self.path}")
             raise DataError(f"dataset {self.path} has no meta.json (not prepared, or prepare did "
                             f"not finish); {REPREPARE} --out {self.path}")

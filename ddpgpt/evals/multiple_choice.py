@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from ddpgpt import dist
 from ddpgpt.evals.tasks import Example, Task
@@ -89,16 +91,18 @@ class Scorer:
             self.shares.append([render(e, tokenizer, block_size)
                                 for e in (mine or task.examples[:1])])
 
-    def score(self, model: torch.nn.Module, autocast=contextlib.nullcontext) -> dict:
+    def score(self, model: torch.nn.Module, autocast=contextlib.nullcontext,
+              progress: bool = False) -> dict:
         """{NAME_acc_norm, NAME_acc, NAME_acc_char, NAME_n, NAME_s} for every task: collective
-        (one all-reduce per task). Call it on the unwrapped model, on every rank."""
+        (one all-reduce per task). Call it on the unwrapped model, on every rank. `progress`: a
+        bar on rank 0 (`ddpgpt eval`)."""
         was_training = model.training
         model.eval()
         out = {}
         try:
             for name, size, share in zip(self.names, self.sizes, self.shares):
                 start = time.perf_counter()
-                counts = self._count(model, share, size, autocast)
+                counts = self._count(model, share, size, autocast, progress and name)
                 n = int(counts[3].item())
                 out.update({f"{name}_acc_norm": counts[0].item() / n,
                             f"{name}_acc": counts[1].item() / n,
@@ -108,11 +112,16 @@ class Scorer:
             model.train(was_training)
         return out
 
-    def _count(self, model, share: list[Rendered], size: int, autocast) -> torch.Tensor:
+    def _count(self, model, share: list[Rendered], size: int, autocast,
+               bar: str | bool) -> torch.Tensor:
         env = self.env
         mine = len(range(env.rank, size, env.world_size))  # examples this rank counts
         totals = torch.zeros(4, dtype=torch.float64, device=env.device)  # norm, sum, char, n
-        for i in range(math.ceil(size / env.world_size)):  # the same forwards on every rank
+        steps = range(math.ceil(size / env.world_size))  # the same forwards on every rank
+        if bar and env.is_main:
+            steps = tqdm(steps, desc=bar, unit="question",
+                         mininterval=0.1 if sys.stderr.isatty() else 5.0, dynamic_ncols=True)
+        for i in steps:
             r = share[i] if i < mine else share[0]
             sums, lengths = ending_losses(model, r, env.device, autocast)
             if i < mine:

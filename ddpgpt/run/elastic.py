@@ -46,7 +46,7 @@ def first_start(run_dir: RunDir, env: dist.DistEnv) -> tuple[bool, set[str]]:
 
 
 def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv,
-          dataset: TokenDataset) -> tuple[resume.Start, dist.DistEnv]:
+          dataset: TokenDataset) -> tuple[TrainConfig, resume.Start, dist.DistEnv]:
     """The run dir for this run, and where it starts; `env` with its `first_start` set. Rank 0
     takes the lock (unless the `--nproc` launcher that started it holds it), applies the
     first-start rules (--reset, or a roll-back for --resume PATH), records the job's launchers
@@ -54,16 +54,15 @@ def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv,
     first, launchers = first_start(run_dir, env)
     env = dataclasses.replace(env, first_start=first)
 
-    def choose(verify: bool) -> resume.Start:
-        return resume.choose(cfg, run_dir, first, dataset.fingerprint, verify=verify,
-                             tokenizer=dataset.tokenizer_fingerprint, quiet=not env.is_main)
+    def plan(verify: bool) -> tuple[TrainConfig, resume.Start]:
+        return resume.plan(cfg, run_dir, dataset, first, verify=verify, quiet=not env.is_main)
 
     def take() -> None:
         # A restart may find the lock still held by the rank 0 of a node that left (a network
         # filesystem frees it when that node's lease runs out); the other ranks wait meanwhile,
         # at most run.dist_timeout_s, in the collective that ends `together`.
         run_dir.lock(allow_parent=True, wait_s=0 if first else cfg.run.dist_timeout_s / 2)
-        start = choose(verify=False)
+        _, start = plan(verify=False)
         if first and cfg.run.resume == "reset":
             run_dir.reset()
         elif start.set_aside:
@@ -72,6 +71,7 @@ def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv,
         if launchers:  # after the rules: a start that dies before this applies them again
             run_dir.record_job(launchers, first)
 
-    dist.together(env, lambda: choose(verify=False))  # bad input fails before anything is written
+    dist.together(env, lambda: plan(verify=False))  # bad input fails before anything is written
     dist.together(env, take, main_only=True)
-    return dist.together(env, lambda: choose(verify=True)), env
+    settled, start = dist.together(env, lambda: plan(verify=True))
+    return settled, start, env

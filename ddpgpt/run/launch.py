@@ -48,12 +48,8 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
     evals.for_run(cfg.run)  # bad task files: one line here, before the run dir is touched
     run_dir = RunDir(cfg.run.dir)
     run_dir.check_creatable()
-    first = resume.choose(cfg, run_dir, True, dataset.fingerprint, verify=False,
-                          tokenizer=dataset.tokenizer_fingerprint)
-    cfg = resume.settle(cfg, first)
-    if resume.finished(cfg, first):  # no worker needed to find that out
-        with run_dir.locked():  # ... unless another run is training here: that is refused
-            print(resume.finished_message(run_dir, first.step, cfg.run.steps), file=sys.stderr)
+    cfg, first = resume.plan(cfg, run_dir, dataset)
+    if resume.report_finished(cfg, run_dir, first):  # no worker needed to find that out
         return 0
     with run_dir.locked():
         run_dir.write_config(cfg.to_dict(), first.step)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -37,24 +38,43 @@ def keep_freed_memory() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
 
 
-def autocast(precision: str, device: torch.device):
-    """A context factory: autocast to bf16/fp16, or nothing for fp32."""
-    if precision == "fp32":
-        return contextlib.nullcontext
-    return functools.partial(torch.autocast, device.type, dtype=DTYPES[precision])
+@dataclass(frozen=True)
+class Precision:
+    """The one decision of how a process computes: fp32, bf16 or fp16 on `device`. What follows
+    from it is read here, never decided again: the autocast context, fp16's loss scaler, the matmul
+    dtype (for the peak FLOPs of MFU), and Muon's Newton-Schulz dtype."""
+    name: str              # fp32, bf16 or fp16 (never auto: a resolved config's)
+    device: torch.device
 
+    @classmethod
+    def of(cls, run: RunConfig, device: torch.device) -> Precision:
+        """A training's: its resolved config's."""
+        return cls(run.precision, device)
 
-def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
-    """fp16's loss scaler (bf16 and fp32 need none)."""
-    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    @classmethod
+    def for_inference(cls, trained: RunConfig, device: torch.device) -> Precision:
+        """The precision a run trained in, where this device runs it; else this device's
+        default."""
+        if device.type == trained.device and trained.precision != "auto":
+            return cls(trained.precision, device)
+        return cls("bf16" if device.type == "cuda" else "fp32", device)
 
+    @property
+    def autocast(self):
+        """A context factory: autocast to bf16/fp16, or nothing for fp32."""
+        if self.name == "fp32":
+            return contextlib.nullcontext
+        return functools.partial(torch.autocast, self.device.type, dtype=DTYPES[self.name])
 
-def inference_precision(trained: RunConfig, device: torch.device) -> str:
-    """The precision a run trained in, where this device runs it; else this device's default."""
-    if device.type == trained.device and trained.precision != "auto":
-        return trained.precision
-    return "bf16" if device.type == "cuda" else "fp32"
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """fp16's loss scaler (bf16 and fp32 need none)."""
+        return torch.amp.GradScaler(self.device.type) if self.name == "fp16" else None
 
+    @property
+    def matmul_dtype(self) -> torch.dtype:
+        return DTYPES.get(self.name, torch.float32)
 
-def matmul_dtype(precision: str) -> torch.dtype:
-    return DTYPES.get(precision, torch.float32)
+    @property
+    def newton_schulz_dtype(self) -> torch.dtype:
+        """Muon's iteration: fp32 for an fp32 run (exact comparisons), else bf16 as torch's."""
+        return torch.float32 if self.name == "fp32" else torch.bfloat16

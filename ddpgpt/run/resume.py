@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpgpt import checkpoint
 from ddpgpt.checkpoint.store import CheckpointError
 from ddpgpt.config.schema import TrainConfig
+from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import fingerprint as fingerprint_of
 from ddpgpt.errors import UserError
 from ddpgpt.optim.schedule import extends_flat
@@ -45,6 +47,16 @@ class Start:
     @property
     def step(self) -> int:
         return int(self.meta["step"]) if self.meta else 0
+
+
+def plan(cfg: TrainConfig, run_dir: RunDir, dataset: TokenDataset, first_start: bool = True,
+         verify: bool = False, quiet: bool = False) -> tuple[TrainConfig, Start]:
+    """Where a run starts (`choose`) and the config it trains with from there (`settle`): the
+    one call every place that starts a run makes (one process, `--nproc`'s launcher, each worker
+    once it holds the run dir, `--print-config`)."""
+    start = choose(cfg, run_dir, first_start, dataset.fingerprint, verify=verify,
+                   tokenizer=dataset.tokenizer_fingerprint, quiet=quiet)
+    return settle(cfg, start), start
 
 
 def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: str,
@@ -214,6 +226,16 @@ def finished(cfg: TrainConfig, start: Start) -> bool:
         checkpoint.read_meta(start.path, verify=True)
     except CheckpointError:
         return False
+    return True
+
+
+def report_finished(cfg: TrainConfig, run_dir: RunDir, start: Start) -> bool:
+    """True, having said so in one line, when the run is already finished (nothing to train). The
+    line is said under the run dir's lock: another run training there is refused, as always."""
+    if not finished(cfg, start):
+        return False
+    with run_dir.locked():
+        print(finished_message(run_dir, start.step, cfg.run.steps), file=sys.stderr)
     return True
 
 

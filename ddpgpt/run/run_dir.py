@@ -82,6 +82,11 @@ class RunDir:
 
     # ---- creating and locking ---------------------------------------------------------------
 
+    def next_commands(self) -> str:
+        """What a finished training is followed by: its loss, a sample, its curves, an export."""
+        return (f"ddpgpt: next: ddpgpt eval --run-dir {self} | ddpgpt sample --run-dir {self} "
+                f"--prompt TEXT | ddpgpt plot {self} | ddpgpt export --run-dir {self} --out DIR")
+
     def check_creatable(self) -> None:
         """Bad paths as one line, before anything is written: a file where the directory or one
         of its parents should be. (What mkdir itself refuses, `create` reports.)"""

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ddpgpt.config.schema import ConfigError
+from ddpgpt.errors import did_you_mean
 
 
 @dataclass(frozen=True)
@@ -140,5 +141,6 @@ MODES: dict[str, Mode] = {m.name: m for m in (
 def check(name: str, where: str = "run.sync") -> Mode:
     """The row of `name`, or one line naming the modes there are."""
     if name not in MODES:
-        raise ConfigError(f"invalid config: {where} = {name!r}; choose one of {', '.join(MODES)}")
+        raise ConfigError(f"invalid config: {where} = {name!r}{did_you_mean(name, MODES)}; "
+                          f"choose one of {', '.join(MODES)}")
     return MODES[name]

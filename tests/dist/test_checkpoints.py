@@ -30,7 +30,10 @@ import pytest
 import torch
 
 from ddpgpt import checkpoint
+from ddpgpt.config.io import from_dict
+from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.guard.health import EXIT_PREEMPTED
+from ddpgpt.model import GPT
 from tests.dist.test_recovery import mount_namespace
 from tests.helpers import (
     Launch,
@@ -72,7 +75,8 @@ def chain(tiny_data, tmp_path_factory):
     out["B"] = (b.wait(240), b.text, newest(run_dir), sorted(p.name for p in root.iterdir()))
     out["B tmp"] = sorted(f.name for d in root.glob(".tmp-step_0000005-*") for f in d.iterdir())
     out["sample"] = run_cli("sample", "--run-dir", run_dir, "--prompt", "def ",
-                            "--max-new-tokens", "8", "--device", "cpu", timeout=120)
+                            "--max-new-tokens", "8", "--top-k", "1", "--device", "cpu",
+                            timeout=120)
     out["step 4"] = saved_weights(root / "step_0000004")
 
     c = train(tiny_data, run_dir, 1, fault="term-saving@6")
@@ -116,11 +120,21 @@ def test_sigkill_during_the_commit_leaves_the_previous_checkpoint(chain):
 
 
 def test_a_checkpoint_written_at_w4_is_sampled_on_one_process(chain, tiny_data):
+    """Its weights are the one-process oracle's of step 4, and `sample` (greedy) continues the
+    prompt as a model holding the oracle's weights does."""
     result = chain["sample"]
-    assert result.returncode == 0 and result.stdout.startswith("def "), result.stderr
+    assert result.returncode == 0, result.stderr
     _, oracle = reference_training(tiny_data, STEPS, weights_at=4)
     for name, value in oracle.items():
         torch.testing.assert_close(chain["step 4"][name], value, rtol=0, atol=5e-5, msg=name)
+    meta = checkpoint.read_meta(chain["run_dir"] / "checkpoints" / "step_0000004")
+    model = GPT(from_dict(meta["config"]).model)
+    model.load_state_dict(oracle)
+    tok = load_tokenizer(tiny_data, json.loads((tiny_data / "meta.json").read_text())["tokenizer"])
+    prompt = torch.tensor([tok.encode_batch(["def "])[0].tolist()])
+    with torch.no_grad():
+        out = model.eval().generate(prompt, 8, top_k=1, vocab_size=tok.vocab_size)
+    assert result.stdout == tok.decode(out[0].tolist()) + "\n"
 
 
 def test_a_stop_during_a_save_waits_for_it_and_its_own(chain):
@@ -219,7 +233,7 @@ def test_a_save_allocates_at_most_its_share_and_the_largest_tensor(tiny_data, tm
     cases = [[m, "adamw"] for m in ("ddp", "allreduce", "rs-ag", "zero1", "fsdp2")]
     cases += [["zero1", "muon"], ["fsdp2", "muon"]]
     out = tmp_path / "out.json"
-    run_ranks([["-m", "tests.dist.workers", "checkpoint_memory",
+    run_ranks([["-m", "tests.dist.workers_checkpoint", "checkpoint_memory",
                 json.dumps({"data": str(tiny_data), "run_dir": str(tmp_path), "cases": cases}),
                 str(out)]] * 2, tmp_path / "logs", timeout=240)
     for case, per_rank in json.loads(out.read_text()).items():
@@ -249,7 +263,7 @@ def test_a_failure_on_one_rank_is_the_same_line_on_every_rank(tmp_path):
     pos"); rank 0 unable to prune after publishing (a warning: rank 1 must not wait for an
     outcome that never comes). Each: every rank at once, nothing left behind."""
     out = tmp_path / "out.json"
-    run_ranks([["-m", "tests.dist.workers", "saver_failures",
+    run_ranks([["-m", "tests.dist.workers_checkpoint", "saver_failures",
                 json.dumps({"root": str(tmp_path / "runs")}), str(out)]] * 2,
               tmp_path / "logs", timeout=150)
     result = {case: [json.loads(r) for r in ranks] for case, ranks in

@@ -1,4 +1,4 @@
-"""Muon by whole matrices under every sync mode (tests.dist.workers.muon_modes): the same
+"""Muon by whole matrices under every sync mode (tests.dist.workers_sync.muon_modes): the same
 training at W = 1, 2, 3 and 4, each matrix orthogonalized once per step by its one owner, which
 alone holds its momentum, and a run that hops across modes and world sizes.
 
@@ -40,7 +40,7 @@ def runs(tiny_data, tmp_path_factory):
                      "save": str(tmp / f"hop_{hop}.pt")}
         args = {"data": str(tiny_data), "run_dir": str(tmp / "run"), "steps": STEPS,
                 "modes": modes, "chain": chain, "group_at_one": world == 1}
-        run_ranks([["-m", "tests.dist.workers", "muon_modes", json.dumps(args), str(out)]]
+        run_ranks([["-m", "tests.dist.workers_sync", "muon_modes", json.dumps(args), str(out)]]
                    * world, tmp / f"logs_{world}_{hop}", timeout=240)
         return json.loads(out.read_text())
 

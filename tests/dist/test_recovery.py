@@ -360,7 +360,12 @@ def finish(nodes: list[Launch], timeout: float) -> tuple[list[int], str]:
 
 
 def first_line(nodes: list[Launch], fragment: str, after: float = 0.0) -> float:
-    return min(t for n in nodes for t, line in n.lines if fragment in line and t >= after)
+    """When the first node printed a line holding `fragment` (at or after `after`); a missing
+    line fails with what the nodes did print."""
+    times = [t for n in nodes for t, line in n.lines if fragment in line and t >= after]
+    assert times, f"no line with {fragment!r} after t={after:.1f}:\n" + "\n".join(
+        n.text for n in nodes)
+    return min(times)
 
 
 def assert_close_to_straight(run_dir: Path, straight: Path, exact_until: int) -> None:

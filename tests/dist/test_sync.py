@@ -33,7 +33,7 @@ def train_modes(tmp_path, tiny_data, W, n_embd):
             "n_embd": n_embd,
             "modes": MODES, "resumes": RESUMES, "resume_at": 4,
             "compressed": COMPRESSED if W == 2 else []}
-    run_ranks([["-m", "tests.dist.workers", "sync_modes", json.dumps(args), str(out)]] * W,
+    run_ranks([["-m", "tests.dist.workers_sync", "sync_modes", json.dumps(args), str(out)]] * W,
               tmp_path / "logs", timeout=200)
     return json.loads(out.read_text())
 

@@ -31,6 +31,7 @@ def test_prepare_train_resume_eval_sample(tmp_path):
     assert r.returncode == 0, r.stderr
     assert ("ddpgpt: training on 2 processes (1 node × 2, gloo), cpu, fp32; G=8 sequences × T=32"
             in r.stderr)
+    assert r.stderr.count(f"ddpgpt: next: ddpgpt eval --run-dir {run} | ") == 1  # rank 0 alone
     rows, evals = read_metrics(run)
     assert [x["step"] for x in rows] == [1, 2, 3, 4] and [e["step"] for e in evals] == [2, 4]
     assert set(rows[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu",
@@ -86,7 +87,7 @@ def test_flags_pass_through_torchrun_parser():
     abbreviation of one of its options (as --run would of --run-path)."""
     from torch.distributed.run import parse_args
 
-    help_text = run_cli("train", "--help").stdout + run_cli("eval", "--help").stdout
+    help_text = run_cli("train", "--help-all").stdout + run_cli("eval", "--help").stdout
     flags = sorted(set(re.findall(r"(?<![\w-])--[a-z][\w.-]*", help_text))
                    - {"--help", "--run", "--nproc", "--max-restarts"})
     assert "--run-dir" in flags and "--optim.lr" in flags

@@ -187,7 +187,8 @@ def test_unknown_flag_is_a_one_line_user_error():
     from ddpgpt.errors import UserError
     with pytest.raises(UserError) as e:
         _parse_train(["--data", "d", "--model.n-layers", "2"])
-    assert str(e.value) == "unrecognized arguments: --model.n-layers 2 (see --help)"
+    assert str(e.value) == ("unrecognized arguments: --model.n-layers 2 (did you mean "
+                            "--model.n-layer?)")
 
 
 # ---- messages: ranges, presets, files --------------------------------------------------------
@@ -424,10 +425,10 @@ def test_field_docs():
 
 
 def test_help_shows_field_docs_and_defaults():
-    sub = next(a for a in cli._build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    sub = next(a for a in cli._build_parser(every=True)._actions
+               if isinstance(a, argparse._SubParsersAction))
     text = " ".join(sub.choices["train"].format_help().split())
-    assert ("--model.n-layer N_LAYER, --model.n_layer N_LAYER Transformer blocks. (default: 4)"
-            in text)
+    assert "--model.n-layer N_LAYER Transformer blocks. (default: 4)" in text
     assert ("--data DIR, --data.dir DIR Dataset directory made by `ddpgpt prepare`. "
             "(default: data/stdlib)" in text)
 

@@ -112,3 +112,21 @@ def test_vocab_limit_masks_the_padding_rows():
     loss.backward()
     assert model.wte.weight.grad[limit:].abs().max() == 0
     assert model.wte.weight.grad[:limit].abs().max() > 0
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_temperature_zero_is_greedy_and_equals_top_k_one(model, use_cache):
+    """temperature 0: each new token is the argmax of a full forward's last logits (the oracle,
+    within the tokenizer's vocabulary), the same tokens as top_k=1, whatever the generator."""
+    prompt, vocab = _tokens(2, 5, seed=7), SMALL.vocab_size - 3
+    greedy = model.generate(prompt, 6, temperature=0, vocab_size=vocab, use_cache=use_cache,
+                            generator=torch.Generator().manual_seed(1))
+    expected = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            logits = model(expected)[0][:, -1, :vocab]
+            expected = torch.cat([expected, logits.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(greedy, expected)
+    top1 = model.generate(prompt, 6, temperature=1.0, top_k=1, vocab_size=vocab,
+                          use_cache=use_cache, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(greedy, top1)

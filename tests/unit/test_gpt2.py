@@ -22,7 +22,7 @@ from ddpgpt.init_from import (
     ASSUMED_GPT2,
     apply_shape,
     check_tokenizer,
-    load_into,
+    read_state,
     weights_tokenizer,
 )
 from ddpgpt.model import GPT
@@ -58,7 +58,7 @@ def hf_gpt2(path: Path, vocab: int = 300, seed: int = 0):
 def ours(spec: str, **model_flags) -> GPT:
     cfg = build(None, None, {"model": {"init_from": spec, **model_flags}})
     model = GPT(cfg.model).eval()
-    load_into(model, spec)
+    model.load_state_dict(read_state(spec, model.cfg))
     return model
 
 

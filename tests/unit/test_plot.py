@@ -1,8 +1,10 @@
 """`ddpgpt plot`: a PNG of any set of runs, one line for what it cannot draw."""
 
 import json
+import math
 import sys
 
+import numpy as np
 import pytest
 
 from ddpgpt.cli import main
@@ -137,3 +139,28 @@ def test_odd_files_and_outputs_are_one_line(case, message, tmp_path, capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err == f"ddpgpt: error: {message.format(p=path, m=metrics)}\n"
     assert not (tmp_path / "run.png").exists()
+
+
+def test_the_picture_holds_the_runs_numbers(tmp_path, monkeypatch):
+    """What is drawn, not only that a PNG came out: each panel's lines carry the rows' values (a
+    skipped step a gap), the val points the eval rows, the token axis steps × tokens per step."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    a = fake_run(tmp_path / "a", "adamw", steps=12, eval_every=4)
+    rewrite_rows(a, lambda rows: [{**r, "loss": None} if r["step"] == 7 and "loss" in r else r
+                                  for r in rows])
+    main(["plot", str(a), "--smooth", "0"])
+    by_step, by_tokens, speed = figures[0].axes
+    raw, smooth, val = by_step.lines[:3]
+    steps = list(range(1, 13))
+    expected = [math.nan if s == 7 else 8 - s / 10 for s in steps]
+    np.testing.assert_array_equal(raw.get_xdata(), steps)
+    np.testing.assert_allclose(raw.get_ydata(), expected)
+    np.testing.assert_allclose(smooth.get_ydata(), expected)  # --smooth 0: the raw line
+    np.testing.assert_array_equal(val.get_xdata(), [4, 8, 12])
+    np.testing.assert_allclose(val.get_ydata(), [8 - s / 9 for s in (4, 8, 12)])
+    np.testing.assert_array_equal(by_tokens.lines[0].get_xdata(), [4096 * s for s in steps])
+    np.testing.assert_allclose(speed.lines[0].get_ydata(), [2000.0 + s for s in steps])

@@ -146,3 +146,20 @@ def test_export_writes_one_safetensors_file(tmp_path):
     loaded = load_file(out)
     assert loaded.keys() == weights.keys()
     assert all(torch.equal(loaded[k], v) for k, v in weights.items())
+
+
+def test_a_one_process_save_and_load_warn_nothing(tmp_path):
+    """DCP's "assuming the intent is to save in a single process" is silenced at its source (it
+    used to cross the progress bar at every checkpoint of a one-process run); other warnings are
+    not."""
+    import warnings
+
+    state = {"w": sharded.whole(torch.arange(6.0))}
+    with warnings.catch_warnings(record=True) as caught:  # the filters as they are
+        writer = sharded.save(state, tmp_path / "ck", None)
+        index = sharded.parse_index((tmp_path / "ck" / sharded.INDEX).read_bytes())
+        target = {"w": sharded.whole(torch.zeros(6))}
+        sharded.load(target, tmp_path / "ck", index, None)
+        warnings.warn("something else", UserWarning, stacklevel=1)
+    assert writer.files and torch.equal(target["w"].chunks[0][1], torch.arange(6.0))
+    assert [str(w.message) for w in caught] == ["something else"]

@@ -120,7 +120,6 @@ def test_settings_changed_on_resume_are_applied(tiny_data, tmp_path, one_thread,
     assert (resumed["same"] - resumed["changed"]).abs().max() > 1e-4  # the change took effect
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, no group
 def test_a_checkpoint_without_one_of_the_models_tensors_is_refused(tiny_data, tmp_path,
                                                                    one_thread, monkeypatch):
     """A format-3 checkpoint whose index lacks a tensor this model has (its files and hashes
