@@ -119,12 +119,12 @@ def previous_save(trainer, root: Path, step: int) -> None:
 def train_steps(t, n: int) -> float:
     """Seconds of `n` training steps (every rank; a barrier at the end)."""
     from ddpgpt import dist
-    from ddpgpt.optim.optimizer import lr_at
+    from ddpgpt.optim.schedule import Schedule
 
     start = time.perf_counter()
     for _ in range(n):
         t.train_step()
-        t.update(lr_at(0, t.cfg.optim, 10))
+        t.update(Schedule(t.cfg.optim, 10).at(0))
     dist.barrier(t.env)
     return time.perf_counter() - start
 

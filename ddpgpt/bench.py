@@ -45,7 +45,7 @@ from ddpgpt.errors import UserError
 from ddpgpt.files import describe
 from ddpgpt.guard.health import Guard, StopSignal
 from ddpgpt.init_from import apply_shape
-from ddpgpt.optim.optimizer import lr_at
+from ddpgpt.optim.schedule import Schedule
 from ddpgpt.run import launch
 from ddpgpt.run.precision import configure
 from ddpgpt.run.preflight import preflight
@@ -67,7 +67,7 @@ def traffic(trainer: Trainer, compress: bool = False) -> Traffic:
 def time_steps(trainer: Trainer, warmup: int, steps: int) -> tuple[list[float], dict]:
     """Step times after `warmup` steps, and the memory held at the last step's fullest moment:
     after its gradients are synced, before the update (which may free them)."""
-    cfg, times = trainer.cfg, []
+    times, schedule = [], Schedule(trainer.cfg.optim, warmup + steps)
     for k in range(warmup + steps):
         dist.barrier(trainer.env)  # every rank starts the step together
         start = time.perf_counter()
@@ -76,7 +76,7 @@ def time_steps(trainer: Trainer, warmup: int, steps: int) -> tuple[list[float], 
             counted = time.perf_counter()
             held = trainer.sync.memory(trainer.optimizer)
             start += time.perf_counter() - counted  # not part of the step
-        trainer.update(lr_at(k, cfg.optim, warmup + steps))
+        trainer.update(schedule.at(k))
         if trainer.env.device.type == "cuda":
             torch.cuda.synchronize()
         if k >= warmup:

@@ -1,24 +1,30 @@
 """Validation loss: token-weighted over the loader's fixed windows, all-reduced across ranks, and
-the same as bits per byte of text (comparable across tokenizers; see TokenDataset.bits_per_byte).
+the same as bits per byte of text (comparable across tokenizers; see TokenDataset.bits_per_byte);
+with --task, multiple-choice accuracy as llm.c scores HellaSwag (evals/).
 
     ddpgpt eval --run-dir runs/demo                                  # one process
-    torchrun --standalone --nproc_per_node 8 -m ddpgpt eval --run-dir runs/demo
+    ddpgpt eval --run-dir runs/demo --task hellaswag --limit 1000 --json
+    ddpgpt eval --run-dir runs/demo --task piqa --task-data piqa.jsonl
+    torchrun --standalone --nproc_per_node 8 -m ddpgpt eval --run-dir runs/demo --task hellaswag
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 
 import torch
 from tqdm import tqdm
 
-from ddpgpt import dist
+from ddpgpt import dist, evals
 from ddpgpt.checkpoint.read import model_of, saved
 from ddpgpt.config.commands import EvalConfig
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.errors import warn
+from ddpgpt.data.tokenizer import load_tokenizer
+from ddpgpt.errors import UserError, warn
+from ddpgpt.evals.multiple_choice import Scorer
 from ddpgpt.run.precision import Precision
 from ddpgpt.run.run_dir import RunDir
 
@@ -55,6 +61,9 @@ def run(cfg: EvalConfig) -> None:
     found = saved(run_dir)
     train_cfg = found.config
     dataset = TokenDataset(train_cfg.data.dir)
+    # Bad task files and the download fail here, on every rank, before the group exists.
+    tasks = evals.load_all(cfg.task, cfg.task_data, cfg.limit, "--task", "--task-data")
+    tokenizer = run_tokenizer(run_dir) if tasks else None
     with dist.session(cfg.device, "auto") as env:
         model = model_of(found, env.device)
         windows = train_cfg.data.eval_windows if cfg.windows < 0 else cfg.windows
@@ -63,11 +72,40 @@ def run(cfg: EvalConfig) -> None:
                             rank=env.rank, max_windows=windows, device=env.device)
         precision = Precision.for_inference(train_cfg.run, env.device)
         loss = evaluate(model, loader, env, precision.autocast, progress=True)
+        scores = {}
+        if tasks:
+            scorer = Scorer(tasks, tokenizer, train_cfg.model.block_size, env)
+            scores = scorer.score(model, precision.autocast, progress=True)
         if env.is_main:
-            bpb = dataset.bits_per_byte(loss)
-            if bpb is None:
-                warn(dataset.bytes_advice())
-            bits = "" if bpb is None else f", val_bpb {bpb:.4f}"
-            print(f"val_loss {loss:.4f}{bits} (step {found.step}, {len(loader.windows)} "
-                  f"windows of {train_cfg.seq_len} tokens, {env.world_size} "
-                  f"process{'es' if env.world_size > 1 else ''})")
+            report(cfg, dataset, loss, scores, tasks, found.step, len(loader.windows),
+                   train_cfg.seq_len, env.world_size)
+
+
+def report(cfg: EvalConfig, dataset: TokenDataset, loss: float, scores: dict, tasks: list,
+           step: int, windows: int, seq_len: int, world_size: int) -> None:
+    """One line per result, or with --json one object."""
+    bpb = dataset.bits_per_byte(loss)
+    if bpb is None:
+        warn(dataset.bytes_advice())
+    if cfg.json:
+        print(json.dumps({"step": step, "val_loss": loss, "val_bpb": bpb,
+                          **{k: v for k, v in scores.items() if not k.endswith("_s")}}))
+        return
+    bits = "" if bpb is None else f", val_bpb {bpb:.4f}"
+    print(f"val_loss {loss:.4f}{bits} (step {step}, {windows} windows of {seq_len} tokens, "
+          f"{world_size} process{'es' if world_size > 1 else ''})")
+    for task in tasks:
+        name = task.name
+        print(f"{name}: acc_norm {scores[name + '_acc_norm']:.4f}, acc {scores[name + '_acc']:.4f}"
+              f", acc_char {scores[name + '_acc_char']:.4f} ({scores[name + '_n']:,} examples of "
+              f"{task.source}, {scores[name + '_s']:.1f} s)")
+
+
+def run_tokenizer(run_dir: RunDir):
+    """The tokenizer a run was trained with (the run dir keeps its data's meta and files)."""
+    try:
+        kind = json.loads(run_dir.data_meta.read_text())["tokenizer"]
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"run {run_dir}: cannot read its data_meta.json ({e}); tasks need the "
+                        "run dir a training wrote") from None
+    return load_tokenizer(run_dir.path, kind)

@@ -3,7 +3,9 @@
     ddpgpt plot runs/adamw runs/muon --out compare.png
 
 Three panels: train loss (smoothed, the raw rows faint behind it) and val loss against optimizer
-steps, the same against tokens, and tokens/s against steps. One colour per run, named once in a
+steps, the same against tokens, and tokens/s against steps; a fourth with each multiple-choice
+task's acc_norm against steps when a run scored any (run.eval_tasks). A star marks where a run
+reached its run.target_val_loss. One colour per run, named once in a
 legend above the panels (the run dir, its optimizer, sync mode and world size, from config.json
 and the newest checkpoint); solid lines are train loss, circles val loss. The picture goes next
 to the first run (runs/NAME -> runs/NAME.png) unless --out says otherwise: a file (.png, .pdf or
@@ -66,7 +68,15 @@ def load_run(path: str) -> dict:
         raise UserError(f"{run.metrics}: no logged steps yet; plot it after its first log row")
     per_step = next((r["tokens"] / r["step"] for r in train
                      if _number(r.get("tokens")) and r["step"] > 0), None)
-    return {"label": _label(run, path), "train": train, "val": val, "tokens_per_step": per_step}
+    targets = [r for r in rows if r.get("event") == "target" and _number(r.get("val_loss"))]
+    return {"label": _label(run, path), "train": train, "val": val, "tokens_per_step": per_step,
+            "target": targets[-1] if targets else None}
+
+
+def task_names(runs: list[dict]) -> list[str]:
+    """The multiple-choice tasks any run scored (eval rows' NAME_acc_norm), in name order."""
+    return sorted({k.removesuffix("_acc_norm") for run in runs for r in run["val"] for k in r
+                   if k.endswith("_acc_norm") and _number(r[k])})
 
 
 def _number(value) -> bool:
@@ -137,8 +147,9 @@ def draw(runs: list[dict], beta: float | None, fmt: str) -> bytes:
     from matplotlib.lines import Line2D
     from matplotlib.ticker import EngFormatter, MaxNLocator
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    by_step, by_tokens, speed = axes
+    tasks = task_names(runs)
+    fig, axes = plt.subplots(1, 4 if tasks else 3, figsize=(21 if tasks else 16, 4.8))
+    by_step, by_tokens, speed = axes[:3]
     for i, run in enumerate(runs):
         colour = f"C{i}"
         train, val, per_step = run["train"], run["val"], run["tokens_per_step"]
@@ -154,14 +165,29 @@ def draw(runs: list[dict], beta: float | None, fmt: str) -> bytes:
             axis.plot(x, [math.nan if v is None else v for v in smooth], color=colour, lw=1.6)
             axis.plot([r["step"] * scale for r in val], [r["val_loss"] for r in val], "o",
                       color=colour, ms=5, mec="white", mew=0.8)
+            if run["target"] is not None:  # time to target: where the run stopped
+                axis.plot(run["target"]["step"] * scale, run["target"]["val_loss"], "*",
+                          color=colour, ms=16, mec="black", mew=0.8)
+                axis.axvline(run["target"]["step"] * scale, color=colour, ls=":", lw=1)
         speeds = [r.get("tokens_per_s") for r in train]
         speed.plot(steps, [v if _number(v) else math.nan for v in speeds], color=colour)
+        for k, task in enumerate(tasks):
+            rows = [r for r in val if _number(r.get(f"{task}_acc_norm"))]
+            axes[3].plot([r["step"] for r in rows], [r[f"{task}_acc_norm"] for r in rows],
+                         color=colour, marker="os^Dv"[k % 5], ls="-:"[k % 2], ms=5)
     by_step.set_xlabel("optimizer step")
     by_tokens.set_xlabel("tokens")
     by_tokens.xaxis.set_major_formatter(EngFormatter(sep=""))  # 200k, 1.5M: no long integers
     speed.set_xlabel("optimizer step")
     speed.set_ylabel("tokens/s (all ranks)")
     speed.yaxis.set_major_formatter(EngFormatter(sep=""))
+    if tasks:
+        axes[3].set_xlabel("optimizer step")
+        axes[3].set_ylabel("acc_norm (llm.c's HellaSwag rule)")
+        axes[3].xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes[3].legend(handles=[Line2D([], [], color="0.3", marker="os^Dv"[k % 5],
+                                       ls="-:"[k % 2], label=task) for k, task in enumerate(tasks)],
+                       fontsize=9, frameon=False)
     for axis in axes:
         axis.grid(alpha=0.3)
     for axis in (by_step, speed):
@@ -172,6 +198,9 @@ def draw(runs: list[dict], beta: float | None, fmt: str) -> bytes:
                for i, run in enumerate(runs)]
     handles += [Line2D([], [], color="0.3", lw=1.6, label="train loss (smoothed)"),
                 Line2D([], [], color="0.3", marker="o", ls="", ms=5, label="val loss")]
+    if any(run["target"] for run in runs):
+        handles.append(Line2D([], [], color="0.3", marker="*", ls="", ms=12, mec="black",
+                              label="target val loss reached"))
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 4), fontsize=10,
                frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.07 * math.ceil(len(handles) / 4)))

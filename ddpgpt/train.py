@@ -26,16 +26,16 @@ import sys
 
 import torch
 
-from ddpgpt import __version__, checkpoint, dist
+from ddpgpt import __version__, checkpoint, dist, evals
 from ddpgpt.checkpoint.saver import SaveFailed, Saver
 from ddpgpt.checkpoint.saver import token as saver_token
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.errors import UserError, warn
-from ddpgpt.evaluate import evaluate
+from ddpgpt.evals.multiple_choice import Scorer
 from ddpgpt.guard.health import Guard, StopSignal, collective_failed, preempted, resume_hint
 from ddpgpt.guard.spike import Verdict, json_number, target
-from ddpgpt.optim.optimizer import lr_at
 from ddpgpt.run import elastic, resume, trackers
 from ddpgpt.run.metrics import Metrics, peak_flops
 from ddpgpt.run.precision import configure
@@ -48,12 +48,14 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver) -> Verdict | None:
-    """Trains to run.steps; returns early with the rollback verdict of a spike, if one comes."""
+def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
+         tasks: Scorer | None) -> Verdict | None:
+    """Trains to run.steps, or to the first evaluation at run.target_val_loss; returns early with
+    the rollback verdict of a spike, if one comes."""
     cfg, env, total, guard = trainer.cfg, trainer.env, trainer.cfg.run.steps, trainer.guard
     while trainer.step < total:
         trainer.doing = f"step {trainer.step + 1}"
-        lr = lr_at(trainer.step, cfg.optim, total) * guard.spikes.lr_factor
+        rates = trainer.schedule.at(trainer.step)
         loss, norm = trainer.train_step()
         health = guard.exchange(loss, norm, scaled=trainer.scaler is not None,
                                 saving=saver.busy)
@@ -70,22 +72,27 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver) -> V
         if verdict.action == "skip":
             trainer.skip_update()
         else:
-            trainer.update(lr)
+            trainer.update(rates)
         trainer.step += 1
         if _due(trainer.step, cfg.run.log_every, total):
-            metrics.log_step(trainer.step, None if health.bad else health.loss, lr,
+            metrics.log_step(trainer.step, None if health.bad else health.loss, rates.lr,
                              None if health.bad else norm.item(), trainer.elapsed_s)
+        reached = False
         with metrics.paused():
             if _due(trainer.step, cfg.run.eval_every, total):
                 trainer.doing = f"the evaluation after step {trainer.step}"
-                val_loss = evaluate(trainer.raw, trainer.val, env, trainer.autocast)
-                metrics.log_eval(trainer.step, val_loss,
-                                 trainer.dataset.bits_per_byte(val_loss))
-            if _due(trainer.step, cfg.run.checkpoint_every, total) or health.stop:
+                row = trainer.evaluate(tasks)  # val loss, the tasks' scores, the seconds so far
+                metrics.log_eval(trainer.step, **row)
+                reached = 0 < row["val_loss"] <= cfg.run.target_val_loss
+            if _due(trainer.step, cfg.run.checkpoint_every, total) or health.stop or reached:
                 trainer.doing = f"the checkpoint of step {trainer.step}"
-                # A stop, and the end, wait until the checkpoint is published.
-                save(trainer, saver, run_dir, "stop" if health.stop else "scheduled",
-                     wait=health.stop or trainer.step == total)
+                # A stop, the target and the end wait until the checkpoint is published.
+                with trainer.timed("checkpoint"):
+                    save(trainer, saver, run_dir, "stop" if health.stop else "scheduled",
+                         wait=health.stop or reached or trainer.step == total)
+        if reached:  # time to target: its checkpoint is published; the run ends here
+            metrics.log_target(trainer.step, row, cfg.run.target_val_loss)
+            return None
         if health.stop and trainer.step < total:
             guard.settle_stop()
             nodes = dist.elastic_nodes()
@@ -145,6 +152,7 @@ def run(cfg: TrainConfig) -> None:
     here = dist.detect()
     try:
         cfg, dataset = preflight(cfg, here.world_size, here.local_world_size, dist.elastic_nodes())
+        tasks = evals.for_run(cfg.run)  # a bad task file, or HellaSwag offline: one line
     except UserError as e:  # every rank finds it: one line per node
         e.quiet = e.quiet or here.local_rank > 0
         raise
@@ -161,6 +169,9 @@ def run(cfg: TrainConfig) -> None:
         if cfg.data.verify:  # each rank re-hashes a 1/W share of the shards
             dist.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
         cfg, start, env = elastic.claim(run_dir, cfg, env, dataset)
+        scorer = dist.together(env, lambda: Scorer(  # each rank's share of the tasks, rendered once
+            tasks, load_tokenizer(dataset.path, dataset.tokenizer), cfg.model.block_size, env)
+        ) if tasks else None
         lr_fields = "optim.lr or optim.muon_lr" if cfg.optim.name == "muon" else "optim.lr"
         guard = Guard(env, cfg.run, stop, lr_fields, run_dir.checkpoints)
         trainer = setup(cfg, env, dataset, start, guard)
@@ -172,7 +183,8 @@ def run(cfg: TrainConfig) -> None:
         try:
             try:
                 _install_faults(trainer, saver)
-                while (spike := loop(trainer, metrics, run_dir, saver)) is not None:  # 3. spike
+                # 3. Train; a spike the weights do not heal from rolls back and goes on.
+                while (spike := loop(trainer, metrics, run_dir, saver, scorer)) is not None:
                     trainer = roll_back(trainer, spike, run_dir, start, metrics, lambda at: setup(
                         cfg, env, dataset, at, guard, announce=False))  # built as on a restart
                     _install_faults(trainer, saver)

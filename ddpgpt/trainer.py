@@ -15,11 +15,12 @@ from ddpgpt.checkpoint import sharded
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.evals.multiple_choice import Scorer
 from ddpgpt.evaluate import evaluate
 from ddpgpt.guard.health import Guard
 from ddpgpt.model import GPT
-from ddpgpt.optim.muon import momentum_at
 from ddpgpt.optim.optimizer import set_lr
+from ddpgpt.optim.schedule import Rates, Schedule
 from ddpgpt.run.precision import Precision
 from ddpgpt.run.preflight import accum_steps
 
@@ -58,6 +59,8 @@ class Trainer:
         self.optimizer = optim.Optimizer(groups, self.sync.params(), cfg.optim, dev,
                                          held=self.sync.held() if self.scaler else (),
                                          ns_dtype=self.precision.newton_schulz_dtype)
+        # Each step's lr and momentum; a rollback's lower lr comes from the guard at each step.
+        self.schedule = Schedule(cfg.optim, run.steps, lambda: guard.spikes.lr_factor)
         # 3. Compile after the sync: for DDP, dynamo's DDPOptimizer then splits the graph at
         #    DDP's bucket boundaries, so each bucket's all-reduce overlaps the backward.
         self.model = torch.compile(self.sync.model) if run.compile else self.sync.model
@@ -75,12 +78,30 @@ class Trainer:
         self.last_checkpoint = -1     # the step of the newest checkpoint this run can fall back to
         self.origin: dict | None = None  # the explicit --resume PATH this run descends from
         self._elapsed_before, self._started = 0.0, time.perf_counter()
+        # Of that wall time, the seconds spent evaluating and blocked on checkpoints (timed).
+        self.eval_s = self.checkpoint_s = 0.0
         self._seed_rng(0)
 
     @property
     def elapsed_s(self) -> float:
         """Wall time of the run so far, across resumes."""
         return self._elapsed_before + time.perf_counter() - self._started
+
+    @contextlib.contextmanager
+    def timed(self, what: str):
+        """Counts the time inside into eval_s or checkpoint_s (`what`: eval, checkpoint)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, f"{what}_s", getattr(self, f"{what}_s") + time.perf_counter() - start)
+
+    def times(self) -> dict:
+        """The run's seconds so far: wall time, and training time apart from evaluations and
+        checkpoints (what a time-to-target comparison counts)."""
+        elapsed = self.elapsed_s
+        return {"elapsed_s": elapsed, "train_s": elapsed - self.eval_s - self.checkpoint_s,
+                "eval_s": self.eval_s, "checkpoint_s": self.checkpoint_s}
 
     def _seed_rng(self, step: int) -> None:
         """This rank's global RNG (dropout) from (seed, rank, step): masks differ per rank."""
@@ -104,7 +125,8 @@ class Trainer:
         detector, the progress."""
         return {"scaler": self.scaler.state_dict() if self.scaler else None,
                 "loader": self.loader.state_dict(), "guard": self.guard.state_dict(),
-                "progress": {"step": self.step, "elapsed_s": self.elapsed_s}}
+                "progress": {"step": self.step, "elapsed_s": self.elapsed_s,
+                             "eval_s": self.eval_s, "checkpoint_s": self.checkpoint_s}}
 
     def load_state_dict(self, state: dict, saved_world_size: int, new_data: bool = False) -> None:
         """Into the model and optimizer as the sync mode laid them out (whatever mode and W saved
@@ -166,8 +188,10 @@ class Trainer:
             self.loader.load_state_dict(state["loader"])
         self.guard.load_state_dict(state["guard"], state.get("spike"))
         self.step = self.last_checkpoint = int(state["progress"]["step"])
-        self._elapsed_before, self._started = (float(state["progress"]["elapsed_s"]),
-                                               time.perf_counter())
+        progress = state["progress"]
+        self._elapsed_before, self._started = float(progress["elapsed_s"]), time.perf_counter()
+        self.eval_s = float(progress.get("eval_s", 0.0))  # 0: saved before they were counted
+        self.checkpoint_s = float(progress.get("checkpoint_s", 0.0))
         if rng is not None:
             # clone(): set_rng_state crashes (torch 2.13) on a view with an offset
             torch.set_rng_state(rng["cpu"].clone())
@@ -216,14 +240,24 @@ class Trainer:
             norm = self.sync.clip(self.cfg.optim.grad_clip or float("inf"))
         return loss_sum / self.accum, norm
 
+    def evaluate(self, tasks: Scorer | None = None) -> dict:
+        """An eval row: val_loss and val_bpb, the tasks' scores, the run's seconds (times()).
+        Collective: every rank calls it."""
+        with self.timed("eval"):
+            val_loss = evaluate(self.raw, self.val, self.env, self.autocast)
+            scores = tasks.score(self.raw, self.autocast) if tasks else {}
+        return {"val_loss": val_loss, "val_bpb": self.dataset.bits_per_byte(val_loss), **scores,
+                **self.times()}
+
     def probe(self, batch: int) -> float:
         """The global mean loss of the weights as they are on global batch `batch` (no update,
         no gradient, no RNG drawn): each rank its share, one all-reduce. Collective."""
         with dist.collective() if self.env.world_size > 1 else contextlib.nullcontext():
             return evaluate(self.raw, self.loader.batch(batch), self.env, self.autocast)
 
-    def update(self, lr: float) -> None:
-        set_lr(self.optimizer, lr, momentum_at(self.step, self.cfg.optim))
+    def update(self, rates: Rates) -> None:
+        """The optimizer step at `rates` (the schedule's for this step: self.schedule.at)."""
+        set_lr(self.optimizer, rates.lr, rates.momentum)
         self.sync.before_update()  # fsdp2: Muon's matrices, whole, to their owners
         if self.scaler is not None:
             self.scaler.step(self.optimizer)

@@ -236,7 +236,7 @@ def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32,
     from ddpgpt.config.schema import ModelConfig, OptimConfig
     from ddpgpt.data.shards import TokenDataset
     from ddpgpt.model import GPT
-    from ddpgpt.optim.optimizer import lr_at
+    from ddpgpt.optim.schedule import lr_at
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run; restored below for the rest of the session

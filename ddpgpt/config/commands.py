@@ -105,18 +105,35 @@ class PlotConfig:
 
 @dataclass
 class EvalConfig:
-    """`ddpgpt eval`: validation loss of a run's latest checkpoint (runs under torchrun too)."""
+    """`ddpgpt eval`: validation loss of a run's latest checkpoint and, with --task,
+    multiple-choice accuracy (runs under torchrun too)."""
 
     run_dir: str = field(default="runs/default", metadata={"alias": "--run"})
     """Run directory (its latest complete checkpoint is used). Under torchrun write --run-dir:
     torchrun's own parser takes --run for an abbreviation of its --run-path."""
     windows: int = -1
     """Validation windows to evaluate; -1 uses the run's data.eval_windows, 0 all of them."""
+    task: str = ""
+    """Multiple-choice tasks to score besides the validation loss, comma-separated: hellaswag
+    (its validation set, downloaded once into DDPGPT_CACHE_DIR or ~/.cache/ddpgpt), or any NAME
+    given with --task-data. Each prints NAME_acc_norm (lowest mean loss per token, llm.c's),
+    NAME_acc (lowest sum) and NAME_acc_char (sum per character, lm-evaluation-harness's)."""
+    task_data: str = ""
+    """The tasks' jsonl files, comma-separated in --task's order: one example per line, {"ctx":
+    ..., "endings": [...], "label": INDEX}. Empty for hellaswag: its cached download."""
+    limit: int = 0
+    """Score the first this many examples of each task; 0: all."""
+    json: bool = False
+    """Print one JSON object (val_loss, val_bpb, NAME_acc_norm, NAME_acc, NAME_acc_char, NAME_n)
+    instead of lines."""
     device: str = "auto"
     """auto (cuda:LOCAL_RANK when available), cpu or cuda."""
 
     def __post_init__(self):
         _require(self.windows >= -1, f"--windows {self.windows} must be >= -1")
+        _require(self.limit >= 0, f"--limit {self.limit} must be >= 0 (0: all)")
+        _require(bool(self.task) or not self.task_data,
+                 "--task-data needs --task NAME (the task the file holds)")
         _choice("eval", "device", self.device, ("auto", "cpu", "cuda"))
 
 

@@ -122,8 +122,8 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW, or Muon for the blocks' matrices with AdamW for the rest; linear warmup and cosine
-    decay, gradient clipping."""
+    """AdamW, or Muon for the blocks' matrices with AdamW for the rest; linear warmup, then a
+    cosine, warmup-stable-decay or constant schedule (optim/schedule.py); gradient clipping."""
 
     name: str = "adamw"
     """adamw, or muon: torch's Muon for the blocks' 2-D weight matrices, each stepped by one
@@ -131,14 +131,22 @@ class OptimConfig:
     lr: float = 1e-3
     """Peak learning rate, reached after warmup_steps."""
     min_lr: float = 1e-4
-    """Learning rate at the end of the cosine decay (run.steps)."""
+    """Learning rate at the end of the decay (cosine and wsd; the schedule's last step)."""
     warmup_steps: int = 20
     """Steps of linear warmup from 0 to lr."""
     decay_steps: int = 0
-    """Length of the schedule in steps, warmup included: lr follows a cosine down to min_lr at
-    this step and stays there after. 0: run.steps at the run's first start, then kept when the
-    run resumes, so raising run.steps to train further goes on at min_lr rather than re-shaping
-    the cosine mid-run (set it to re-shape the schedule on purpose)."""
+    """Length of the schedule in steps, warmup included: lr decays down to min_lr at this step
+    and stays there after. 0: run.steps at the run's first start, then kept when the run
+    resumes, so raising run.steps to train further goes on at min_lr rather than re-shaping the
+    cosine mid-run (set it to re-shape the schedule on purpose). wsd resumed in its flat phase
+    takes the new run.steps instead."""
+    schedule: str = "cosine"
+    """The lr after warmup: cosine (down to min_lr at the schedule's end), wsd (warmup, stable,
+    decay: flat at lr, then linear down to min_lr over the last decay_fraction of the schedule;
+    a run resumed in its flat phase with more run.steps stays flat and decays at the new end) or
+    constant (flat at lr)."""
+    decay_fraction: float = 0.2
+    """wsd: the share of the schedule, at its end, over which lr falls linearly to min_lr."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices and embeddings only (not biases or norms)."""
     beta1: float = 0.9
@@ -167,6 +175,9 @@ class OptimConfig:
         _require(self.lr > 0, f"optim.lr = {self.lr} must be > 0")
         _require(0 <= self.min_lr <= self.lr,
                  f"optim.min_lr = {self.min_lr} must be in [0, optim.lr = {self.lr}]")
+        _choice("optim", "schedule", self.schedule, ("cosine", "wsd", "constant"))
+        _require(0 < self.decay_fraction <= 1,
+                 f"optim.decay_fraction = {self.decay_fraction:g} must be in (0, 1]")
         _require(self.warmup_steps >= 0, f"optim.warmup_steps = {self.warmup_steps} must be >= 0")
         _require(self.decay_steps >= 0,
                  f"optim.decay_steps = {self.decay_steps} must be >= 0 (0: run.steps)")
@@ -200,6 +211,19 @@ class RunConfig:
     """Write a metrics.jsonl row every this many steps."""
     eval_every: int = 100
     """Evaluate on the validation windows every this many steps (and at the end); 0: end only."""
+    eval_tasks: str = ""
+    """Multiple-choice tasks scored at every evaluation, comma-separated: hellaswag (downloaded
+    once) or NAME with eval_task_data. metrics.jsonl's eval rows get NAME_acc_norm, NAME_acc,
+    NAME_acc_char, NAME_n and NAME_s (the seconds it took); the same at any number of processes."""
+    eval_task_data: str = ""
+    """The eval_tasks' jsonl files (ctx, endings, label per line), comma-separated in their order;
+    empty for hellaswag's download."""
+    eval_task_limit: int = 0
+    """Score the first this many examples of each task at each evaluation; 0: all."""
+    target_val_loss: float = 0.0
+    """Stop at the first evaluation whose val loss is at most this (time to target): a
+    checkpoint, a metrics.jsonl row {"event": "target", "val_loss", "elapsed_s", "train_s",
+    "tokens"} and one line. 0: off."""
     checkpoint_every: int = 100
     """Save a checkpoint every this many steps (and at the end); 0: end only."""
     keep_checkpoints: int = 3
@@ -301,6 +325,12 @@ class RunConfig:
         _require(0 < self.dist_timeout_s <= MAX_TIMEOUT_S,
                  f"run.dist_timeout_s = {self.dist_timeout_s:g} must be in (0, {MAX_TIMEOUT_S}] "
                  "seconds")
+        _require(self.eval_task_limit >= 0,
+                 f"run.eval_task_limit = {self.eval_task_limit} must be >= 0 (0: all)")
+        _require(self.target_val_loss >= 0,
+                 f"run.target_val_loss = {self.target_val_loss:g} must be >= 0 (0: off)")
+        _require(bool(self.eval_tasks) or not self.eval_task_data,
+                 "run.eval_task_data needs run.eval_tasks (the tasks its files hold)")
         _require(self.max_skipped >= 0, f"run.max_skipped = {self.max_skipped} must be >= 0")
 
 

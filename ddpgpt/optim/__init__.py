@@ -1,5 +1,5 @@
 """Optimizers: parameter groups and torch's AdamW + Muon as one (optimizer.py), Muon by whole
-matrices (muon.py)."""
+matrices (muon.py), the lr and momentum of every step (schedule.py)."""
 
 from ddpgpt.optim.optimizer import (  # noqa: F401 -- the package's face
     Group,
@@ -7,7 +7,7 @@ from ddpgpt.optim.optimizer import (  # noqa: F401 -- the package's face
     groups,
     is_muon_param,
     load_state,
-    lr_at,
     set_lr,
     upgrade,
 )
+from ddpgpt.optim.schedule import Rates, Schedule, lr_at, momentum_at  # noqa: F401

@@ -44,7 +44,6 @@ import torch
 from torch.optim._muon import _adjust_lr
 
 from ddpgpt import dist
-from ddpgpt.config.schema import OptimConfig
 
 
 def ns_cost(shape: tuple[int, int]) -> int:
@@ -241,11 +240,3 @@ class Muon(torch.optim.Muon):
                 p.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
         return loss
 
-
-def momentum_at(step: int, cfg: OptimConfig) -> float:
-    """Muon's momentum at optimizer step `step`: from muon_momentum_start to muon_momentum over
-    muon_momentum_warmup steps, then constant."""
-    if step >= cfg.muon_momentum_warmup:
-        return cfg.muon_momentum
-    frac = step / cfg.muon_momentum_warmup
-    return cfg.muon_momentum_start + frac * (cfg.muon_momentum - cfg.muon_momentum_start)

@@ -1,14 +1,10 @@
 """The optimizer: torch's AdamW, or torch's Muon for the blocks' matrices with torch's AdamW for the
-rest (optim/muon.py); and the learning-rate schedule.
+rest (optim/muon.py). The learning-rate schedule is optim/schedule.py's.
 
 Built in one direction (train.py): the whole model's parameter groups (`groups`) go to the sync
 mode, which lays the parameters out as it needs (whole, zero1's slices, fsdp2's shards, Muon
 matrices by owner) and says what this rank steps of each group; `Optimizer` is then built over
 exactly those tensors. Nothing is rebuilt or swapped afterwards.
-
-The schedule is a pure function of the step, so a resumed run needs no scheduler state: linear
-warmup over `warmup_steps` (step 0 already trains, at lr/warmup), then a cosine from `lr` down to
-`min_lr` at step `decay_steps` (resolved on the run's first start, kept on resume), then `min_lr`.
 
 A resumed run keeps the optimizer's state (moments, momentum buffers, step counts) but takes its
 hyperparameters (weight decay, betas, eps, Muon's lr scale and Newton-Schulz steps) from this
@@ -18,7 +14,6 @@ metrics.jsonl records the change.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -138,16 +133,6 @@ def upgrade(state: dict) -> dict:
             "adamw": {"state": {i - k: s for i, s in state["state"].items() if i >= k},
                       "param_groups": [{**g, "params": [i - k for i in g["params"]]}
                                        for g in groups[1:]]}}
-
-
-def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Learning rate of optimizer step `step` (0-based) on a schedule of `cfg.decay_steps`
-    steps, or `total_steps` when that is 0 (unresolved: bench, tests)."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, (cfg.decay_steps or total_steps) - 1 - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 def set_lr(optimizer, lr: float, momentum: float | None = None) -> None:

@@ -3,11 +3,14 @@
 metrics.jsonl holds one JSON object per logged step,
     {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s"}
 one per evaluation, {"step", "val_loss", "val_bpb"} (bits per byte of the val text; absent for
-datasets prepared without byte counts), and one per event a reader of the curves must know
-about, {"step", "event", ...} (a deliberate switch of dataset on resume, a settings change, a
-rollback past a loss spike: guard/spike.py). `step` counts optimizer
-steps completed (the row after the first step says 1); `tokens` is the global count so far;
-`tokens_per_s` is global, over the steps since the previous row; `mfu` is the model FLOPs per
+datasets prepared without byte counts) with each task's {NAME_acc_norm, NAME_acc, NAME_acc_char,
+NAME_n, NAME_s} (run.eval_tasks) and the run's seconds so far {elapsed_s, train_s, eval_s,
+checkpoint_s} (train_s: without evaluations and checkpoints), and one per event a reader of the
+curves must know about, {"step", "event", ...} (a deliberate switch of dataset on resume, a
+settings change, a rollback past a loss spike: guard/spike.py; the first evaluation at
+run.target_val_loss: "target", with val_loss, elapsed_s, train_s and tokens). `step` counts
+optimizer steps completed (the row after the first step says 1); `tokens` is the global count so
+far; `tokens_per_s` is global, over the steps since the previous row; `mfu` is the model FLOPs per
 second per process divided by one device's peak. On resume the file is cut back to the
 checkpoint's step, so it never holds a step twice or skips one.
 
@@ -141,14 +144,29 @@ class Metrics:
         finally:
             self.mark += time.perf_counter() - start
 
-    def log_eval(self, step: int, val_loss: float, val_bpb: float | None = None) -> None:
+    def log_eval(self, step: int, val_loss: float, val_bpb: float | None = None,
+                 **fields) -> None:
+        """An eval row: `fields` are the tasks' scores (NAME_acc_norm, ...) and the run's seconds
+        (elapsed_s, train_s, eval_s, checkpoint_s)."""
         if self.enabled:
             row = {"step": step, "val_loss": val_loss}
             if val_bpb is not None:
                 row["val_bpb"] = val_bpb
-            self._write(row)
+            self._write({**row, **fields})
+            tasks = "".join(f", {k.removesuffix('_acc_norm')} {v:.4f}" for k, v in fields.items()
+                            if k.endswith("_acc_norm"))
             self.bar.write(f"step {step}: val_loss {val_loss:.4f}"
-                           + ("" if val_bpb is None else f", val_bpb {val_bpb:.4f}"))
+                           + ("" if val_bpb is None else f", val_bpb {val_bpb:.4f}") + tasks)
+
+    def log_target(self, step: int, row: dict, target: float) -> None:
+        """Time to target: the event row of the first evaluation at run.target_val_loss, and
+        its line."""
+        tokens = step * self.tokens_per_step
+        self.log_event(step, "target", val_loss=row["val_loss"], target=target,
+                       elapsed_s=row["elapsed_s"], train_s=row["train_s"], tokens=tokens)
+        self.write(f"reached val loss {target:g} ({row['val_loss']:.4f}) at step {step}, "
+                   f"{row['elapsed_s']:.1f} s "
+                   f"({row['train_s']:.1f} s training), {tokens:,} tokens")
 
     def write(self, line: str) -> None:
         """A line on stderr (rank 0's) that does not tear the progress bar."""

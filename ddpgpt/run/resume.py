@@ -29,6 +29,7 @@ from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import fingerprint as fingerprint_of
 from ddpgpt.errors import UserError
+from ddpgpt.optim.schedule import extends_flat
 from ddpgpt.run.run_dir import RunDir
 
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
@@ -183,13 +184,17 @@ def _short(fingerprint: str) -> str:
 def settle(cfg: TrainConfig, start: Start) -> TrainConfig:
     """The config this start trains with: optim.decay_steps = 0 becomes the schedule's length,
     run.steps on a first start, and the checkpoint's on resume (older checkpoints: the run.steps
-    they were saved with), so that raising run.steps does not re-shape the cosine mid-run."""
+    they were saved with), so that raising run.steps does not re-shape the cosine mid-run; a wsd
+    run resumed in its flat phase takes the new run.steps (schedule.extends_flat)."""
     if cfg.optim.decay_steps:
         return cfg
     steps = cfg.run.steps
     if start.meta is not None:
         saved = start.meta["config"]
-        steps = saved["optim"].get("decay_steps") or saved["run"]["steps"]
+        kept = saved["optim"].get("decay_steps") or saved["run"]["steps"]
+        # wsd resumed while flat goes on flat and decays at the new end (schedule.py).
+        if not extends_flat(cfg.optim, kept, steps, start.step):
+            steps = kept
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=steps))
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ddpgpt.config.schema import OptimConfig
 from ddpgpt.guard.health import EXIT_PREEMPTED
-from ddpgpt.optim.optimizer import lr_at
+from ddpgpt.optim.schedule import lr_at
 from tests.helpers import (
     codes,
     read_metrics,

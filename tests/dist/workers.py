@@ -78,7 +78,7 @@ def early_checkpoint(env, data: str, run_dir: str, steps: int, modes: list[list[
 
     from ddpgpt.config.io import build
     from ddpgpt.guard.health import Guard, StopSignal
-    from ddpgpt.optim.optimizer import lr_at
+    from ddpgpt.optim.schedule import Schedule
     from ddpgpt.run.preflight import preflight
     from ddpgpt.trainer import Trainer
 
@@ -99,7 +99,7 @@ def early_checkpoint(env, data: str, run_dir: str, steps: int, modes: list[list[
         for k in range(steps):
             loss, _ = t.train_step()
             losses.append((dist.all_reduce(env, loss.detach().clone()) / env.world_size).item())
-            t.update(lr_at(k, t.cfg.optim, steps))
+            t.update(Schedule(t.cfg.optim, steps).at(k))
         return losses
 
     out = {}

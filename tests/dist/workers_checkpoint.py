@@ -22,7 +22,7 @@ def checkpoint_memory(env, data: str, run_dir: str, cases: list[list[str]]) -> d
 
     from ddpgpt.checkpoint import sharded
     from ddpgpt.checkpoint.saver import Saver, Stager
-    from ddpgpt.optim.optimizer import lr_at
+    from ddpgpt.optim.schedule import Schedule
 
     out = {}
     for mode, optimizer in cases:
@@ -34,7 +34,7 @@ def checkpoint_memory(env, data: str, run_dir: str, cases: list[list[str]]) -> d
                     "bucket_mb": 0.01}})
         for k in range(2):
             t.train_step()
-            t.update(lr_at(k, t.cfg.optim, 2))
+            t.update(Schedule(t.cfg.optim, 2).at(k))
         held, replicated, rest = t.shard_state()
         mine = sharded.share(held, replicated, env.rank, env.world_size)
         written = sum(p.nbytes for p in mine.values())

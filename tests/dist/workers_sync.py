@@ -24,7 +24,7 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
 
     from ddpgpt.config.io import build
     from ddpgpt.guard.health import Guard, StopSignal
-    from ddpgpt.optim.optimizer import lr_at
+    from ddpgpt.optim.schedule import Schedule
     from ddpgpt.run.preflight import preflight
     from ddpgpt.trainer import Trainer
 
@@ -62,7 +62,7 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
             loss, norm = t.train_step()
             losses.append((dist.all_reduce(env, loss.detach().clone()) / env.world_size).item())
             norms.append(norm.item())
-            t.update(lr_at(k, t.cfg.optim, steps))
+            t.update(Schedule(t.cfg.optim, steps).at(k))
             per_step.append(list(issued))
             t.step += 1
         return losses, norms, per_step
@@ -123,7 +123,7 @@ def muon_modes(env, data: str, run_dir: str, steps: int, modes: list[str],
     the same weights. `chain` ({mode, first, last, load, save}): steps first..last under `mode`,
     from the checkpoint state at `load` (None: from scratch), its state saved to `save`."""
     from ddpgpt.optim import muon
-    from ddpgpt.optim.optimizer import lr_at
+    from ddpgpt.optim.schedule import Schedule
 
     real, calls = muon.newton_schulz, []
 
@@ -148,7 +148,7 @@ def muon_modes(env, data: str, run_dir: str, steps: int, modes: list[str],
             calls.clear()
             loss, _ = t.train_step()
             losses.append((dist.all_reduce(env, loss.detach().clone()) / env.world_size).item())
-            t.update(lr_at(k, t.cfg.optim, steps))
+            t.update(Schedule(t.cfg.optim, steps).at(k))
             t.step += 1
             per_step.append(dist.all_gather(env, torch.tensor([len(calls)])).flatten().tolist())
         return losses, per_step

@@ -21,7 +21,8 @@ from ddpgpt import optim
 from ddpgpt.config.schema import ModelConfig, OptimConfig
 from ddpgpt.dist.group import DistEnv
 from ddpgpt.model import GPT
-from ddpgpt.optim.muon import Matrices, momentum_at, newton_schulz, ns_cost, plan
+from ddpgpt.optim.muon import Matrices, newton_schulz, ns_cost, plan
+from ddpgpt.optim.schedule import momentum_at
 from ddpgpt.sync.base import Sync
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,18 +1,22 @@
-"""Parameter groups, the optimizer against torch.optim.AdamW built by hand, and the LR schedule
-against its closed form. (Muon's groups and step: test_muon.py.)"""
+"""Parameter groups, the optimizer against torch.optim.AdamW built by hand, and the LR schedules
+(cosine, wsd, constant) against their closed forms, wsd extended on resume. (Muon's groups and
+step: test_muon.py.)"""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
-from ddpgpt.config.schema import ModelConfig, OptimConfig
+from ddpgpt.config.schema import ModelConfig, OptimConfig, RunConfig, TrainConfig
 from ddpgpt.dist.group import DistEnv
 from ddpgpt.model import GPT
-from ddpgpt.optim.optimizer import Optimizer, groups, lr_at, set_lr
+from ddpgpt.optim.optimizer import Optimizer, groups, set_lr
+from ddpgpt.optim.schedule import Rates, Schedule, lr_at, momentum_at
+from ddpgpt.run.resume import Start, settle
 from ddpgpt.sync.base import Sync
 from tests.helpers import SMALL
 
@@ -146,3 +150,55 @@ def test_lr_at_is_a_pure_function():
     first = [lr_at(step, CFG, TOTAL) for step in range(TOTAL)]
     backwards = [lr_at(step, CFG, TOTAL) for step in reversed(range(TOTAL))][::-1]
     assert first == backwards == [lr_at(step, CFG, TOTAL) for step in range(TOTAL)]
+
+
+# ---- wsd and constant, and a wsd run extended on resume ---------------------------------------
+
+WSD = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, schedule="wsd", decay_fraction=0.2)
+
+
+def test_wsd_is_flat_then_linear_to_min_lr_over_the_last_fraction():
+    lrs = [lr_at(step, WSD, 100) for step in range(100)]
+    assert lrs[:10] == [lr_at(step, CFG, TOTAL) for step in range(10)]  # cosine's warmup
+    assert lrs[10:80] == [1e-3] * 70  # flat up to the decay's first step, 100 - 20 = 80
+    for step in range(80, 100):  # linear over the last 20 steps, down to min_lr at the last
+        assert lrs[step] == pytest.approx(1e-3 - 9e-4 * (step - 79) / 20, rel=1e-12)
+    assert lrs[99] == 1e-4 and lr_at(150, WSD, 100) == 1e-4
+
+
+def test_constant_is_flat_after_warmup():
+    cfg = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, schedule="constant")
+    assert [lr_at(s, cfg, 100) for s in range(10, 300)] == [1e-3] * 290
+
+
+def _resumed(cfg: OptimConfig, saved_steps: int, at: int, steps: int) -> OptimConfig:
+    """The optim config a run started with run.steps = saved_steps, checkpointed at step `at`
+    and resumed with run.steps = steps trains with (resume.settle on the checkpoint's meta)."""
+    first = settle(TrainConfig(optim=cfg, run=RunConfig(steps=saved_steps)), Start())
+    meta = {"step": at, "config": first.to_dict()}
+    return settle(TrainConfig(optim=cfg, run=RunConfig(steps=steps)),
+                  Start(Path("ckpt"), meta)).optim
+
+
+def test_wsd_resumed_in_its_flat_phase_with_more_steps_stays_flat_and_decays_at_the_new_end():
+    resumed = _resumed(WSD, saved_steps=100, at=50, steps=300)
+    before = [lr_at(s, settle(TrainConfig(optim=WSD, run=RunConfig(steps=100)), Start()).optim,
+                    100) for s in range(50)]
+    after = [lr_at(s, resumed, 300) for s in range(50, 300)]
+    assert before[10:] == [1e-3] * 40
+    assert after[:190] == [1e-3] * 190  # no re-warming, no jump: flat to step 240 = 300 - 60
+    assert after[190] < 1e-3 and after[-1] == 1e-4
+    # Resumed inside its decay, or as a cosine, the schedule keeps its first length.
+    assert _resumed(WSD, 100, 85, 300).decay_steps == 100
+    assert _resumed(CFG, 100, 50, 300).decay_steps == 100
+    # Fewer steps whose decay would begin before the resume point: kept as well (no jump).
+    assert _resumed(WSD, 100, 50, 60).decay_steps == 100
+
+
+def test_schedule_applies_the_rollback_factor_at_every_step():
+    factor = [1.0]
+    schedule = Schedule(WSD, 100, lambda: factor[0])
+    assert schedule.at(40) == Rates(1e-3, momentum_at(40, WSD))
+    assert schedule.at(150) == Rates(1e-4, 0.95)  # momentum warmed up by step 100
+    factor[0] = 0.25
+    assert schedule.at(40).lr == 0.25e-3 and schedule.at(0).momentum == WSD.muon_momentum_start

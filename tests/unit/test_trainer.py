@@ -10,8 +10,11 @@ import torch
 from ddpgpt.config.io import build
 from ddpgpt.dist.group import DistEnv
 from ddpgpt.guard.health import Guard, StopSignal
+from ddpgpt.optim.schedule import Rates
 from ddpgpt.run.preflight import preflight
 from ddpgpt.trainer import Trainer
+
+LR = Rates(1e-3, 0.95)  # every update here: lr 1e-3, Muon momentum 0.95
 
 
 def make(tiny_data, tmp_path, optim: dict | None = None, **run) -> Trainer:
@@ -34,7 +37,7 @@ def test_skipped_step_with_a_loss_scaler_lets_the_next_step_run(tiny_data, tmp_p
     trainer.train_step()
     trainer.skip_update()  # the guard saw a non-finite loss on some rank
     trainer.train_step()   # raised before the fix
-    trainer.update(1e-3)
+    trainer.update(LR)
     steps = {int(s["step"]) for s in trainer.optimizer.state_dict()["state"].values()}
     assert steps == {1}  # one update: the skipped step made none
     assert all(p.grad is None for p in trainer.raw.parameters())
@@ -45,7 +48,7 @@ def test_state_dict_round_trip(tiny_data, tmp_path, one_thread):
     first = make(tiny_data, tmp_path)
     for _ in range(3):
         first.train_step()
-        first.update(1e-3)
+        first.update(LR)
         first.step += 1
     state = copy.deepcopy(first.state_dict())  # as from disk: no tensor shared with `first`
     second = make(tiny_data, tmp_path)
@@ -54,7 +57,7 @@ def test_state_dict_round_trip(tiny_data, tmp_path, one_thread):
     losses = []
     for trainer in (first, second):
         loss, _ = trainer.train_step()
-        trainer.update(1e-3)
+        trainer.update(LR)
         losses.append(loss)
     assert torch.equal(losses[0], losses[1])
     for a, b in zip(first.raw.parameters(), second.raw.parameters()):
@@ -98,7 +101,7 @@ def test_settings_changed_on_resume_are_applied(tiny_data, tmp_path, one_thread,
     first = make(tiny_data, tmp_path, optim)
     for _ in range(2):
         first.train_step()
-        first.update(1e-3)
+        first.update(LR)
         first.step += 1
     state = copy.deepcopy(first.state_dict())
     resumed = {}
@@ -112,7 +115,7 @@ def test_settings_changed_on_resume_are_applied(tiny_data, tmp_path, one_thread,
         for key, entry in saved.items():
             assert all(torch.equal(entry[k], live[key][k]) for k in entry), (name, key)
         trainer.train_step()
-        trainer.update(1e-3)
+        trainer.update(LR)
         resumed[name] = torch.cat([p.detach().flatten() for p in trainer.raw.parameters()])
     assert (resumed["same"] - resumed["changed"]).abs().max() > 1e-4  # the change took effect
 
@@ -127,7 +130,7 @@ def test_a_checkpoint_without_one_of_the_models_tensors_is_refused(tiny_data, tm
 
     first = make(tiny_data, tmp_path)
     first.train_step()
-    first.update(1e-3)
+    first.update(LR)
     first.step += 1
     saver = Saver(first.env, tmp_path / "run" / "checkpoints", None, "t", keep=2)
     held, replicated, rest = first.shard_state()

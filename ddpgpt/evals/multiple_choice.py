@@ -1,0 +1,130 @@
+"""Multiple-choice accuracy, as llm.c's dev/data/hellaswag.py defines it for HellaSwag.
+
+For each ending, the context's tokens then the tokens of " " + ending (no end-of-text token
+first) go through the model; the ending's tokens are scored by their cross-entropy given
+everything before them. The ending with the lowest mean per-token loss is the prediction of
+`acc_norm`, the lowest sum that of `acc` (GPT-2 124M: 0.2955 and 0.2859 on HellaSwag's
+validation set, as llm.c reports). `acc_char` divides the sum by the ending's length in
+characters instead, which is how lm-evaluation-harness normalizes its acc_norm (0.3114 for GPT-2
+124M there; its HellaSwag also cleans the text first, which is not done here). A context and
+ending longer than the model's block keep their last block_size tokens.
+
+Any number of processes: rank r scores examples r, r + W, r + 2W, ...; one all-reduce sums the
+counts, so the result is the same at any W. Each example is one forward of its endings (a batch
+of E rows, padded to the longest), whatever W is: the losses do not depend on what else is in a
+batch. Every rank runs the same number of forwards (a rank short of examples repeats one
+without counting it), so a sharded model whose forward gathers parameters (fsdp2) cannot hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ddpgpt import dist
+from ddpgpt.evals.tasks import Example, Task
+
+
+@dataclass
+class Rendered:
+    """One example ready for the model: every ending's row."""
+    inputs: torch.Tensor   # (E, L) token ids, padded with 0
+    targets: torch.Tensor  # (E, L) the ending's tokens where they are predicted, -1 elsewhere
+    label: int
+    chars: tuple[int, ...]  # each ending's length in characters (acc_char)
+
+
+def render(example: Example, tokenizer, block_size: int) -> Rendered:
+    """Context tokens then " " + ending tokens, one row per ending, the last block_size tokens
+    of each kept; inputs are a row's tokens but the last, targets its tokens but the first."""
+    ctx, *endings = tokenizer.encode_batch([example.ctx, *(" " + e for e in example.endings)])
+    rows = []
+    for end in endings:
+        tokens = [*ctx.tolist(), *end.tolist()][-block_size:]
+        scored = min(len(end), len(tokens) - 1)  # the first token kept has no prediction
+        unscored = len(tokens) - 1 - scored
+        rows.append((tokens[:-1], [-1] * unscored + tokens[unscored + 1:]))
+    width = max(len(inputs) for inputs, _ in rows)
+    inputs = torch.tensor([x + [0] * (width - len(x)) for x, _ in rows], dtype=torch.long)
+    targets = torch.tensor([y + [-1] * (width - len(y)) for _, y in rows], dtype=torch.long)
+    return Rendered(inputs, targets, example.label, tuple(len(e) for e in example.endings))
+
+
+@torch.no_grad()
+def ending_losses(model: torch.nn.Module, r: Rendered, device: torch.device,
+                  autocast=contextlib.nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, count) of each ending's per-token cross-entropy, float64, shape (E,)."""
+    inputs, targets = r.inputs.to(device), r.targets.to(device)
+    with autocast():
+        logits, _ = model(inputs)  # (E, L, V)
+    losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1,
+                             reduction="none").view(targets.shape)  # (E, L), 0 where ignored
+    return losses.double().sum(1), (targets >= 0).sum(1)
+
+
+def correct(sums: torch.Tensor, counts: torch.Tensor, r: Rendered) -> tuple[int, int, int]:
+    """(acc_norm, acc, acc_char) of one example: 1 where that rule picks the label. A tie goes
+    to the first ending, as torch's argmin (and llm.c's) does."""
+    chars = torch.tensor(r.chars, dtype=torch.float64, device=sums.device)
+    picks = ((sums / counts).argmin(), sums.argmin(), (sums / chars).argmin())
+    return tuple(int(p.item() == r.label) for p in picks)
+
+
+class Scorer:
+    """One or more tasks, each rank holding its rendered share (rendered once; scored at every
+    evaluation during training)."""
+
+    def __init__(self, tasks: list[Task], tokenizer, block_size: int, env: dist.DistEnv):
+        self.env, self.names, self.sizes, self.shares = env, [], [], []
+        for task in tasks:
+            mine = task.examples[env.rank::env.world_size]
+            self.names.append(task.name)
+            self.sizes.append(len(task.examples))
+            # A rank without examples renders the first one for its uncounted forwards.
+            self.shares.append([render(e, tokenizer, block_size)
+                                for e in (mine or task.examples[:1])])
+
+    def score(self, model: torch.nn.Module, autocast=contextlib.nullcontext,
+              progress: bool = False) -> dict:
+        """{NAME_acc_norm, NAME_acc, NAME_acc_char, NAME_n, NAME_s} for every task: collective
+        (one all-reduce per task). Call it on the unwrapped model, on every rank. `progress`: a
+        bar on rank 0 (`ddpgpt eval`)."""
+        was_training = model.training
+        model.eval()
+        out = {}
+        try:
+            for name, size, share in zip(self.names, self.sizes, self.shares):
+                start = time.perf_counter()
+                counts = self._count(model, share, size, autocast, progress and name)
+                n = int(counts[3].item())
+                out.update({f"{name}_acc_norm": counts[0].item() / n,
+                            f"{name}_acc": counts[1].item() / n,
+                            f"{name}_acc_char": counts[2].item() / n, f"{name}_n": n,
+                            f"{name}_s": time.perf_counter() - start})
+        finally:
+            model.train(was_training)
+        return out
+
+    def _count(self, model, share: list[Rendered], size: int, autocast,
+               bar: str | bool) -> torch.Tensor:
+        env = self.env
+        mine = len(range(env.rank, size, env.world_size))  # examples this rank counts
+        totals = torch.zeros(4, dtype=torch.float64, device=env.device)  # norm, sum, char, n
+        steps = range(math.ceil(size / env.world_size))  # the same forwards on every rank
+        if bar and env.is_main:
+            steps = tqdm(steps, desc=bar, unit="question",
+                         mininterval=0.1 if sys.stderr.isatty() else 5.0, dynamic_ncols=True)
+        for i in steps:
+            r = share[i] if i < mine else share[0]
+            sums, lengths = ending_losses(model, r, env.device, autocast)
+            if i < mine:
+                totals += torch.tensor([*correct(sums, lengths, r), 1], dtype=torch.float64,
+                                       device=env.device)
+        return dist.all_reduce(env, totals)

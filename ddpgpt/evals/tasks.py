@@ -1,0 +1,182 @@
+"""Multiple-choice task files: a jsonl with one example per line, `{"ctx": str, "endings": [str,
+...], "label": int}` (HellaSwag's shape; PIQA, ARC or a user's own set converted to it).
+
+HellaSwag's validation set is downloaded once into a cache (DDPGPT_CACHE_DIR, else
+~/.cache/ddpgpt) from the HellaSwag repository at a fixed commit and checked against its content
+hash before use. The hash is git's blob id of the file (a SHA-1 over "blob SIZE\\0" and the
+bytes: the id GitHub lists for it in that commit), so it is checked against the publisher's own
+record rather than against a copy someone once downloaded. Offline, the error names the URL and
+--task-data.
+
+A bad file is one line naming FILE:LINE and what is wrong there; nothing is scored from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddpgpt.errors import DataError, UserError
+
+HELLASWAG = "hellaswag"
+HELLASWAG_COMMIT = "a29ff8e9a04bba4bd6588223785ce105328adc57"
+HELLASWAG_URL = ("https://raw.githubusercontent.com/rowanz/hellaswag/"
+                 f"{HELLASWAG_COMMIT}/data/hellaswag_val.jsonl")
+HELLASWAG_BLOB = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"  # git ls-tree of that commit
+HELLASWAG_EXAMPLES = 10_042
+NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class Example:
+    """One question: the context, its candidate endings and the index of the right one."""
+    ctx: str
+    endings: tuple[str, ...]
+    label: int
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    source: str  # the file the examples came from
+    examples: tuple[Example, ...]
+
+
+def check_name(name: str, flag: str) -> None:
+    """A task name makes metric keys (NAME_acc_norm): lower-case letters, digits and _."""
+    if not NAME.fullmatch(name):
+        raise UserError(f"{flag}: task name {name!r} must be lower-case letters, digits and _, "
+                        "starting with a letter (it names the metrics: NAME_acc_norm, ...)")
+
+
+def pairs(names: str, files: str, flag: str, data_flag: str) -> list[tuple[str, str]]:
+    """(name, file) for each comma-separated task, with its file from the comma-separated
+    `files` in the same order ('' for hellaswag: the cached download). One file may be given
+    for one task."""
+    tasks = [n.strip() for n in names.split(",") if n.strip()]
+    given = [f.strip() for f in files.split(",")] if files else []
+    if given and len(given) != len(tasks):
+        raise UserError(f"{data_flag} names {len(given)} file(s) for the {len(tasks)} task(s) of "
+                        f"{flag}; give one per task, in order (empty for hellaswag's download)")
+    out = []
+    for i, name in enumerate(tasks):
+        check_name(name, flag)
+        path = given[i] if given else ""
+        if not path and name != HELLASWAG:
+            raise UserError(f"{flag} {name}: only hellaswag downloads itself; give the task's "
+                            f"jsonl (ctx, endings, label per line) with {data_flag} FILE")
+        out.append((name, path))
+    if len({n for n, _ in out}) != len(out):
+        raise UserError(f"{flag} {names}: a task is named twice")
+    return out
+
+
+def load(name: str, path: str, limit: int = 0) -> Task:
+    """The task's examples (the first `limit`, 0: all) from `path`, or from HellaSwag's cached
+    download when `path` is empty."""
+    file = Path(path) if path else hellaswag_file()
+    return Task(name, str(file), tuple(read(file, limit)))
+
+
+def read(path: Path, limit: int = 0) -> list[Example]:
+    """Every example of a jsonl file, checked line by line (see `example`)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such task file; give a jsonl with ctx, endings and label "
+                        "on each line") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    out = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            out.append(example(line, f"{path}:{number}"))
+            if limit and len(out) == limit:
+                break
+    if not out:
+        raise DataError(f"{path}: no examples; give a jsonl with one "
+                        '{"ctx": ..., "endings": [...], "label": ...} per line')
+    return out
+
+
+def example(line: str, where: str) -> Example:
+    """One line as an Example, or one line of error naming FILE:LINE."""
+    def bad(what: str) -> DataError:
+        return DataError(f"{where}: {what}; each line must be "
+                         '{"ctx": "...", "endings": ["...", ...], "label": INDEX}')
+    try:
+        row = json.loads(line)
+    except ValueError as e:
+        raise bad(f"not JSON ({e})") from None
+    if not isinstance(row, dict):
+        raise bad(f"a JSON {type(row).__name__}, not an object")
+    missing = [k for k in ("ctx", "endings", "label") if k not in row]
+    if missing:
+        raise bad(f"missing field {', '.join(missing)}")
+    ctx, endings, label = row["ctx"], row["endings"], row["label"]
+    if not isinstance(ctx, str):
+        raise bad(f"ctx is a {type(ctx).__name__}, not a string")
+    if not ctx.strip():
+        raise bad("ctx is empty (the endings are scored given it)")
+    if not isinstance(endings, list) or len(endings) < 2 or \
+            not all(isinstance(e, str) for e in endings):
+        raise bad("endings must be a list of at least 2 strings")
+    empty = [i for i, e in enumerate(endings) if not e.strip()]
+    if empty:
+        raise bad(f"ending {empty[0]} is empty")
+    # bool is an int in Python; a label of true is a mistake, not index 1. HellaSwag's own
+    # files hold the label as an int; a string of digits is accepted as the same index.
+    if isinstance(label, str) and label.isdigit():
+        label = int(label)
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
+        raise bad(f"label {label!r} is not an index into the {len(endings)} endings "
+                  f"(0 to {len(endings) - 1})")
+    return Example(ctx, tuple(endings), label)
+
+
+# ---- HellaSwag's validation set, downloaded once -----------------------------------------------
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DDPGPT_CACHE_DIR") or Path.home() / ".cache" / "ddpgpt")
+
+
+def blob_id(data: bytes) -> str:
+    """git's id of a file's content: SHA-1 of b"blob SIZE\\0" + content."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def hellaswag_file() -> Path:
+    """The cached validation jsonl, downloaded and checked first if it is not there yet."""
+    path = cache_dir() / "hellaswag_val.jsonl"
+    if path.is_file():
+        if blob_id(path.read_bytes()) != HELLASWAG_BLOB:
+            raise DataError(f"{path}: not HellaSwag's validation set (its content hash is not "
+                            f"{HELLASWAG_BLOB}); delete it to download it again")
+        return path
+    try:
+        with urllib.request.urlopen(HELLASWAG_URL, timeout=60) as response:
+            data = response.read()
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise DataError(f"cannot download HellaSwag's validation set from {HELLASWAG_URL} "
+                        f"({reason}); download that file where there is a network and give it "
+                        "with --task-data FILE") from None
+    if blob_id(data) != HELLASWAG_BLOB:
+        raise DataError(f"{HELLASWAG_URL}: the download is not HellaSwag's validation set (its "
+                        f"content hash is not {HELLASWAG_BLOB}); nothing was cached; try again, "
+                        "or give the file with --task-data FILE")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # whole or absent: concurrent ranks each rename a full copy
+    except OSError as e:
+        raise UserError(f"{path.parent}: cannot cache HellaSwag there ({e.strerror}); set "
+                        "DDPGPT_CACHE_DIR to a directory you can write to") from None
+    return path
