@@ -127,7 +127,8 @@ COMMANDS = {
 # What `train --help` lists; --help-all lists every flag (each works either way).
 TRAIN_LISTED = {"data.dir", "run.dir", "run.steps", "run.device", "run.resume", "run.sync",
                 "run.precision", "run.compile", "run.eval_every", "run.checkpoint_every",
-                "run.tracker", "run.seed", "optim.name", "optim.lr",
+                "run.tracker", "run.seed", "optim.name", "optim.lr", "optim.schedule",
+                "run.eval_tasks", "run.target_val_loss",
                 "data.global_batch", "data.micro_batch", "model.init_from"}
 TRAIN_EXAMPLES = """examples:
   ddpgpt train --data data/stdlib --preset tiny --nproc 2

@@ -30,9 +30,9 @@ def sampling_threads(work: float) -> int:
 
 def run(cfg: SampleConfig) -> None:
     run_dir = RunDir(cfg.run_dir)
-    tok = load_tokenizer(run_dir.path, json.loads(run_dir.data_meta.read_text())["tokenizer"])
     device = dist.resolve_device(cfg.device, 0)
-    model, found = load_model(run_dir, device)
+    model, found = load_model(run_dir, device)  # first: a run without a checkpoint says so
+    tok = load_tokenizer(run_dir.path, json.loads(run_dir.data_meta.read_text())["tokenizer"])
     train_cfg, meta = found.config, found.meta
     torch.set_num_threads(cfg.threads or sampling_threads(model.num_params(False) *
                                                           cfg.num_samples))
