@@ -5,7 +5,8 @@
 Three panels: train loss (smoothed, the raw rows faint behind it) and val loss against optimizer
 steps, the same against tokens, and tokens/s against steps; a fourth with each multiple-choice
 task's acc_norm against steps when a run scored any (run.eval_tasks). A star marks where a run
-reached its run.target_val_loss. One colour per run, named once in a
+reached its run.target_val_loss; vertical lines on the first panel mark where a run stopped, started
+again with other settings, or rolled back past a loss spike. One colour per run, named once in a
 legend above the panels (the run dir, its optimizer, sync mode and world size, from config.json
 and the newest checkpoint); solid lines are train loss, circles val loss. The picture goes next
 to the first run (runs/NAME -> runs/NAME.png) unless --out says otherwise: a file (.png, .pdf or
@@ -35,6 +36,7 @@ from ddpgpt.files import describe
 from ddpgpt.run.run_dir import RunDir
 
 FORMATS = (".png", ".pdf", ".svg")
+MARKS = {"stopped": {"ls": "--"}, "restarted": {"ls": "-."}, "rolled back": {"ls": ":"}}
 
 
 def load_run(path: str) -> dict:
@@ -70,7 +72,24 @@ def load_run(path: str) -> dict:
                      if _number(r.get("tokens")) and r["step"] > 0), None)
     targets = [r for r in rows if r.get("event") == "target" and _number(r.get("val_loss"))]
     return {"label": _label(run, path), "train": train, "val": val, "tokens_per_step": per_step,
-            "target": targets[-1] if targets else None}
+            "target": targets[-1] if targets else None, "marks": marks(run, rows)}
+
+
+def marks(run: RunDir, rows: list[dict]) -> dict[str, list[int]]:
+    """The steps where the run's story turned: it stopped (a stop row: a signal, an error) and
+    started again from a checkpoint, started with other settings (configs.jsonl), or rolled back
+    past a loss spike (drawn at the spike)."""
+    starts = []
+    if run.configs.is_file():
+        for line in run.configs.read_text().splitlines():
+            try:
+                starts.append(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return {"stopped": sorted({r["step"] for r in rows if r.get("event") == "stop"}),
+            "restarted": sorted({s for s in starts if s > 0}),
+            "rolled back": sorted({r.get("spike_step", r["step"]) for r in rows
+                                   if r.get("event") == "rollback"})}
 
 
 def task_names(runs: list[dict]) -> list[str]:
@@ -169,6 +188,9 @@ def draw(runs: list[dict], beta: float | None, fmt: str) -> bytes:
                 axis.plot(run["target"]["step"] * scale, run["target"]["val_loss"], "*",
                           color=colour, ms=16, mec="black", mew=0.8)
                 axis.axvline(run["target"]["step"] * scale, color=colour, ls=":", lw=1)
+        for kind, style in MARKS.items():
+            for step in run["marks"][kind]:
+                by_step.axvline(step, color=colour, alpha=0.6, lw=1, **style)
         speeds = [r.get("tokens_per_s") for r in train]
         speed.plot(steps, [v if _number(v) else math.nan for v in speeds], color=colour)
         for k, task in enumerate(tasks):
@@ -198,6 +220,8 @@ def draw(runs: list[dict], beta: float | None, fmt: str) -> bytes:
                for i, run in enumerate(runs)]
     handles += [Line2D([], [], color="0.3", lw=1.6, label="train loss (smoothed)"),
                 Line2D([], [], color="0.3", marker="o", ls="", ms=5, label="val loss")]
+    handles += [Line2D([], [], color="0.3", lw=1, alpha=0.6, label=kind, **style)
+                for kind, style in MARKS.items() if any(run["marks"][kind] for run in runs)]
     if any(run["target"] for run in runs):
         handles.append(Line2D([], [], color="0.3", marker="*", ls="", ms=12, mec="black",
                               label="target val loss reached"))

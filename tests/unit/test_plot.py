@@ -164,3 +164,25 @@ def test_the_picture_holds_the_runs_numbers(tmp_path, monkeypatch):
     np.testing.assert_allclose(val.get_ydata(), [8 - s / 9 for s in (4, 8, 12)])
     np.testing.assert_array_equal(by_tokens.lines[0].get_xdata(), [4096 * s for s in steps])
     np.testing.assert_allclose(speed.lines[0].get_ydata(), [2000.0 + s for s in steps])
+
+
+def test_stops_restarts_and_rollbacks_are_marked(tmp_path, monkeypatch):
+    """Vertical lines on the steps panel where the run stopped (a stop row), started again with
+    other settings (configs.jsonl) and rolled back (at the spike), one legend entry each."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    a = fake_run(tmp_path / "a", "adamw")
+    rewrite_rows(a, lambda rows: rows + [
+        {"step": 8, "event": "stop", "message": "stopped", "exit_code": 75},
+        {"step": 10, "event": "rollback", "spike_step": 15, "checkpoint_step": 10}])
+    (a / "configs.jsonl").write_text('{"step": 0, "config": {}}\n{"step": 12, "config": {}}\n')
+    main(["plot", str(a)])
+    by_step = figures[0].axes[0]
+    vertical = {(line.get_xdata()[0], str(line.get_linestyle())) for line in by_step.lines
+                if len(set(line.get_xdata())) == 1 and len(line.get_xdata()) == 2}
+    assert vertical == {(8, "--"), (12, "-."), (15, ":")}
+    labels = [t.get_text() for t in figures[0].legends[0].get_texts()]
+    assert {"stopped", "restarted", "rolled back"} <= set(labels)
