@@ -169,10 +169,10 @@ class Guard:
         said = (f"The checkpoint {suspect[0]} was written after the trouble began (the update "
                 f"before step {first} may be its cause), and a plain rerun would resume from it; "
                 if suspect else "")
-        if good:
-            return (f"{said}the newest healthy checkpoint is {good[-1]}: to resume from it, run "
-                    f"the same command with --resume {good[-1]}")
-        return f"{said}no checkpoint before it is known healthy: --reset starts over"
+        advice = (f"the newest healthy checkpoint is {good[-1]}: to resume from it, run the same "
+                  f"command with --resume {good[-1]}" if good else
+                  "no checkpoint before it is known healthy: --reset starts over")
+        return said + advice if said else advice[0].upper() + advice[1:]  # a new sentence
 
     def on_nonfinite(self, step: int, bad: list[int]) -> None:
         """Every rank takes the same branch: raise (stop) or count a skipped step."""

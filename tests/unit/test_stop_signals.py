@@ -41,5 +41,18 @@ def test_the_nonfinite_stop_advises_what_is_not_already_on(on_nonfinite, lr_fiel
                   StopSignal(announce=False), lr_fields)
     with pytest.raises(DistError) as e:
         guard.on_nonfinite(4, [1])
-    assert str(e.value).endswith(f"no checkpoint before it is known healthy: --reset starts "
+    assert str(e.value).endswith(f"No checkpoint before it is known healthy: --reset starts "
                                  f"over; {advice}")
+
+
+def test_the_healthy_checkpoint_advice_is_a_sentence_of_its_own(tmp_path):
+    """Without a suspect checkpoint the advice starts the sentence (after "... step. ")."""
+    from ddpgpt.config.schema import RunConfig
+    from ddpgpt.dist.group import DistEnv
+    from ddpgpt.guard.health import Guard
+
+    (tmp_path / "step_0000001").mkdir()
+    guard = Guard(DistEnv(), RunConfig(), StopSignal(announce=False), "optim.lr", tmp_path)
+    assert guard.healthy_checkpoint(5) == (
+        f"The newest healthy checkpoint is {tmp_path / 'step_0000001'}: to resume from it, run "
+        f"the same command with --resume {tmp_path / 'step_0000001'}")
