@@ -1,0 +1,175 @@
+"""The encode-and-assemble loop of `prepare`, resumable, for a whole corpus, a part, or a merge.
+
+Its state lives in the partial directory: `settings.json` (what is being prepared: sources and
+their sizes and times, tokenizer, every setting that changes a byte), `units/` (finished units
+not yet in the shards, see units.py) and `progress.json` (the assembler's state, saved every
+`COMMIT_SECONDS` after the shards it counts are on the disk). A run that finds them continues:
+units already in the shards are skipped, finished ones are not encoded again, and the shards are
+cut back to the length progress.json records. The unit of progress is one unit (`formats.py`:
+at most ~8 MB of text files or jsonl, one parquet row group, one compressed jsonl file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ddpgpt.data import units as unitfiles
+from ddpgpt.data.assemble import Assembler
+from ddpgpt.data.formats import Plan, Unit, llmc_array
+from ddpgpt.errors import UserError
+
+COMMIT_SECONDS = 2.0
+AHEAD_PER_WORKER = 4  # units encoded ahead of the assembler, per worker: bounds the disk used
+
+
+def check_settings(tmp: Path, settings: dict, out: Path) -> bool:
+    """Records `settings` in a new partial; in one left by an earlier run, refuses other
+    settings. Returns whether there is earlier progress to continue."""
+    path = tmp / "settings.json"
+    if not path.is_file():
+        _write_json(path, settings)
+        return False
+    old = json.loads(path.read_text())
+    if old != settings:
+        changed = _first_difference(old, settings)
+        raise UserError(f"--out {out}: {tmp} holds an unfinished prepare of other sources or "
+                        f"settings ({changed}); run that command again to finish it, or remove "
+                        f"{tmp} (rm -r) to start over")
+    return True
+
+
+def _first_difference(old: dict, new: dict) -> str:
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            if key in ("plan", "stamps"):
+                return "the source files changed" if key == "stamps" else "the sources changed"
+            return f"{key}: {old.get(key)} -> {new.get(key)}"
+    return "unknown"
+
+
+def _write_json(path: Path, value) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, separators=(",", ":")))
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Build:
+    """One prepare's units -> shards (or, for a part, -> unit files), resumable."""
+
+    def __init__(self, tmp: Path, plan: Plan, asm: Assembler | None, workers: int,
+                 encoder_args: tuple, owned: range | None = None):
+        self.tmp, self.plan, self.asm = tmp, plan, asm
+        self.work = tmp / "units"
+        self.work.mkdir(exist_ok=True)
+        self.workers, self.encoder_args = workers, encoder_args
+        self.owned = owned if owned is not None else range(len(plan.units))
+        self.sources: dict[int, Path] = {}  # a merge: the part directory of each unit
+        self.progress = tmp / "progress.json"
+        if asm is not None and self.progress.is_file():
+            asm.load_state_dict(json.loads(self.progress.read_text()))
+
+    @property
+    def done(self) -> int:
+        """Units finished: in the shards, or (a part) encoded."""
+        if self.asm is not None:
+            return self.asm.units
+        return sum(unitfiles.is_done(self.work, i) for i in self.owned)
+
+    def run(self) -> None:
+        """Encodes the units still to do and assembles them in order."""
+        start = self.asm.units if self.asm else 0
+        todo = [(i, u) for i, u in enumerate(self.plan.units) if i in self.owned and i >= start
+                and u.kind != "llmc" and i not in self.sources
+                and not unitfiles.is_done(self.work, i)]
+        workers = max(1, min(self.workers, len(todo)))
+        bar = tqdm(total=len(self.owned), initial=self.done, unit="unit", desc="prepare",
+                   disable=None)
+        encoder = unitfiles.Encoder(workers, *self.encoder_args) if todo else None
+        ahead = workers * AHEAD_PER_WORKER
+        try:
+            if encoder is not None:
+                limit = (lambda i: i < self.asm.units + ahead) if self.asm else (lambda i: True)
+                for _ in encoder.run(iter(todo), limit):
+                    if self.asm is None:
+                        bar.update(1)
+                    elif self._assemble_ready(bar):
+                        break
+            if self.asm is not None:
+                self._assemble_ready(bar)
+                self._commit(force=True)
+        finally:
+            if encoder is not None:
+                encoder.close()
+            bar.close()
+
+    def _assemble_ready(self, bar) -> bool:
+        """Appends every unit that is ready, in order; True once --max-tokens is reached."""
+        units = self.plan.units
+        while self.asm.units < len(units) and not self.asm.full:
+            index = self.asm.units
+            unit = units[index]
+            if unit.kind == "llmc":
+                self.asm.add(llmc_array(unit.paths[0]), {"split": unit.split})
+            else:
+                work = self.sources.get(index, self.work)
+                if not unitfiles.is_done(work, index):
+                    return False
+                tokens, record = unitfiles.read_unit(work, index)
+                self.asm.add(tokens, record)
+                del tokens
+            bar.update(1)
+            self._commit()
+        return self.asm.full
+
+    def _commit(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - getattr(self, "_last", 0.0) < COMMIT_SECONDS:
+            return
+        self._last = now
+        self.asm.sync()
+        _write_json(self.progress, self.asm.state_dict())
+        if not self.sources:  # our own unit files: in the shards now, not needed again
+            for index in range(getattr(self, "_dropped", 0), self.asm.units):
+                for path in unitfiles.unit_paths(self.work, index):
+                    path.unlink(missing_ok=True)
+            self._dropped = self.asm.units
+
+    def restart_assembly(self) -> None:
+        """Before a step that rewrites shards in place: from here a kill starts the assembly
+        over (the units' tokens are gone, so they are encoded again)."""
+        self.progress.unlink(missing_ok=True)
+
+    def clean(self) -> None:
+        """Removes the resume state once the output is complete."""
+        shutil.rmtree(self.work, ignore_errors=True)
+        for name in ("progress.json", "settings.json", "lock"):
+            (self.tmp / name).unlink(missing_ok=True)
+
+
+def part_range(n_units: int, part: tuple[int, int]) -> range:
+    """Part I of N: a contiguous 1/N of the units (by index), the same on every machine."""
+    i, n = part
+    return range((i - 1) * n_units // n, i * n_units // n)
+
+
+def unit_records(plan: Plan) -> list[dict]:
+    return [{"kind": u.kind, "paths": list(u.paths), "start": u.start, "end": u.end,
+             "split": u.split} for u in plan.units]
+
+
+def plan_from_records(records: list[dict], files: list[dict]) -> Plan:
+    return Plan([Unit(r["kind"], tuple(r["paths"]), r["start"], r["end"], r["split"])
+                 for r in records], files, None)
+
+
+def describe_progress(build: Build, total: int) -> str:
+    return f"{build.done} of {total} units done"
+
