@@ -172,9 +172,6 @@ def test_hf_source_without_extra(monkeypatch, tmp_path):
      "end-of-text); use e.g. --vocab-size 4096"),
     (["{corpus}", "--out", "{tmp}/o", "--val-fraction", "1.5"],
      "invalid config: --val-fraction 1.5 must be between 0 and 1"),
-    (["{tmp}/onedoc", "--out", "{tmp}/o", "--tokenizer", "byte"],
-     "the training split is empty (1 documents, --val-fraction 0.01); give more documents or "
-     "change --val-fraction"),
     (["{corpus}", "--out", "{tmp}/o", "--tokenizer", "wordpiece"],
      "invalid config: prepare.tokenizer = 'wordpiece'; choose one of bpe, byte, gpt2"),
     (["--verify", "{tmp}/missing"],
