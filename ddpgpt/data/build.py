@@ -73,14 +73,18 @@ class Build:
         self.owned = owned if owned is not None else range(len(plan.units))
         self.sources: dict[int, Path] = {}  # a merge: the part directory of each unit
         self.progress = tmp / "progress.json"
+        self.committed = 0  # units in the shards that progress.json counts
         if asm is not None and self.progress.is_file():
             asm.load_state_dict(json.loads(self.progress.read_text()))
+            self.committed = asm.units
+        self._last, self._dropped = 0.0, self.committed
 
     @property
     def done(self) -> int:
-        """Units finished: in the shards, or (a part) encoded."""
+        """Units whose work a kill now would not lose: in the shards that progress.json
+        counts, or (a part) encoded."""
         if self.asm is not None:
-            return self.asm.units
+            return self.committed
         return sum(unitfiles.is_done(self.work, i) for i in self.owned)
 
     def run(self) -> None:
@@ -131,13 +135,14 @@ class Build:
 
     def _commit(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - getattr(self, "_last", 0.0) < COMMIT_SECONDS:
+        if not force and now - self._last < COMMIT_SECONDS:
             return
         self._last = now
         self.asm.sync()
         _write_json(self.progress, self.asm.state_dict())
+        self.committed = self.asm.units
         if not self.sources:  # our own unit files: in the shards now, not needed again
-            for index in range(getattr(self, "_dropped", 0), self.asm.units):
+            for index in range(self._dropped, self.asm.units):
                 for path in unitfiles.unit_paths(self.work, index):
                     path.unlink(missing_ok=True)
             self._dropped = self.asm.units

@@ -64,10 +64,11 @@ def run(cfg: PrepareConfig) -> None:
     start = time.perf_counter()
     made: list[Path] = []
     with CleanExit(lambda: _stopped(tmp, out, job)) as signals, ExitStack() as stack:
-        make_partial(out, tmp, made)
-        stack.enter_context(Lock(tmp, out))
-        finished = False
+        finished = locked = False
         try:
+            make_partial(out, tmp, made)
+            stack.enter_context(Lock(tmp, out))
+            locked = True
             summary = _build(cfg, job, tmp, out)
             finished = True
             check_out(out, cfg.force)
@@ -75,13 +76,18 @@ def run(cfg: PrepareConfig) -> None:
             stack.close()  # (the lock goes with the partial's name)
             publish(tmp, out)  # between its two renames would lose the old --out
         finally:
-            if finished or job.get("read") or not job.get("build") or job["build"].done == 0:
+            if locked and (finished or job.get("read") or _nothing_done(job)):
                 shutil.rmtree(tmp, ignore_errors=True)  # nothing to continue
+            if not tmp.exists():
                 for path in reversed(made):  # parents made for a run that leaves nothing
                     with suppress(OSError):  # behind; rmdir removes only empty directories
                         path.rmdir()
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 1e6
     print(summary(out, time.perf_counter() - start, size))
+
+
+def _nothing_done(job: dict) -> bool:
+    return job.get("build") is None or job["build"].done == 0
 
 
 def _stopped(tmp: Path, out: Path, job: dict) -> str:
