@@ -12,7 +12,7 @@ import pytest
 from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.data import output, prepare
 from ddpgpt.data.shards import TokenDataset
-from tests.helpers import kill_tree, run_cli
+from tests.helpers import kill_tree
 
 
 def wait_for(predicate, timeout=30.0):
