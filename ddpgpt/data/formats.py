@@ -353,11 +353,12 @@ def _jsonl_lines(unit: Unit) -> Iterator[tuple[int, bytes]]:
 
 
 def _line_number(unit: Unit, number: int) -> int:
-    """The line's number in its file: lines before the unit's block are counted only here."""
+    """The line's number in its file: lines before the unit's block are counted only here. The
+    block's first line starts after the first newline at or after byte start - 1."""
     if unit.start <= 0:
         return number
     with open(unit.paths[0], "rb") as f:
-        return _count_newlines(f, unit.start) + number
+        return _count_newlines(f, unit.start - 1) + 1 + number
 
 
 def _count_newlines(f, limit: int) -> int:
