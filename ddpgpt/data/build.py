@@ -32,6 +32,7 @@ def check_settings(tmp: Path, settings: dict, out: Path) -> bool:
     """Records `settings` in a new partial; in one left by an earlier run, refuses other
     settings. Returns whether there is earlier progress to continue."""
     path = tmp / "settings.json"
+    settings = json.loads(json.dumps(settings))  # as read back: lists for tuples
     if not path.is_file():
         _write_json(path, settings)
         return False
@@ -45,10 +46,12 @@ def check_settings(tmp: Path, settings: dict, out: Path) -> bool:
 
 
 def _first_difference(old: dict, new: dict) -> str:
+    if old.get("stamps") != new.get("stamps") and old.get("sources") == new.get("sources"):
+        return "the source files changed"
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
-            if key in ("plan", "stamps"):
-                return "the source files changed" if key == "stamps" else "the sources changed"
+            if key in ("plan", "stamps", "sources"):
+                return "the sources changed"
             return f"{key}: {old.get(key)} -> {new.get(key)}"
     return "unknown"
 
@@ -124,7 +127,9 @@ class Build:
                 self.asm.add(llmc_array(unit.paths[0]), {"split": unit.split})
             else:
                 work = self.sources.get(index, self.work)
-                if not unitfiles.is_done(work, index):
+                if not unitfiles.is_done(work, index):  # waiting for the workers: a good
+                    if self.asm.units > self.committed:  # moment to save what is there
+                        self._commit(force=True)
                     return False
                 tokens, record = unitfiles.read_unit(work, index)
                 self.asm.add(tokens, record)

@@ -73,6 +73,7 @@ class Plan:
     units: list[Unit] = field(default_factory=list)
     files: list[dict] = field(default_factory=list)  # the document order, for meta.json
     text_bytes: int | None = 0  # size of the inputs (None: a streamed source)
+    stamps: list = field(default_factory=list)  # each file's size and time: changed inputs
 
     @property
     def llmc(self) -> bool:
@@ -109,15 +110,17 @@ def plan(corpus: sources.Corpus, text_field: str) -> Plan:
         group, group_bytes = [], 0
 
     for part in corpus.parts:
+        close_group()  # a unit never spans two sources
         if isinstance(part, tuple):
-            close_group()
             out.units.append(Unit("hf", tuple(part)))
             out.files.append({"hf": ":".join(p or "" for p in part)})
             out.text_bytes = None
             continue
         for path in part:
             kind, size = file_kind(path), path.stat().st_size
-            record = {"path": str(path), "bytes": size, "mtime_ns": path.stat().st_mtime_ns}
+            record = {"path": str(path), "bytes": size}
+            regular = path.is_file()  # a pipe's size and time say nothing of its contents
+            out.stamps.append([size, path.stat().st_mtime_ns] if regular else None)
             if out.text_bytes is not None:
                 out.text_bytes += size
             if kind == "text":

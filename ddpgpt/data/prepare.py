@@ -63,6 +63,7 @@ def run(cfg: PrepareConfig) -> None:
     job = _merge_job(cfg) if cfg.merge else _source_job(cfg, out, tmp)
     start = time.perf_counter()
     made: list[Path] = []
+    job["earlier"] = tmp.is_dir()  # a partial of an earlier run: never removed here
     with CleanExit(lambda: _stopped(tmp, out, job)) as signals, ExitStack() as stack:
         finished = locked = False
         try:
@@ -87,6 +88,8 @@ def run(cfg: PrepareConfig) -> None:
 
 
 def _nothing_done(job: dict) -> bool:
+    if job["earlier"]:
+        return False
     return job.get("build") is None or job["build"].done == 0
 
 
@@ -118,7 +121,7 @@ def _source_job(cfg: PrepareConfig, out: Path, tmp: Path) -> dict:
                             "stream; give --max-tokens to the --merge instead")
     settings = {
         "sources": corpus.specs, "plan": formats.plan_record(plan),
-        "stamps": [f.get("mtime_ns") for f in plan.files], "tokenizer": tok["identity"],
+        "stamps": plan.stamps, "tokenizer": tok["identity"],
         "val_fraction": cfg.val_fraction, "shard_tokens": cfg.shard_tokens,
         "text_field": cfg.text_field, "skip_bad_rows": cfg.skip_bad_rows,
         "max_tokens": cfg.max_tokens, "part": cfg.part, "bpe_train_mb": cfg.bpe_train_mb,
@@ -193,7 +196,7 @@ def _merge_job(cfg: PrepareConfig) -> dict:
     settings = {"merge": [str(d.resolve()) for d in dirs], "val_fraction": cfg.val_fraction,
                 "shard_tokens": cfg.shard_tokens, "max_tokens": cfg.max_tokens}
     return {"plan": plan, "tok": tok, "settings": settings, "specs": first["specs"],
-            "owners": owners, "merged": [str(d) for d in dirs]}
+            "owners": owners, "text_field": first["settings"]["text_field"]}
 
 
 # --- the build -----------------------------------------------------------------------------
@@ -280,10 +283,8 @@ def _finish_dataset(cfg: PrepareConfig, job: dict, tok, dtype: str, tmp: Path, b
     split_how = "llm.c files" if llmc else "tokens" if note else "documents"
     source = {"specs": job["specs"], "order": ORDER, "files": job["plan"].files,
               "val_fraction": cfg.val_fraction, "split": split_how,
-              "text_field": cfg.text_field, "max_tokens": cfg.max_tokens,
+              "text_field": job.get("text_field", cfg.text_field), "max_tokens": cfg.max_tokens,
               "stats": _stats(asm)}
-    if "merged" in job:
-        source["merged_parts"] = len(job["merged"])
     meta = make_meta(tok, dtype, shards, source, None if llmc else asm.bytes)
     if not llmc:
         tok.save(tmp)

@@ -1,6 +1,7 @@
 """`ddpgpt prepare` stopped by a signal keeps its progress in the partial directory (and says so),
 or removes it when nothing was done yet; publishing is never cut in two."""
 
+import json
 import os
 import signal
 import subprocess
@@ -30,8 +31,8 @@ def write_corpus(root, mb=12):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
 def test_a_signal_keeps_the_progress_and_exits_128_plus_its_number(tmp_path, signum):
-    """The signal comes once the first unit is in the shards; the last source is a FIFO that
-    nobody writes, so the prepare is still running whenever it lands. SIGTERM exits 143."""
+    """The signal comes once the corpus's two units are in the shards; the last source is a FIFO
+    that nobody writes, so the prepare is still running whenever it lands. SIGTERM exits 143."""
     write_corpus(tmp_path / "corpus")
     fifo = tmp_path / "never-ends"
     os.mkfifo(fifo)
@@ -41,14 +42,15 @@ def test_a_signal_keeps_the_progress_and_exits_128_plus_its_number(tmp_path, sig
                             stderr=subprocess.PIPE, text=True)
     partial = tmp_path / ".o.partial"
     try:
-        wait_for(lambda: (partial / "progress.json").is_file())
+        progress = partial / "progress.json"  # both units of the corpus in, the FIFO's not
+        wait_for(lambda: progress.is_file() and json.loads(progress.read_text())["units"] == 2)
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=30)
     finally:
         kill_tree(proc.pid)
     assert proc.returncode == 128 + signum
     assert err == (f"ddpgpt: stopped: {signum.name} before prepare finished; its progress is kept "
-                   f"in {partial} (1 of 2 units done; --out {out} is unchanged): run the same "
+                   f"in {partial} (2 of 3 units done; --out {out} is unchanged): run the same "
                    "command again to continue\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".o.partial", "corpus", "never-ends"]
     assert (partial / "progress.json").is_file()
