@@ -85,10 +85,14 @@ class Build:
     @property
     def done(self) -> int:
         """Units whose work a kill now would not lose: in the shards that progress.json
-        counts, or (a part) encoded."""
-        if self.asm is not None:
-            return self.committed
-        return sum(unitfiles.is_done(self.work, i) for i in self.owned)
+        counts (read from it: a signal may land between its write and our note of it), or (a
+        part) encoded."""
+        if self.asm is None:
+            return sum(unitfiles.is_done(self.work, i) for i in self.owned)
+        try:
+            return int(json.loads(self.progress.read_text())["units"])
+        except (OSError, ValueError, KeyError):
+            return 0
 
     def run(self) -> None:
         """Encodes the units still to do and assembles them in order."""
