@@ -14,13 +14,12 @@ from ddpgpt.data import formats, prepare
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.errors import UserError
-from tests.helpers import REPO, json_error, run_cli
+from tests.helpers import TIKTOKEN_GPT2, json_error, run_cli
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 zstandard = pytest.importorskip("zstandard")
 
-TIKTOKEN = REPO.parent / "shared" / "data" / "tiktoken-gpt2"
 
 
 def docs_named(prefix, n):
@@ -278,10 +277,9 @@ def test_tokenizer_from_a_dataset_or_a_run_reuses_its_tokenizer(tmp_path, capsys
                             "(meta.json) nor a run directory (data_meta.json); give one of them")
 
 
-@pytest.mark.skipif(not TIKTOKEN.is_dir(), reason="GPT-2's tokenizer files are not in ../shared")
-def test_gpt2_on_parquet_is_tiktokens_encoding(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN))
-    import tiktoken
+@pytest.mark.skipif(not TIKTOKEN_GPT2.is_dir(), reason="GPT-2's files are not in ../shared")
+def test_gpt2_on_parquet_is_tiktokens_encoding(tmp_path, capsys):
+    import tiktoken  # TIKTOKEN_CACHE_DIR: tests/conftest.py
 
     docs = docs_named("gpt2", 12)
     write_parquet(tmp_path / "a.parquet", docs, row_group_size=5)
