@@ -75,6 +75,7 @@ class Build:
         self.workers, self.encoder_args = workers, encoder_args
         self.owned = owned if owned is not None else range(len(plan.units))
         self.sources: dict[int, Path] = {}  # a merge: the part directory of each unit
+        self.local_tok = None  # the tokenizer of this process, for one worker
         self.progress = tmp / "progress.json"
         self.committed = 0  # units in the shards that progress.json counts
         if asm is not None and self.progress.is_file():
@@ -103,7 +104,8 @@ class Build:
         workers = max(1, min(self.workers, len(todo)))
         bar = tqdm(total=len(self.owned), initial=self.done, unit="unit", desc="prepare",
                    disable=None)
-        encoder = unitfiles.Encoder(workers, *self.encoder_args) if todo else None
+        encoder = unitfiles.Encoder(workers, *self.encoder_args, local=self.local_tok) \
+            if todo else None
         ahead = workers * AHEAD_PER_WORKER
         try:
             if encoder is not None:

@@ -216,7 +216,7 @@ def _build(cfg: PrepareConfig, job: dict, tmp: Path, out: Path):
     owned = part_range(len(plan.units), part) if part else None
     build = Build(tmp, plan, asm, workers, (spec, dtype, tmp / "units", cfg.text_field,
                                             cfg.skip_bad_rows), owned)
-    build.sources = job.get("owners", {})
+    build.sources, build.local_tok = job.get("owners", {}), tok
     job["build"] = build
     if resumed and build.done:
         print(f"continuing the prepare in {tmp}: {build.done} of {len(build.owned)} units done"
@@ -239,7 +239,7 @@ def _tokenizer(cfg: PrepareConfig, job: dict, tmp: Path):
             shutil.copyfile(Path(info["dir"]) / "tokenizer.json", tmp / "tokenizer.json")
         return load_tokenizer(tmp, "bpe")
     if info["kind"] != "bpe":
-        return TokenizerSpec(info["kind"])() if info["kind"] == "byte" else _gpt2()
+        return TokenizerSpec(info["kind"])()
     if (tmp / "tokenizer.json").is_file():
         return load_tokenizer(tmp, "bpe")
     tok = BPETokenizer.train(_training_texts(job["plan"], cfg), cfg.vocab_size,
@@ -250,11 +250,6 @@ def _tokenizer(cfg: PrepareConfig, job: dict, tmp: Path):
     os.replace(staging / "tokenizer.json", tmp / "tokenizer.json")
     staging.rmdir()
     return tok
-
-
-def _gpt2():
-    from ddpgpt.data.tokenizer import GPT2Tokenizer
-    return GPT2Tokenizer()
 
 
 def _training_texts(plan: formats.Plan, cfg: PrepareConfig):

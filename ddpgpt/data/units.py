@@ -99,12 +99,13 @@ class Encoder:
     the order they finish. One worker encodes on this process (no spawn, no pipes)."""
 
     def __init__(self, workers: int, make_tok, dtype: str, work: Path, text_field: str,
-                 skip_bad: bool):
+                 skip_bad: bool, local=None):
+        """`local`: the tokenizer this process already has, for one worker."""
         self.args = (dtype, str(work), text_field, skip_bad)
         self.make_tok, self.work = make_tok, work
         self.procs: list = []
         self.conns: list = []
-        self._tok = make_tok() if workers == 1 else None
+        self._tok = (local or make_tok()) if workers == 1 else None
         if workers > 1:
             ctx = multiprocessing.get_context("spawn")
             for _ in range(workers):

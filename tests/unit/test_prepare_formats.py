@@ -11,6 +11,7 @@ import pytest
 
 from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.data import formats, prepare
+from ddpgpt.data.loader import TokenStream
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.errors import UserError
@@ -193,6 +194,12 @@ def test_llmc_shards_are_taken_as_their_tokens(tmp_path, capsys):
     assert (ds.tokenizer, ds.vocab_size, ds.eot_id) == ("gpt2", 50257, 50256)
     assert ds.meta["source"]["split"] == "llm.c files"
     assert "3 llm.c shards, 1,000 tokens (800 train, 200 val), gpt2" in capsys.readouterr().out
+    # The training windows are slices of exactly those tokens (shard boundaries included).
+    stream = TokenStream(ds, "train", 99)
+    rows = np.zeros((stream.num_windows, 100), dtype=np.int64)
+    stream.read(np.arange(stream.num_windows), rows)
+    for w, row in enumerate(rows):
+        np.testing.assert_array_equal(row, train[w * 99:w * 99 + 100])
 
 
 def test_bad_llmc_shards_are_one_line_each(tmp_path):
