@@ -1,10 +1,10 @@
-"""A corpus's documents: resolving `prepare`'s sources (stdlib, files, directories, globs,
-hf:NAME) and reading each document as text, in pieces of at most `PIECE_CHARS` when it is long.
+"""Resolving `prepare`'s sources (stdlib, files, directories, globs, hf:NAME) into a `Corpus`,
+and reading a text file's document: its bytes, or its text in pieces of at most `PIECE_CHARS`.
 
-Invalid UTF-8 is decoded with replacement; files with NUL bytes are skipped as binary, empty ones
-as empty (both counted in `Stats`). A long document is scanned for NUL bytes first and decoded
-incrementally; `_cut_point` cuts before a space or newline that starts a word whenever the piece
-has one, so that tokens change only where a piece had to be cut inside a word.
+Invalid UTF-8 is decoded with replacement (counted); files with NUL bytes are binary (the caller
+skips them). A long file is scanned for NUL bytes first and decoded incrementally; `_cut_point`
+cuts before a space or newline that starts a word whenever the piece has one, so that tokens
+change only where a piece had to be cut inside a word. formats.py turns a corpus into units.
 """
 
 from __future__ import annotations
@@ -62,36 +62,18 @@ def _decode_counted(blocks: Iterable[bytes], stats, whole: bool = True):
 
 
 def _decode_pairs(blocks: Iterable[bytes]) -> Iterator[tuple[str, bytes]]:
+    """(text, block): UTF-8 decoding with replacement, exactly as of the whole: a character or
+    an invalid sequence cut by a block boundary is completed from the next block."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for block in blocks:
         yield decoder.decode(block), block
     yield decoder.decode(b"", final=True), b""
 
 
-def _read(path: Path) -> Iterator[str] | None:
-    """The file's text in chunks (invalid UTF-8 replaced), or None when it holds a NUL byte. A file
-    larger than a piece is scanned for NUL first, then decoded as it is read, never whole."""
-    if path.stat().st_size <= PIECE_CHARS:  # most files: one read
-        data = path.read_bytes()
-        return None if b"\x00" in data else iter([data.decode("utf-8", errors="replace")])
-    if any(b"\x00" in block for block in _blocks(path)):
-        return None
-    return _decode(_blocks(path))
-
-
 def _blocks(path: Path) -> Iterator[bytes]:
     with open(path, "rb") as f:
         while block := f.read(PIECE_CHARS):
             yield block
-
-
-def _decode(blocks: Iterator[bytes]) -> Iterator[str]:
-    """UTF-8 decoding with replacement, exactly as of the whole: a character or an invalid
-    sequence cut by a block boundary is completed from the next block."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for block in blocks:
-        yield decoder.decode(block)
-    yield decoder.decode(b"", final=True)
 
 
 def cut(chunks: Iterable[str], size: int) -> Iterator[str]:

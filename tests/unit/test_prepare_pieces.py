@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.data import prepare, sources, tokenizer, units
+from ddpgpt.data.formats import UnitStats
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import EOT_TEXT, BPETokenizer, load_tokenizer
 
@@ -73,14 +74,19 @@ def test_byte_stream_is_the_files_bytes_whatever_the_pieces(tmp_path, monkeypatc
 
 
 def test_read_decodes_in_chunks_exactly_like_whole(tmp_path, monkeypatch):
-    """Invalid UTF-8 and characters cut by a chunk boundary decode as in one piece."""
+    """Invalid UTF-8 and characters cut by a chunk boundary decode as in one piece, and the
+    replacements counted are those of the whole (a real U+FFFD in the file is not one)."""
     monkeypatch.setattr(sources, "PIECE_CHARS", 7)
     rng = random.Random(1)
     for trial in range(50):
-        data = random_bytes(rng, UTF8_SOUP, rng.randrange(1, 100))
+        data = random_bytes(rng, UTF8_SOUP + [b"\xef\xbf\xbd"], rng.randrange(1, 100))
         path = tmp_path / f"{trial}.txt"
         path.write_bytes(data)
-        assert "".join(sources._read(path)) == data.decode("utf-8", "replace")
+        stats = UnitStats()
+        text = "".join(sources.read_bytes_or_text(path, False, stats))
+        assert text == data.decode("utf-8", "replace")
+        assert stats.replaced == text.count("\ufffd") - data.count(b"\xef\xbf\xbd")
+        assert b"".join(sources.read_bytes_or_text(path, True, stats)) == data
 
 
 WORDS = ["ab", " ", "\n", "  ", "\t", "x'", "'s", "9", "\u2713", "!!", "\r\n", "\u00a0", "\u2003",
