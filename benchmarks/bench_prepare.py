@@ -9,7 +9,8 @@ library's files at random (seeded), written as 4 parquet files of row groups of 
 - ddpgpt: `ddpgpt prepare CORPUS --tokenizer gpt2 --workers k` (reading, encoding, the shards);
 - baseline: what llm.c's fineweb.py does: tiktoken's `encode_ordinary` for each document (EOT
   first) in `multiprocessing.Pool(k).imap(..., chunksize=16)`, uint16 arrays written to one file;
-- bpe: `ddpgpt prepare --tokenizer bpe` (trained on its first --bpe-train-mb), all cores;
+- bpe: `ddpgpt prepare --tokenizer bpe` (trained on its first --bpe-train-mb, training
+  included), all cores, on a quarter of the corpus (1 file);
 - memory: ddpgpt gpt2 at all cores on a quarter of the corpus (1 file) and on all of it (4x).
 
 It reports tokens/s, tokens/s per core and the peak resident memory of the whole process tree
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -133,8 +135,12 @@ def _rss(pid: int) -> int:
     return 0
 
 
-def measure(argv: list[str], cores: list[int], env: dict) -> tuple[float, int, str]:
-    """Runs argv pinned to `cores`; returns (seconds, peak RSS of its tree in bytes, stdout)."""
+def measure(argv: list[str], cores: list[int], env: dict) -> tuple[float, float, int, str]:
+    """Runs argv pinned to `cores`; returns (seconds, CPU seconds of its tree, peak RSS of its
+    tree in bytes, stdout). The CPU seconds are those of every process of the tree that was
+    waited for (both tools join their workers): on a shared machine, where other work takes
+    turns on the same cores, they measure the work itself."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, preexec_fn=lambda: os.sched_setaffinity(0, cores))
@@ -146,7 +152,9 @@ def measure(argv: list[str], cores: list[int], env: dict) -> tuple[float, int, s
     out, err = proc.communicate()
     if proc.returncode != 0:
         raise SystemExit(f"bench_prepare: {' '.join(argv[:6])} ... failed:\n{err}")
-    return seconds, peak, out
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return seconds, cpu, peak, out
 
 
 def _prepare_tokens(out: Path) -> int:
@@ -163,24 +171,25 @@ def run_cases(a, files: list[Path], env: dict) -> list[dict]:
         out = work / f"out-{label}"
         argv = [py, "-m", "ddpgpt", "prepare", *sources, "--tokenizer", tokenizer,
                 "--workers", str(k), "--out", str(out), "--force", *extra]
-        seconds, peak, _ = measure(argv, allowed[:k], env)
-        rows.append({"case": label, "cores": k, "seconds": seconds, "peak_rss": peak,
-                     "tokens": _prepare_tokens(out)})
+        seconds, cpu, peak, _ = measure(argv, allowed[:k], env)
+        rows.append({"case": label, "cores": k, "seconds": seconds, "cpu_s": cpu,
+                     "peak_rss": peak, "tokens": _prepare_tokens(out)})
         shutil.rmtree(out)  # only the corpus is kept between runs
 
     def base(k):
         argv = [py, "-m", "benchmarks.bench_prepare", "--baseline", str(k), "--out",
                 str(work / "baseline.bin"), *names]
-        seconds, peak, out = measure(argv, allowed[:k], env)
-        rows.append({"case": "baseline gpt2", "cores": k, "seconds": seconds, "peak_rss": peak,
-                     "tokens": json.loads(out)["tokens"]})
+        seconds, cpu, peak, out = measure(argv, allowed[:k], env)
+        rows.append({"case": "baseline gpt2", "cores": k, "seconds": seconds, "cpu_s": cpu,
+                     "peak_rss": peak, "tokens": json.loads(out)["tokens"]})
         (work / "baseline.bin").unlink()
 
     for k in sorted({1, len(allowed)}):
         for _ in range(a.repeats):  # alternated: a busy moment of the machine hits both
             base(k)
             ours(f"ddpgpt gpt2 {k}", k, names)
-    ours("ddpgpt bpe", len(allowed), names, "bpe", ["--bpe-train-mb", str(a.bpe_train_mb)])
+    ours("ddpgpt bpe 1/4 corpus", len(allowed), names[:1], "bpe",
+         ["--bpe-train-mb", str(a.bpe_train_mb)])
     ours("ddpgpt gpt2 1/4 corpus", len(allowed), names[:1])
     return rows
 
@@ -196,15 +205,15 @@ def best(rows: list[dict]) -> list[dict]:
 
 
 def report(rows: list[dict]) -> None:
-    print(f"{'case':<26} {'cores':>5} {'seconds':>8} {'Mtok/s':>7} {'Mtok/s/core':>11} "
-          f"{'peak RSS MB':>11}")
+    print(f"{'case':<24} {'cores':>5} {'seconds':>8} {'Mtok/s':>7} {'per core':>8} "
+          f"{'CPU s':>6} {'Mtok/CPU s':>10} {'peak RSS MB':>11}")
     for r in rows:
         rate = r["tokens"] / r["seconds"] / 1e6
         r["tokens_per_s"] = r["tokens"] / r["seconds"]
-        label = r["case"] if not r["case"].startswith("ddpgpt gpt2 ") or "1/4" in r["case"] \
-            else "ddpgpt gpt2"
-        print(f"{label:<26} {r['cores']:>5} {r['seconds']:>8.1f} {rate:>7.2f} "
-              f"{rate / r['cores']:>11.2f} {r['peak_rss'] / 1e6:>11.0f}")
+        label = "ddpgpt gpt2" if r["case"] == f"ddpgpt gpt2 {r['cores']}" else r["case"]
+        print(f"{label:<24} {r['cores']:>5} {r['seconds']:>8.1f} {rate:>7.2f} "
+              f"{rate / r['cores']:>8.2f} {r['cpu_s']:>6.1f} "
+              f"{r['tokens'] / r['cpu_s'] / 1e6:>10.2f} {r['peak_rss'] / 1e6:>11.0f}")
     for k in sorted({r["cores"] for r in rows if r["case"] == "baseline gpt2"}):
         b = next(r for r in rows if r["case"] == "baseline gpt2" and r["cores"] == k)
         o = next(r for r in rows if r["case"] == f"ddpgpt gpt2 {k}")
@@ -212,7 +221,8 @@ def report(rows: list[dict]) -> None:
             raise SystemExit(f"bench_prepare: token counts differ at {k} cores: ddpgpt "
                              f"{o['tokens']:,}, baseline {b['tokens']:,}")
         print(f"ddpgpt / baseline at {k} core{'s' if k > 1 else ''}: "
-              f"{b['seconds'] / o['seconds']:.2f}x ({o['tokens']:,} tokens each)")
+              f"{b['seconds'] / o['seconds']:.2f}x in time, {b['cpu_s'] / o['cpu_s']:.2f}x in CPU "
+              f"({o['tokens']:,} tokens each)")
 
 
 def main() -> None:
