@@ -29,10 +29,12 @@ def write_corpus(root, mb=12):
         (root / f"{i:02d}.txt").write_bytes(b"some text to tokenize\n" * ((1 << 20) // 22 + 1))
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+                         ids=["INT", "TERM", "HUP"])
 def test_a_signal_keeps_the_progress_and_exits_128_plus_its_number(tmp_path, signum):
     """The signal comes once the corpus's two units are in the shards; the last source is a FIFO
-    that nobody writes, so the prepare is still running whenever it lands. SIGTERM exits 143."""
+    that nobody writes, so the prepare is still running whenever it lands. SIGTERM exits 143,
+    Ctrl-C's SIGINT 130."""
     write_corpus(tmp_path / "corpus")
     fifo = tmp_path / "never-ends"
     os.mkfifo(fifo)
