@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from ddpgpt.data import units as unitfiles
 from ddpgpt.data.assemble import Assembler
-from ddpgpt.data.formats import Plan, Unit, llmc_array
+from ddpgpt.data.formats import Plan, llmc_array
 from ddpgpt.errors import UserError
 
 COMMIT_SECONDS = 2.0
@@ -174,18 +174,3 @@ def part_range(n_units: int, part: tuple[int, int]) -> range:
     """Part I of N: a contiguous 1/N of the units (by index), the same on every machine."""
     i, n = part
     return range((i - 1) * n_units // n, i * n_units // n)
-
-
-def unit_records(plan: Plan) -> list[dict]:
-    return [{"kind": u.kind, "paths": list(u.paths), "start": u.start, "end": u.end,
-             "split": u.split} for u in plan.units]
-
-
-def plan_from_records(records: list[dict], files: list[dict]) -> Plan:
-    return Plan([Unit(r["kind"], tuple(r["paths"]), r["start"], r["end"], r["split"])
-                 for r in records], files, None)
-
-
-def describe_progress(build: Build, total: int) -> str:
-    return f"{build.done} of {total} units done"
-

@@ -27,6 +27,7 @@ trained first, on at most `bpe_train_mb` of the corpus.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -161,7 +162,6 @@ def tokenizer_from(path: Path) -> tuple[str, Path]:
 
 def _merge_job(cfg: PrepareConfig) -> dict:
     """Part directories -> the plan they share, checked to be all N parts of one prepare."""
-    import glob
     dirs = sorted({Path(m) for spec in cfg.sources
                    for m in (sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec])})
     if not dirs:
@@ -177,8 +177,8 @@ def _merge_job(cfg: PrepareConfig) -> dict:
     first = next(iter(parts.values()))
     n = first["part"][1]
     for d, part in parts.items():
-        if {k: v for k, v in part.items() if k not in ("part", "units_done")} != \
-                {k: v for k, v in first.items() if k not in ("part", "units_done")}:
+        if {k: v for k, v in part.items() if k != "part"} != \
+                {k: v for k, v in first.items() if k != "part"}:
             raise UserError(f"--merge: {d} is a part of another prepare (other sources or "
                             f"settings) than {dirs[0]}; merge the parts of one prepare")
     have = sorted(p["part"][0] for p in parts.values())
@@ -187,9 +187,8 @@ def _merge_job(cfg: PrepareConfig) -> dict:
         what = (f"parts {missing} of {n} are missing" if missing
                 else f"a part is given twice ({have})")
         raise UserError(f"--merge: {what}; give each part directory once")
-    plan = formats.Plan(first["plan_units"], first["files"], first["text_bytes"])
-    plan.units = [formats.Unit(u["kind"], tuple(u["paths"]), u["start"], u["end"], u["split"])
-                  for u in first["plan_units"]]
+    units = [formats.Unit(**{**u, "paths": tuple(u["paths"])}) for u in first["plan_units"]]
+    plan = formats.Plan(units, first["files"], first["text_bytes"])
     tok = {"kind": first["tokenizer"], "dir": dirs[0], "identity": first["identity"]}
     owners = {i: d / "units" for d, p in parts.items()
               for i in part_range(len(plan.units), tuple(p["part"]))}
