@@ -96,12 +96,12 @@ def _nothing_done(job: dict) -> bool:
 
 def _stopped(tmp: Path, out: Path, job: dict) -> str:
     build = job.get("build")
-    if build is None or build.done == 0:
+    if _nothing_done(job):
         return (f"before prepare finished, with nothing done yet (--out {out} is unchanged); "
                 "run the same command again to prepare it")
-    return (f"before prepare finished; its progress is kept in {tmp} ({build.done} of "
-            f"{len(build.owned)} units done; --out {out} is unchanged): run the same command "
-            "again to continue")
+    done = f"{build.done} of {len(build.owned)} units done; " if build else ""
+    return (f"before prepare finished; its progress is kept in {tmp} ({done}--out {out} is "
+            "unchanged): run the same command again to continue")
 
 
 # --- what is prepared --------------------------------------------------------------------
