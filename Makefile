@@ -42,6 +42,7 @@ bench: $(STAMP) data
 	$(PY) -m benchmarks.bench_train --data $(DATA)
 	$(PY) -m ddpgpt bench --nproc $(NPROC) --data $(DATA) --repeats 3 --out bench
 	$(PY) -m benchmarks.scaling --out bench/scaling.png
+	$(PY) -m benchmarks.bench_prepare --work bench/prepare --json bench/prepare.json
 
 # Style (ruff) and the house's one direction (import-linter's contracts in pyproject.toml).
 lint: $(STAMP)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -9,8 +10,11 @@ import pytest
 
 from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.data import prepare
+from tests.helpers import TIKTOKEN_GPT2
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
+if TIKTOKEN_GPT2.is_dir():  # GPT-2's files for tiktoken, offline (tests and their subprocesses)
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_GPT2))
 CORPUS = ["textwrap.py", "shlex.py", "bisect.py", "heapq.py", "fnmatch.py", "glob.py",
           "colorsys.py", "keyword.py"]
 

@@ -15,11 +15,33 @@ class PrepareConfig:
 
     sources: list[str] = field(default_factory=list)
     """Corpus sources: `stdlib` (default), files, directories, globs, or
-    hf:NAME[:CONFIG][:SPLIT]."""
+    hf:NAME[:CONFIG][:SPLIT]. Files by extension: .parquet, .jsonl, .jsonl.gz, .jsonl.zst,
+    .json.gz (one document per row), llm.c .bin shards (tokens), anything else as text."""
     out: str | None = None
-    """Dataset directory to create (written to a temporary name, renamed when complete)."""
+    """Dataset directory to create (written to .NAME.partial beside it, renamed when complete;
+    the same command continues an interrupted prepare)."""
     tokenizer: str = "bpe"
     """bpe (trained on the corpus), byte (UTF-8 bytes), or gpt2 (tiktoken; needs the hf extra)."""
+    tokenizer_from: str | None = None
+    """Use the tokenizer of this prepared dataset or run directory (data for an existing model);
+    replaces --tokenizer."""
+    text_field: str = "text"
+    """The column (parquet, hf:) or field (jsonl) that holds each document's text."""
+    skip_bad_rows: bool = False
+    """Skip (and count) jsonl lines that are not JSON objects with a string text field, instead
+    of stopping at the first."""
+    workers: int = 0
+    """Processes that read and encode; 0: every core this process may use. The output is
+    the same for any number."""
+    part: str | None = None
+    """I/N: prepare only part I (1..N) of the corpus's units into --out, for N machines; then
+    `prepare --merge PART_DIRS --out DIR` makes the dataset."""
+    merge: bool = False
+    """The sources are the part directories of a `--part I/N` prepare: assemble them into one
+    dataset, identical to a prepare on one machine."""
+    max_tokens: int = 0
+    """Stop after this many tokens of the corpus's stream (train and val together): a fixed
+    prefix of it. 0: all."""
     vocab_size: int = 4096
     """Vocabulary size of the bpe tokenizer, end-of-text included (at least 257)."""
     val_fraction: float = 0.01
@@ -42,6 +64,23 @@ class PrepareConfig:
                  f"--val-fraction {self.val_fraction} must be between 0 and 1")
         _require(self.shard_tokens >= 1, f"--shard-tokens {self.shard_tokens} must be >= 1")
         _require(self.bpe_train_mb >= 1, f"--bpe-train-mb {self.bpe_train_mb} must be >= 1")
+        _require(self.workers >= 0, f"--workers {self.workers} must be >= 0 (0: every core)")
+        _require(self.max_tokens >= 0, f"--max-tokens {self.max_tokens} must be >= 0 (0: all)")
+        _require(bool(self.text_field), "--text-field must name a field")
+        if self.part is not None:
+            i, _, n = self.part.partition("/")
+            _require(i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n),
+                     f"--part {self.part}: expected I/N with 1 <= I <= N, e.g. --part 3/8")
+            _require(not self.merge, "--part and --merge contradict each other: prepare the "
+                     "parts first, then merge them")
+
+    @property
+    def part_of(self) -> tuple[int, int] | None:
+        """--part I/N as (I, N), or None."""
+        if self.part is None:
+            return None
+        i, _, n = self.part.partition("/")
+        return int(i), int(n)
 
 
 @dataclass

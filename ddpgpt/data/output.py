@@ -1,24 +1,21 @@
-"""Where `prepare` writes: checks of --out, the partial directory beside it (and the partials of
-dead prepares), the atomic publish, and a clean exit on SIGTERM or SIGHUP.
+"""Where `prepare` writes: checks of --out, the partial directory beside it, its lock, the
+atomic publish, and a clean exit on SIGINT, SIGTERM or SIGHUP.
 
-Output goes to `.NAME.partial-PID` beside `--out`, renamed to `--out` only when complete. SIGTERM
-and SIGHUP remove the partial and exit 128 + N; a partial left by a prepare that died (SIGKILL,
-power loss) is removed by the next prepare into the same `--out` once its PID is no longer alive.
+Output goes to `.NAME.partial` beside `--out`, renamed to `--out` only when complete. A prepare
+stopped by a signal (exit 128 + N), killed (SIGKILL, power loss) or failed on bad input leaves
+the partial with its progress, and the same command continues from there.
 """
 
 from __future__ import annotations
 
-import glob
+import fcntl
 import os
 import shutil
 import signal
 import threading
 from pathlib import Path
 
-from ddpgpt.errors import UserError, warn
-from ddpgpt.files import pid_alive
-
-PID_LIMIT = 1 << 22  # Linux's largest pid_max: a bigger number in a partial's name is no PID
+from ddpgpt.errors import UserError
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -45,39 +42,46 @@ def _unwritable(out: Path, e: OSError) -> UserError:
                      "can write to")
 
 
+def partial_of(out: Path) -> Path:
+    """Where a prepare into `out` works, beside it: one name per --out, so the same command
+    finds the progress of an earlier run and continues it."""
+    return out.with_name(f".{out.name}.partial")
+
+
 def make_partial(out: Path, tmp: Path, made: list[Path]) -> None:
-    """Creates the missing parents of --out, then the partial directory `tmp`, appending each to
-    `made` (for the clean-up); partials that dead prepares left for this --out go first."""
+    """Creates the missing parents of --out, then the partial directory `tmp` (unless an
+    earlier run left it), appending what it made to `made` (for the clean-up)."""
     try:
         for parent in reversed([p for p in out.parents if not p.exists()]):
             parent.mkdir()
             made.append(parent)
-        _remove_stale_partials(tmp)
-        tmp.mkdir()
-        made.append(tmp)
+        if not tmp.is_dir():
+            tmp.mkdir()
+            made.append(tmp)
     except OSError as e:
         raise _unwritable(out, e) from None
 
 
-def _remove_stale_partials(tmp: Path) -> None:
-    """Removes `.NAME.partial-PID` directories of this --out NAME whose PID is not alive. A PID
-    that is alive keeps its partial, whatever process has it now: a running prepare into this
-    --out never loses its output."""
-    prefix = tmp.name[:tmp.name.rindex("-") + 1]
-    for path in tmp.parent.glob(glob.escape(prefix) + "*"):
-        pid = path.name[len(prefix):]
-        if _stale(pid):
-            shutil.rmtree(path, ignore_errors=True)
-            warn(f"removed {path}, the partial output of a prepare (pid {pid}) "
-                 "that is no longer running")
+class Lock:
+    """An exclusive lock on the partial directory for as long as this prepare runs: a second
+    prepare into the same --out is refused instead of writing the same files. The kernel drops
+    it when the process dies, however it dies."""
 
+    def __init__(self, tmp: Path, out: Path):
+        self.tmp, self.out, self._f = tmp, out, None
 
-def _stale(pid: str) -> bool:
-    """`pid` (from a partial's name) is no running prepare: not alive, or our own, which is
-    about to make its partial and so cannot have one yet."""
-    if not pid.isdigit() or int(pid) >= PID_LIMIT:
-        return False  # not a name prepare makes
-    return int(pid) == os.getpid() or not pid_alive(int(pid))
+    def __enter__(self) -> Lock:
+        self._f = open(self.tmp / "lock", "a+")
+        try:
+            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._f.close()
+            raise UserError(f"--out {self.out}: another prepare is writing it now (into "
+                            f"{self.tmp}); wait for it to finish or stop it") from None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
 
 
 def publish(tmp: Path, out: Path) -> None:
@@ -96,8 +100,8 @@ def publish(tmp: Path, out: Path) -> None:
 
 
 class Terminated(UserError):
-    """prepare stopped by SIGTERM or SIGHUP after removing its partial output; exits 128 + N,
-    as the signal would have."""
+    """prepare stopped by SIGINT, SIGTERM or SIGHUP, its progress kept; exits 128 + N, as the
+    signal would have."""
 
     label = "stopped"
 
@@ -111,14 +115,15 @@ class _Signalled(BaseException):
 
 
 class CleanExit:
-    """For the duration of a `with`: SIGTERM and SIGHUP raise, so `finally` blocks run and remove
-    the partial output (by default the signals end the process on the spot and leave it), and
-    leave the block as `Terminated(message)`. After `hold()` a signal waits instead, and is sent
-    again once the previous handlers are back at the end of the block."""
+    """For the duration of a `with`: SIGINT, SIGTERM and SIGHUP raise, so `finally` blocks run
+    (they stop the workers and keep the progress), and leave the block as
+    `Terminated(message)`. After `hold()` a signal waits instead, and is sent again once the
+    previous handlers are back at the end of the block."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-    def __init__(self, message: str):
+    def __init__(self, message):
+        """`message`: the text after the signal's name, or a callable that returns it then."""
         self.message, self.holding, self.pending = message, False, None
         self._previous: dict = {}
 
@@ -139,7 +144,8 @@ class CleanExit:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         if isinstance(exc, _Signalled):
-            raise Terminated(exc.args[0], self.message) from None
+            message = self.message() if callable(self.message) else self.message
+            raise Terminated(exc.args[0], message) from None
         if self.pending is not None:
             os.kill(os.getpid(), self.pending)
 

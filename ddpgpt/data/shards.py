@@ -68,9 +68,24 @@ class ShardWriter:
         self._f = open(self.path, "wb")
         self._f.write(bytes(HEADER_BYTES))
 
+    @classmethod
+    def reopen(cls, path: str | os.PathLike, dtype: str, count: int) -> ShardWriter:
+        """The writer of an unfinished shard, at its first `count` tokens (the rest dropped)."""
+        self = cls.__new__(cls)
+        self.path, self.dtype, self.count = Path(path), np.dtype(dtype), count
+        self._f = open(self.path, "r+b")
+        self._f.truncate(HEADER_BYTES + count * self.dtype.itemsize)
+        self._f.seek(0, os.SEEK_END)
+        return self
+
     def write(self, tokens: np.ndarray) -> None:
         self._f.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
         self.count += len(tokens)
+
+    def sync(self) -> None:
+        """Everything written so far is on the disk (before progress says it is)."""
+        self._f.flush()
+        os.fsync(self._f.fileno())
 
     def close(self) -> ShardInfo:
         header = _HEADER.pack(MAGIC, FORMAT_VERSION, DTYPE_NAMES[self.dtype.name], self.count)

@@ -1,10 +1,10 @@
-"""A corpus's documents: resolving `prepare`'s sources (stdlib, files, directories, globs,
-hf:NAME) and reading each document as text, in pieces of at most `PIECE_CHARS` when it is long.
+"""Resolving `prepare`'s sources (stdlib, files, directories, globs, hf:NAME) into a `Corpus`,
+and reading a text file's document: its bytes, or its text in pieces of at most `PIECE_CHARS`.
 
-Invalid UTF-8 is decoded with replacement; files with NUL bytes are skipped as binary, empty ones
-as empty (both counted in `Stats`). A long document is scanned for NUL bytes first and decoded
-incrementally; `_cut_point` cuts before a space or newline that starts a word whenever the piece
-has one, so that tokens change only where a piece had to be cut inside a word.
+Invalid UTF-8 is decoded with replacement (counted); files with NUL bytes are binary (the caller
+skips them). A long file is scanned for NUL bytes first and decoded incrementally; `_cut_point`
+cuts before a space or newline that starts a word whenever the piece has one, so that tokens
+change only where a piece had to be cut inside a word. formats.py turns a corpus into units.
 """
 
 from __future__ import annotations
@@ -28,70 +28,46 @@ _WORD_AFTER_SPACE = re.compile(r"\S[\t\n\v\f\r ]")
 
 
 @dataclass
-class Stats:
-    documents: int = 0
-    train_documents: int = 0
-    val_documents: int = 0
-    skipped_binary: int = 0
-    skipped_empty: int = 0
-    text_bytes: int = 0
-
-
-@dataclass
 class Corpus:
     """The resolved sources: local files (listed up front) and streamed HF datasets, in order."""
 
     parts: list = field(default_factory=list)  # each a list[Path] or an (name, config, split) tuple
     specs: list[str] = field(default_factory=list)
 
-    @property
-    def file_bytes(self) -> int | None:
-        """Total size of the local files, or None when a streamed source makes it unknown."""
-        if any(isinstance(p, tuple) for p in self.parts):
-            return None
-        return sum(f.stat().st_size for part in self.parts for f in part)
 
-    def pieces(self, stats: Stats | None = None,
-               limit_bytes: int | None = None) -> Iterator[tuple[bool, str]]:
-        """Every document's text in pieces of at most PIECE_CHARS characters, each with True when
-        it begins a document; binary and empty documents are skipped (counted in `stats`)."""
-        seen = 0
-        for chunks in self._documents():
-            if chunks is None:
-                if stats:
-                    stats.skipped_binary += 1
-                continue
-            first = True
-            for piece in _cut(chunks, PIECE_CHARS):
-                yield first, piece
-                first, seen = False, seen + len(piece)
-                if limit_bytes is not None and seen >= limit_bytes:
-                    return
-            if first and stats:
-                stats.skipped_empty += 1
-
-    def texts(self, limit_bytes: int | None = None) -> Iterator[str]:
-        """The pieces alone: what the bpe tokenizer is trained on."""
-        return (piece for _, piece in self.pieces(limit_bytes=limit_bytes))
-
-    def _documents(self) -> Iterator[Iterable[str] | None]:
-        """Each document as chunks of its text, or None for a binary file."""
-        for part in self.parts:
-            if isinstance(part, tuple):
-                yield from ([text] for text in _hf_texts(*part))
-            else:
-                yield from map(_read, part)
-
-
-def _read(path: Path) -> Iterator[str] | None:
-    """The file's text in chunks (invalid UTF-8 replaced), or None when it holds a NUL byte. A file
-    larger than a piece is scanned for NUL first, then decoded as it is read, never whole."""
+def read_bytes_or_text(path: Path, raw: bool, stats) -> Iterable[str | bytes] | None:
+    """A text file's contents in chunks, or None when it holds a NUL byte (binary). `raw`: its
+    bytes, exactly; else its text, invalid UTF-8 replaced by U+FFFD and counted in
+    `stats.replaced`."""
     if path.stat().st_size <= PIECE_CHARS:  # most files: one read
         data = path.read_bytes()
-        return None if b"\x00" in data else iter([data.decode("utf-8", errors="replace")])
+        if b"\x00" in data:
+            return None
+        return [data] if raw else [_decode_counted([data], stats)]
     if any(b"\x00" in block for block in _blocks(path)):
         return None
-    return _decode(_blocks(path))
+    return _blocks(path) if raw else _decode_counted(_blocks(path), stats, whole=False)
+
+
+def _decode_counted(blocks: Iterable[bytes], stats, whole: bool = True):
+    """`_decode`, counting the U+FFFD it puts in: those in the text less those in the bytes
+    (a U+FFFD cut by a block boundary is found in the previous block's last 2 bytes + this)."""
+    def counted():
+        tail = b""
+        for text, block in _decode_pairs(blocks):
+            stats.replaced += text.count("\ufffd") - (tail + block).count(b"\xef\xbf\xbd")
+            tail = block[-2:]
+            yield text
+    return "".join(counted()) if whole else counted()
+
+
+def _decode_pairs(blocks: Iterable[bytes]) -> Iterator[tuple[str, bytes]]:
+    """(text, block): UTF-8 decoding with replacement, exactly as of the whole: a character or
+    an invalid sequence cut by a block boundary is completed from the next block."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for block in blocks:
+        yield decoder.decode(block), block
+    yield decoder.decode(b"", final=True), b""
 
 
 def _blocks(path: Path) -> Iterator[bytes]:
@@ -100,16 +76,7 @@ def _blocks(path: Path) -> Iterator[bytes]:
             yield block
 
 
-def _decode(blocks: Iterator[bytes]) -> Iterator[str]:
-    """UTF-8 decoding with replacement, exactly as of the whole: a character or an invalid
-    sequence cut by a block boundary is completed from the next block."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for block in blocks:
-        yield decoder.decode(block)
-    yield decoder.decode(b"", final=True)
-
-
-def _cut(chunks: Iterable[str], size: int) -> Iterator[str]:
+def cut(chunks: Iterable[str], size: int) -> Iterator[str]:
     """A document's text, given as chunks of any size, as pieces of 1 to `size` characters. A cut
     in a str falls between characters, so no UTF-8 character is ever split."""
     rest = ""
@@ -124,6 +91,17 @@ def _cut(chunks: Iterable[str], size: int) -> Iterator[str]:
         yield rest
 
 
+_cut = cut
+
+
+def cut_bytes(chunks: Iterable[bytes], size: int) -> Iterator[bytes]:
+    """A document's bytes, given as chunks of any size, as pieces of 1 to `size` bytes (the
+    byte tokenizer: any cut keeps the tokens)."""
+    for chunk in chunks:
+        for start in range(0, len(chunk), size):
+            yield chunk[start:start + size]
+
+
 def _cut_point(text: str, start: int, end: int) -> int:
     """Where the piece text[start:end] ends: before the last newline in its second half that is
     followed by a non-space, else before the last such space or tab, else at `end` (a line of
@@ -135,7 +113,8 @@ def _cut_point(text: str, start: int, end: int) -> int:
     return end - 2 - match.start() if match else end
 
 
-def _hf_texts(name: str, config: str | None, split: str) -> Iterator[str]:
+def hf_texts(name: str, config: str | None, split: str,
+             text_field: str = "text") -> Iterator[str]:
     try:
         import datasets
     except ImportError:
@@ -144,9 +123,10 @@ def _hf_texts(name: str, config: str | None, split: str) -> Iterator[str]:
     try:
         rows = datasets.load_dataset(name, config, split=split, streaming=True)
         for row in rows:
-            if "text" not in row:
-                raise UserError(f"hf:{name} rows have no 'text' column (columns: {', '.join(row)})")
-            yield row["text"]
+            if text_field not in row:
+                raise UserError(f"hf:{name} rows have no {text_field!r} column (columns: "
+                                f"{', '.join(row)}); name the text column with --text-field")
+            yield row[text_field]
     except UserError:
         raise
     except Exception as e:

@@ -37,8 +37,14 @@ class ByteTokenizer:
     vocab_size = 257
     eot_id = 256
 
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for t in texts]
+    def encode_batch(self, texts: list[str | bytes]) -> list[np.ndarray]:
+        """bytes are taken as they are (a file's exact bytes), str as its UTF-8."""
+        return [np.frombuffer(t if isinstance(t, bytes) else t.encode("utf-8", "surrogatepass"),
+                              dtype=np.uint8).astype(np.uint32) for t in texts]
+
+    def decode_bytes(self, ids: np.ndarray) -> bytes:
+        ids = np.asarray(ids)
+        return ids[ids != self.eot_id].astype(np.uint8).tobytes()
 
     def decode(self, ids: Iterable[int]) -> str:
         out, pieces = bytearray(), []
@@ -108,16 +114,25 @@ class BPETokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def decode_bytes(self, ids: np.ndarray) -> bytes:
+        """The bytes behind the ids exactly (decode() would replace a character cut in two)."""
+        table = {c: b for b, c in _byte_level_chars().items()}
+        vocab = self._tok.id_to_token
+        return bytes(table[c] for i in np.asarray(ids).tolist() if i != self.eot_id
+                     for c in vocab(i))
+
     def save(self, out_dir: Path) -> None:
         self._tok.save(str(Path(out_dir) / "tokenizer.json"))
 
 
 class GPT2Tokenizer:
-    """tiktoken's GPT-2 encoding (50257 ids, end-of-text 50256); needs the `hf` extra."""
+    """tiktoken's GPT-2 encoding (50257 ids, end-of-text 50256); needs the `hf` extra.
+    `threads`: tiktoken's threads per encode_batch (a prepare worker uses one)."""
 
     kind = "gpt2"
 
-    def __init__(self):
+    def __init__(self, threads: int = 2):
+        self.threads = threads
         try:
             import tiktoken
         except ImportError:
@@ -133,14 +148,40 @@ class GPT2Tokenizer:
         self.eot_id = self._enc.eot_token
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        batch = self._enc.encode_ordinary_batch(texts, num_threads=2)
+        if self.threads == 1:
+            batch = [self._enc.encode_ordinary(t) for t in texts]
+        else:
+            batch = self._enc.encode_ordinary_batch(texts, num_threads=self.threads)
         return [np.asarray(ids, dtype=np.uint32) for ids in batch]
+
+    def decode_bytes(self, ids: np.ndarray) -> bytes:
+        return self._enc.decode_bytes([i for i in np.asarray(ids).tolist() if i != self.eot_id])
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._enc.decode(list(ids), errors="replace")
 
     def save(self, out_dir: Path) -> None:
         pass
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: byte -> the printable character that stands for it."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
+
+
+class TokenizerSpec:
+    """What a prepare worker needs to make its own tokenizer (picklable): the kind, and for bpe
+    the tokenizer.json to load. Workers run one thread each."""
+
+    def __init__(self, kind: str, directory: str | None = None):
+        self.kind, self.directory = kind, directory
+
+    def __call__(self):
+        if self.kind == "gpt2":
+            return GPT2Tokenizer(threads=1)
+        return load_tokenizer(self.directory, self.kind)
 
 
 def fingerprint(kind: str, directory: str | Path) -> str:

@@ -151,7 +151,8 @@ def _check_fit(cfg: TrainConfig, start: Start, run_dir: RunDir, mode: str,
         raise UserError(f"{where} was trained with another tokenizer ({_short(trained_with)}) "
                         f"than the one of data.dir = {cfg.data.dir} ({_short(tokenizer)}): its "
                         "ids would mean other text. --data.allow-switch is for new data under "
-                        "the same tokenizer: prepare the new data with the run's tokenizer, or "
+                        "the same tokenizer: prepare the new data with the run's tokenizer "
+                        f"(ddpgpt prepare SOURCES --tokenizer-from {run_dir} --out DIR), or "
                         "start a new run")
     if cfg.data.allow_switch:
         start.data_switch = True

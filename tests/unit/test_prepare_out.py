@@ -73,7 +73,7 @@ def test_a_refused_partial_takes_the_new_parents_with_it(tmp_path, monkeypatch):
     mkdir = Path.mkdir
 
     def refuse_partials(path, *args, **kwargs):
-        if ".partial-" in path.name:
+        if path.name.endswith(".partial"):
             raise PermissionError(13, "Permission denied", str(path))
         return mkdir(path, *args, **kwargs)
 

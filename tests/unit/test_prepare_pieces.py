@@ -10,7 +10,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ddpgpt.config.commands import PrepareConfig
-from ddpgpt.data import prepare, sources, tokenizer
+from ddpgpt.data import prepare, sources, tokenizer, units
+from ddpgpt.data.formats import UnitStats
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import EOT_TEXT, BPETokenizer, load_tokenizer
 
@@ -20,7 +21,7 @@ CODE = "def f(x):\n    return x  # \u2713 caf\xe9\n\n\tclass A:  pass\r\n" * 40
 def small_pieces(monkeypatch, piece_chars, batch_bytes=None):
     # raising=False: the same test runs (and fails) on a prepare without pieces
     monkeypatch.setattr(sources, "PIECE_CHARS", piece_chars)
-    monkeypatch.setattr(prepare, "BATCH_BYTES", batch_bytes or 4 * piece_chars)
+    monkeypatch.setattr(units, "BATCH_BYTES", batch_bytes or 4 * piece_chars)
 
 
 def run(sources, out, **kw):
@@ -48,8 +49,8 @@ UTF8_SOUP = [b"a", b" ", b"\n", b"\xc3\xa9", b"\xe2\x9c\x93", b"\xf0\x9f\x98\x80
 @pytest.mark.parametrize("piece_chars", [5, 64, 1 << 20])
 def test_byte_stream_is_the_files_bytes_whatever_the_pieces(tmp_path, monkeypatch, capsys,
                                                             piece_chars):
-    """The oracle: each kept file's bytes (invalid UTF-8 replaced), EOT before each; one EOT per
-    document however many pieces it has."""
+    """The oracle: each kept file's bytes exactly (invalid UTF-8 too), EOT before each; one EOT
+    per document however many pieces it has."""
     small_pieces(monkeypatch, piece_chars)
     files = {
         "a_code.py": CODE.encode(),
@@ -64,8 +65,8 @@ def test_byte_stream_is_the_files_bytes_whatever_the_pieces(tmp_path, monkeypatc
         (tmp_path / "src" / name).write_bytes(data)
     ds = run([tmp_path / "src"], tmp_path / "out", tokenizer="byte", val_fraction=0.4)
     kept = ("a_code.py", "b_oneline.txt", "c_bad_utf8.txt", "e_tiny.txt")
-    docs = [files[name].decode("utf-8", "replace") for name in kept]
-    expected = oracle_split(docs, 0.4, lambda d: d.encode(), 256)
+    docs = [files[name] for name in kept]
+    expected = oracle_split(docs, 0.4, list, 256)
     for split in ("train", "val"):
         np.testing.assert_array_equal(np.concatenate(ds.tokens(split)), expected[split])
     assert "4 documents (2 train, 2 val)" in capsys.readouterr().out
@@ -73,14 +74,19 @@ def test_byte_stream_is_the_files_bytes_whatever_the_pieces(tmp_path, monkeypatc
 
 
 def test_read_decodes_in_chunks_exactly_like_whole(tmp_path, monkeypatch):
-    """Invalid UTF-8 and characters cut by a chunk boundary decode as in one piece."""
+    """Invalid UTF-8 and characters cut by a chunk boundary decode as in one piece, and the
+    replacements counted are those of the whole (a real U+FFFD in the file is not one)."""
     monkeypatch.setattr(sources, "PIECE_CHARS", 7)
     rng = random.Random(1)
     for trial in range(50):
-        data = random_bytes(rng, UTF8_SOUP, rng.randrange(1, 100))
+        data = random_bytes(rng, UTF8_SOUP + [b"\xef\xbf\xbd"], rng.randrange(1, 100))
         path = tmp_path / f"{trial}.txt"
         path.write_bytes(data)
-        assert "".join(sources._read(path)) == data.decode("utf-8", "replace")
+        stats = UnitStats()
+        text = "".join(sources.read_bytes_or_text(path, False, stats))
+        assert text == data.decode("utf-8", "replace")
+        assert stats.replaced == text.count("\ufffd") - data.count(b"\xef\xbf\xbd")
+        assert b"".join(sources.read_bytes_or_text(path, True, stats)) == data
 
 
 WORDS = ["ab", " ", "\n", "  ", "\t", "x'", "'s", "9", "\u2713", "!!", "\r\n", "\u00a0", "\u2003",

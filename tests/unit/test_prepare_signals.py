@@ -1,6 +1,7 @@
-"""`ddpgpt prepare` stopped by SIGTERM leaves no partial output, and the next prepare into the same
---out removes the partials of prepares that died without cleaning up."""
+"""`ddpgpt prepare` stopped by a signal keeps its progress in the partial directory (and says so),
+or removes it when nothing was done yet; publishing is never cut in two."""
 
+import json
 import os
 import signal
 import subprocess
@@ -12,13 +13,7 @@ import pytest
 from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.data import output, prepare
 from ddpgpt.data.shards import TokenDataset
-from tests.helpers import kill_tree, run_cli
-
-
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()  # reaped: no process has this pid until the kernel hands it out again
-    return proc.pid
+from tests.helpers import kill_tree
 
 
 def wait_for(predicate, timeout=30.0):
@@ -34,10 +29,12 @@ def write_corpus(root, mb=12):
         (root / f"{i:02d}.txt").write_bytes(b"some text to tokenize\n" * ((1 << 20) // 22 + 1))
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
-def test_a_signal_removes_the_partial_output_and_exits_128_plus_its_number(tmp_path, signum):
-    """The signal comes once the first shard is being written; the last source is a FIFO that
-    nobody writes, so the prepare is still running whenever it lands. SIGTERM exits 143."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+                         ids=["INT", "TERM", "HUP"])
+def test_a_signal_keeps_the_progress_and_exits_128_plus_its_number(tmp_path, signum):
+    """The signal comes once the corpus's two units are in the shards; the last source is a FIFO
+    that nobody writes, so the prepare is still running whenever it lands. SIGTERM exits 143,
+    Ctrl-C's SIGINT 130."""
     write_corpus(tmp_path / "corpus")
     fifo = tmp_path / "never-ends"
     os.mkfifo(fifo)
@@ -45,18 +42,20 @@ def test_a_signal_removes_the_partial_output_and_exits_128_plus_its_number(tmp_p
     argv = ["prepare", tmp_path / "corpus", fifo, "--out", out, "--tokenizer", "byte"]
     proc = subprocess.Popen([sys.executable, "-m", "ddpgpt", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    partial = tmp_path / f".o.partial-{proc.pid}"
+    partial = tmp_path / ".o.partial"
     try:
-        wait_for(lambda: any(partial.glob("*.bin")))
+        progress = partial / "progress.json"  # both units of the corpus in, the FIFO's not
+        wait_for(lambda: progress.is_file() and json.loads(progress.read_text())["units"] == 2)
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=30)
     finally:
         kill_tree(proc.pid)
     assert proc.returncode == 128 + signum
-    assert err == (f"ddpgpt: stopped: {signum.name} before prepare finished; removed the partial "
-                   f"output {partial} (--out {out} is unchanged); run the same command again to "
-                   "prepare it\n")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "never-ends"]
+    assert err == (f"ddpgpt: stopped: {signum.name} before prepare finished; its progress is kept "
+                   f"in {partial} (2 of 3 units done; --out {out} is unchanged): run the same "
+                   "command again to continue\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".o.partial", "corpus", "never-ends"]
+    assert (partial / "progress.json").is_file()
 
 
 @pytest.fixture
@@ -76,11 +75,11 @@ def corpus_of_two(tmp_path):
 
 def test_sigterm_in_process_raises_terminated_and_restores_the_handler(tmp_path, monkeypatch,
                                                                        sigterm_recorder):
-    def signalled_tokenizer(cfg, corpus):
+    def signalled_tokenizer(cfg, job, tmp):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler raises before this ends
 
-    monkeypatch.setattr(prepare, "make_tokenizer", signalled_tokenizer)
+    monkeypatch.setattr(prepare, "_tokenizer", signalled_tokenizer)
     cfg = PrepareConfig(sources=corpus_of_two(tmp_path), out=str(tmp_path / "o"), tokenizer="byte",
                         val_fraction=0.5)
     with pytest.raises(output.Terminated) as e:
@@ -107,20 +106,3 @@ def test_sigterm_while_publishing_waits_until_the_dataset_is_in_place(tmp_path, 
     assert TokenDataset(tmp_path / "o").verify() == 2
     assert sigterm_recorder == [signal.SIGTERM]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "o"]
-
-
-def test_next_prepare_removes_partials_of_dead_prepares_only(tmp_path):
-    """Only `.o.partial-PID` for this --out whose PID is not alive goes; a live PID's stays
-    (whatever that process is now), and so do other --out names' partials."""
-    dead = dead_pid()
-    names = [f".o.partial-{dead}", f".o.partial-{os.getpid()}", f".other.partial-{dead}",
-             ".o.partial-x1", ".o.partial-99999999999"]
-    for name in names:
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "train_000000.bin").write_bytes(b"partial")
-    result = run_cli("prepare", *corpus_of_two(tmp_path), "--out", tmp_path / "o",
-                     "--tokenizer", "byte", "--val-fraction", "0.5")
-    assert result.returncode == 0, result.stderr
-    assert result.stderr == (f"ddpgpt: warning: removed {tmp_path}/.o.partial-{dead}, the partial "
-                             f"output of a prepare (pid {dead}) that is no longer running\n")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a.txt", "b.txt", "o", *names[1:]])

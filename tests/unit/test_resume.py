@@ -145,7 +145,8 @@ def test_another_tokenizer_is_refused_even_with_allow_switch(run, tmp_path):
         f"run dir {run}: checkpoint step_0000004 was trained with another tokenizer (bpe "
         f"{a[4:16]}) than the one of data.dir = data (bpe {b[4:16]}): its ids would mean other "
         "text. --data.allow-switch is for new data under the same tokenizer: prepare the new data "
-        "with the run's tokenizer, or start a new run")
+        f"with the run's tokenizer (ddpgpt prepare SOURCES --tokenizer-from {run} --out DIR), or "
+        "start a new run")
     assert choose(run, allow_switch=True, tokenizer=a).data_switch  # same tokenizer: new data
 
 

@@ -1,0 +1,215 @@
+"""Encoding units into token files, on this process or on N worker processes.
+
+A unit's result is two files in the work directory, named by the unit's index: `NNNNNNNN.tok`
+(the unit's token stream, end-of-text before each document, in the dataset's dtype) and
+`NNNNNNNN.json` (each document's tokens and UTF-8 bytes, and what reading found), the json
+renamed into place last: a unit whose json exists is done, whoever did it and whenever. Each
+unit is encoded alone from its own inputs, so the files do not depend on how many workers there
+were or which one took it: the shards assembled from them are byte-identical for any N.
+
+Workers are spawned processes (the parent may hold threads: the bpe trainer's, tqdm's), each with
+its own single-threaded tokenizer: tokenizing, JSON and parquet decoding all hold the GIL or their
+own pool, and processes scale where threads would not. A worker ignores SIGINT (the terminal
+sends it to the whole group; the parent decides) and dies with its parent: it is asked to by the
+kernel (PR_SET_PDEATHSIG on Linux), and its pipe to the parent reaches EOF in any case.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Iterator
+from dataclasses import asdict
+from multiprocessing.connection import wait
+from pathlib import Path
+
+import numpy as np
+
+from ddpgpt.data import formats
+from ddpgpt.data.formats import Unit, UnitStats
+from ddpgpt.errors import UserError
+
+BATCH_BYTES = 4 << 20  # text per encode_batch call
+
+
+def unit_paths(work: Path, index: int) -> tuple[Path, Path]:
+    return work / f"{index:08d}.tok", work / f"{index:08d}.json"
+
+
+def is_done(work: Path, index: int) -> bool:
+    return unit_paths(work, index)[1].is_file()
+
+
+def read_unit(work: Path, index: int) -> tuple[np.ndarray, dict]:
+    """A finished unit: its tokens (a memory map) and its record."""
+    tok, rec = unit_paths(work, index)
+    record = json.loads(rec.read_text())
+    dtype = np.dtype(record["dtype"])
+    n = tok.stat().st_size // dtype.itemsize
+    tokens = np.memmap(tok, dtype=dtype, mode="r") if n else np.zeros(0, dtype=dtype)
+    return tokens, record
+
+
+def encode_unit(unit: Unit, tok, dtype: str, work: Path, index: int, text_field: str,
+                skip_bad: bool) -> None:
+    """Reads, encodes and writes one unit (see the module docstring); memory: a batch."""
+    tok_path, rec_path = unit_paths(work, index)
+    stats, docs = UnitStats(), []
+    eot = np.array([tok.eot_id], dtype=dtype)
+    raw = tok.kind == "byte"
+    with open(tok_path, "wb") as f:
+        for batch in _batches(formats.pieces(unit, stats, text_field, skip_bad, raw)):
+            encoded = tok.encode_batch([piece for _, piece in batch])
+            arrays = []
+            for (first, piece), ids in zip(batch, encoded, strict=True):
+                if first:
+                    docs.append([1, 0])
+                    arrays.append(eot)
+                size = len(piece) if raw else len(piece.encode("utf-8", "surrogatepass"))
+                docs[-1][0] += len(ids)
+                docs[-1][1] += size
+                stats.text_bytes += size
+                arrays.append(ids.astype(dtype, copy=False))
+            f.write(np.concatenate(arrays).tobytes())
+    record = {"dtype": dtype, "docs": docs, "stats": asdict(stats)}
+    tmp = rec_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, separators=(",", ":")))
+    os.replace(tmp, rec_path)
+
+
+def _batches(pieces: Iterator[tuple[bool, str | bytes]]) -> Iterator[list]:
+    batch, size = [], 0
+    for piece in pieces:
+        batch.append(piece)
+        size += len(piece[1])
+        if size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+class Encoder:
+    """Encodes units by index, `workers` at a time; `results` yields each index once done, in
+    the order they finish. One worker encodes on this process (no spawn, no pipes)."""
+
+    def __init__(self, workers: int, make_tok, dtype: str, work: Path, text_field: str,
+                 skip_bad: bool, local=None):
+        """`local`: the tokenizer this process already has, for one worker."""
+        self.args = (dtype, str(work), text_field, skip_bad)
+        self.make_tok, self.work = make_tok, work
+        self.procs: list = []
+        self.conns: list = []
+        self._tok = (local or make_tok()) if workers == 1 else None
+        if workers > 1:
+            ctx = multiprocessing.get_context("spawn")
+            for _ in range(workers):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_serve, args=(child, make_tok, self.args), daemon=True)
+                proc.start()
+                child.close()  # the parent's copy: the worker's recv sees EOF when we are gone
+                self.procs.append(proc)
+                self.conns.append(parent)
+
+    def run(self, todo: Iterator[tuple[int, Unit]], ahead) -> Iterator[int | None]:
+        """Encodes each (index, unit) of `todo`, yielding each index when done; `ahead(index)`
+        says whether index may start now (the caller bounds how far encoding runs ahead of its
+        use; None is yielded when it holds the next one back and nothing else runs)."""
+        if self._tok is not None:
+            for index, unit in todo:
+                encode_unit(unit, self._tok, self.args[0], self.work, index, *self.args[2:])
+                yield index
+            return
+        idle, busy, pending = list(self.conns), {}, None
+        todo = iter(todo)
+        while True:
+            while idle:
+                if pending is None:
+                    pending = next(todo, None)
+                    if pending is None:
+                        break
+                if not ahead(pending[0]):
+                    break
+                conn = idle.pop()
+                conn.send(pending)
+                busy[conn] = pending[0]
+                pending = None
+            if not busy:
+                if pending is None:
+                    return
+                yield None  # blocked by `ahead`: the caller uses what is done, then we go on
+                continue
+            for conn in wait(list(busy)):
+                index = busy.pop(conn)
+                _check_reply(conn, index, self.procs[self.conns.index(conn)])
+                idle.append(conn)
+                yield index
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+            conn.close()
+        for proc in self.procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self.procs, self.conns = [], []
+
+
+def _check_reply(conn, index: int, proc) -> None:
+    try:
+        kind, message = conn.recv()
+    except (EOFError, OSError):
+        proc.join(timeout=5)
+        raise UserError(f"a prepare worker (pid {proc.pid}) died while encoding unit {index} "
+                        f"(exit code {proc.exitcode}); out of memory? Run the same command "
+                        "again to continue, with fewer --workers") from None
+    if kind == "error":
+        raise UserError(message)
+    if kind == "crash":
+        raise RuntimeError(f"a prepare worker failed on unit {index}:\n{message}")
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _serve(conn, make_tok, args) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_parent()
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
+    dtype, work, text_field, skip_bad = args
+    tok = make_tok()
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        index, unit = job
+        try:
+            encode_unit(unit, tok, dtype, Path(work), index, text_field, skip_bad)
+            reply = ("ok", "")
+        except UserError as e:
+            reply = ("error", str(e))
+        except Exception:
+            reply = ("crash", traceback.format_exc())
+        try:
+            conn.send(reply)
+        except OSError:
+            return
