@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 
 import torch
-from tqdm import tqdm
 
 from ddpgpt import dist, evals
 from ddpgpt.checkpoint.read import model_of, saved
@@ -25,6 +23,7 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.errors import UserError, warn
 from ddpgpt.evals.multiple_choice import Scorer
+from ddpgpt.progress import bar as progress_bar
 from ddpgpt.run.precision import Precision
 from ddpgpt.run.run_dir import RunDir
 
@@ -44,8 +43,7 @@ def evaluate(model: torch.nn.Module, loader: EvalLoader, env: dist.DistEnv,
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)  # (loss sum, target count)
     batches = loader
     if progress and env.is_main:
-        batches = tqdm(loader, total=loader.num_batches, desc="eval", unit="batch",
-                       mininterval=0.1 if sys.stderr.isatty() else 5.0, dynamic_ncols=True)
+        batches = progress_bar(loader, total=loader.num_batches, desc="eval", unit="batch")
     for x, y in batches:
         with autocast():
             _, loss = model(x, y, reduction="sum")

@@ -17,8 +17,8 @@ import shutil
 import time
 from pathlib import Path
 
-from tqdm import tqdm
 
+from ddpgpt import progress
 from ddpgpt.data import units as unitfiles
 from ddpgpt.data.assemble import Assembler
 from ddpgpt.data.formats import Plan, llmc_array
@@ -102,8 +102,7 @@ class Build:
                 and u.kind != "llmc" and i not in self.sources
                 and not unitfiles.is_done(self.work, i)]
         workers = max(1, min(self.workers, len(todo)))
-        bar = tqdm(total=len(self.owned), initial=self.done, unit="unit", desc="prepare",
-                   disable=None)
+        bar = progress.bar(total=len(self.owned), initial=self.done, unit="unit", desc="prepare")
         encoder = unitfiles.Encoder(workers, *self.encoder_args, local=self.local_tok) \
             if todo else None
         ahead = workers * AHEAD_PER_WORKER

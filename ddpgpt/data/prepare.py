@@ -364,7 +364,8 @@ def _summary(meta: dict, asm: Assembler, tok, note: str | None):
     tokens = {s: sum(i["tokens"] for i in meta["shards"][s]) for s in ("train", "val")}
     total = tokens["train"] + tokens["val"]
     s, docs = asm.stats, asm.documents
-    what = (f"{docs['train'] + docs['val']:,} documents ({docs['train']:,} train, "
+    n_docs = docs['train'] + docs['val']
+    what = (f"{n_docs:,} document{'s' if n_docs != 1 else ''} ({docs['train']:,} train, "
             f"{docs['val']:,} val)" if meta["source"]["split"] != "llm.c files"
             else f"{asm.units} llm.c shards")
     extra = []

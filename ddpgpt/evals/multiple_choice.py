@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
-from ddpgpt import dist
+from ddpgpt import dist, progress
 from ddpgpt.evals.tasks import Example, Task
 
 
@@ -119,8 +117,7 @@ class Scorer:
         totals = torch.zeros(4, dtype=torch.float64, device=env.device)  # norm, sum, char, n
         steps = range(math.ceil(size / env.world_size))  # the same forwards on every rank
         if bar and env.is_main:
-            steps = tqdm(steps, desc=bar, unit="question",
-                         mininterval=0.1 if sys.stderr.isatty() else 5.0, dynamic_ncols=True)
+            steps = progress.bar(steps, desc=bar, unit="question")
         for i in steps:
             r = share[i] if i < mine else share[0]
             sums, lengths = ending_losses(model, r, env.device, autocast)
