@@ -10,6 +10,7 @@
     ddpgpt plot RUN [RUN ...] [--out FILE.png]     loss curves and tokens/s of runs (plot.py)
     ddpgpt export --run-dir DIR --out DIR          a checkpoint for transformers (export.py)
     ddpgpt rendezvous [--port 29500]               host elastic jobs' rendezvous store (dist.py)
+    ddpgpt check [--device cuda] [--quick]         every path against its oracle (check/)
 
 Flags are generated from the config dataclasses (config_io.py), so `--help` shows each field's
 docstring. Bad input (unknown flag, bad value, missing data) is one line on stderr and exit code
@@ -25,6 +26,7 @@ import sys
 
 from ddpgpt.config.commands import (
     BenchConfig,
+    CheckConfig,
     DoctorConfig,
     EvalConfig,
     ExportConfig,
@@ -94,6 +96,9 @@ def _build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
                               "draw runs' loss curves and tokens/s into one PNG"),
                              ("export", ExportConfig,
                               "write a checkpoint as a Hugging Face transformers directory"),
+                             ("check", CheckConfig,
+                              "check every path against its oracle on this machine's device; "
+                              "writes device-check.md"),
                              ("rendezvous", RendezvousConfig,
                               "host the rendezvous store of elastic jobs (torchrun --nnodes "
                               "MIN:MAX) on a node that does not train")):
@@ -243,6 +248,9 @@ def dispatch(argv: list[str]) -> None:
         export.run(flat_config(ExportConfig, values))
     elif ns.command == "rendezvous":
         rendezvous(flat_config(RendezvousConfig, values))
+    elif ns.command == "check":
+        from ddpgpt import check
+        check.run(flat_config(CheckConfig, values))
     elif ns.command == "doctor":
         from ddpgpt import doctor
         doctor.run(flat_config(DoctorConfig, values))
