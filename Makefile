@@ -11,7 +11,7 @@ NPROC  ?= 2
 # Muon, 128-token sequences, 32 of them per step (the same 4,096 tokens per step as tiny's).
 DEMO_FLAGS := --optim.name muon --model.block-size 128 --data.global-batch 32 --data.eval-windows 0
 
-.PHONY: setup test demo bench lint clean data
+.PHONY: setup test demo bench lint clean data device-check
 
 setup: $(STAMP)
 
@@ -42,6 +42,13 @@ bench: $(STAMP) data
 	$(PY) -m benchmarks.bench_train --data $(DATA)
 	$(PY) -m ddpgpt bench --nproc $(NPROC) --data $(DATA) --repeats 3 --out bench
 	$(PY) -m benchmarks.scaling --out bench/scaling.png
+
+# On new hardware, first: every path (sync modes, precisions, optimizers, compile, checkpoints,
+# signals, eval, sample, export) against its oracle on the device here; device-check/device-check.md.
+# On a GPU machine install torch's CUDA build into .venv first (the setup above installs the CPU
+# one), or run `ddpgpt check` where ddpgpt is installed.
+device-check: $(STAMP)
+	$(PY) -m ddpgpt check --out device-check
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ddpgpt tests benchmarks
