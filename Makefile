@@ -44,9 +44,8 @@ bench: $(STAMP) data
 	$(PY) -m benchmarks.scaling --out bench/scaling.png
 
 # On new hardware, first: every path (sync modes, precisions, optimizers, compile, checkpoints,
-# signals, eval, sample, export) against its oracle on the device here; device-check/device-check.md.
-# On a GPU machine install torch's CUDA build into .venv first (the setup above installs the CPU
-# one), or run `ddpgpt check` where ddpgpt is installed.
+# signals, eval, sample, export) against its oracle on the device here (CUDA when torch sees
+# it); prints the table and writes device-check/device-check.md and .json; exit 1 if a row fails.
 device-check: $(STAMP)
 	$(PY) -m ddpgpt check --out device-check
 

@@ -22,6 +22,7 @@ that world size and rank 0 writes them to OUT/rows-wN.json.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import sys
@@ -61,27 +62,45 @@ def run(cfg: CheckConfig) -> None:
     out = prepare_out(Path(cfg.out))
     data = cfg.data or prepare_data(out / "data")
     nproc = cfg.nproc or (2 if device == "cpu" else torch.cuda.device_count())
-    say(f"ddpgpt check: {'quick subset' if cfg.quick else 'full matrix'} on {device}; W=1 and "
+    say(f"ddpgpt check: {scope(cfg)} on {device}; W=1 and "
         f"W={max(nproc, 2)}; the runs go to {out}")
     rows: list[Row] = []
     with dist.session(device, group_at_one=True) as env:   # 1. W=1: a group of one
         configure(max(1, len(os.sched_getaffinity(0))), env.device)
         env_info = environment(env.device)
         say(header(env_info))
-        rows.append(commands.loader_row(env, data))
-        specs = matrix.plan(device, 1, cfg.quick, cfg.compile)
+        if selected(cfg, "loader copy"):
+            rows.append(commands.loader_row(env, data))
+        specs = plan(cfg, device, 1)
         results = training.run_all(specs, env, data, max(nproc, 2), cfg.quick, say)
         rows += training.rows(specs, results, device, 1)
     rows += several(cfg, device, out, data, nproc)           # 2. W > 1: one process per device
-    rows += commands.rows(device, data, out, cfg.quick, say)  # 3. the commands, end to end
+    rows += commands.rows(device, data, out, lambda check: selected(cfg, check), say)  # 3.
     seconds = time.perf_counter() - started
     print(f"{header(env_info)}\n\n{table(rows)}\n\n{counts(rows)}; {seconds:.0f} s", flush=True)
-    paths = write(out, env_info, rows, cfg.quick, seconds)
+    paths = write(out, env_info, rows, scope(cfg), seconds)
     print(f"wrote {paths[0]} and {paths[1]}")
     failed = [r.check for r in rows if r.status == FAIL]
     if failed:
         raise CheckFailed(f"{len(failed)} of {len(rows)} rows failed ({', '.join(failed[:3])}"
                           f"{', ...' if len(failed) > 3 else ''}); see {paths[0]}")
+
+
+def scope(cfg: CheckConfig) -> str:
+    what = "quick subset" if cfg.quick else "full matrix"
+    what += "" if cfg.compile else ", no compile"
+    return what + (f", rows matching {cfg.only}" if cfg.only else "")
+
+
+def selected(cfg: CheckConfig, check: str) -> bool:
+    """Whether --only lets row `check` run."""
+    return not cfg.only or any(fnmatch.fnmatchcase(check, p.strip())
+                               for p in cfg.only.split(","))
+
+
+def plan(cfg: CheckConfig, device: str, world: int) -> list[matrix.Spec]:
+    return [s for s in matrix.plan(device, world, cfg.quick, cfg.compile)
+            if selected(cfg, s.check)]
 
 
 def say(line: str) -> None:
@@ -124,7 +143,9 @@ def prepare_data(path: Path) -> str:
 def several(cfg: CheckConfig, device: str, out: Path, data: str, nproc: int) -> list[Row]:
     """The training rows at W = nproc, from workers this command starts (launch.start)."""
     world = max(nproc, 2)
-    specs = matrix.plan(device, world, cfg.quick, cfg.compile)
+    specs = plan(cfg, device, world)
+    if not specs:
+        return []
     if nproc < 2:
         return training.not_run(specs, device, world, "a second GPU")
     launch.check_nproc(nproc, device)
@@ -132,7 +153,8 @@ def several(cfg: CheckConfig, device: str, out: Path, data: str, nproc: int) -> 
     found.unlink(missing_ok=True)
     # --flag=value: torchrun's own parser would take some flags for abbreviations of its own
     args = ["check", f"--device={device}", f"--out={out}", f"--data={data}",
-            "--quick" if cfg.quick else "--no-quick", "--compile" if cfg.compile else "--no-compile"]
+            f"--only={cfg.only}", "--quick" if cfg.quick else "--no-quick",
+            "--compile" if cfg.compile else "--no-compile"]
     say(f"ddpgpt check: starting {nproc} processes for the W={nproc} rows")
     code, _ = launch.start(nproc, args)
     try:
@@ -147,7 +169,7 @@ def group_rows(cfg: CheckConfig) -> None:
     """A worker: the training rows at this group's world size; rank 0 writes them."""
     with dist.session(cfg.device, timeout_s=300) as env:
         configure(max(1, len(os.sched_getaffinity(0)) // env.local_world_size), env.device)
-        specs = matrix.plan(env.device.type, env.world_size, cfg.quick, cfg.compile)
+        specs = plan(cfg, env.device.type, env.world_size)
         say_here = say if env.is_main else None
         results = training.run_all(specs, env, cfg.data, env.world_size, cfg.quick, say_here)
         rows = training.rows(specs, results, env.device.type, env.world_size)

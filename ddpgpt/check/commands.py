@@ -123,7 +123,8 @@ def guarded(check: str, device: str, oracle: str, fn) -> Row:
         return Row(check, device, 1, oracle, error_line(e), FAIL)
 
 
-def rows(device: str, data: str, out: Path, quick: bool, say) -> list[Row]:
+def rows(device: str, data: str, out: Path, selected, say) -> list[Row]:
+    """The rows whose check `selected(check)` admits."""
     runs = out / "runs"
     shutil.rmtree(runs, ignore_errors=True)
     precision = default_precision(device)
@@ -131,6 +132,8 @@ def rows(device: str, data: str, out: Path, quick: bool, say) -> list[Row]:
     result: list[Row] = []
 
     def add(check: str, oracle: str, fn) -> None:
+        if not selected(check):
+            return
         result.append(guarded(check, device, oracle, fn))
         say(f"{check}: {result[-1].status}")
 

@@ -33,12 +33,14 @@ class Case:
     compress: str = "none"
     skip_at: int = 0            # this step is forced non-finite and must be skipped
     speed: bool = False         # the speed model (tiny on CPU, gpt2-124m on CUDA), timed
+    torch_hook: bool = False    # ddp with torch's bf16_compress_hook (NCCL only)
 
     @property
     def name(self) -> str:
         parts = [self.mode or "fp32 CPU run", self.optim, self.precision]
         parts += ["compile"] * self.compile
         parts += [f"grad-compress {self.compress}"] * (self.compress != "none")
+        parts += ["torch's bf16_compress_hook"] * self.torch_hook
         parts += [f"loss scaler, step {self.skip_at} forced non-finite"] * bool(self.skip_at)
         return " · ".join(parts)
 
@@ -73,7 +75,8 @@ def default_precision(device: str) -> str:
 
 
 def plan(device: str, world: int, quick: bool, compile: bool = True) -> list[Spec]:
-    """Every training row at world size `world` on `device`. `quick`: compile at W=1, ddp only."""
+    """Every training row at world size `world` on `device`. `quick`: one compile row (ddp, fp32,
+    W=1): each compile of the small model takes 30-60 s on a 2-core CPU."""
     specs = []
     where = f"ddp, {device}, W={world}"
     for mode, row in MODES.items():
@@ -87,7 +90,7 @@ def plan(device: str, world: int, quick: bool, compile: bool = True) -> list[Spe
                     specs.append(Spec(f"{mode} · {optim} · {precision}", case,
                                       Case("ddp", optim, precision), where,
                                       VS_DDP[device, precision]))
-            if compile and (not quick or (mode == "ddp" and world == 1)):
+            if compile and (not quick or (mode, world, precision) == ("ddp", 1, "fp32")):
                 eager = Case(mode, "adamw", precision)
                 specs.append(Spec(f"{mode} · adamw · {precision} · compile",
                                   Case(mode, "adamw", precision, compile=True), eager,
@@ -96,6 +99,10 @@ def plan(device: str, world: int, quick: bool, compile: bool = True) -> list[Spe
             specs.append(Spec(f"{mode} · adamw · fp32 · grad-compress bf16",
                               Case(mode, compress="bf16"), Case(mode), "the same, fp32 on the wire",
                               COMPRESS))
+        if mode == "ddp":  # torch's own hook, NCCL only: the oracle of ours where it runs
+            specs.append(Spec("ddp · adamw · fp32 · torch's bf16_compress_hook",
+                              Case(mode, torch_hook=True), Case(mode, compress="bf16"),
+                              "ddp · grad-compress bf16 (ours)", COMPRESS))
         if row.loss_scaler:
             specs.append(Spec(f"{mode} · adamw · fp16 · loss scaler, step {SKIP_AT} forced "
                               "non-finite", Case(mode, precision="fp16", skip_at=SKIP_AT),
@@ -103,12 +110,20 @@ def plan(device: str, world: int, quick: bool, compile: bool = True) -> list[Spe
                               f"the fp32 CPU run, step {SKIP_AT} skipped",
                               VS_FP32_CPU[device, "fp16"]))
     precision = default_precision(device)
+    ddp = Case("ddp", precision=precision, speed=True)
     for mode in MODES:
         case = Case(mode, precision=precision, speed=True)
-        ddp = Case("ddp", precision=precision, speed=True)
-        specs.append(Spec(f"speed {mode}", case, ddp, f"{where}: its losses",
-                          VS_DDP[device, precision], kind="speed"))
-        specs.append(Spec(f"peak memory {mode}", case, ddp, f"{where}'s peak", 0.0, kind="memory"))
+        if mode == "ddp":  # the first loss: the same weights and batch before any update
+            specs.append(Spec("speed ddp", case, Case(None, speed=True),
+                              "the fp32 CPU run: its first loss", VS_FP32_CPU[device, precision],
+                              kind="speed"))
+        else:
+            specs.append(Spec(f"speed {mode}", case, ddp, f"{where}: its losses",
+                              VS_DDP[device, precision], kind="speed"))
+        table = "the mode table's bytes per parameter"
+        specs.append(Spec(f"peak memory {mode}", case, None if mode == "ddp" else ddp,
+                          table if mode == "ddp" else f"{table}; {where}'s peak", 0.0,
+                          kind="memory"))
     return specs
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import subprocess
@@ -48,7 +49,8 @@ def rel_diff(got: list[float], want: list[float]) -> float:
     differ, NaN if either has a NaN)."""
     if len(got) != len(want) or not got:
         return float("inf")
-    return max(abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(got, want))
+    diffs = [abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(got, want)]
+    return math.nan if any(map(math.isnan, diffs)) else max(diffs)  # max() would pass over a NaN
 
 
 def driver_version() -> str:
@@ -89,9 +91,10 @@ def environment(device: torch.device) -> dict:
 
 
 def header(env: dict) -> str:
-    where = env.get("gpu") and f"{env['gpus']} × {env['gpu']}" or env["cpu"]
-    return (f"ddpgpt {env['ddpgpt']}, torch {env['torch']}, CUDA {env['cuda']}, NCCL {env['nccl']}, "
-            f"driver {env['driver']}, python {env['python']}; device {env['device']}: {where}")
+    where = f"{env['gpus']} × {env['gpu']}" if env.get("gpu") else env["cpu"]
+    return (f"ddpgpt {env['ddpgpt']}, torch {env['torch']}, CUDA {env['cuda']}, "
+            f"NCCL {env['nccl']}, driver {env['driver']}, python {env['python']}; "
+            f"device {env['device']}: {where}")
 
 
 def table(rows: list[Row]) -> str:
@@ -108,13 +111,12 @@ def counts(rows: list[Row]) -> str:
     return f"{n[PASS]} passed, {n[FAIL]} failed, {n[NOT_RUN]} not run, of {len(rows)} rows"
 
 
-def write(out: Path, env: dict, rows: list[Row], quick: bool, seconds: float) -> list[Path]:
+def write(out: Path, env: dict, rows: list[Row], what: str, seconds: float) -> list[Path]:
     """device-check.md and device-check.json in `out`; one line if they cannot be written (the
-    printed table still holds the rows)."""
-    what = "quick subset" if quick else "full matrix"
+    printed table still holds the rows). `what`: the scope (full matrix, quick subset, ...)."""
     md = (f"# ddpgpt device check ({what})\n\n{header(env)}\n\n{table(rows)}\n\n"
           f"{counts(rows)}; {seconds:.0f} s\n")
-    data = {"environment": env, "quick": quick, "seconds": round(seconds, 1),
+    data = {"environment": env, "scope": what, "seconds": round(seconds, 1),
             "rows": [dataclasses.asdict(r) for r in rows]}
     paths = [out / "device-check.md", out / "device-check.json"]
     try:

@@ -219,8 +219,8 @@ class CheckConfig:
     """auto (cuda when available), cpu or cuda: the device every row runs on (the oracles run on
     the CPU in fp32)."""
     quick: bool = False
-    """A subset that runs in minutes on a CPU: bf16 rows for ddp only, compile for ddp at W=1
-    only, fewer timed steps."""
+    """A subset that runs in about 3 minutes on a 2-core CPU: one compile row (ddp, fp32, W=1)
+    instead of one per mode, precision and W, and fewer timed steps in the speed rows."""
     out: str = "device-check"
     """Directory for device-check.md, device-check.json and the runs the rows train."""
     nproc: int = 0
@@ -232,6 +232,9 @@ class CheckConfig:
     data: str = ""
     """A dataset made by `ddpgpt prepare` to train on; empty: a small byte-level one is prepared
     from the Python standard library into OUT/data (once)."""
+    only: str = ""
+    """Run only the rows whose check matches one of these comma-separated patterns (shell-style:
+    'fsdp2 *,SIGTERM*'), e.g. to rerun a failed row; empty: every row."""
 
     def __post_init__(self):
         _choice("check", "device", self.device, ("auto", "cpu", "cuda"))
