@@ -160,12 +160,21 @@ def rows(device: str, data: str, out: Path, selected, say) -> list[Row]:
     if device != "cpu":  # on a CPU the one row above is both directions
         add(f"checkpoint cpu → {device}", f"the straight {device} run, {resumed}",
             lambda: across("cpu", device))
-    add("SIGTERM → exit 75, resume", f"the straight {device} run", lambda: sigterm(
+    add("SIGTERM → exit 75 → resume", f"the straight {device} run", lambda: sigterm(
         data, runs, device, straight_run(device)))
-    source = runs / f"straight-{device}"
-    add("eval", "the fp32 CPU model of the checkpoint", lambda: eval_row(source, device))
-    add("sample", "the fp32 CPU model, greedy, no KV cache", lambda: sample_row(source, device))
-    add("export", "the fp32 CPU model's logits", lambda: export_row(source, runs, device))
+    def of_straight(row_of):
+        """A row of the straight run's checkpoint, trained first if no row above did."""
+        def run() -> Row:
+            straight_run(device)
+            return row_of(runs / f"straight-{device}")
+        return run
+
+    add("eval", "the fp32 CPU model of the checkpoint",
+        of_straight(lambda source: eval_row(source, device)))
+    add("sample", "the fp32 CPU model, greedy, no KV cache",
+        of_straight(lambda source: sample_row(source, device)))
+    add("export", "the fp32 CPU model's logits",
+        of_straight(lambda source: export_row(source, runs, device)))
     return result
 
 
@@ -185,7 +194,7 @@ def sigterm(data: str, runs: Path, device: str, want: list[float]) -> Row:
     ok = same and got == want
     figure = (f"stopped at step {stopped_at[1]['step']}, exit 75; losses max |Δ| {diff:.1e}, "
               f"final weights {'bitwise equal' if same else 'DIFFER'}")
-    return Row("SIGTERM → exit 75, resume", device, 1, f"the straight {device} run (bitwise)",
+    return Row("SIGTERM → exit 75 → resume", device, 1, f"the straight {device} run (bitwise)",
                figure, PASS if ok else FAIL)
 
 

@@ -41,7 +41,7 @@ class Case:
         parts += ["compile"] * self.compile
         parts += [f"grad-compress {self.compress}"] * (self.compress != "none")
         parts += ["torch's bf16_compress_hook"] * self.torch_hook
-        parts += [f"loss scaler, step {self.skip_at} forced non-finite"] * bool(self.skip_at)
+        parts += [f"loss scaler · step {self.skip_at} forced non-finite"] * bool(self.skip_at)
         return " · ".join(parts)
 
 
@@ -104,7 +104,7 @@ def plan(device: str, world: int, quick: bool, compile: bool = True) -> list[Spe
                               Case(mode, torch_hook=True), Case(mode, compress="bf16"),
                               "ddp · grad-compress bf16 (ours)", COMPRESS))
         if row.loss_scaler:
-            specs.append(Spec(f"{mode} · adamw · fp16 · loss scaler, step {SKIP_AT} forced "
+            specs.append(Spec(f"{mode} · adamw · fp16 · loss scaler · step {SKIP_AT} forced "
                               "non-finite", Case(mode, precision="fp16", skip_at=SKIP_AT),
                               Case(None, skip_at=SKIP_AT),
                               f"the fp32 CPU run, step {SKIP_AT} skipped",

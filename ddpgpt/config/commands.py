@@ -234,7 +234,8 @@ class CheckConfig:
     from the Python standard library into OUT/data (once)."""
     only: str = ""
     """Run only the rows whose check matches one of these comma-separated patterns (shell-style:
-    'fsdp2 *,SIGTERM*'), e.g. to rerun a failed row; empty: every row."""
+    'fsdp2 *,SIGTERM*'; no check's name holds a comma), e.g. to rerun a failed row; empty: every
+    row."""
 
     def __post_init__(self):
         _choice("check", "device", self.device, ("auto", "cpu", "cuda"))

@@ -10,9 +10,9 @@ from tests.helpers import run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-TRAINING = ["zero1 · muon · bf16", "ddp · adamw · fp16 · loss scaler, step 3 forced non-finite",
+TRAINING = ["zero1 · muon · bf16", "ddp · adamw · fp16 · loss scaler · step 3 forced non-finite",
             "allreduce · adamw · fp32 · grad-compress bf16"]
-COMMANDS = ["SIGTERM → exit 75, resume", "sample"]
+COMMANDS = ["SIGTERM → exit 75 → resume", "sample"]
 
 
 def test_check_compares_rows_at_one_and_two_processes_and_the_commands(tmp_path, tiny_data):

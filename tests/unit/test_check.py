@@ -28,7 +28,7 @@ def test_the_plan_has_every_mode_precision_and_optimizer_against_an_oracle(devic
         assert any(n.startswith(f"{mode} · adamw · fp16 · loss scaler") for n in names) == \
             row.loss_scaler
         assert {f"speed {mode}", f"peak memory {mode}"} <= names
-    assert len(names) == len(specs)
+    assert len(names) == len(specs) and not any("," in n for n in names)  # --only splits at ","
     for s in specs:
         assert s.oracle != s.case and s.against
         assert s.oracle is not None or s.check == "peak memory ddp"  # against the mode table
@@ -83,7 +83,7 @@ def test_a_run_that_raised_fails_its_row_and_its_oracle_s_rows_with_the_error():
 
 
 def test_fp16_fails_when_the_forced_non_finite_step_was_not_skipped():
-    spec = _spec(f"ddp · adamw · fp16 · loss scaler, step {matrix.SKIP_AT} forced non-finite")
+    spec = _spec(f"ddp · adamw · fp16 · loss scaler · step {matrix.SKIP_AT} forced non-finite")
     assert spec.oracle == Case(None, skip_at=matrix.SKIP_AT)
     losses = [5.0, 4.0, 3.0]
     done = training.row(spec, _results(spec, losses, losses, skipped=True), "cpu", 2)
@@ -138,7 +138,7 @@ def test_only_selects_rows_by_pattern():
     cfg = CheckConfig(only="fsdp2 · *, SIGTERM*")
     picked = [s.check for s in check.plan(cfg, "cpu", 2)]
     assert picked and all(c.startswith("fsdp2 · ") for c in picked)
-    assert check.selected(cfg, "SIGTERM → exit 75, resume") and not check.selected(cfg, "eval")
+    assert check.selected(cfg, "SIGTERM → exit 75 → resume") and not check.selected(cfg, "eval")
     assert check.selected(CheckConfig(), "anything")
 
 
