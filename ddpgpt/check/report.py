@@ -81,6 +81,8 @@ def environment(device: torch.device) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
+        if isinstance(nccl, int):  # older torch: major*1000 + minor*100 + patch
+            nccl = (nccl // 1000, nccl % 1000 // 100, nccl % 100)
         env.update(cuda=torch.version.cuda, nccl=".".join(map(str, nccl)) if nccl else "none",
                    driver=driver_version(), gpus=torch.cuda.device_count(),
                    gpu=f"{props.name}, {props.total_memory / 2**30:.0f} GiB")
