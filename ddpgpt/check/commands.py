@@ -192,7 +192,7 @@ def sigterm(data: str, runs: Path, device: str, want: list[float]) -> Row:
     same = dist.state_digest(model.state_dict()) == dist.state_digest(oracle.state_dict())
     diff = max((abs(got[k] - want[k]) for k in want if k in got), default=float("inf"))
     ok = same and got == want
-    figure = (f"stopped at step {stopped_at[1]['step']}, exit 75; losses max |Δ| {diff:.1e}, "
+    figure = (f"stopped at step {stopped_at[1]['step']}, exit 75; losses max abs Δ {diff:.1e}, "
               f"final weights {'bitwise equal' if same else 'DIFFER'}")
     return Row("SIGTERM → exit 75 → resume", device, 1, f"the straight {device} run (bitwise)",
                figure, PASS if ok else FAIL)
@@ -262,7 +262,7 @@ def export_row(run_dir: Path, runs: Path, device: str) -> Row:
                              max_windows=2)))[0]
     with torch.no_grad():
         diff = (model(x)[0][..., :vocab] - theirs(x).logits).abs().max().item()
-    return within("export", device, 1, oracle, diff, 1e-5, "transformers' logits max |Δ|")
+    return within("export", device, 1, oracle, diff, 1e-5, "transformers' logits max abs Δ")
 
 
 def loader_row(env: dist.DistEnv, data: str) -> Row:

@@ -103,7 +103,8 @@ def table(rows: list[Row]) -> str:
     """The rows as one Markdown table (also what is printed)."""
     lines = ["| check | device | W | compared with | figure | result |",
              "|---|---|---:|---|---|---|"]
-    lines += [f"| {r.check} | {r.device} | {r.world} | {r.oracle} | {r.figure} | {r.status} |"
+    lines += ["| " + " | ".join(str(cell).replace("|", "\\|") for cell in
+                               (r.check, r.device, r.world, r.oracle, r.figure, r.status)) + " |"
               for r in rows]
     return "\n".join(lines)
 

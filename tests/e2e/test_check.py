@@ -27,7 +27,7 @@ def test_check_compares_rows_at_one_and_two_processes_and_the_commands(tmp_path,
     assert rows[TRAINING[0], 2]["oracle"] == "ddp, cpu, W=2"
     assert rows[TRAINING[1], 1]["figure"].endswith("step 3 skipped, weights unchanged")
     assert rows[COMMANDS[0], 1]["figure"].startswith("stopped at step 3, exit 75; losses max "
-                                                     "|Δ| 0.0e+00, final weights bitwise equal")
+                                                     "abs Δ 0.0e+00, final weights bitwise equal")
     assert data["environment"]["torch"] and data["environment"]["device"] == "cpu"
     # what is printed is what is written
     table = (out / "device-check.md").read_text().split("\n\n")[2]

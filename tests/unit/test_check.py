@@ -158,6 +158,9 @@ def test_the_report_is_one_table_and_the_same_rows_as_json(tmp_path):
     assert "1 passed, 0 failed, 1 not run, of 2 rows" in text
     data = json.loads(js.read_text())
     assert [Row(**r) for r in data["rows"]] == rows and data["scope"] == "quick subset"
+    (tmp_path / "pipe").mkdir()
+    pipe = write(tmp_path / "pipe", env, [Row("x", "cpu", 1, "a|b", "y", PASS)], "", 0)
+    assert "| x | cpu | 1 | a\\|b | y | pass |" in pipe[0].read_text()  # a cell's pipe: no column
 
 
 def test_check_exits_non_zero_when_a_row_fails(tmp_path, monkeypatch, tiny_data):
