@@ -36,6 +36,7 @@ from ddpgpt import dist
 from ddpgpt.check import commands, matrix, training
 from ddpgpt.check.report import FAIL, Row, counts, environment, header, table, write
 from ddpgpt.config.commands import CheckConfig, PrepareConfig
+from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
 from ddpgpt.files import describe
 from ddpgpt.run import launch
@@ -61,6 +62,7 @@ def run(cfg: CheckConfig) -> None:
     device = resolve(cfg.device)
     out = prepare_out(Path(cfg.out))
     data = cfg.data or prepare_data(out / "data")
+    TokenDataset(data)  # a --data that is not a dataset: one line now, not a failure per row
     nproc = cfg.nproc or (2 if device == "cpu" else torch.cuda.device_count())
     say(f"ddpgpt check: {scope(cfg)} on {device}; W=1 and "
         f"W={max(nproc, 2)}; the runs go to {out}")
@@ -173,6 +175,7 @@ def group_rows(cfg: CheckConfig) -> None:
         say_here = say if env.is_main else None
         results = training.run_all(specs, env, cfg.data, env.world_size, cfg.quick, say_here)
         rows = training.rows(specs, results, env.device.type, env.world_size)
-        if env.is_main:
+        if env.is_main:  # for the command that started this group; under torchrun, for you
             path = Path(cfg.out) / f"rows-w{env.world_size}.json"
             path.write_text(json.dumps([r.__dict__ for r in rows], indent=1))
+            say(f"{table(rows)}\n\n{counts(rows)}; written to {path}")

@@ -43,3 +43,11 @@ def test_check_refuses_a_missing_cuda_in_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("ddpgpt: error: check --device cuda: no CUDA "
                                                      "device is visible to torch")
     assert len(r.stderr.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
+
+
+def test_check_refuses_data_that_is_not_a_dataset_in_one_line(tmp_path):
+    r = run_cli("check", "--device", "cpu", "--out", tmp_path / "out", "--data", tmp_path / "none")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"ddpgpt: error: dataset {tmp_path / 'none'} does not exist; "
+                               "create it with: ddpgpt prepare --out")
+    assert not (tmp_path / "out" / "device-check.md").exists()

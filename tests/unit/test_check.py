@@ -171,3 +171,11 @@ def test_check_exits_non_zero_when_a_row_fails(tmp_path, monkeypatch, tiny_data)
     with pytest.raises(check.CheckFailed, match=r"^1 of 1 rows failed \(export\); see "):
         check.run(cfg)
     assert json.loads((tmp_path / "device-check.json").read_text())["rows"][0]["status"] == FAIL
+
+
+def test_export_without_transformers_is_not_run_and_says_what_it_needs(tmp_path, monkeypatch):
+    from ddpgpt.check import commands
+
+    monkeypatch.setattr(commands.importlib.util, "find_spec", lambda name: None)
+    r = commands.export_row(tmp_path, tmp_path, "cpu")
+    assert (r.status, r.figure) == (NOT_RUN, "needs transformers (pip install 'ddpgpt[export]')")
