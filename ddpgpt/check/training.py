@@ -130,12 +130,12 @@ def stepped(trainer: Trainer, case: Case, quick: bool) -> Result:
 def timed(trainer: Trainer, case: Case, quick: bool) -> Result:
     """Warm-up steps, then timed ones: tokens/s from the median step (the slowest rank's); the
     peak memory of the device (CUDA), from the first timed step on. The oracle (the fp32 CPU
-    run) takes only the first step: its loss, before any update, is the one to compare."""
+    run) only evaluates the first global batch: the first step's loss, before any update, is
+    the one to compare, and a forward alone is a third of a step (gpt2-124m on the host's CPU)."""
     env, cfg = trainer.env, trainer.cfg
     _, _, warmup, steps = (QUICK_SPEED if quick else SPEED)[env.device.type]
     if case.mode is None:
-        loss, _ = trainer.train_step()
-        return Result(losses=[loss.item()])
+        return Result(losses=[trainer.probe(0)])
     result, times = Result(), []
     for k in range(warmup + steps):
         if k == warmup and env.device.type == "cuda":
