@@ -160,8 +160,9 @@ def rows(device: str, data: str, out: Path, selected, say) -> list[Row]:
     if device != "cpu":  # on a CPU the one row above is both directions
         add(f"checkpoint cpu → {device}", f"the straight {device} run, {resumed}",
             lambda: across("cpu", device))
-    add("SIGTERM → exit 75 → resume", f"the straight {device} run", lambda: sigterm(
+    add("SIGTERM → exit 75 → resume", f"the straight {device} run (bitwise)", lambda: sigterm(
         data, runs, device, straight_run(device)))
+
     def of_straight(row_of):
         """A row of the straight run's checkpoint, trained first if no row above did."""
         def run() -> Row:
@@ -178,7 +179,7 @@ def rows(device: str, data: str, out: Path, selected, say) -> list[Row]:
     return result
 
 
-def sigterm(data: str, runs: Path, device: str, want: list[float]) -> Row:
+def sigterm(data: str, runs: Path, device: str, want: dict[int, float]) -> Row:
     """SIGTERM once step STOP_AT is done: exit 75 and a checkpoint; the resume (same command) must
     retrace the straight run bitwise: every loss and the final weights."""
     run_dir = runs / "sigterm"
