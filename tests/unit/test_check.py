@@ -179,3 +179,17 @@ def test_export_without_transformers_is_not_run_and_says_what_it_needs(tmp_path,
     monkeypatch.setattr(commands.importlib.util, "find_spec", lambda name: None)
     r = commands.export_row(tmp_path, tmp_path, "cpu")
     assert (r.status, r.figure) == (NOT_RUN, "needs transformers (pip install 'ddpgpt[export]')")
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--device", "tpu"], "ddpgpt: error: invalid config: check.device = 'tpu'"),
+    (["--nproc", "-1"], "ddpgpt: error: invalid config: --nproc -1 must be >= 0 (0: auto)"),
+])
+def test_bad_flags_are_one_line(argv, line, capsys, tmp_path):
+    from ddpgpt.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", "--out", str(tmp_path / "out"), *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(line) and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
