@@ -10,14 +10,16 @@ from tests.helpers import run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
+# One row of each kind the matrix has (the rest are the same code with other cases)
 TRAINING = ["zero1 · muon · bf16", "ddp · adamw · fp16 · loss scaler · step 3 forced non-finite",
-            "allreduce · adamw · fp32 · grad-compress bf16"]
-COMMANDS = ["SIGTERM → exit 75 → resume", "sample"]
+            "allreduce · adamw · fp32 · grad-compress bf16", "speed zero1"]
+COMMANDS = ["loader copy", "checkpoint cpu → cpu", "SIGTERM → exit 75 → resume", "eval", "sample",
+            "export"]
 
 
 def test_check_compares_rows_at_one_and_two_processes_and_the_commands(tmp_path, tiny_data):
     out = tmp_path / "out"
-    r = run_cli("check", "--device", "cpu", "--out", out, "--data", tiny_data,
+    r = run_cli("check", "--device", "cpu", "--quick", "--out", out, "--data", tiny_data,
                 "--only", ",".join(TRAINING + COMMANDS), timeout=280)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     data = json.loads((out / "device-check.json").read_text())
@@ -26,8 +28,10 @@ def test_check_compares_rows_at_one_and_two_processes_and_the_commands(tmp_path,
     assert {row["status"] for row in rows.values()} == {"pass"}
     assert rows[TRAINING[0], 2]["oracle"] == "ddp, cpu, W=2"
     assert rows[TRAINING[1], 1]["figure"].endswith("step 3 skipped, weights unchanged")
-    assert rows[COMMANDS[0], 1]["figure"].startswith("stopped at step 3, exit 75; losses max "
-                                                     "abs Δ 0.0e+00, final weights bitwise equal")
+    assert rows["SIGTERM → exit 75 → resume", 1]["figure"] == (
+        "stopped at step 3, exit 75; losses max abs Δ 0.0e+00, final weights bitwise equal")
+    assert rows["sample", 1]["figure"] == "24 tokens equal"
+    assert rows["speed zero1", 2]["figure"].endswith("tokens/s; max rel Δ loss 0.0e+00 (≤ 1e-05)")
     assert data["environment"]["torch"] and data["environment"]["device"] == "cpu"
     # what is printed is what is written
     table = (out / "device-check.md").read_text().split("\n\n")[2]
