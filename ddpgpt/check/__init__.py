@@ -34,7 +34,7 @@ import torch
 
 from ddpgpt import dist
 from ddpgpt.check import commands, matrix, training
-from ddpgpt.check.report import FAIL, Row, counts, environment, header, table, write
+from ddpgpt.check.report import FAIL, NOT_RUN, Row, counts, environment, header, table, write
 from ddpgpt.config.commands import CheckConfig, PrepareConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
@@ -73,9 +73,7 @@ def run(cfg: CheckConfig) -> None:
         say(header(env_info))
         if selected(cfg, "loader copy"):
             rows.append(commands.loader_row(env, data))
-        specs = plan(cfg, device, 1)
-        results = training.run_all(specs, env, data, max(nproc, 2), cfg.quick, say)
-        rows += training.rows(specs, results, device, 1)
+        rows += training_rows(cfg, env, data, max(nproc, 2), say)
     rows += several(cfg, device, out, data, nproc)           # 2. W > 1: one process per device
     rows += commands.rows(device, data, out, lambda check: selected(cfg, check), say)  # 3.
     seconds = time.perf_counter() - started
@@ -101,8 +99,17 @@ def selected(cfg: CheckConfig, check: str) -> bool:
 
 
 def plan(cfg: CheckConfig, device: str, world: int) -> list[matrix.Spec]:
-    return [s for s in matrix.plan(device, world, cfg.quick, cfg.compile)
-            if selected(cfg, s.check)]
+    return [s for s in matrix.plan(device, world, cfg.quick) if selected(cfg, s.check)]
+
+
+def training_rows(cfg: CheckConfig, env: dist.DistEnv, data: str, nproc: int, say_) -> list[Row]:
+    """The training rows at env's W; the compile rows as left out under --no-compile."""
+    specs = plan(cfg, env.device.type, env.world_size)
+    run = [s for s in specs if cfg.compile or not s.case.compile]
+    results = training.run_all(run, env, data, nproc, cfg.quick, say_)
+    done = dict(zip(run, training.rows(run, results, env.device.type, env.world_size)))
+    return [done.get(s) or Row(s.check, env.device.type, env.world_size, s.against,
+                               "left out by --no-compile", NOT_RUN) for s in specs]
 
 
 def say(line: str) -> None:
@@ -171,10 +178,7 @@ def group_rows(cfg: CheckConfig) -> None:
     """A worker: the training rows at this group's world size; rank 0 writes them."""
     with dist.session(cfg.device, timeout_s=300) as env:
         configure(max(1, len(os.sched_getaffinity(0)) // env.local_world_size), env.device)
-        specs = plan(cfg, env.device.type, env.world_size)
-        say_here = say if env.is_main else None
-        results = training.run_all(specs, env, cfg.data, env.world_size, cfg.quick, say_here)
-        rows = training.rows(specs, results, env.device.type, env.world_size)
+        rows = training_rows(cfg, env, cfg.data, env.world_size, say if env.is_main else None)
         if env.is_main:  # for the command that started this group; under torchrun, for you
             path = Path(cfg.out) / f"rows-w{env.world_size}.json"
             path.write_text(json.dumps([r.__dict__ for r in rows], indent=1))

@@ -74,7 +74,7 @@ def default_precision(device: str) -> str:
     return "bf16" if device == "cuda" else "fp32"
 
 
-def plan(device: str, world: int, quick: bool, compile: bool = True) -> list[Spec]:
+def plan(device: str, world: int, quick: bool) -> list[Spec]:
     """Every training row at world size `world` on `device`. `quick`: one compile row (ddp, fp32,
     W=1): each compile of the small model takes 30-60 s on a 2-core CPU."""
     specs = []
@@ -90,7 +90,7 @@ def plan(device: str, world: int, quick: bool, compile: bool = True) -> list[Spe
                     specs.append(Spec(f"{mode} · {optim} · {precision}", case,
                                       Case("ddp", optim, precision), where,
                                       VS_DDP[device, precision]))
-            if compile and (not quick or (mode, world, precision) == ("ddp", 1, "fp32")):
+            if not quick or (mode, world, precision) == ("ddp", 1, "fp32"):
                 eager = Case(mode, "adamw", precision)
                 specs.append(Spec(f"{mode} · adamw · {precision} · compile",
                                   Case(mode, "adamw", precision, compile=True), eager,

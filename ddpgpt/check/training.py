@@ -73,6 +73,10 @@ def train(case: Case, env: dist.DistEnv, data: str, nproc: int, quick: bool) -> 
         return Result(needs="NCCL")
     try:
         cfg, dataset = config(case, env, data, nproc, quick)
+        # The small model's 64-wide matmuls gain nothing from a second CPU thread, and lose much
+        # on a busy machine (two cases of a test: 34 s with 2 threads, 0.9 s with 1, measured on
+        # a shared 2-core VM); the speed model takes the run's own count.
+        torch.set_num_threads(cfg.run.threads if case.speed else 1)
         trainer = Trainer(cfg, env, dataset, Guard(env, cfg.run, StopSignal(announce=False)),
                           local=case.mode is None)
         if case.torch_hook:

@@ -219,16 +219,17 @@ class CheckConfig:
     """auto (cuda when available), cpu or cuda: the device every row runs on (the oracles run on
     the CPU in fp32)."""
     quick: bool = False
-    """A subset that runs in about 3 minutes on a 2-core CPU: one compile row (ddp, fp32, W=1)
-    instead of one per mode, precision and W, and fewer timed steps in the speed rows."""
+    """A subset: one compile row (ddp, fp32, W=1) instead of one per mode, precision and W, and
+    fewer timed steps in the speed rows (on a 2-core CPU about 2 minutes of CPU time, against
+    2.5 for the full matrix; a compile is 30-60 s there)."""
     out: str = "device-check"
     """Directory for device-check.md, device-check.json and the runs the rows train."""
     nproc: int = 0
     """Processes for the multi-process rows; 0: 2 on CPU (gloo), one per GPU on CUDA (none with
     a single GPU: those rows then say what they need)."""
     compile: bool = True
-    """Run the torch.compile rows (--no-compile lists them as not run: each compile takes about
-    a minute on a small CPU)."""
+    """Run the torch.compile rows (--no-compile lists them as not run: each new graph's compile
+    takes 30-60 s on a small CPU)."""
     data: str = ""
     """A dataset made by `ddpgpt prepare` to train on; empty: a small byte-level one is prepared
     from the Python standard library into OUT/data (once)."""

@@ -4,6 +4,7 @@ oracle; a row passes only within its tolerance; what the device lacks is "not ru
 import json
 
 import pytest
+import torch
 
 from ddpgpt import check
 from ddpgpt.check import matrix, training
@@ -47,7 +48,6 @@ def test_quick_compiles_once():
     for world in (1, 2):
         compiled = [s.check for s in matrix.plan("cpu", world, quick=True) if s.case.compile]
         assert compiled == (["ddp · adamw · fp32 · compile"] if world == 1 else [])
-    assert not any(s.case.compile for s in matrix.plan("cpu", 1, quick=False, compile=False))
 
 
 def _spec(check):
@@ -193,3 +193,19 @@ def test_bad_flags_are_one_line(argv, line, capsys, tmp_path):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith(line) and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_no_compile_lists_the_compile_rows_as_left_out(tiny_data):
+    cfg = CheckConfig(device="cpu", only="ddp · adamw · fp32,ddp · adamw · fp32 · compile",
+                      compile=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a small model: a second thread only waits on a busy machine
+    try:
+        rows = check.training_rows(cfg, training.dist.DistEnv(), str(tiny_data), 2, None)
+    finally:
+        torch.set_num_threads(threads)
+    by_check = {r.check: r for r in rows}
+    assert set(by_check) == {"ddp · adamw · fp32", "ddp · adamw · fp32 · compile"}
+    assert by_check["ddp · adamw · fp32"].status == PASS
+    compiled = by_check["ddp · adamw · fp32 · compile"]
+    assert (compiled.status, compiled.figure) == (NOT_RUN, "left out by --no-compile")
