@@ -76,7 +76,7 @@ def default_precision(device: str) -> str:
 
 def plan(device: str, world: int, quick: bool) -> list[Spec]:
     """Every training row at world size `world` on `device`. `quick`: one compile row (ddp, fp32,
-    W=1): each compile of the small model takes 30-60 s on a 2-core CPU."""
+    W=1): each new graph's compile takes 15-40 s on a 2-core CPU."""
     specs = []
     where = f"ddp, {device}, W={world}"
     for mode, row in MODES.items():

@@ -220,8 +220,8 @@ class CheckConfig:
     the CPU in fp32)."""
     quick: bool = False
     """A subset: one compile row (ddp, fp32, W=1) instead of one per mode, precision and W, and
-    fewer timed steps in the speed rows (on a 2-core CPU about 2 minutes of CPU time, against
-    2.5 for the full matrix; a compile is 30-60 s there)."""
+    fewer timed steps in the speed rows (on a 2-core CPU: 1.9 minutes of CPU time against 2.8
+    for the full matrix, measured; a compile of a new graph is 15-40 s there)."""
     out: str = "device-check"
     """Directory for device-check.md, device-check.json and the runs the rows train."""
     nproc: int = 0
@@ -229,7 +229,7 @@ class CheckConfig:
     a single GPU: those rows then say what they need)."""
     compile: bool = True
     """Run the torch.compile rows (--no-compile lists them as not run: each new graph's compile
-    takes 30-60 s on a small CPU)."""
+    takes 15-40 s on a small CPU)."""
     data: str = ""
     """A dataset made by `ddpgpt prepare` to train on; empty: a small byte-level one is prepared
     from the Python standard library into OUT/data (once)."""
