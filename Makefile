@@ -11,7 +11,7 @@ NPROC  ?= 2
 # Muon, 128-token sequences, 32 of them per step (the same 4,096 tokens per step as tiny's).
 DEMO_FLAGS := --optim.name muon --model.block-size 128 --data.global-batch 32 --data.eval-windows 0
 
-.PHONY: setup test demo bench lint clean data
+.PHONY: setup test demo bench lint clean data device-check
 
 setup: $(STAMP)
 
@@ -43,6 +43,12 @@ bench: $(STAMP) data
 	$(PY) -m ddpgpt bench --nproc $(NPROC) --data $(DATA) --repeats 3 --out bench
 	$(PY) -m benchmarks.scaling --out bench/scaling.png
 	$(PY) -m benchmarks.bench_prepare --work bench/prepare --json bench/prepare.json
+
+# On new hardware, first: every path (sync modes, precisions, optimizers, compile, checkpoints,
+# signals, eval, sample, export) against its oracle on the device here (CUDA when torch sees
+# it); prints the table and writes device-check/device-check.md and .json; exit 1 if a row fails.
+device-check: $(STAMP)
+	$(PY) -m ddpgpt check --out device-check
 
 # Style (ruff) and the house's one direction (import-linter's contracts in pyproject.toml).
 lint: $(STAMP)

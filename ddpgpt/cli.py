@@ -11,6 +11,7 @@
     ddpgpt plot RUN [RUN ...] [--out FILE.png]     loss curves and tokens/s of runs (plot.py)
     ddpgpt export --run-dir DIR --out DIR          a checkpoint for transformers (export.py)
     ddpgpt rendezvous [--port 29500]               elastic jobs' rendezvous store (dist/group.py)
+    ddpgpt check [--device cuda] [--quick]         every path against its oracle (check/)
 
 Flags are generated from the config dataclasses (config/io.py), so `--help` shows each field's
 docstring. Bad input (unknown flag, bad value, missing data) is one line on stderr and exit code
@@ -28,6 +29,7 @@ import sys
 
 from ddpgpt.config.commands import (
     BenchConfig,
+    CheckConfig,
     DoctorConfig,
     EvalConfig,
     ExportConfig,
@@ -119,6 +121,9 @@ COMMANDS = {
     "export": (ExportConfig, "ddpgpt.export:run",
                "write a checkpoint as a Hugging Face transformers directory",
                "ddpgpt export --run-dir runs/demo --out exported/demo"),
+    "check": (CheckConfig, "ddpgpt.check:run",
+              "check every path against its oracle on this machine's device; writes "
+              "device-check.md", "ddpgpt check --device cuda --out device-check"),
     "rendezvous": (RendezvousConfig, "ddpgpt.cli:rendezvous",
                    "host the rendezvous store of elastic jobs (torchrun --nnodes MIN:MAX) on a "
                    "node that does not train", "ddpgpt rendezvous --port 29500"),

@@ -265,3 +265,36 @@ class BenchConfig:
         _require(self.repeats >= 1, f"--repeats {self.repeats} must be >= 1")
         _require(self.nproc >= 0, f"--nproc {self.nproc} must be >= 0")
         _choice("bench", "device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class CheckConfig:
+    """`ddpgpt check`: every path (sync modes, precisions, optimizers, compile, checkpoints,
+    signals, eval, sample, export) against its oracle on this machine's device."""
+
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda: the device every row runs on (the oracles run on
+    the CPU in fp32)."""
+    quick: bool = False
+    """A subset: one compile row (ddp, fp32, W=1) instead of one per mode, precision and W, and
+    fewer timed steps in the speed rows (on a 2-core CPU: 1.9 minutes of CPU time against 2.8
+    for the full matrix, measured; a compile of a new graph is 15-40 s there)."""
+    out: str = "device-check"
+    """Directory for device-check.md, device-check.json and the runs the rows train."""
+    nproc: int = 0
+    """Processes for the multi-process rows; 0: 2 on CPU (gloo), one per GPU on CUDA (none with
+    a single GPU: those rows then say what they need)."""
+    compile: bool = True
+    """Run the torch.compile rows (--no-compile lists them as not run: each new graph's compile
+    takes 15-40 s on a small CPU)."""
+    data: str = ""
+    """A dataset made by `ddpgpt prepare` to train on; empty: a small byte-level one is prepared
+    from the Python standard library into OUT/data (once)."""
+    only: str = ""
+    """Run only the rows whose check matches one of these comma-separated patterns (shell-style:
+    'fsdp2 *,SIGTERM*'; no check's name holds a comma), e.g. to rerun a failed row; empty: every
+    row."""
+
+    def __post_init__(self):
+        _choice("check", "device", self.device, ("auto", "cpu", "cuda"))
+        _require(self.nproc >= 0, f"--nproc {self.nproc} must be >= 0 (0: auto)")

@@ -1,4 +1,5 @@
-"""GPU checks: skipped without CUDA (CI has none). Run on a GPU machine with `pytest tests/gpu`."""
+"""GPU checks: skipped without CUDA (CI has none). Run on a GPU machine with `pytest tests/gpu`;
+`ddpgpt check` (make device-check) runs these and every other path as one matrix."""
 
 import pytest
 import torch
@@ -60,3 +61,10 @@ def test_nccl_two_gpus_match_one(tiny_data, tmp_path):
             assert "(1 node × 2, nccl), cuda, fp32" in r.stderr
     torch.testing.assert_close(torch.tensor(results[2]), torch.tensor(results[1]), rtol=1e-4,
                                atol=0)
+
+
+@pytest.mark.timeout(900)
+def test_device_check_quick_passes(tmp_path):
+    """The whole quick matrix on this GPU (every row against its oracle); its table is printed."""
+    r = run_cli("check", "--device", "cuda", "--quick", "--out", tmp_path, timeout=880)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]

@@ -1,0 +1,57 @@
+"""`ddpgpt check` end to end on the CPU: rows at W=1 (a group of one) and W=2 (the workers it
+starts), and command rows that run `ddpgpt train/sample` as a user does. The full matrix's rows
+are the same code with other cases (tests/unit/test_check.py checks the plan)."""
+
+import json
+
+import pytest
+
+from tests.helpers import run_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+# One row of each kind the matrix has (the rest are the same code with other cases)
+TRAINING = ["zero1 · muon · bf16", "ddp · adamw · fp16 · loss scaler · step 3 forced non-finite",
+            "allreduce · adamw · fp32 · grad-compress bf16", "speed zero1"]
+COMMANDS = ["loader copy", "checkpoint cpu → cpu", "SIGTERM → exit 75 → resume", "eval", "sample",
+            "export"]
+
+
+def test_check_compares_rows_at_one_and_two_processes_and_the_commands(tmp_path, tiny_data):
+    out = tmp_path / "out"
+    r = run_cli("check", "--device", "cpu", "--quick", "--out", out, "--data", tiny_data,
+                "--only", ",".join(TRAINING + COMMANDS), timeout=280)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    data = json.loads((out / "device-check.json").read_text())
+    rows = {(row["check"], row["world"]): row for row in data["rows"]}
+    assert set(rows) == {(c, w) for c in TRAINING for w in (1, 2)} | {(c, 1) for c in COMMANDS}
+    assert {row["status"] for row in rows.values()} == {"pass"}
+    assert rows[TRAINING[0], 2]["oracle"] == "ddp, cpu, W=2"
+    assert rows[TRAINING[1], 1]["figure"].endswith("step 3 skipped, weights unchanged")
+    assert rows["SIGTERM → exit 75 → resume", 1]["figure"] == (
+        "stopped at step 3, exit 75; losses max abs Δ 0.0e+00, final weights bitwise equal")
+    assert rows["sample", 1]["figure"] == "24 tokens equal"
+    assert rows["speed zero1", 2]["figure"].endswith("tokens/s; max rel Δ loss 0.0e+00 (≤ 1e-05)")
+    assert data["environment"]["torch"] and data["environment"]["device"] == "cpu"
+    # what is printed is what is written
+    table = (out / "device-check.md").read_text().split("\n\n")[2]
+    assert table in r.stdout and table.count("\n") == len(rows) + 1
+
+
+def test_check_refuses_a_missing_cuda_in_one_line(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    r = run_cli("check", "--device", "cuda", "--out", tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("ddpgpt: error: check --device cuda: no CUDA "
+                                                     "device is visible to torch")
+    assert len(r.stderr.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
+
+
+def test_check_refuses_data_that_is_not_a_dataset_in_one_line(tmp_path):
+    r = run_cli("check", "--device", "cpu", "--out", tmp_path / "out", "--data", tmp_path / "none")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"ddpgpt: error: dataset {tmp_path / 'none'} does not exist; "
+                               "create it with: ddpgpt prepare --out")
+    assert not (tmp_path / "out" / "device-check.md").exists()

@@ -1,0 +1,211 @@
+"""`ddpgpt check`'s plan and verdicts: every mode, precision and optimizer has a row against an
+oracle; a row passes only within its tolerance; what the device lacks is "not run", never a pass."""
+
+import json
+
+import pytest
+import torch
+
+from ddpgpt import check
+from ddpgpt.check import matrix, training
+from ddpgpt.check.matrix import Case
+from ddpgpt.check.report import FAIL, NOT_RUN, PASS, Row, write
+from ddpgpt.check.training import Result
+from ddpgpt.config.commands import CheckConfig
+from ddpgpt.sync import MODES
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_plan_has_every_mode_precision_and_optimizer_against_an_oracle(device, world):
+    specs = matrix.plan(device, world, quick=False)
+    names = {s.check for s in specs}
+    for mode, row in MODES.items():
+        for precision in ("fp32", "bf16"):
+            for optim in ("adamw", "muon"):
+                assert f"{mode} · {optim} · {precision}" in names
+            assert f"{mode} · adamw · {precision} · compile" in names
+        assert (f"{mode} · adamw · fp32 · grad-compress bf16" in names) == row.compression
+        assert any(n.startswith(f"{mode} · adamw · fp16 · loss scaler") for n in names) == \
+            row.loss_scaler
+        assert {f"speed {mode}", f"peak memory {mode}"} <= names
+    assert len(names) == len(specs) and not any("," in n for n in names)  # --only splits at ","
+    for s in specs:
+        assert s.oracle != s.case and s.against
+        assert s.oracle is not None or s.check == "peak memory ddp"  # against the mode table
+        # ddp against the fp32 CPU run, the other modes against ddp on the same device
+        # fp16 against the fp32 CPU run with the same step skipped
+        if s.case.skip_at:
+            assert s.oracle == Case(None, skip_at=s.case.skip_at)
+        elif (s.kind == "losses" and not s.case.compile and s.case.compress == "none"
+                and not s.case.torch_hook):
+            assert s.oracle.mode == (None if s.case.mode == "ddp" else "ddp")
+    # every run the rows read is run once, the oracles too
+    assert set(matrix.cases(specs)) == {c for s in specs for c in (s.case, s.oracle) if c}
+
+
+def test_quick_compiles_once():
+    for world in (1, 2):
+        compiled = [s.check for s in matrix.plan("cpu", world, quick=True) if s.case.compile]
+        assert compiled == (["ddp · adamw · fp32 · compile"] if world == 1 else [])
+
+
+def _spec(check):
+    return next(s for s in matrix.plan("cpu", 2, quick=False) if s.check == check)
+
+
+def _results(spec, got, want, **fields):
+    return {spec.case: Result(losses=got, **fields), spec.oracle: Result(losses=want)}
+
+
+def test_a_row_passes_within_its_tolerance_and_fails_beyond_it():
+    spec = _spec("zero1 · adamw · fp32")
+    want = [5.0, 4.0, 3.0]
+    ok = training.row(spec, _results(spec, [5.0, 4.0 * (1 + 5e-6), 3.0], want), "cpu", 2)
+    assert ok.status == PASS and ok.figure == "max rel Δ loss 5.0e-06 (≤ 1e-05)"
+    bad = training.row(spec, _results(spec, [5.0, 4.0 * (1 + 2e-5), 3.0], want), "cpu", 2)
+    assert bad.status == FAIL and bad.figure == "max rel Δ loss 2.0e-05 (≤ 1e-05)"
+    nan = training.row(spec, _results(spec, [5.0, float("nan"), 3.0], want), "cpu", 2)
+    short = training.row(spec, _results(spec, [5.0], want), "cpu", 2)
+    assert nan.status == short.status == FAIL
+    assert (ok.check, ok.device, ok.world, ok.oracle) == ("zero1 · adamw · fp32", "cpu", 2,
+                                                         "ddp, cpu, W=2")
+
+
+def test_a_run_that_raised_fails_its_row_and_its_oracle_s_rows_with_the_error():
+    spec = _spec("fsdp2 · muon · bf16")
+    results = {spec.case: Result(error="RuntimeError: boom (fsdp2.py:12)"),
+               spec.oracle: Result(losses=[1.0])}
+    assert training.row(spec, results, "cpu", 2).figure == "RuntimeError: boom (fsdp2.py:12)"
+    results = {spec.case: Result(losses=[1.0]), spec.oracle: Result(error="ValueError: x")}
+    r = training.row(spec, results, "cpu", 2)
+    assert r.status == FAIL and r.figure == "its oracle: ValueError: x"
+
+
+def test_fp16_fails_when_the_forced_non_finite_step_was_not_skipped():
+    spec = _spec(f"ddp · adamw · fp16 · loss scaler · step {matrix.SKIP_AT} forced non-finite")
+    assert spec.oracle == Case(None, skip_at=matrix.SKIP_AT)
+    losses = [5.0, 4.0, 3.0]
+    done = training.row(spec, _results(spec, losses, losses, skipped=True), "cpu", 2)
+    assert done.status == PASS and done.figure.endswith("step 3 skipped, weights unchanged")
+    missed = training.row(spec, _results(spec, losses, losses, skipped=False), "cpu", 2)
+    assert missed.status == FAIL and missed.figure.endswith("step 3 was NOT skipped")
+
+
+def test_memory_needs_cuda_holds_the_tables_bytes_and_sharded_modes_less_than_ddp():
+    spec = _spec("peak memory zero1")
+    results = _results(spec, [1.0], [1.0])
+    cpu = training.row(spec, results, "cpu", 2)
+    assert (cpu.status, cpu.figure) == (NOT_RUN, "needs CUDA memory statistics")
+    results[spec.case].floor_bytes = 50 * 2**20
+    results[spec.case].peak_bytes, results[spec.oracle].peak_bytes = 90 * 2**20, 100 * 2**20
+    assert training.row(spec, results, "cuda", 2).status == PASS
+    results[spec.case].peak_bytes = 110 * 2**20
+    r = training.row(spec, results, "cuda", 2)
+    assert r.status == FAIL and r.figure == "110 MiB (table ≥ 50; ddp 100, so ≤ 100)"
+    results[spec.case].peak_bytes = 40 * 2**20  # less than the state itself: not measured right
+    assert training.row(spec, results, "cuda", 2).status == FAIL
+    ddp = _spec("peak memory ddp")
+    assert ddp.oracle is None
+    alone = training.row(ddp, {ddp.case: Result(peak_bytes=60 * 2**20, floor_bytes=50 * 2**20)},
+                         "cuda", 2)
+    assert alone.status == PASS and alone.figure == "60 MiB (table ≥ 50)"
+
+
+def test_speed_ddp_is_checked_against_the_fp32_cpu_run_s_first_loss():
+    spec = _spec("speed ddp")
+    assert spec.oracle == Case(None, speed=True)
+    results = {spec.case: Result(losses=[5.0, 9.0], tokens_per_s=1234.4),
+               spec.oracle: Result(losses=[5.0])}
+    r = training.row(spec, results, "cpu", 2)
+    assert r.status == PASS and r.figure == "1,234 tokens/s; max rel Δ loss 0.0e+00 (≤ 1e-05)"
+
+
+def test_rows_a_machine_cannot_run_say_what_they_need():
+    specs = matrix.plan("cuda", 2, quick=True)
+    rows = training.not_run(specs, "cuda", 2, "a second GPU")
+    assert {(r.status, r.figure) for r in rows} == {(NOT_RUN, "needs a second GPU")}
+    hook = _spec("ddp · adamw · fp32 · torch's bf16_compress_hook")
+    assert hook.oracle == Case("ddp", compress="bf16")
+    env = training.dist.DistEnv()  # no group, so no NCCL
+    assert training.train(hook.case, env, "unused", 2, True).needs == "NCCL"
+    r = training.row(hook, {hook.case: Result(needs="NCCL"), hook.oracle: Result(losses=[1.0])},
+                     "cpu", 2)
+    assert (r.status, r.figure) == (NOT_RUN, "needs NCCL")
+
+
+def test_only_selects_rows_by_pattern():
+    cfg = CheckConfig(only="fsdp2 · *, SIGTERM*")
+    picked = [s.check for s in check.plan(cfg, "cpu", 2)]
+    assert picked and all(c.startswith("fsdp2 · ") for c in picked)
+    assert check.selected(cfg, "SIGTERM → exit 75 → resume") and not check.selected(cfg, "eval")
+    assert check.selected(CheckConfig(), "anything")
+
+
+def test_the_report_is_one_table_and_the_same_rows_as_json(tmp_path):
+    rows = [Row("ddp · adamw · fp32", "cpu", 1, "the fp32 CPU run", "max rel Δ loss 0.0e+00",
+                PASS),
+            Row.needs("peak memory ddp", "cpu", 1, "ddp's peak", "CUDA memory statistics")]
+    env = {"ddpgpt": "0", "python": "3", "torch": "2.13.0", "cpu": "x, 2 usable cores",
+           "device": "cpu", "cuda": "none", "nccl": "none", "driver": "none"}
+    md, js = write(tmp_path, env, rows, "quick subset", 12.3)
+    text = md.read_text()
+    assert "| ddp · adamw · fp32 | cpu | 1 | the fp32 CPU run | max rel Δ loss 0.0e+00 | pass |" \
+        in text
+    assert "| peak memory ddp | cpu | 1 | ddp's peak | needs CUDA memory statistics | not run |" \
+        in text
+    assert "torch 2.13.0, CUDA none, NCCL none, driver none" in text
+    assert "1 passed, 0 failed, 1 not run, of 2 rows" in text
+    data = json.loads(js.read_text())
+    assert [Row(**r) for r in data["rows"]] == rows and data["scope"] == "quick subset"
+    (tmp_path / "pipe").mkdir()
+    pipe = write(tmp_path / "pipe", env, [Row("x", "cpu", 1, "a|b", "y", PASS)], "", 0)
+    assert "| x | cpu | 1 | a\\|b | y | pass |" in pipe[0].read_text()  # a cell's pipe: no column
+
+
+def test_check_exits_non_zero_when_a_row_fails(tmp_path, monkeypatch, tiny_data):
+    """The whole story, with every row but one command row deselected: its failure is the exit."""
+    failing = Row("export", "cpu", 1, "the fp32 CPU model's logits", "boom", FAIL)
+    monkeypatch.setattr(check.commands, "rows", lambda *a: [failing])
+    cfg = CheckConfig(device="cpu", out=str(tmp_path), data=str(tiny_data), only="export")
+    with pytest.raises(check.CheckFailed, match=r"^1 of 1 rows failed \(export\); see "):
+        check.run(cfg)
+    assert json.loads((tmp_path / "device-check.json").read_text())["rows"][0]["status"] == FAIL
+
+
+def test_export_without_transformers_is_not_run_and_says_what_it_needs(tmp_path, monkeypatch):
+    from ddpgpt.check import commands
+
+    monkeypatch.setattr(commands.importlib.util, "find_spec", lambda name: None)
+    r = commands.export_row(tmp_path, tmp_path, "cpu")
+    assert (r.status, r.figure) == (NOT_RUN, "needs transformers (pip install 'ddpgpt[export]')")
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--device", "tpu"], "ddpgpt: error: invalid config: check.device = 'tpu'"),
+    (["--nproc", "-1"], "ddpgpt: error: invalid config: --nproc -1 must be >= 0 (0: auto)"),
+])
+def test_bad_flags_are_one_line(argv, line, capsys, tmp_path):
+    from ddpgpt.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", "--out", str(tmp_path / "out"), *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(line) and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_compile_lists_the_compile_rows_as_left_out(tiny_data):
+    cfg = CheckConfig(device="cpu", only="ddp · adamw · fp32,ddp · adamw · fp32 · compile",
+                      compile=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a small model: a second thread only waits on a busy machine
+    try:
+        rows = check.training_rows(cfg, training.dist.DistEnv(), str(tiny_data), 2, None)
+    finally:
+        torch.set_num_threads(threads)
+    by_check = {r.check: r for r in rows}
+    assert set(by_check) == {"ddp · adamw · fp32", "ddp · adamw · fp32 · compile"}
+    assert by_check["ddp · adamw · fp32"].status == PASS
+    compiled = by_check["ddp · adamw · fp32 · compile"]
+    assert (compiled.status, compiled.figure) == (NOT_RUN, "left out by --no-compile")
