@@ -19,7 +19,7 @@ from ddpgpt.check.matrix import Case, Spec
 from ddpgpt.check.report import FAIL, NOT_RUN, PASS, Row, rel_diff, within
 from ddpgpt.config.io import build
 from ddpgpt.guard.health import Guard, StopSignal
-from ddpgpt.optim.optimizer import lr_at
+from ddpgpt.optim.schedule import Schedule
 from ddpgpt.run.preflight import preflight
 from ddpgpt.sync import MODES
 from ddpgpt.train import Trainer
@@ -111,7 +111,7 @@ def stepped(trainer: Trainer, case: Case, quick: bool) -> Result:
     """STEPS optimizer steps; step `skip_at` is forced non-finite: under fp16 its gradients
     overflow (the loss scale is raised to 2^40 for it) and the scaler must skip the update; the
     fp32 oracle skips it as the training loop skips a non-finite step."""
-    result = Result()
+    result, schedule = Result(), Schedule(trainer.cfg.optim, matrix.STEPS)
     for k in range(matrix.STEPS):
         forced = k + 1 == case.skip_at
         if forced and trainer.scaler is not None:
@@ -123,7 +123,7 @@ def stepped(trainer: Trainer, case: Case, quick: bool) -> Result:
         if forced and trainer.scaler is None:
             trainer.skip_update()
         else:
-            trainer.update(lr_at(k, trainer.cfg.optim, matrix.STEPS))
+            trainer.update(schedule.at(k))
         if forced and trainer.scaler is not None:
             lowered = trainer.scaler.get_scale() < 2.0**40
             result.skipped = lowered and dist.state_digest(trainer.raw.state_dict()) == before
@@ -140,14 +140,14 @@ def timed(trainer: Trainer, case: Case, quick: bool) -> Result:
     _, _, warmup, steps = (QUICK_SPEED if quick else SPEED)[env.device.type]
     if case.mode is None:
         return Result(losses=[trainer.probe(0)])
-    result, times = Result(), []
+    result, times, schedule = Result(), [], Schedule(cfg.optim, warmup + steps)
     for k in range(warmup + steps):
         if k == warmup and env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
         dist.barrier(env)
         start = time.perf_counter()
         loss, _ = trainer.train_step()
-        trainer.update(lr_at(k, cfg.optim, warmup + steps))
+        trainer.update(schedule.at(k))
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
         times.append(time.perf_counter() - start)
