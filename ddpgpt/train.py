@@ -188,8 +188,6 @@ def run(cfg: TrainConfig) -> None:
                     trainer = roll_back(trainer, spike, run_dir, start, metrics, lambda at: setup(
                         cfg, env, dataset, at, guard, announce=False))  # built as on a restart
                     _install_faults(trainer, saver)
-                if env.is_main:
-                    print(run_dir.next_commands(), file=sys.stderr)
             except dist.CollectiveError as e:
                 # A rank lost mid-save shows in the step's collectives first: name the save.
                 doing = trainer.doing if saver.troubled is None else \
@@ -205,6 +203,8 @@ def run(cfg: TrainConfig) -> None:
             metrics.close()
             trainer.close()
             run_dir.unlock()
+        if env.is_main:  # trained to the end (a stop raised above): below the closed bar
+            print(run_dir.next_commands(), file=sys.stderr)
 
 
 def roll_back(trainer: Trainer, verdict: Verdict, run_dir: RunDir, origin: resume.Start,
