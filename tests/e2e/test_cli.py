@@ -150,11 +150,17 @@ def test_ctrl_c_through_tee_still_checkpoints(tiny_data, tmp_path, nproc):
     run = tmp_path / "run"
     args = tiny_train_args(tiny_data, run, steps=400, run__checkpoint_every=0)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    def as_a_shell_starts_it():  # a terminal's foreground job: Ctrl-C's default action, even
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # when this suite itself runs with SIGINT
+        # ignored (a background job of a non-interactive shell inherits it ignored)
+
     train = subprocess.Popen([sys.executable, *args, "--nproc", str(nproc)],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                             process_group=0)  # a foreground job: one group, tee joins it
+                             process_group=0,  # a foreground job: one group, tee joins it
+                             preexec_fn=as_a_shell_starts_it)
     tee = subprocess.Popen(["tee", str(tmp_path / "log")], stdin=train.stdout,
-                           stdout=subprocess.DEVNULL, process_group=train.pid)
+                           stdout=subprocess.DEVNULL, process_group=train.pid,
+                           preexec_fn=as_a_shell_starts_it)
     train.stdout.close()  # tee is the pipe's only reader
     try:
         deadline = time.monotonic() + 120
