@@ -27,7 +27,6 @@ bench.png.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import statistics
 import sys
@@ -42,7 +41,7 @@ from ddpgpt.config.io import build
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
-from ddpgpt.files import describe
+from ddpgpt.files import describe, writable_dir
 from ddpgpt.guard.health import Guard, StopSignal
 from ddpgpt.init_from import apply_shape
 from ddpgpt.optim.schedule import Schedule
@@ -108,16 +107,7 @@ def check(cfg: BenchConfig, world: int, local: int) -> Path:
     directory (created here). Bad input is one line before any worker starts."""
     for mode in [None, *modes(cfg)]:
         train_config(cfg, world, local, mode, cfg.device)
-    out = Path(cfg.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".bench-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot write there: {describe(e)}; give a directory you "
-                        "can write to") from None
-    return out
+    return writable_dir(Path(cfg.out))
 
 
 def measure(cfg: BenchConfig, env: dist.DistEnv, mode: str | None) -> dict:

@@ -74,6 +74,20 @@ def sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
+def writable_dir(path: Path, flag: str = "--out") -> Path:
+    """`path`, created if need be and proven writable (a probe file written and removed), or
+    one line naming `flag`: before any work whose results it would hold."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write there: {describe(e)}; give a directory you "
+                        "can write to") from None
+    return path
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this id exists on this host (signal 0 checks without sending)."""
     try:

@@ -38,7 +38,7 @@ from ddpgpt.check.report import FAIL, NOT_RUN, Row, counts, environment, header,
 from ddpgpt.config.commands import CheckConfig, PrepareConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
-from ddpgpt.files import describe
+from ddpgpt.files import writable_dir
 from ddpgpt.run import launch
 from ddpgpt.run.precision import configure
 
@@ -127,15 +127,7 @@ def resolve(device: str) -> str:
 
 
 def prepare_out(out: Path) -> Path:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".check-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot write there: {describe(e)}; give a directory you "
-                        "can write to") from None
-    return out.resolve()
+    return writable_dir(out).resolve()
 
 
 def prepare_data(path: Path) -> str:
