@@ -71,15 +71,15 @@ class _Parser(argparse.ArgumentParser):
         if extras:
             flag = next((a.split("=")[0] for a in extras if a.startswith("--")), "")
             self.error(f"unrecognized arguments: {' '.join(extras)}",
-                       closest_flag(self._command(ns), flag))
+                       closest_flag(subparser(self, getattr(ns, "command", None)) or self,
+                                    flag))
         return ns
 
-    def _command(self, ns) -> argparse.ArgumentParser:
-        """The subcommand's parser that `ns` was parsed by (this one if none)."""
-        for action in self._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                return action.choices.get(getattr(ns, "command", None), self)
-        return self
+
+def subparser(parser: argparse.ArgumentParser, command: str | None):
+    """The parser of `command` under `parser`, or None."""
+    return next((a.choices.get(command) for a in parser._actions
+                 if isinstance(a, argparse._SubParsersAction)), None)
 
 
 def closest_flag(parser: argparse.ArgumentParser, flag: str) -> str:
@@ -266,8 +266,7 @@ def bool_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """`--model.bias false` and `--model.bias=false` (what a config file's `bias = false` reads
     like) as `--no-model.bias`; `true` as the bare flag. argparse's boolean flags take no value
     and would report only "unrecognized arguments: false"."""
-    sub = next((a.choices.get(argv[0]) for a in parser._actions
-                if isinstance(a, argparse._SubParsersAction) and argv), None)
+    sub = subparser(parser, argv[0]) if argv else None
     if sub is None:
         return argv
     negative = {}
