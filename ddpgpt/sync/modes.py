@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ddpgpt.config.schema import ConfigError
-from ddpgpt.errors import did_you_mean
+from ddpgpt.config.schema import _choice
 
 
 @dataclass(frozen=True)
@@ -140,7 +139,6 @@ MODES: dict[str, Mode] = {m.name: m for m in (
 
 def check(name: str, where: str = "run.sync") -> Mode:
     """The row of `name`, or one line naming the modes there are."""
-    if name not in MODES:
-        raise ConfigError(f"invalid config: {where} = {name!r}{did_you_mean(name, MODES)}; "
-                          f"choose one of {', '.join(MODES)}")
+    section, _, field_name = where.rpartition(".")
+    _choice(section, field_name, name, tuple(MODES))  # the config's own one-line refusal
     return MODES[name]
