@@ -21,7 +21,7 @@ from ddpgpt.config.commands import EvalConfig
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
-from ddpgpt.errors import UserError, warn
+from ddpgpt.errors import warn
 from ddpgpt.evals.multiple_choice import Scorer
 from ddpgpt.progress import bar as progress_bar
 from ddpgpt.run.precision import Precision
@@ -101,9 +101,4 @@ def report(cfg: EvalConfig, dataset: TokenDataset, loss: float, scores: dict, ta
 
 def run_tokenizer(run_dir: RunDir):
     """The tokenizer a run was trained with (the run dir keeps its data's meta and files)."""
-    try:
-        kind = json.loads(run_dir.data_meta.read_text())["tokenizer"]
-    except (OSError, ValueError, KeyError) as e:
-        raise UserError(f"run {run_dir}: cannot read its data_meta.json ({e}); tasks need the "
-                        "run dir a training wrote") from None
-    return load_tokenizer(run_dir.path, kind)
+    return load_tokenizer(run_dir.path, run_dir.read_data_meta("tasks need")["tokenizer"])

@@ -20,7 +20,6 @@ without biases gets zero biases. config.json also records the tokenizer's finger
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -50,11 +49,7 @@ def run(cfg: ExportConfig) -> None:
     run_dir, out = RunDir(cfg.run_dir), Path(cfg.out)
     found = saved(run_dir, cfg.step)
     path, meta, model_cfg = found.path, found.meta, found.config.model
-    try:
-        data_meta = json.loads(run_dir.data_meta.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"run {run_dir}: cannot read its data_meta.json ({e}); export needs the "
-                        "run dir a training wrote") from None
+    data_meta = run_dir.read_data_meta("export needs")
     check_out(out, cfg.force)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:

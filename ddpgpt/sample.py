@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -32,7 +31,7 @@ def run(cfg: SampleConfig) -> None:
     run_dir = RunDir(cfg.run_dir)
     device = dist.resolve_device(cfg.device, 0)
     model, found = load_model(run_dir, device)  # first: a run without a checkpoint says so
-    tok = load_tokenizer(run_dir.path, json.loads(run_dir.data_meta.read_text())["tokenizer"])
+    tok = load_tokenizer(run_dir.path, run_dir.read_data_meta("sample needs")["tokenizer"])
     train_cfg, meta = found.config, found.meta
     torch.set_num_threads(cfg.threads or sampling_threads(model.num_params(False) *
                                                           cfg.num_samples))

@@ -67,6 +67,17 @@ class RunDir:
     def data_meta(self) -> Path:
         return self.path / "data_meta.json"
 
+    def read_data_meta(self, needs: str) -> dict:
+        """The run's data_meta.json (its dataset's meta.json: tokenizer, vocabulary), or one
+        line saying that `needs` (who asks: "export needs") the run dir a training wrote."""
+        try:
+            meta = json.loads(self.data_meta.read_text())
+            meta["tokenizer"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"run {self}: cannot read its data_meta.json ({e}); {needs} the run "
+                            "dir a training wrote") from None
+        return meta
+
     @property
     def tokenizer(self) -> Path:
         return self.path / "tokenizer.json"
