@@ -27,13 +27,13 @@ import torch
 from ddpgpt import checkpoint, dist
 from ddpgpt.check.matrix import VS_FP32_CPU, default_precision
 from ddpgpt.check.report import FAIL, PASS, Row, rel_diff, within
-from ddpgpt.config.io import from_dict
+from ddpgpt.checkpoint.read import load_model
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.evaluate import evaluate
 from ddpgpt.guard.health import EXIT_PREEMPTED
-from ddpgpt.model import GPT
+from ddpgpt.run.run_dir import RunDir
 
 STEPS, STOP_AT = 4, 2
 PROMPT, NEW_TOKENS = "def ", 24
@@ -104,12 +104,9 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 def load(run_dir: Path, device: str = "cpu"):
-    """(the model of the run's newest checkpoint, its training config, the checkpoint's step)."""
-    path, meta, state = checkpoint.load_latest(run_dir / "checkpoints")
-    cfg = from_dict(meta["config"], source=str(path / "meta.json"))
-    model = GPT(cfg.model).to(device)
-    checkpoint.load_weights(path, model, state["model"])
-    return model.eval(), cfg, meta["step"]
+    """(the model of the run's newest checkpoint, its training config) on `device`."""
+    model, found = load_model(RunDir(run_dir), device)
+    return model, found.config
 
 
 def guarded(check: str, device: str, oracle: str, fn) -> Row:
@@ -188,8 +185,8 @@ def sigterm(data: str, runs: Path, device: str, want: dict[int, float]) -> Row:
     if stopped_at is None or stopped_at[1].get("reason") != "stop":
         raise Failed("exit 75 but no checkpoint written for the stop")
     got = train(data, run_dir, device)
-    model, _, _ = load(run_dir)
-    oracle, _, _ = load(runs / f"straight-{device}")
+    model, _ = load(run_dir)
+    oracle, _ = load(runs / f"straight-{device}")
     same = dist.state_digest(model.state_dict()) == dist.state_digest(oracle.state_dict())
     diff = max((abs(got[k] - want[k]) for k in want if k in got), default=float("inf"))
     ok = same and got == want
@@ -205,7 +202,7 @@ def eval_row(run_dir: Path, device: str) -> Row:
     if not found:
         raise Failed(f"ddpgpt eval printed no val_loss: {r.stdout.strip()[:200]}")
     got = float(found.group(1))
-    model, cfg, _ = load(run_dir)
+    model, cfg = load(run_dir)
     loader = EvalLoader(TokenDataset(cfg.data.dir), seq_len=cfg.seq_len,
                         micro_batch=cfg.data.micro_batch, max_windows=cfg.data.eval_windows)
     want = evaluate(model, loader, dist.DistEnv())
@@ -224,8 +221,8 @@ def sample_row(run_dir: Path, device: str) -> Row:
     r = succeed("sample", "--run-dir", str(run_dir), "--device", device, "--prompt", PROMPT,
                 "--max-new-tokens", str(NEW_TOKENS), "--top-k", "1")
     text = r.stdout.rstrip("\n")
-    model, cfg, _ = load(run_dir)
-    tok = load_tokenizer(run_dir, json.loads((run_dir / "data_meta.json").read_text())["tokenizer"])
+    model, cfg = load(run_dir)
+    tok = load_tokenizer(run_dir, RunDir(run_dir).read_data_meta("check needs")["tokenizer"])
     prompt = tok.encode_batch([PROMPT])[0].tolist()
     ids = torch.tensor([prompt])
     with torch.no_grad():
@@ -257,7 +254,7 @@ def export_row(run_dir: Path, runs: Path, device: str) -> Row:
 
     transformers.utils.logging.disable_progress_bar()
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
-    model, cfg, _ = load(run_dir)
+    model, cfg = load(run_dir)
     vocab = theirs.config.vocab_size
     x = next(iter(EvalLoader(TokenDataset(cfg.data.dir), seq_len=cfg.seq_len, micro_batch=2,
                              max_windows=2)))[0]
