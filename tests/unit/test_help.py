@@ -1,14 +1,18 @@
-"""Help that teaches: one options heading per command, only true defaults, an example each, and
-`train --help` short (the common flags) with --help-all for every flag."""
+"""Help that teaches: one options heading per command, only true defaults, an example each,
+`train --help` short (the common flags) with --help-all for every flag, and every field's
+docstring (a preset's values as defaults) in it."""
 
 import argparse
 import dataclasses
+import inspect
 import re
 
 import pytest
 
 from ddpgpt import cli
-from ddpgpt.config.schema import SECTIONS
+from ddpgpt.config import commands, schema
+from ddpgpt.config.io import field_docs
+from ddpgpt.config.schema import SECTIONS, DataConfig, ModelConfig
 
 
 def _help(argv: list[str], capsys) -> str:
@@ -55,3 +59,48 @@ def test_every_command_is_in_the_parser():
     sub = next(a for a in cli._build_parser()._actions
                if isinstance(a, argparse._SubParsersAction))
     assert list(sub.choices) == ["prepare", "train", *list(cli.COMMANDS)[1:]]
+
+
+# ---- field docstrings reach --help ------------------------------------------------------------
+
+CONFIG_CLASSES = [c for module in (schema, commands)
+                  for _, c in inspect.getmembers(module, inspect.isclass)
+                  if dataclasses.is_dataclass(c) and c.__module__ == module.__name__]
+
+
+def test_field_docs():
+    assert field_docs(ModelConfig)["n_layer"] == "Transformer blocks."
+    assert field_docs(DataConfig)["global_batch"] == (
+        "Sequences per optimizer step (G), fixed whatever the number of processes W; the "
+        "accumulation steps are G / (W * b).")
+
+
+def test_help_shows_field_docs_and_defaults():
+    sub = next(a for a in cli._build_parser(every=True)._actions
+               if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(sub.choices["train"].format_help().split())
+    assert "--model.n-layer N_LAYER Transformer blocks. (default: 4)" in text
+    assert ("--data DIR, --data.dir DIR Dataset directory made by `ddpgpt prepare`. "
+            "(default: data/stdlib)" in text)
+
+
+@pytest.mark.parametrize("cls", CONFIG_CLASSES, ids=lambda c: c.__name__)
+def test_every_field_has_a_docstring(cls):
+    docs = field_docs(cls)
+    assert [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)] == []
+
+
+def test_meta_test_sees_every_config_class():
+    assert {c.__name__ for c in CONFIG_CLASSES} >= {
+        "PrepareConfig", "ModelConfig", "DataConfig", "OptimConfig", "RunConfig", "TrainConfig",
+        "SampleConfig", "EvalConfig", "DoctorConfig", "PlotConfig", "ExportConfig", "BenchConfig",
+        "RendezvousConfig"}
+
+
+def test_help_shows_the_presets_values(capsys):
+    """The dataclass defaults are lr 1e-3 and G = 32; tiny's are 2e-3 and 16."""
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--preset", "tiny", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Peak learning rate, reached after warmup_steps. (default: 0.002)" in text
+    assert "the accumulation steps are G / (W * b). (default: 16)" in text
