@@ -24,7 +24,7 @@ from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.errors import warn
 from ddpgpt.evals.multiple_choice import Scorer
 from ddpgpt.progress import bar as progress_bar
-from ddpgpt.run.precision import Precision
+from ddpgpt.run.precision import Precision, flush_denormals
 from ddpgpt.run.run_dir import RunDir
 
 
@@ -64,6 +64,8 @@ def run(cfg: EvalConfig) -> None:
     tokenizer = run_tokenizer(run_dir) if tasks else None
     with dist.session(cfg.device, "auto") as env:
         model = model_of(found, env.device)
+        if env.device.type == "cpu":
+            flush_denormals()  # as in training: the same figures, at full speed
         windows = train_cfg.data.eval_windows if cfg.windows < 0 else cfg.windows
         loader = EvalLoader(dataset, seq_len=train_cfg.seq_len,
                             micro_batch=train_cfg.data.micro_batch, world_size=env.world_size,

@@ -78,7 +78,8 @@ def write_model(out: Path, weights: dict, model: ModelConfig, vocab: int, eot: i
     from transformers import GenerationConfig, GPT2Config
 
     GPT2Config(vocab_size=vocab, n_positions=model.block_size, n_embd=model.n_embd,
-               n_layer=model.n_layer, n_head=model.n_head, activation_function="gelu_new",
+               n_layer=model.n_layer, n_head=model.n_head,
+               activation_function=gpt2.ACTIVATION[model.gelu],
                resid_pdrop=model.dropout, embd_pdrop=model.dropout, attn_pdrop=model.dropout,
                layer_norm_epsilon=1e-5, bos_token_id=eot, eos_token_id=eot,
                tie_word_embeddings=True, architectures=["GPT2LMHeadModel"],

@@ -33,7 +33,10 @@ CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # stored (in,
 # ours <- theirs, per block
 BLOCK_NAMES = {"ln1": "ln_1", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",
                "ln2": "ln_2", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
-GELUS = ("gelu_new", "gelu_pytorch_tanh")  # the same function (tanh approximation)
+# transformers' activation_function -> model.gelu (gelu_new and gelu_pytorch_tanh are the same
+# function, the tanh approximation)
+GELUS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "exact"}
+ACTIVATION = {"tanh": "gelu_new", "exact": "gelu"}  # model.gelu -> activation_function
 
 
 def _theirs(name: str) -> str:
@@ -59,14 +62,15 @@ def strip_prefix(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def shape(shapes: dict[str, tuple[int, ...]], config: dict | None) -> dict:
     """The model shape of GPT-2 tensors (names as strip_prefix leaves them, to their shapes):
-    n_layer, n_embd, block_size, vocab (unpadded), bias, and n_head from `config` (config.json)
-    when there is one (the tensors do not say it)."""
+    n_layer, n_embd, block_size, vocab (unpadded), bias, and from `config` (config.json) when
+    there is one (the tensors do not say them) n_head and the GELU (else GPT-2's)."""
     if "wte.weight" not in shapes or "wpe.weight" not in shapes:
         raise ValueError("no wte.weight / wpe.weight")
     layers = {int(m.group(1)) for n in shapes if (m := re.match(r"h\.(\d+)\.", n))}
     vocab, n_embd = shapes["wte.weight"]
     out = {"n_layer": len(layers), "n_embd": n_embd, "block_size": shapes["wpe.weight"][0],
-           "vocab": vocab, "bias": "h.0.attn.c_attn.bias" in shapes}
+           "vocab": vocab, "bias": "h.0.attn.c_attn.bias" in shapes,
+           "gelu": GELUS.get((config or {}).get("activation_function", "gelu_new"), "tanh")}
     if config and config.get("n_head"):
         out["n_head"] = int(config["n_head"])
     return out
@@ -78,7 +82,8 @@ def check_config(config: dict, where: str) -> None:
     if config.get("model_type", "gpt2") != "gpt2":
         problems.append(f"model_type {config['model_type']!r} (only gpt2)")
     if config.get("activation_function", "gelu_new") not in GELUS:
-        problems.append(f"activation_function {config['activation_function']!r} (only gelu_new)")
+        problems.append(f"activation_function {config['activation_function']!r} (only "
+                        "gelu_new or gelu)")
     if config.get("n_inner") not in (None, 4 * config.get("n_embd", 0)):
         problems.append(f"n_inner {config['n_inner']} (only 4 × n_embd)")
     if abs(config.get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:

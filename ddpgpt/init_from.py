@@ -5,9 +5,9 @@
     ddpgpt train --data data/mine --init-from weights.safetensors --model.n-head 12
 
 Three steps, at three times:
-1. the shape (`apply_shape`, while the config is built): layers, width, positions and vocabulary
-   come from the weights; a shape the user set that disagrees is one line. The vocabulary is
-   padded to a multiple of 64 and `model.vocab_limit` masks the padding rows.
+1. the shape (`apply_shape`, while the config is built): layers, width, positions, vocabulary
+   and GELU come from the weights; a shape the user set that disagrees is one line. The
+   vocabulary is padded to a multiple of 64 and `model.vocab_limit` masks the padding rows.
 2. the tokenizer (`check_tokenizer`, in preflight): the dataset's must be the weights' — gpt2 for
    the hub names; for a directory the one saved beside the weights (config.json's `ddpgpt` entry
    from `ddpgpt export`, else GPT-2's if its files are GPT-2's or there are none and the
@@ -30,7 +30,6 @@ from ddpgpt.config.schema import ConfigError, TrainConfig
 from ddpgpt.data.tokenizer import fingerprint
 from ddpgpt.errors import UserError, warn
 
-SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
 HUB_FILES = ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
              "tokenizer_config.json", "vocab.json", "merges.txt"]
 GPT2_THE = ("\u0120the", 262)  # " the" in GPT-2's byte-level vocabulary
@@ -110,7 +109,8 @@ def weights_shape(spec: str) -> dict:
     if spec in gpt2.HUB:
         _, n_layer, n_head, n_embd = gpt2.HUB[spec]
         return {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd,
-                "block_size": gpt2.GPT2_POSITIONS, "vocab": gpt2.GPT2_VOCAB, "bias": True}
+                "block_size": gpt2.GPT2_POSITIONS, "vocab": gpt2.GPT2_VOCAB, "bias": True,
+                "gelu": "tanh"}
     path = locate(spec)
     config = _config(path)
     if config is not None:
@@ -134,7 +134,7 @@ def apply_shape(cfg: TrainConfig, explicit: dict[str, str]) -> TrainConfig:
     found = weights_shape(spec)
     vocab = found["vocab"]
     want = {"n_layer": found["n_layer"], "n_embd": found["n_embd"],
-            "block_size": found["block_size"], "bias": found["bias"],
+            "block_size": found["block_size"], "bias": found["bias"], "gelu": found["gelu"],
             "vocab_size": -(-vocab // 64) * 64, "vocab_limit": vocab}
     if "n_head" in found:
         want["n_head"] = found["n_head"]

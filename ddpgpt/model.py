@@ -97,9 +97,10 @@ class MLP(nn.Module):
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj.residual = True
         self.drop = nn.Dropout(cfg.dropout)
+        self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+        return self.drop(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):
@@ -203,9 +204,10 @@ class GPT(nn.Module):
         with the context.
 
         `temperature` 0: greedy decoding (the most likely token each time, as top_k=1).
-        `vocab_size`: the tokenizer's own vocabulary. The model's is padded up to a multiple of
-        64 (257 byte ids -> 320 rows); the padding ids mean nothing to the tokenizer, so they are
-        never sampled, however little the model has learned to avoid them."""
+        `vocab_size`: the tokenizer's own vocabulary. The model's may be padded up to a multiple
+        of 64 (GPT-2's 50,257 ids -> 50,304 rows); the padding ids mean nothing to the
+        tokenizer, so they are never sampled, however little the model has learned to avoid
+        them."""
         block = self.cfg.block_size
         start, cache = max(0, idx.size(1) - block), None
         for _ in range(max_new_tokens):

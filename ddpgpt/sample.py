@@ -14,7 +14,7 @@ from ddpgpt import dist
 from ddpgpt.checkpoint.read import load_model
 from ddpgpt.config.commands import SampleConfig
 from ddpgpt.data.tokenizer import load_tokenizer
-from ddpgpt.run.precision import Precision
+from ddpgpt.run.precision import Precision, flush_denormals
 from ddpgpt.run.run_dir import RunDir
 
 SMALL_STEP = 200e6  # parameters × samples: one thread below (see SampleConfig.threads)
@@ -33,6 +33,8 @@ def run(cfg: SampleConfig) -> None:
     model, found = load_model(run_dir, device)  # first: a run without a checkpoint says so
     tok = load_tokenizer(run_dir.path, run_dir.read_data_meta("sample needs")["tokenizer"])
     train_cfg, meta = found.config, found.meta
+    if device.type == "cpu":
+        flush_denormals()
     torch.set_num_threads(cfg.threads or sampling_threads(model.num_params(False) *
                                                           cfg.num_samples))
     ids = tok.encode_batch([cfg.prompt])[0].tolist() if cfg.prompt else [tok.eot_id]

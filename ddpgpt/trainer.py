@@ -56,9 +56,10 @@ class Trainer:
                               run.grad_compress)
         self.precision = Precision.of(run, dev)
         self.scaler = self.precision.scaler()  # fp16: it must see every gradient held
+        ns_dtype = self.precision.newton_schulz_dtype(cfg.optim.muon_ns_dtype)
         self.optimizer = optim.Optimizer(groups, self.sync.params(), cfg.optim, dev,
                                          held=self.sync.held() if self.scaler else (),
-                                         ns_dtype=self.precision.newton_schulz_dtype)
+                                         ns_dtype=ns_dtype)
         # Each step's lr and momentum; a rollback's lower lr comes from the guard at each step.
         self.schedule = Schedule(cfg.optim, run.steps, lambda: guard.spikes.lr_factor)
         # 3. Compile after the sync: for DDP, dynamo's DDPOptimizer then splits the graph at

@@ -56,11 +56,15 @@ class ModelConfig:
     block_size: int = 256
     """Longest context in tokens (size of the learned position embedding)."""
     vocab_size: int = 0
-    """Output vocabulary; 0 takes the dataset's, rounded up to a multiple of 64 for fast matmuls."""
+    """Output vocabulary; 0 takes the dataset's, rounded up to a multiple of 64 for fast matmuls
+    where that adds no more than a hundredth (GPT-2's 50,257 -> 50,304)."""
     bias: bool = True
     """Biases in linear layers and LayerNorms (GPT-2 has them)."""
     dropout: float = 0.0
     """Dropout probability on attention, residual and embedding outputs (0 for pretraining)."""
+    gelu: str = "tanh"
+    """The MLP's GELU: tanh (its tanh approximation, GPT-2's gelu_new) or exact (erf, as
+    nn.GELU and nanoGPT; on a CPU about half the time of tanh's)."""
     vocab_limit: int = 0
     """Ids from this one up to vocab_size are padding and get a logit of -inf: never predicted,
     never trained. 0: every row is live (a fresh model learns to avoid its padding rows).
@@ -79,6 +83,7 @@ class ModelConfig:
         _require(self.n_embd % self.n_head == 0,
                  f"model.n_head = {self.n_head} must divide model.n_embd = {self.n_embd}")
         _require(0 <= self.dropout < 1, f"model.dropout = {self.dropout} must be in [0, 1)")
+        _choice("model", "gelu", self.gelu, ("tanh", "exact"))
         _require(self.vocab_limit >= 0 and (not self.vocab_size
                                             or self.vocab_limit <= self.vocab_size),
                  f"model.vocab_limit = {self.vocab_limit} must be in [0, model.vocab_size = "
@@ -168,6 +173,13 @@ class OptimConfig:
     """Steps over which Muon's momentum rises to muon_momentum (0: constant)."""
     muon_ns_steps: int = 5
     """Newton-Schulz iterations per Muon update."""
+    muon_ns: str = "quintic"
+    """The Newton-Schulz polynomials: quintic (torch's, the same every iteration) or polar (Polar
+    Express: one per iteration, closer to orthogonal in fewer; docs/muon.md)."""
+    muon_ns_dtype: str = "auto"
+    """The dtype Newton-Schulz iterates in: auto (fp32 under run.precision fp32, so that runs
+    compare exactly; bf16 otherwise, as torch), fp32 or bf16 (faster where the CPU or GPU has
+    bf16 matrix units)."""
 
     def __post_init__(self):
         _finite(self, "optim.")
@@ -195,6 +207,11 @@ class OptimConfig:
                  f"optim.muon_momentum_warmup = {self.muon_momentum_warmup} must be >= 0")
         _require(self.muon_ns_steps >= 1,
                  f"optim.muon_ns_steps = {self.muon_ns_steps} must be >= 1")
+        _choice("optim", "muon_ns", self.muon_ns, ("quintic", "polar"))
+        _require(self.muon_ns != "polar" or self.muon_ns_steps >= 5,  # optim/muon.py's table
+                 f"optim.muon_ns = polar is made for 5 iterations; optim.muon_ns_steps = "
+                 f"{self.muon_ns_steps} must be >= 5 with it")
+        _choice("optim", "muon_ns_dtype", self.muon_ns_dtype, ("auto", "fp32", "bf16"))
 
 
 @dataclass

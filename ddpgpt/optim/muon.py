@@ -196,16 +196,46 @@ class Matrices:
                                  .clone().view(p.shape)}
 
 
-def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
-                  eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """torch's _zeropower_via_newtonschulz in `dtype`: U·f(S)·Vᵀ for g = U·S·Vᵀ, f(σ) ~ 1."""
-    a, b, c = coefficients
+# The polynomial each Newton-Schulz iteration applies to the singular values, a·σ + b·σ³ + c·σ⁵.
+# quintic: torch's (Keller Jordan's) one polynomial, every iteration. polar: Polar Express (Amsel,
+# Persson, Musco, Gower 2025, arXiv:2505.16932; num_iters 5, safety factor 2e-2, cushion 2), one
+# polynomial per iteration, each the best for the interval the previous one left; it reaches
+# σ ≈ 1 in fewer iterations than quintic (docs/muon.md, "Newton-Schulz").
+NS_COEFFICIENTS = {
+    "quintic": ((3.4445, -4.7750, 2.0315),),
+    "polar": ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+              (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+              (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+              (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+              (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)),
+}
+# The norm a polynomial schedule divides by first, as a multiple of the Frobenius norm: polar's
+# polynomials assume the spectral norm at most 1/(1 + safety factor).
+NS_NORM_SCALE = {"quintic": 1.0, "polar": 1.02}
+
+
+def ns_polynomials(name: str, steps: int) -> list[tuple[float, float, float]]:
+    """The `steps` polynomials of schedule `name`: its own, then its last one repeated (which
+    keeps σ near 1). A schedule is made for its length: polar cut to 4 or 3 iterations leaves
+    singular values up to 2.9 or 4.1 (measured), so fewer is refused (config.schema)."""
+    table = NS_COEFFICIENTS[name]
+    if steps < len(table):
+        raise ValueError(f"Newton-Schulz schedule {name} needs at least {len(table)} steps")
+    return [*table, *[table[-1]] * (steps - len(table))]
+
+
+def newton_schulz(g: torch.Tensor, coefficients, steps: int, eps: float,
+                  dtype: torch.dtype = torch.float32, norm_scale: float = 1.0) -> torch.Tensor:
+    """torch's _zeropower_via_newtonschulz in `dtype`: U·f(S)·Vᵀ for g = U·S·Vᵀ, f(σ) ~ 1.
+    `coefficients`: one (a, b, c) for every iteration, or a list of `steps` of them."""
+    polys = ([coefficients] * steps if isinstance(coefficients[0], (int, float))
+             else list(coefficients))
     x = g.to(dtype, copy=True)
     tall = g.size(0) > g.size(1)
     if tall:  # iterate on the smaller Gram matrix
         x = x.T
-    x.div_(x.norm().clamp(min=eps))  # every singular value into (0, 1]
-    for _ in range(steps):
+    x.div_((x.norm() * norm_scale).clamp(min=eps))  # every singular value into (0, 1]
+    for a, b, c in polys:
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b·gram + c·gram²
         x = torch.addmm(x, poly, x, beta=a)                     # a·x + poly·x
@@ -213,30 +243,33 @@ def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], ste
 
 
 class Muon(torch.optim.Muon):
-    """torch.optim.Muon; with `ns_dtype` float32, its step with the iteration in fp32."""
+    """torch.optim.Muon; its step as torch's unless the Newton-Schulz iteration runs in another
+    dtype (`ns_dtype` float32) or with another polynomial schedule (`ns` polar)."""
 
-    def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, **kwargs):
+    def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, ns: str = "quintic",
+                 **kwargs):
         super().__init__(params, **kwargs)
-        self.ns_dtype = ns_dtype
+        self.ns_dtype, self.ns = ns_dtype, ns
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.ns_dtype == torch.bfloat16:
+        if self.ns_dtype == torch.bfloat16 and self.ns == "quintic":
             return super().step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:  # torch's _single_tensor_muon, but for the dtype
+        for group in self.param_groups:  # torch's _single_tensor_muon, but for the iteration
             params, grads, buffers = [], [], []
             self._init_group(group, params, grads, buffers)
             m = group["momentum"]
+            polys = (ns_polynomials(self.ns, group["ns_steps"]) if self.ns != "quintic"
+                     else group["ns_coefficients"])
             for p, grad, buf in zip(params, grads, buffers):
                 buf.lerp_(grad, 1 - m)
                 update = grad.lerp(buf, m) if group["nesterov"] else buf
-                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"],
-                                       group["eps"], self.ns_dtype)
+                update = newton_schulz(update, polys, group["ns_steps"], group["eps"],
+                                       self.ns_dtype, NS_NORM_SCALE[self.ns])
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
         return loss
-

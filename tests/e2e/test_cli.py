@@ -38,8 +38,8 @@ def test_prepare_train_resume_eval_sample(tmp_path):
                             "elapsed_s"}
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "step_0000003", "step_0000004"]
-    # resolved: 257 -> 320
-    assert json.loads((run / "config.json").read_text())["model"]["vocab_size"] == 320
+    # resolved: the byte tokenizer's 257 ids as they are (64 × 5 = 320 would add 25%)
+    assert json.loads((run / "config.json").read_text())["model"]["vocab_size"] == 257
 
     # continue to step 6, with another weight decay: applied, printed once, recorded
     first_config = json.loads((run / "config.json").read_text())

@@ -34,8 +34,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODEL_KEYS = ("n_layer, n_head, n_embd, block_size, vocab_size, bias, dropout, vocab_limit, "
-              "init_from")
+MODEL_KEYS = ("n_layer, n_head, n_embd, block_size, vocab_size, bias, dropout, gelu, "
+              "vocab_limit, init_from")
 
 
 def _toml(tmp_path, text: str, name: str = "run.toml") -> str:
@@ -318,16 +318,19 @@ def _resolve(cfg, dataset, local_world_size=1):
     return resolve_autos(cfg, dataset, local_world_size)
 
 
-def test_resolve_rounds_vocab_up_to_64(dataset):
+def test_resolve_takes_the_datasets_vocab_and_the_block_size(dataset):
     cfg = _resolve(_model(), dataset)
-    assert cfg.model.vocab_size == 128
+    assert cfg.model.vocab_size == 100  # 128 would add 28% to the output layer
     assert cfg.data.seq_len == 16  # 0 -> block_size
-    assert (cfg.model, cfg.data, cfg.optim) == (dataclasses.replace(_model().model, vocab_size=128),
-                                                dataclasses.replace(_model().data, seq_len=16),
-                                                _model().optim)
+    assert (cfg.model, cfg.data, cfg.optim) == (
+        dataclasses.replace(_model().model, vocab_size=100),
+        dataclasses.replace(_model().data, seq_len=16),
+        dataclasses.replace(_model().optim, muon_ns_dtype="fp32"))  # auto: fp32 under fp32
 
 
-@pytest.mark.parametrize("vocab, rounded", [(64, 64), (65, 128), (256, 256), (257, 320)])
+# Rounded up to a multiple of 64 only where that adds at most 1%: 257 bytes stay 257.
+@pytest.mark.parametrize("vocab, rounded", [(64, 64), (65, 65), (256, 256), (257, 257),
+                                            (1000, 1000), (4000, 4032), (50257, 50304)])
 def test_resolve_rounding(tmp_path, vocab, rounded):
     ds = TokenDataset(write_dataset(tmp_path / "d", np.arange(300) % vocab, np.arange(50) % vocab,
                                     vocab))
@@ -359,6 +362,7 @@ def test_resolve_leaves_no_auto_and_is_idempotent(dataset, monkeypatch):
     cores = len(os.sched_getaffinity(0))
     cfg = _resolve(_model(), dataset, local_world_size=2)
     assert (cfg.run.device, cfg.run.backend, cfg.run.precision) == ("cpu", "gloo", "fp32")
+    assert cfg.optim.muon_ns_dtype == "fp32"
     assert cfg.run.threads == max(1, cores // 2)
     autos = [f"{sec}.{k}" for sec, fields in cfg.to_dict().items() for k, v in fields.items()
              if v == "auto" or (v == 0 and k in ("vocab_size", "seq_len", "threads"))]

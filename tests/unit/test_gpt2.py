@@ -90,6 +90,33 @@ def test_a_bare_safetensors_file_needs_the_heads(tmp_path):
                                    theirs(idx).logits, rtol=0, atol=1e-5)
 
 
+def test_exact_gelu_goes_out_and_back_as_transformers_gelu(tmp_path):
+    """model.gelu exact is transformers' activation "gelu": the export says so, transformers
+    computes our logits from it, and --init-from reads it back; tanh's logits are others."""
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=300,
+                      gelu="exact")
+    model = GPT(cfg, seed=3).eval()
+    with torch.no_grad():  # large pre-activations and logits, where the two GELUs part
+        model.wte.weight *= 100
+        for block in model.blocks:
+            block.mlp.fc.weight *= 100
+            block.mlp.proj.weight *= 100
+    write_model(tmp_path / "out", model.state_dict(), cfg, 300, 0, "none")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())[
+        "activation_function"] == "gelu"
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "out")).eval()
+    back = ours(str(tmp_path / "out"))
+    assert back.cfg.gelu == "exact"
+    idx = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits = model(idx)[0]
+        torch.testing.assert_close(theirs(idx).logits, logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(back(idx)[0][..., :300], logits, rtol=1e-5, atol=1e-5)
+        tanh = GPT(ModelConfig(**{**vars(cfg), "gelu": "tanh"})).eval()
+        tanh.load_state_dict(model.state_dict())
+        assert (tanh(idx)[0] - logits).abs().max() > 1e-3
+
+
 def test_export_layout_round_trips_and_zero_biases_are_no_biases(tmp_path):
     """ours -> GPT-2 -> ours is the identity; a model without biases is exported with zero biases
     and transformers computes the same logits from them."""
@@ -170,7 +197,7 @@ def test_refuses_variants_and_ddpgpt_checkpoints(tmp_path):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config,
                                                              "activation_function": "relu"}))
-    with pytest.raises(UserError, match="activation_function 'relu' .only gelu_new."):
+    with pytest.raises(UserError, match="activation_function 'relu' .only gelu_new or gelu."):
         build(None, None, {"model": {"init_from": str(tmp_path / "hf")}})
     from safetensors.torch import save_file
     save_file(GPT(ModelConfig(vocab_size=64)).state_dict(), str(tmp_path / "ours.safetensors"))

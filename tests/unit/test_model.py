@@ -209,7 +209,7 @@ def test_generate_crops_context_to_block_size(model):
 
 @pytest.mark.parametrize("top_k", [None, 5])
 def test_generate_never_samples_the_padding_ids(model, top_k):
-    """The vocabulary is padded to a multiple of 64 (a byte tokenizer's 257 ids -> 320 rows):
+    """The vocabulary may be padded to a multiple of 64 (GPT-2's 50,257 ids -> 50,304 rows):
     even a model that puts nearly all its mass on the padding rows never emits one."""
     tokenizer_vocab = 40
     with torch.no_grad():

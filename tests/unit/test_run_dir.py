@@ -121,5 +121,5 @@ def test_launcher_starts_workers_from_the_resolved_config_under_its_lock(tiny_da
     assert launch.train(cfg, 2, 1) == 0
     assert seen["args"] == ["train", "--resolved-config", str(tmp_path / "run" / "config.json")]
     assert (seen["nproc"], seen["max_restarts"]) == (2, 1)
-    assert seen["config"]["run"]["device"] == "cpu" and seen["config"]["model"]["vocab_size"] == 320
+    assert seen["config"]["run"]["device"] == "cpu" and seen["config"]["model"]["vocab_size"] == 257
     assert seen["config"]["run"]["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
