@@ -7,6 +7,9 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data/stdlib
 RUN    ?= runs/demo
 NPROC  ?= 2
+# A nanoGPT checkout for the speedrun benchmark (git clone https://github.com/karpathy/nanoGPT);
+# empty: that benchmark skips nanoGPT, with one line, and times ddpgpt's recipes alone.
+NANOGPT ?=
 # The config with the lowest val bits per byte in the demo's budget (benchmarks/sweep_demo.py):
 # Muon, 128-token sequences, 32 of them per step (the same 4,096 tokens per step as tiny's).
 DEMO_FLAGS := --optim.name muon --model.block-size 128 --data.global-batch 32 --data.eval-windows 0
@@ -43,6 +46,7 @@ bench: $(STAMP) data
 	$(PY) -m ddpgpt bench --nproc $(NPROC) --data $(DATA) --repeats 3 --out bench
 	$(PY) -m benchmarks.scaling --out bench/scaling.png
 	$(PY) -m benchmarks.bench_prepare --work bench/prepare --json bench/prepare.json
+	$(PY) -m benchmarks.speedrun --work bench/speedrun $(if $(NANOGPT),--nanogpt $(NANOGPT))
 
 # On new hardware, first: every path (sync modes, precisions, optimizers, compile, checkpoints,
 # signals, eval, sample, export) against its oracle on the device here (CUDA when torch sees

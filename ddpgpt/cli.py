@@ -175,7 +175,7 @@ def _add_train(sub, shown: TrainConfig | None, every: bool) -> None:
                                                 "(model shape, data, optimizer, run): "
                                                 "ddpgpt train --help-all"))
     t.add_argument("--help-all", action="store_true", help="list every flag, then exit")
-    t.add_argument("--preset", help="named config: tiny, small, gpt2-124m, gpt2-350m")
+    t.add_argument("--preset", help="named config: tiny, speedrun, small, gpt2-124m, gpt2-350m")
     t.add_argument("--config", help="TOML file with [model] [data] [optim] [run] sections")
     t.add_argument("--nproc", type=int,
                    help="start N local processes through torch's elastic launcher")

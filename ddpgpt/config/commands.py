@@ -232,7 +232,7 @@ class BenchConfig:
     data: str = "data/stdlib"
     """Dataset directory made by `ddpgpt prepare`."""
     preset: str = "tiny"
-    """Named config to measure (tiny, small, gpt2-124m, gpt2-350m)."""
+    """Named config to measure (tiny, speedrun, small, gpt2-124m, gpt2-350m)."""
     config: str | None = None
     """TOML file laid over the preset (as `train --config`), e.g. another model shape."""
     sync: str = ""

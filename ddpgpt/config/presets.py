@@ -2,6 +2,8 @@
 override any field of it.
 
     tiny       4 layers, 256 wide, T=256 (~4M params): the CPU demo, minutes on 2 cores
+    speedrun   tiny's model and batch, the fastest recipe to a loss measured on a CPU: Muon in
+               fp32, exact GELU, a 200-step cosine (docs/performance.md, "Time to a loss")
     small      6 layers, 384 wide, T=512 (~12M params): a single small GPU, or patient CPUs
     gpt2-124m  12 layers, 768 wide, T=1024, GPT-2's vocabulary: GPU runs
     gpt2-350m  24 layers, 1024 wide, T=1024: GPU runs
@@ -27,6 +29,26 @@ def tiny() -> TrainConfig:
         optim=OptimConfig(lr=2e-3, min_lr=2e-4, warmup_steps=20),
         run=RunConfig(steps=200, eval_every=100, checkpoint_every=100),
     )
+
+
+def speedrun() -> TrainConfig:
+    """The tiny preset's model and batch, trained the fastest way to a loss measured on a CPU
+    (benchmarks/speedrun.py: nanoGPT's val loss after its 500 AdamW steps on the stdlib's bytes,
+    reached at step 175 of these 200). Muon for the matrices; Newton-Schulz and the whole step in
+    fp32 (bf16 is 2-2.7x faster there but was 0.07-0.13 behind in val loss by steps 200-250);
+    the exact GELU (half tanh's time on a CPU); the cosine over 200 steps (over 500 it crosses
+    at step 225; over 175 it ends 0.0007 short, wsd over 200 0.010 short). Every val window is
+    evaluated every 25 steps (apart from the training seconds: metrics.jsonl's train_s)."""
+    return TrainConfig(
+        model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=256, gelu="exact"),
+        data=DataConfig(micro_batch=8, global_batch=16, eval_windows=0),
+        optim=OptimConfig(name="muon", lr=2e-3, min_lr=2e-4, warmup_steps=20,
+                          muon_ns_dtype="fp32"),
+        run=RunConfig(steps=SPEEDRUN_STEPS, eval_every=25, checkpoint_every=0, precision="fp32"),
+    )
+
+
+SPEEDRUN_STEPS = 200
 
 
 def small() -> TrainConfig:
@@ -57,7 +79,8 @@ def gpt2_350m() -> TrainConfig:
     )
 
 
-PRESETS = {"tiny": tiny, "small": small, "gpt2-124m": gpt2_124m, "gpt2-350m": gpt2_350m}
+PRESETS = {"tiny": tiny, "speedrun": speedrun, "small": small, "gpt2-124m": gpt2_124m,
+           "gpt2-350m": gpt2_350m}
 
 
 def get_preset(name: str) -> TrainConfig:

@@ -230,7 +230,7 @@ def test_out_of_range_in_toml_names_the_file(tmp_path):
 
 
 def test_unknown_preset(tmp_path):
-    expected = "unknown preset 'huge'; choose one of tiny, small, gpt2-124m, gpt2-350m"
+    expected = "unknown preset 'huge'; choose one of tiny, speedrun, small, gpt2-124m, gpt2-350m"
     assert _error(resolve, "huge", None, {}) == expected
     assert _error(resolve, None, _toml(tmp_path, 'preset = "huge"\n'), {}) == expected
 

@@ -37,8 +37,8 @@ def test_a_flag_like_no_other_gets_no_guess():
 
 @pytest.mark.parametrize("argv, line", [
     (["train", "--data", "d", "--preset", "tinny"],
-     "unknown preset 'tinny' (did you mean tiny?); choose one of tiny, small, gpt2-124m, "
-     "gpt2-350m"),
+     "unknown preset 'tinny' (did you mean tiny?); choose one of tiny, speedrun, small, "
+     "gpt2-124m, gpt2-350m"),
     (["train", "--data", "d", "--run.precision", "bf61"],
      "invalid config: run.precision = 'bf61' (did you mean bf16?); choose one of auto, fp32, "
      "bf16, fp16"),

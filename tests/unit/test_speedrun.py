@@ -1,0 +1,87 @@
+"""benchmarks/speedrun.py's own parts: nanoGPT's checkpoint scored through ddpgpt's evaluator on
+the same windows as a ddpgpt model, its log's step times, and time to target."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks import speedrun
+from ddpgpt.config.schema import ModelConfig
+from ddpgpt.data.loader import EvalLoader
+from ddpgpt.data.shards import TokenDataset
+from ddpgpt.dist.group import DistEnv
+from ddpgpt.evaluate import evaluate
+from ddpgpt.model import GPT
+from tests.helpers import write_dataset
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# A stand-in for nanoGPT's model.py with nanoGPT's interface: GPTConfig(**model_args), and
+# forward(idx, targets) -> (logits, mean loss over the targets that are not -1).
+FAKE_MODEL = '''
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ddpgpt.config.schema import ModelConfig
+from ddpgpt.model import GPT as Ours
+
+
+@dataclass
+class GPTConfig:
+    block_size: int
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.inner = Ours(ModelConfig(n_layer=config.n_layer, n_head=config.n_head,
+                                      n_embd=config.n_embd, block_size=config.block_size,
+                                      vocab_size=config.vocab_size))
+
+    def forward(self, idx, targets=None):
+        logits, _ = self.inner(idx)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                               ignore_index=-1)
+        return logits, loss
+'''
+
+
+def test_a_nanogpt_checkpoint_scores_as_the_same_weights_in_ddpgpt(tmp_path):
+    """The same weights give the same val loss through both doors: the token-weighted mean over
+    every window, padding rows (21 windows in batches of 16) not counted."""
+    gen = np.random.default_rng(0)
+    data = write_dataset(tmp_path / "d", gen.integers(0, 60, 2000),
+                         gen.integers(0, 60, 21 * 16 + 1), vocab_size=60)
+    args = {"block_size": 16, "vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32}
+    ours = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64), seed=7)
+    (tmp_path / "ng").mkdir()
+    (tmp_path / "ng" / "model.py").write_text(FAKE_MODEL)
+    state = {f"_orig_mod.inner.{k}": v for k, v in ours.state_dict().items()}  # as compiled
+    torch.save({"model": state, "model_args": args}, tmp_path / "ckpt.pt")
+    scored = speedrun.score_nanogpt(tmp_path / "ng", tmp_path / "ckpt.pt", data, threads=1)
+    loader = EvalLoader(TokenDataset(data), seq_len=16, micro_batch=16)
+    assert len(loader.windows) == 21
+    assert scored == pytest.approx(evaluate(ours, loader, DistEnv()), abs=1e-6)
+
+
+def test_nanogpts_step_times_and_time_to_target():
+    log = "\n".join(["tokens per iteration will be: 4,096", "step 0: train loss 5.5, val loss 5.5",
+                     *[f"iter {i}: loss 2.0, time {100 + i}.50ms, mfu -100.00%" for i in range(3)],
+                     "step 3: train loss 2.0, val loss 2.0", "iter 3: loss 2.0, time 900.00ms"])
+    assert speedrun.step_seconds(log, 3) == [0.1005, 0.1015, 0.1025]
+    with pytest.raises(SystemExit, match="no time for step 4"):
+        speedrun.step_seconds(log, 5)
+    evals = [(25, 2.5, 10.0), (50, 1.99, 20.0), (75, 1.9, 30.0)]
+    assert speedrun.to_target(evals, 2.0) == (50, 20.0)
+    assert speedrun.to_target(evals, 1.99) == (50, 20.0)  # at or below
+    assert speedrun.to_target(evals, 1.5) is None
+    assert speedrun.spread([3.0, 1.0, 2.0], ".1f") == "2.0 (1.0–3.0)"
+    assert speedrun.spread([3.0], ".1f") == "3.0"
