@@ -240,13 +240,15 @@ def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32,
     from ddpgpt.data.shards import TokenDataset
     from ddpgpt.model import GPT
     from ddpgpt.optim.schedule import lr_at
+    from ddpgpt.run.preflight import padded_vocab
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run; restored below for the rest of the session
     ds = TokenDataset(data_dir)
     stream = np.concatenate(ds.tokens("train")).astype(np.int64)
-    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=320),
-                seed=1337)
+    # the model the runs build: the dataset's vocabulary as preflight resolves it
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32,
+                            vocab_size=padded_vocab(ds.vocab_size)), seed=1337)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     ocfg = OptimConfig(lr=1e-2, warmup_steps=2)
