@@ -7,7 +7,8 @@
 Three steps, at three times:
 1. the shape (`apply_shape`, while the config is built): layers, width, positions, vocabulary
    and GELU come from the weights; a shape the user set that disagrees is one line. The
-   vocabulary is padded to a multiple of 64 and `model.vocab_limit` masks the padding rows.
+   vocabulary is padded as a dataset's would be (GPT-2's 50,257 ids -> 50,304 rows) and
+   `model.vocab_limit` masks the padding rows.
 2. the tokenizer (`check_tokenizer`, in preflight): the dataset's must be the weights' — gpt2 for
    the hub names; for a directory the one saved beside the weights (config.json's `ddpgpt` entry
    from `ddpgpt export`, else GPT-2's if its files are GPT-2's or there are none and the
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ddpgpt import gpt2
-from ddpgpt.config.schema import ConfigError, TrainConfig
+from ddpgpt.config.schema import ConfigError, TrainConfig, padded_vocab
 from ddpgpt.data.tokenizer import fingerprint
 from ddpgpt.errors import UserError, warn
 
@@ -135,7 +136,7 @@ def apply_shape(cfg: TrainConfig, explicit: dict[str, str]) -> TrainConfig:
     vocab = found["vocab"]
     want = {"n_layer": found["n_layer"], "n_embd": found["n_embd"],
             "block_size": found["block_size"], "bias": found["bias"], "gelu": found["gelu"],
-            "vocab_size": -(-vocab // 64) * 64, "vocab_limit": vocab}
+            "vocab_size": padded_vocab(vocab), "vocab_limit": vocab}
     if "n_head" in found:
         want["n_head"] = found["n_head"]
     elif "n_head" not in explicit:

@@ -236,11 +236,10 @@ def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32,
     rate; `skip`: the steps (0-based) whose update is skipped."""
     import torch
 
-    from ddpgpt.config.schema import ModelConfig, OptimConfig
+    from ddpgpt.config.schema import ModelConfig, OptimConfig, padded_vocab
     from ddpgpt.data.shards import TokenDataset
     from ddpgpt.model import GPT
     from ddpgpt.optim.schedule import lr_at
-    from ddpgpt.run.preflight import padded_vocab
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run; restored below for the rest of the session

@@ -37,8 +37,9 @@ def speedrun() -> TrainConfig:
     reached at step 175 of these 200). Muon for the matrices; Newton-Schulz and the whole step in
     fp32 (bf16 is 2-2.7x faster there but was 0.07-0.13 behind in val loss by steps 200-250);
     the exact GELU (half tanh's time on a CPU); the cosine over 200 steps (over 500 it crosses
-    at step 225; over 175 it ends 0.0007 short, wsd over 200 0.010 short). Every val window is
-    evaluated every 25 steps (apart from the training seconds: metrics.jsonl's train_s)."""
+    at step 250; over 175 it ends with no margin, wsd over 200 short). Every val window is
+    evaluated every 25 steps (apart from the training seconds: metrics.jsonl's train_s). On bpe
+    tokens it does not reach nanoGPT's loss in 200 steps (docs/performance.md)."""
     return TrainConfig(
         model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=256, gelu="exact"),
         data=DataConfig(micro_batch=8, global_batch=16, eval_windows=0),

@@ -90,6 +90,14 @@ class ModelConfig:
                  f"{self.vocab_size}]")
 
 
+def padded_vocab(vocab: int) -> int:
+    """A dataset's vocabulary rounded up to a multiple of 64 for fast matmuls where that adds at
+    most 1% (GPT-2's 50,257 ids -> 50,304 rows); a smaller one is kept as it is: 257 byte ids ->
+    320 rows would add 25% to the output layer and cost 3% of a tiny-preset step on a CPU."""
+    padded = -(-vocab // 64) * 64
+    return padded if padded - vocab <= vocab // 100 else vocab
+
+
 @dataclass
 class DataConfig:
     """Where the tokens come from and how they are batched."""

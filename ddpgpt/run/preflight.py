@@ -18,7 +18,7 @@ import os
 import torch
 
 from ddpgpt import dist
-from ddpgpt.config.schema import ConfigError, TrainConfig
+from ddpgpt.config.schema import ConfigError, TrainConfig, padded_vocab
 from ddpgpt.data.loader import TokenStream, require_windows
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.run import trackers
@@ -55,14 +55,6 @@ def check_world_sizes(cfg: TrainConfig, nodes: tuple[int, int], per_node: int) -
                       f"is not divisible by W × data.micro_batch for W = "
                       f"{', '.join(map(str, bad))}; make the global batch a multiple of {need}, "
                       "or change the micro-batch or the --nnodes range")
-
-
-def padded_vocab(vocab: int) -> int:
-    """A dataset's vocabulary rounded up to a multiple of 64 for fast matmuls where that adds at
-    most 1% (GPT-2's 50,257 ids -> 50,304 rows); a smaller one is kept as it is: 257 byte ids ->
-    320 rows would add 25% to the output layer and cost 3% of a tiny-preset step on a CPU."""
-    padded = -(-vocab // 64) * 64
-    return padded if padded - vocab <= vocab // 100 else vocab
 
 
 def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> TrainConfig:

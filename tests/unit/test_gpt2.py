@@ -62,18 +62,19 @@ def ours(spec: str, **model_flags) -> GPT:
     return model
 
 
-def test_import_gives_transformers_logits(tmp_path):
+@pytest.mark.parametrize("vocab, rows", [(6350, 6400), (300, 300)])
+def test_import_gives_transformers_logits(tmp_path, vocab, rows):
     """Same ids, same logits (fp32, 1e-5: both sum the same products in another order), and the
-    padding rows (300 ids -> 320 rows) are -inf."""
-    theirs = hf_gpt2(tmp_path / "hf")
+    padding rows (a dataset's rule: 6,350 ids -> 6,400 rows; 300 stay 300) are -inf."""
+    theirs = hf_gpt2(tmp_path / "hf", vocab=vocab)
     model = ours(str(tmp_path / "hf"))
     assert (model.cfg.n_layer, model.cfg.n_head, model.cfg.n_embd, model.cfg.block_size,
-            model.cfg.vocab_size, model.cfg.vocab_limit) == (2, 4, 32, 48, 320, 300)
-    idx = torch.randint(0, 300, (3, 48), generator=torch.Generator().manual_seed(1))
+            model.cfg.vocab_size, model.cfg.vocab_limit) == (2, 4, 32, 48, rows, vocab)
+    idx = torch.randint(0, vocab, (3, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(idx)[0]
-        torch.testing.assert_close(logits[..., :300], theirs(idx).logits, rtol=0, atol=1e-5)
-    assert torch.isinf(logits[..., 300:]).all()
+        torch.testing.assert_close(logits[..., :vocab], theirs(idx).logits, rtol=0, atol=1e-5)
+    assert logits.size(-1) == rows and torch.isinf(logits[..., vocab:]).all()
 
 
 def test_a_bare_safetensors_file_needs_the_heads(tmp_path):
