@@ -45,11 +45,8 @@ def speedrun() -> TrainConfig:
         data=DataConfig(micro_batch=8, global_batch=16, eval_windows=0),
         optim=OptimConfig(name="muon", lr=2e-3, min_lr=2e-4, warmup_steps=20,
                           muon_ns_dtype="fp32"),
-        run=RunConfig(steps=SPEEDRUN_STEPS, eval_every=25, checkpoint_every=0, precision="fp32"),
+        run=RunConfig(steps=200, eval_every=25, checkpoint_every=0, precision="fp32"),
     )
-
-
-SPEEDRUN_STEPS = 200
 
 
 def small() -> TrainConfig:

@@ -224,12 +224,10 @@ def ns_polynomials(name: str, steps: int) -> list[tuple[float, float, float]]:
     return [*table, *[table[-1]] * (steps - len(table))]
 
 
-def newton_schulz(g: torch.Tensor, coefficients, steps: int, eps: float,
+def newton_schulz(g: torch.Tensor, polys: list[tuple[float, float, float]], eps: float,
                   dtype: torch.dtype = torch.float32, norm_scale: float = 1.0) -> torch.Tensor:
-    """torch's _zeropower_via_newtonschulz in `dtype`: U·f(S)·Vᵀ for g = U·S·Vᵀ, f(σ) ~ 1.
-    `coefficients`: one (a, b, c) for every iteration, or a list of `steps` of them."""
-    polys = ([coefficients] * steps if isinstance(coefficients[0], (int, float))
-             else list(coefficients))
+    """torch's _zeropower_via_newtonschulz in `dtype`: U·f(S)·Vᵀ for g = U·S·Vᵀ, f(σ) ~ 1; one
+    iteration per (a, b, c) of `polys` (ns_polynomials)."""
     x = g.to(dtype, copy=True)
     tall = g.size(0) > g.size(1)
     if tall:  # iterate on the smaller Gram matrix
@@ -263,13 +261,12 @@ class Muon(torch.optim.Muon):
             params, grads, buffers = [], [], []
             self._init_group(group, params, grads, buffers)
             m = group["momentum"]
-            polys = (ns_polynomials(self.ns, group["ns_steps"]) if self.ns != "quintic"
-                     else group["ns_coefficients"])
+            polys = ns_polynomials(self.ns, group["ns_steps"])
             for p, grad, buf in zip(params, grads, buffers):
                 buf.lerp_(grad, 1 - m)
                 update = grad.lerp(buf, m) if group["nesterov"] else buf
-                update = newton_schulz(update, polys, group["ns_steps"], group["eps"],
-                                       self.ns_dtype, NS_NORM_SCALE[self.ns])
+                update = newton_schulz(update, polys, group["eps"], self.ns_dtype,
+                                       NS_NORM_SCALE[self.ns])
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
         return loss
