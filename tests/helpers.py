@@ -53,6 +53,28 @@ def json_error(text: str) -> str:
     raise AssertionError("the text parses")
 
 
+def assert_greedy_agrees(got, want, logits_of, tie: float = 1e-4) -> None:
+    """Two greedy decodings (B, T) of one model by different arithmetic (a KV cache's one-row
+    products or the whole context's, ours or transformers'): the same tokens, or, where a row
+    first parts, a tie: both tokens' logits within `tie` of the best one, in
+    `logits_of(prefix)` (the last position's logits (1, V) of a forward over the prefix). The
+    logits agree to ~1e-6, not bitwise, so two best tokens that close may go either way."""
+    import torch
+
+    got, want = torch.as_tensor(got), torch.as_tensor(want)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    for row in range(got.size(0)):
+        parted = (got[row] != want[row]).nonzero()
+        if len(parted) == 0:
+            continue
+        k = parted[0].item()
+        with torch.no_grad():
+            logits = logits_of(want[row:row + 1, :k]).reshape(-1).float()
+        gaps = [(logits.max() - logits[t[row, k]]).item() for t in (got, want)]
+        assert max(gaps) <= tie, (f"row {row} parts at position {k}: its tokens' logits are "
+                                  f"{gaps} below the best, more than a tie ({tie})")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,6 +3,7 @@ starts), and command rows that run `ddpgpt train/sample` as a user does. The ful
 are the same code with other cases (tests/unit/test_check.py checks the plan)."""
 
 import json
+import re
 
 import pytest
 
@@ -30,8 +31,16 @@ def test_check_compares_rows_at_one_and_two_processes_and_the_commands(tmp_path,
     assert rows[TRAINING[1], 1]["figure"].endswith("step 3 skipped, weights unchanged")
     assert rows["SIGTERM → exit 75 → resume", 1]["figure"] == (
         "stopped at step 3, exit 75; losses max abs Δ 0.0e+00, final weights bitwise equal")
-    assert rows["sample", 1]["figure"] == "24 tokens equal"
-    assert rows["speed zero1", 2]["figure"].endswith("tokens/s; max rel Δ loss 0.0e+00 (≤ 1e-05)")
+    # greedy with the KV cache against the whole context's: the same tokens, or a tie within
+    # fp32's rounding where they part (the products round otherwise; the row's own rule)
+    assert re.fullmatch(r"24 tokens equal|parts at token \d+ of 24, where the two best fp32 "
+                        r"logits are \S+ apart \(a tie within 0\.0001\)",
+                        rows["sample", 1]["figure"]), rows["sample", 1]["figure"]
+    # zero1 against ddp at W=2: another reduction order, so within the stated tolerance, not
+    # bitwise (9.7e-08 on an AMD EPYC, 0 on the Intel VM these docs come from)
+    speed = re.fullmatch(r"[\d,]+ tokens/s; max rel Δ loss (\S+) \(≤ 1e-05\)",
+                         rows["speed zero1", 2]["figure"])
+    assert speed and float(speed.group(1)) <= 1e-5, rows["speed zero1", 2]["figure"]
     assert data["environment"]["torch"] and data["environment"]["device"] == "cpu"
     # what is printed is what is written
     table = (out / "device-check.md").read_text().split("\n\n")[2]

@@ -28,7 +28,13 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import EOT_TEXT, load_tokenizer
 from ddpgpt.init_from import apply_shape, check_tokenizer, read_state
 from ddpgpt.model import GPT
-from tests.helpers import read_metrics, reference_step, run_cli, write_dataset
+from tests.helpers import (
+    assert_greedy_agrees,
+    read_metrics,
+    reference_step,
+    run_cli,
+    write_dataset,
+)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -110,8 +116,9 @@ def test_export_loads_in_transformers_with_our_logits_tokens_and_text(bpe):
                                    rtol=0, atol=1e-5)
         theirs = model.generate(x[:, :8], max_new_tokens=20, do_sample=False,
                                 pad_token_id=run_tok.eot_id)
-    assert torch.equal(ours.generate(x[:, :8], 20, top_k=1, vocab_size=run_tok.vocab_size),
-                       theirs)
+    # greedy by two implementations: the same tokens but at a tie within fp32's rounding
+    assert_greedy_agrees(ours.generate(x[:, :8], 20, top_k=1, vocab_size=run_tok.vocab_size),
+                         theirs, lambda prefix: ours(prefix)[0][:, -1, :run_tok.vocab_size])
 
 
 def test_export_then_init_from_gives_the_same_weights(bpe):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ddpgpt.config.schema import ModelConfig
 from ddpgpt.model import GPT
-from tests.helpers import SMALL
+from tests.helpers import SMALL, assert_greedy_agrees
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -183,7 +183,8 @@ def test_generate_top_k_1_is_greedy(model):
     prompt = _tokens(2, 4)
     out = model.generate(prompt, 8, temperature=0.7, top_k=1,
                          generator=torch.Generator().manual_seed(3))
-    assert torch.equal(out, _greedy(model, prompt, 8))
+    assert_greedy_agrees(out, _greedy(model, prompt, 8),  # KV cache against whole contexts
+                         lambda prefix: model(prefix[:, -model.cfg.block_size:])[0][:, -1])
 
 
 def test_generate_is_reproducible_with_a_generator(model):
@@ -202,9 +203,13 @@ def test_generate_crops_context_to_block_size(model):
     prompt = _tokens(1, SMALL.block_size)
     out = model.generate(prompt, 2, top_k=1)
     assert out.shape == (1, SMALL.block_size + 2)
-    assert torch.equal(out[:, :-1], _greedy(model, prompt, 1))
+    def last(prefix):
+        return model(prefix[:, -SMALL.block_size:])[0][:, -1]
+
+    assert_greedy_agrees(out[:, :-1], _greedy(model, prompt, 1), last)  # the KV cache's
     keep = out[:, SMALL.block_size + 1 - SMALL.block_size // 2:SMALL.block_size + 1]
-    assert torch.equal(out[:, -1:], _greedy(model, keep, 1)[:, -1:])
+    assert_greedy_agrees(out[:, -1:], _greedy(model, keep, 1)[:, -1:],
+                         lambda _: model(keep)[0][:, -1])
 
 
 @pytest.mark.parametrize("top_k", [None, 5])
