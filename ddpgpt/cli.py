@@ -26,6 +26,7 @@ import importlib
 import json
 import os
 import sys
+from pathlib import Path
 
 from ddpgpt.config.commands import (
     BenchConfig,
@@ -38,8 +39,8 @@ from ddpgpt.config.commands import (
     RendezvousConfig,
     SampleConfig,
 )
-from ddpgpt.config.io import add_flags, build, flat_config, from_dict, nest
-from ddpgpt.config.schema import SECTIONS, TrainConfig
+from ddpgpt.config.io import add_flags, build, continued, flat_config, nest
+from ddpgpt.config.schema import SECTIONS, RunConfig, TrainConfig
 from ddpgpt.errors import UserError, did_you_mean, survive_closed_output
 
 # What other trainers call some of our flags (nanoGPT's, transformers' Trainer's): a name typed
@@ -91,12 +92,13 @@ def closest_flag(parser: argparse.ArgumentParser, flag: str) -> str:
              if o.startswith("--") and "_" not in o]  # each flag's dashed spelling
     typed = flag.replace("_", "-")
     section, _, name = typed[2:].rpartition(".")
-    ours = OTHER_NAMES.get(name)
-    if ours:
-        named = [f for f in flags if (f.endswith("." + ours) or f == "--" + ours)
-                 and (not section or f.startswith(f"--{section}."))]
+    # another trainer's name, or ours without its section or in another one; in the section
+    # typed first
+    for ours in filter(None, (OTHER_NAMES.get(name), name)):
+        named = [f for f in flags if f.endswith("." + ours) or f == "--" + ours]
+        named = [f for f in named if f.startswith(f"--{section}.")] or named
         if named:
-            return f" (did you mean {named[0]}?)"
+            return f" (did you mean {' or '.join(named)}?)"
     return did_you_mean(typed, flags)
 
 
@@ -130,10 +132,11 @@ COMMANDS = {
 }
 
 # What `train --help` lists; --help-all lists every flag (each works either way).
+# (At most 120 lines at 80 columns: the tasks, the target loss and the trackers are in
+# --help-all and docs/gpt2.md.)
 TRAIN_LISTED = {"data.dir", "run.dir", "run.steps", "run.device", "run.resume", "run.sync",
                 "run.precision", "run.compile", "run.eval_every", "run.checkpoint_every",
-                "run.tracker", "run.seed", "optim.name", "optim.lr", "optim.schedule",
-                "run.eval_tasks", "run.target_val_loss",
+                "run.seed", "optim.name", "optim.lr", "optim.schedule",
                 "data.global_batch", "data.micro_batch", "model.init_from"}
 TRAIN_EXAMPLES = """examples:
   ddpgpt train --data data/stdlib --preset tiny --nproc 2
@@ -170,64 +173,73 @@ def _add_train(sub, shown: TrainConfig | None, every: bool) -> None:
     t = sub.add_parser("train", help="train a model (one process, --nproc N, or under torchrun)",
                        allow_abbrev=False, formatter_class=_Formatter,
                        usage="ddpgpt train [--data DIR] [--preset NAME] [--nproc N] [FLAG ...]",
-                       description="Train a GPT with data parallelism (docs/usage.md).",
+                       description="Train a GPT with data parallelism (docs/usage.md). In a "
+                       "run dir that has a config.json, without --preset or --config, the run "
+                       "goes on with its own settings; flags override them.",
                        epilog=TRAIN_EXAMPLES + ("" if every else f"\n\n{hidden} more flags "
                                                 "(model shape, data, optimizer, run): "
                                                 "ddpgpt train --help-all"))
     t.add_argument("--help-all", action="store_true", help="list every flag, then exit")
-    t.add_argument("--preset", help="named config: tiny, speedrun, small, gpt2-124m, gpt2-350m")
-    t.add_argument("--config", help="TOML file with [model] [data] [optim] [run] sections")
-    t.add_argument("--nproc", type=int,
-                   help="start N local processes through torch's elastic launcher")
-    t.add_argument("--max-restarts", type=int,
-                   help="with --nproc: restart the whole group up to K times after a worker dies; "
-                        "each restart resumes from the latest complete checkpoint (default: 0)")
+    t.add_argument("--preset", metavar="NAME",
+                   help="named config: tiny, speedrun, small, gpt2-124m, gpt2-350m")
+    t.add_argument("--config", metavar="TOML",
+                   help="a file with [model] [data] [optim] [run] sections")
+    t.add_argument("--nproc", type=int, metavar="N",
+                   help="start N local processes (torch's elastic launcher)")
+    t.add_argument("--max-restarts", type=int, metavar="K",
+                   help="with --nproc: restart the group up to K times after a worker dies")
     t.add_argument("--reset", action="store_true",
-                   help="set the run dir's checkpoints and metrics aside (into reset-<time>/) and "
-                        "start over; same as --resume reset")
+                   help="set the run dir's checkpoints aside (reset-<time>/) and start over")
     t.add_argument("--resolved-config", metavar="CONFIG_JSON",
-                   help="start from a run's resolved config.json and nothing else (what --nproc "
-                        "workers do)")
+                   help="start from a run's config.json; flags override it")
     t.add_argument("--print-config", action="store_true",
-                   help="print the config this command would train with, every `auto` resolved "
-                        "(for the dataset, --nproc and the run dir's checkpoint), as TOML that "
-                        "--config reads; then exit")
+                   help="print the config, every `auto` resolved, as TOML for --config; exit")
     for section, cls in SECTIONS.items():
         add_flags(t, cls, section, getattr(shown, section) if shown else None,
                   listed=None if every else TRAIN_LISTED.__contains__)
 
 
 def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
-    """(the config, --nproc, --max-restarts) from the parsed `train` flags."""
+    """(the config, --nproc, --max-restarts) from the parsed `train` flags: preset -> --config
+    file -> flags; or, for a run dir that has a config.json and neither a preset nor a file,
+    that config -> flags (the run continues as it was made); or --resolved-config FILE -> flags."""
     options = {k: values.pop(k, None) for k in TRAIN_OPTIONS}
+    if options["reset"]:
+        if values.get("run.resume") not in (None, "reset"):
+            raise UserError(f"--reset and --resume {values['run.resume']} contradict each "
+                            "other; give one")
+        values["run.resume"] = "reset"
+    flags, whole = nest(values), options["preset"] or options["config"]
     if options["resolved_config"]:
-        others = [k for k, v in options.items()
-                  if v and k not in ("resolved_config", "nproc", "max_restarts")]
-        if values or others:
-            flags = ", ".join(f"--{k.replace('_', '-')}" for k in [*others, *values])
-            raise UserError(f"--resolved-config takes no config flags beside it (got {flags}); "
-                            "edit the file, or build the config from flags instead")
-        path = options["resolved_config"]
-        try:
-            text = open(path).read()
-        except OSError as e:
-            raise UserError(f"--resolved-config {path}: cannot read it ({e.strerror})") from None
-        try:
-            values_json = json.loads(text)
-        except ValueError as e:
-            raise UserError(f"--resolved-config {path}: not valid JSON ({e})") from None
-        cfg = from_dict(values_json, source=path)
+        if whole:
+            given = "--preset" if options["preset"] else "--config"
+            raise UserError(f"--resolved-config is a whole config; {given} does not go with it: "
+                            "give one of them (flags override either)")
+        base = continued(read_config(options["resolved_config"], "--resolved-config"), flags,
+                         options["resolved_config"])
     else:
-        if options["reset"]:
-            if values.get("run.resume") not in (None, "reset"):
-                raise UserError(f"--reset and --resume {values['run.resume']} contradict each "
-                                "other; give one")
-            values["run.resume"] = "reset"
-        cfg = build(options["preset"], options["config"], nest(values), shape=_pretrained_shape)
+        run_dir = Path(values.get("run.dir") or RunConfig().dir)
+        saved = run_dir / "config.json"
+        base = None if whole or not saved.is_file() else continued(
+            read_config(saved, "the run's config", "; restore it, or give the whole config "
+                        "(--preset, --config)"), flags, str(saved))
+    cfg = build(options["preset"], options["config"], flags, shape=_pretrained_shape, base=base)
     if options["print_config"]:
         print_config(cfg, options["nproc"])
         sys.exit(0)
     return cfg, options["nproc"], options["max_restarts"] or 0
+
+
+def read_config(path: str | Path, where: str, fix: str = "") -> dict:
+    """A config.json's values, or one line naming `where` it came from."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise UserError(f"{where} {path}: cannot read it ({e.strerror}){fix}") from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise UserError(f"{where} {path}: not valid JSON ({e}){fix}") from None
 
 
 def _pretrained_shape(cfg: TrainConfig, explicit: dict) -> TrainConfig:
@@ -310,7 +322,16 @@ def help_defaults(argv: list[str]) -> TrainConfig | None:
     return build(found.get("--preset"), found.get("--config"), {})
 
 
+def check_command(argv: list[str]) -> None:
+    """A mistyped command as one line with the one meant (argparse says only "invalid choice")."""
+    names = ["prepare", "train", *(c for c in COMMANDS if c != "prepare")]
+    if argv and not argv[0].startswith("-") and argv[0] not in names:
+        raise UserError(f"unknown command {argv[0]!r}{did_you_mean(argv[0], names)}; the "
+                        f"commands: {', '.join(names)} (ddpgpt --help)")
+
+
 def dispatch(argv: list[str]) -> None:
+    check_command(argv)
     every = argv[:1] == ["train"] and "--help-all" in argv
     if every:
         argv = [a if a != "--help-all" else "--help" for a in argv]

@@ -29,7 +29,7 @@ import torch
 from ddpgpt import __version__, checkpoint, dist, evals
 from ddpgpt.checkpoint.saver import SaveFailed, Saver
 from ddpgpt.checkpoint.saver import token as saver_token
-from ddpgpt.config.schema import TrainConfig
+from ddpgpt.config.schema import RunConfig, TrainConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.errors import UserError, warn
@@ -328,7 +328,14 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         print(summary(trainer), file=sys.stderr)
         if trainer.dataset.split_bytes is None:
             warn(trainer.dataset.bytes_advice())
-        if cfg.run.on_spike == "recover" and not 0 < cfg.run.checkpoint_every < cfg.run.steps:
+        if cfg.run.compile:  # or the bar sits at 0 with no word of why
+            print("ddpgpt: compiling the model (run.compile): the first step waits for "
+                  "torch.compile (tens of seconds; its kernels are cached for later runs)",
+                  file=sys.stderr)
+        # Worth saying only for a run longer than the default checkpoint period: a shorter
+        # one loses no more than the defaults accept.
+        if (cfg.run.on_spike == "recover" and not 0 < cfg.run.checkpoint_every < cfg.run.steps
+                and cfg.run.steps > RunConfig.checkpoint_every):
             print(f"ddpgpt: note: no checkpoint before step {cfg.run.steps} "
                   f"(run.checkpoint_every = {cfg.run.checkpoint_every}): a loss spike the model "
                   "does not heal from can only roll back to the start", file=sys.stderr)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import time
 
 import torch
@@ -23,6 +24,29 @@ from ddpgpt.optim.optimizer import set_lr
 from ddpgpt.optim.schedule import Rates, Schedule
 from ddpgpt.run.precision import Precision
 from ddpgpt.run.preflight import accum_steps
+
+# What dynamo says, on every compile, of the profiler's record_function ranges it leaves out of
+# the graph (DDP's forward opens one): nothing a user can act on, so not printed.
+PROFILER_NOTES = {"torch._dynamo.variables.ctx_manager": "Profiler record function ",
+                  "torch._dynamo.variables.torch": "Profiler function "}
+
+
+class _Without(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.compile(model), dynamo's profiler notes filtered out where it logs them."""
+    for name, prefix in PROFILER_NOTES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Without) for f in logger.filters):
+            logger.addFilter(_Without(prefix))
+    return torch.compile(model)
 
 
 class Trainer:
@@ -64,7 +88,7 @@ class Trainer:
         self.schedule = Schedule(cfg.optim, run.steps, lambda: guard.spikes.lr_factor)
         # 3. Compile after the sync: for DDP, dynamo's DDPOptimizer then splits the graph at
         #    DDP's bucket boundaries, so each bucket's all-reduce overlaps the backward.
-        self.model = torch.compile(self.sync.model) if run.compile else self.sync.model
+        self.model = compiled(self.sync.model) if run.compile else self.sync.model
         self.autocast = self.precision.autocast
         # 4. This rank's share of the data; the order is the loader's, not a per-rank seed's.
         self.loader = TrainLoader(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,

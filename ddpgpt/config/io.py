@@ -165,25 +165,68 @@ def from_dict(values: dict, source: str = "config.json") -> TrainConfig:
     return overlay(TrainConfig(), values, source)
 
 
+# What belongs to one start of a run rather than to its training (resume.NOT_TRAINING): the
+# first-start rule (a --reset applies once) and the CPU threads (each node's own).
+START_FIELDS = {"run": ("resume", "threads")}
+# What an `auto` resolved from run.device: resolved again when a start names another device.
+FROM_DEVICE = {"run": ("precision", "backend"), "optim": ("muon_ns_dtype",)}
+
+
+def continued(saved: dict, flags: dict, source: str) -> TrainConfig:
+    """A run's resolved config (its config.json) as the base of its next start: its training's
+    settings, with this start's own (START_FIELDS) back at their defaults, the device's `auto`s
+    back to auto when `flags` ({section: {field: text}}) name the device, and the schedule's
+    length back to 0 where it is the run.steps it was resolved from (resume.settle keeps it, or
+    stretches a wsd run in its flat phase, as for a command given whole)."""
+    cfg = from_dict(saved, source)
+    fresh = TrainConfig()
+    back: dict = {}
+    fields = dict(START_FIELDS)
+    if "device" in flags.get("run", {}):
+        for section, names in FROM_DEVICE.items():
+            fields[section] = fields.get(section, ()) + names
+    for section, names in fields.items():
+        back.setdefault(section, {}).update(
+            {name: getattr(getattr(fresh, section), name) for name in names})
+    if cfg.optim.decay_steps == cfg.run.steps:
+        back.setdefault("optim", {})["decay_steps"] = 0
+    return overlay(cfg, back, source)
+
+
 def build(preset: str | None, config_file: str | None, flags: dict,
-          shape: Callable[[TrainConfig, dict], TrainConfig] | None = None) -> TrainConfig:
-    """preset -> TOML file -> command-line flags ({section: {field: text}}), each validated.
-    `shape(cfg, explicit)`: for model.init_from, the model's shape from the weights, checked
-    against the fields the user set (init_from.apply_shape; the caller passes it, so the config
-    imports no component)."""
+          shape: Callable[[TrainConfig, dict], TrainConfig] | None = None,
+          base: TrainConfig | None = None) -> TrainConfig:
+    """preset -> TOML file -> command-line flags ({section: {field: text}}), each validated;
+    or `base` (a run's config, `continued`) -> flags. `shape(cfg, explicit)`: for
+    model.init_from, the model's shape from the weights, checked against the fields the user
+    set (init_from.apply_shape; the caller passes it, so the config imports no component): a
+    base has its shape already, unless the flags name other weights.
+
+    The model's section comes first, then the shape, then the rest: a data.seq_len longer than
+    the default block_size is checked against the weights' (GPT-2's 1024), not the default's."""
     from ddpgpt.config.presets import get_preset
 
     file_values = load_toml(config_file) if config_file else {}
     file_preset = file_values.pop("preset", None)
     preset = preset or file_preset
-    cfg = get_preset(preset) if preset else TrainConfig()
-    if file_values:
-        cfg = overlay(cfg, file_values, config_file)
-    cfg = overlay(cfg, flags, "command line", parse_text)
-    if cfg.model.init_from and shape is not None:  # what the user set must agree with the weights
+    if base is not None:
+        cfg = base
+    else:
+        cfg = get_preset(preset) if preset else TrainConfig()
+    layers = [(file_values, config_file, check_type), (flags, "command line", parse_text)]
+    for values, source, convert in layers:
+        if values.get("model"):
+            cfg = overlay(cfg, {"model": values["model"]}, source, convert)
+    reshape = base is None or "init_from" in flags.get("model", {})
+    if cfg.model.init_from and shape is not None and reshape:
+        # what the user set must agree with the weights
         explicit = {name: config_file for name in file_values.get("model", {})}
         explicit.update({name: "command line" for name in flags.get("model", {})})
         cfg = shape(cfg, explicit)
+    for values, source, convert in layers:
+        rest = {k: v for k, v in values.items() if k != "model"}
+        if rest:
+            cfg = overlay(cfg, rest, source, convert)
     return cfg
 
 

@@ -168,10 +168,13 @@ class TrainLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from a saved cursor; W and A may differ from the saving run's."""
-        for key in ("seed", "seq_len", "shuffle"):
+        for key in ("seed", "seq_len", "shuffle"):  # data.seed, data.seq_len, data.shuffle
             if state[key] != getattr(self, key):
-                raise DataError(f"loader state has {key} = {state[key]} but this run has "
-                                f"{getattr(self, key)}; resume with the same data settings")
+                saved = str(state[key]).lower()  # a bool as the flag takes it
+                raise DataError(f"the checkpoint's data order has data.{key} = {saved} but this "
+                                f"run has {str(getattr(self, key)).lower()}; resume with "
+                                f"--data.{key.replace('_', '-')} {saved}, or --reset to start "
+                                "over")
         if state["num_windows"] != self.stream.num_windows:
             raise DataError(f"loader state counts {state['num_windows']} windows but the dataset "
                             f"has {self.stream.num_windows}: the data changed; resume on the same "

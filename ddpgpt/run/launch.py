@@ -4,8 +4,9 @@
 For training, the launcher first does everything that needs no worker: it resolves the config,
 checks the data, the run dir and where the run starts (bad input is one line before any worker
 exists), takes the run dir's lock and holds it for the whole job (restarts included), and writes
-the resolved config.json. The workers start from that file (`train --resolved-config`) rather
-than from the command line. A worker whose launcher dies is killed with it (dist.die_with_launcher).
+the resolved config.json. The workers start from that file (`train --resolved-config`, with this
+start's own run.resume and run.threads) rather than from the command line. A worker whose
+launcher dies is killed with it (dist.die_with_launcher).
 
 Exit codes: the workers' (0; 1 a run-time failure; 2 bad input; 75 stopped with a checkpoint),
 or 128+N when a worker or the launcher was ended by signal N without one.
@@ -54,7 +55,9 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
     with run_dir.locked():
         run_dir.write_config(cfg.to_dict(), first.step)
         started = time.time()
-        code, stopped_by = start(nproc, ["train", "--resolved-config", str(run_dir.config)],
+        # What belongs to this start and not to the run (config.io.START_FIELDS) goes as flags.
+        own = ["--run.resume", cfg.run.resume, "--run.threads", str(cfg.run.threads)]
+        code, stopped_by = start(nproc, ["train", "--resolved-config", str(run_dir.config), *own],
                                  max_restarts)
         if stopped_by is None:
             return code

@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from ddpgpt.files import WriteError, describe
+from ddpgpt.progress import bar
 from ddpgpt.run.trackers import kept_rows
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets.
@@ -90,8 +90,8 @@ def cut_log(path: Path, step: int) -> None:
 
 
 class Metrics:
-    """On rank 0: a tqdm bar (loss, tokens/s, ETA), metrics.jsonl and the tracker that mirrors it
-    (trackers.py), if any. Elsewhere: silent no-ops."""
+    """On rank 0: a progress bar (loss, tokens/s, ETA), metrics.jsonl and the tracker that
+    mirrors it (trackers.py), if any. Elsewhere: silent no-ops."""
 
     def __init__(self, enabled: bool, path: Path, start_step: int, total_steps: int,
                  tokens_per_step: int, flops_per_token: float, peak: float, world_size: int,
@@ -105,8 +105,9 @@ class Metrics:
         self.path = Path(path)
         cut_log(self.path, start_step)
         self.file = open(self.path, "a")
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                        dynamic_ncols=True)
+        # On a terminal a bar redrawn in place; in a log file whole lines only (progress.bar):
+        # no carriage returns, no blank line where the bar steps aside for a `step N:` line.
+        self.bar = bar(total=total_steps, initial=start_step, desc="train", unit="step")
 
     def _write(self, row: dict) -> None:
         try:

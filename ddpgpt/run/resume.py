@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ddpgpt import checkpoint
 from ddpgpt.checkpoint.store import CheckpointError
+from ddpgpt.config.io import START_FIELDS
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import fingerprint as fingerprint_of
@@ -148,10 +149,13 @@ def _check_fit(cfg: TrainConfig, start: Start, run_dir: RunDir, mode: str,
     where = f"--resume {mode}" if explicit else f"run dir {run_dir}: checkpoint {start.path.name}"
     trained_with = saved_tokenizer(start.path, start.meta)
     if tokenizer is not None and trained_with is not None and trained_with != tokenizer:
+        own = saved["data"]["dir"]
+        back = (f"To continue it on its own data, pass --data {own} (train --run-dir "
+                f"{run_dir} alone takes the run's settings). " if own != cfg.data.dir else "")
         raise UserError(f"{where} was trained with another tokenizer ({_short(trained_with)}) "
                         f"than the one of data.dir = {cfg.data.dir} ({_short(tokenizer)}): its "
-                        "ids would mean other text. --data.allow-switch is for new data under "
-                        "the same tokenizer: prepare the new data with the run's tokenizer "
+                        f"ids would mean other text. {back}--data.allow-switch is for new data "
+                        "under the same tokenizer: prepare the new data with the run's tokenizer "
                         f"(ddpgpt prepare SOURCES --tokenizer-from {run_dir} --out DIR), or "
                         "start a new run")
     if cfg.data.allow_switch:
@@ -200,7 +204,7 @@ def settle(cfg: TrainConfig, start: Start) -> TrainConfig:
 
 
 # Settings that are not the training's: the first-start rule, and threads (may differ per node).
-NOT_TRAINING = {"run.resume", "run.threads"}
+NOT_TRAINING = {f"{section}.{name}" for section, names in START_FIELDS.items() for name in names}
 
 
 def changes(saved: dict, cfg: TrainConfig) -> dict[str, list]:

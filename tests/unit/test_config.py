@@ -4,6 +4,7 @@ round trip, and the batch / dataset arithmetic that `train` checks before any pr
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 from ddpgpt import cli
 from ddpgpt.config import presets
 from ddpgpt.config.io import build as resolve
-from ddpgpt.config.io import from_dict, nest
+from ddpgpt.config.io import continued, from_dict, nest
 from ddpgpt.config.schema import (
     ConfigError,
     DataConfig,
@@ -439,3 +440,77 @@ def test_print_config_is_the_resolved_config_as_toml_that_config_reads(dataset, 
                                                                        decay_steps=200))
     assert resolve(None, str(tmp_path / "printed.toml"), {}) == expected
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+# ---- a run's config.json as the base of its next start ------------------------------------------
+
+def test_a_runs_config_continues_with_this_starts_own_settings(dataset):
+    """The training's settings come back as they were; the first-start rule and the threads are
+    this start's; the device's autos are resolved again when another device is named; the
+    schedule's length goes back to auto where it is the run.steps it came from."""
+    made = _parse_train(["--preset", "tiny", "--data", str(dataset.path), "--run-dir", "r",
+                         "--model.block-size", "16", "--data.global-batch", "4",
+                         "--data.micro-batch", "2", "--optim.lr", "3e-3", "--reset",
+                         "--run.threads", "3"])
+    saved, _ = preflight(made, 1, 1)
+    saved = dataclasses.replace(saved, optim=dataclasses.replace(saved.optim, decay_steps=200))
+    cfg = continued(saved.to_dict(), {}, "config.json")
+    assert (cfg.run.resume, cfg.run.threads, cfg.optim.decay_steps) == ("auto", 0, 0)
+    assert (cfg.run.device, cfg.run.precision, cfg.run.backend) == ("cpu", "fp32", "gloo")
+    assert dataclasses.replace(cfg, run=saved.run, optim=saved.optim) == saved
+    assert cfg.optim == dataclasses.replace(saved.optim, decay_steps=0)
+    cuda = continued(saved.to_dict(), {"run": {"device": "cuda"}}, "config.json")
+    assert (cuda.run.precision, cuda.run.backend, cuda.optim.muon_ns_dtype) == ("auto",) * 3
+    # raised once already (a cosine kept at its first length): the length stays
+    kept = dataclasses.replace(saved, run=dataclasses.replace(saved.run, steps=300))
+    assert continued(kept.to_dict(), {}, "config.json").optim.decay_steps == 200
+
+
+def test_train_in_a_run_dir_starts_from_its_config_and_flags_override(dataset, tmp_path):
+    """No --preset and no --config: the run dir's config.json, then the flags; with either,
+    the layers as always (the command gives the whole config)."""
+    run = tmp_path / "run"
+    made = _parse_train(["--preset", "tiny", "--data", str(dataset.path), "--run-dir", str(run),
+                         "--model.block-size", "16", "--data.seq-len", "8"])
+    saved, _ = preflight(made, 1, 1)
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(saved.to_dict()))
+    cfg = _parse_train(["--run-dir", str(run), "--run.steps", "300"])
+    assert cfg.run.steps == 300 and cfg.data == saved.data and cfg.model == saved.model
+    again = _parse_train(["--resolved-config", str(run / "config.json"), "--run.steps", "300"])
+    assert again == cfg
+    assert _parse_train(["--run-dir", str(run), "--preset", "tiny"]).data.dir == "data/stdlib"
+    with pytest.raises(UserError) as e:
+        _parse_train(["--resolved-config", str(run / "config.json"), "--preset", "tiny"])
+    assert str(e.value) == ("--resolved-config is a whole config; --preset does not go with it: "
+                            "give one of them (flags override either)")
+    (run / "config.json").write_text("{")
+    with pytest.raises(UserError) as e:
+        _parse_train(["--run-dir", str(run)])
+    assert str(e.value).startswith(f"the run's config {run / 'config.json'}: not valid JSON (")
+    assert str(e.value).endswith("; restore it, or give the whole config (--preset, --config)")
+
+
+# ---- --init-from: the weights' shape before the sequence length is checked -----------------------
+
+def test_gpt2s_sequence_length_is_checked_against_its_weights_not_the_default():
+    """README's fine-tune: `--init-from gpt2 --data.seq-len 512` (GPT-2's 1024 positions; the
+    default block_size is 256). The hub's shapes are known without the network."""
+    cfg = _parse_train(["--data", "d", "--init-from", "gpt2", "--data.seq-len", "512",
+                        "--optim.lr", "1e-4", "--run-dir", "runs/ft"])
+    assert (cfg.model.block_size, cfg.data.seq_len, cfg.model.n_layer) == (1024, 512, 12)
+    with pytest.raises(ConfigError, match="data.seq_len = 2048 exceeds model.block_size = 1024"):
+        _parse_train(["--data", "d", "--init-from", "gpt2", "--data.seq-len", "2048"])
+
+
+def test_a_local_gpt2_directorys_positions_bound_the_sequence_length(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=512,
+                                     vocab_size=300)
+    transformers.GPT2LMHeadModel(config).save_pretrained(str(tmp_path / "small"))
+    cfg = _parse_train(["--data", "d", "--init-from", str(tmp_path / "small"),
+                        "--data.seq-len", "300"])
+    assert (cfg.model.block_size, cfg.data.seq_len, cfg.model.n_embd) == (512, 300, 32)
+    with pytest.raises(ConfigError, match="data.seq_len = 600 exceeds model.block_size = 512"):
+        _parse_train(["--data", "d", "--init-from", str(tmp_path / "small"),
+                      "--data.seq-len", "600"])

@@ -42,6 +42,11 @@ def test_train_help_lists_the_common_flags_and_points_to_the_rest(capsys):
     assert len(short.splitlines()) < len(every.splitlines()) / 2
 
 
+def test_train_help_fits_120_lines_of_80_columns(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert len(_help(["train", "--help"], capsys).splitlines()) <= 120
+
+
 def test_an_unlisted_flag_works_all_the_same():
     ns = cli._build_parser().parse_args(["train", "--model.n-layer", "3", "--model.n_head", "2"])
     assert (vars(ns)["model.n_layer"], vars(ns)["model.n_head"]) == ("3", "2")

@@ -124,8 +124,10 @@ def test_resume_same_and_other_world_size(ds):
 def test_load_state_rejects_other_seed(ds):
     state = make(ds, 1, 1, 4).state_dict()
     other = TrainLoader(ds, seq_len=T, micro_batch=4, seed=SEED + 1)
-    with pytest.raises(DataError, match="loader state has seed = 7 but this run has 8"):
+    with pytest.raises(DataError) as e:
         other.load_state_dict(state)
+    assert str(e.value) == ("the checkpoint's data order has data.seed = 7 but this run has 8; "
+                            "resume with --data.seed 7, or --reset to start over")
 
 
 def test_dataset_smaller_than_global_batch(ds):

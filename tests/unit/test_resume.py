@@ -150,6 +150,22 @@ def test_another_tokenizer_is_refused_even_with_allow_switch(run, tmp_path):
     assert choose(run, allow_switch=True, tokenizer=a).data_switch  # same tokenizer: new data
 
 
+def test_another_tokenizers_data_dir_is_answered_with_the_runs_own(run, tmp_path):
+    """A run continued with the default data dir (a command that left out its --data) is told
+    its own data first, not to prepare new data with its tokenizer."""
+    from ddpgpt.data.tokenizer import fingerprint
+
+    a, b = (fingerprint("bpe", d) for d in two_bpe_tokenizers(tmp_path))
+    save(run, 4, fingerprint="cd" * 32, tokenizer=a)
+    cfg = config()
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir="data/stdlib"))
+    with pytest.raises(UserError) as e:
+        resume.choose(cfg, run, True, FP, tokenizer=b)
+    assert (f"its ids would mean other text. To continue it on its own data, pass --data data "
+            f"(train --run-dir {run} alone takes the run's settings). --data.allow-switch is "
+            "for new data") in str(e.value)
+
+
 def test_a_checkpoint_without_a_recorded_tokenizer_is_checked_from_its_run_dir(run, tmp_path):
     """Checkpoints written before the tokenizer was recorded: the run dir's copy of the
     tokenizer (data_meta.json, tokenizer.json) names it."""

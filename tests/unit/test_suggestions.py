@@ -24,6 +24,9 @@ def _parse_error(argv: list[str]) -> str:
     (["train", "--data.seqlen", "4"], "--data.seq-len"),
     (["sample", "--temprature", "0"], "--temperature"),
     (["prepare", "--tokeniser=byte"], "--tokenizer"),
+    (["train", "--lr", "3e-4"], "--optim.lr"),                    # ours without its section
+    (["train", "--seed", "3"], "--data.seed or --run.seed"),
+    (["train", "--run.lr", "3e-4"], "--optim.lr"),                # ... or in another one
 ])
 def test_a_mistyped_flag_names_the_flag_meant(argv, meant):
     typed = " ".join(argv[1:])
@@ -79,3 +82,12 @@ def test_a_mistyped_dataset_or_run_names_what_exists_beside_it(tmp_path, monkeyp
         "create it with: ddpgpt prepare --out data/mine\n",
         "ddpgpt: error: run runs/dmeo has no complete checkpoint (did you mean runs/demo?); "
         "train first (ddpgpt train --run-dir runs/dmeo)\n"]
+
+
+def test_a_mistyped_command_names_the_command_meant(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["trian", "--data", "d"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "ddpgpt: error: unknown command 'trian' (did you mean train?); the commands: prepare, "
+        "train, sample, eval, doctor, bench, plot, export, check, rendezvous (ddpgpt --help)\n")
