@@ -31,6 +31,7 @@ from ddpgpt.config.schema import ModelConfig
 from ddpgpt.data.output import check_out, publish
 from ddpgpt.data.tokenizer import EOT_TEXT, fingerprint
 from ddpgpt.errors import UserError
+from ddpgpt.files import as_created
 from ddpgpt.run.run_dir import RunDir
 
 
@@ -88,6 +89,7 @@ def write_model(out: Path, weights: dict, model: ModelConfig, vocab: int, eot: i
     GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot).save_pretrained(str(out))
     save_file(gpt2.to_gpt2(weights, vocab, model.bias), str(out / "model.safetensors"),
               metadata={"format": "pt"})
+    as_created(out / "model.safetensors")
 
 
 def write_tokenizer(out: Path, kind: str, run_dir: Path, max_length: int) -> None:

@@ -66,6 +66,14 @@ def replace_text(path: Path, text: str) -> None:
         raise WriteError(f"cannot write {path}: {describe(e)}") from None
 
 
+def as_created(path: str | os.PathLike) -> None:
+    """Gives `path` the mode open() gives a new file (0666 less the umask): safetensors' writer
+    creates its files 0600, unlike every other file a command writes beside them."""
+    mask = os.umask(0)  # reading the umask means setting it; put back at once
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

@@ -7,11 +7,11 @@ steps, the same against tokens, and tokens/s against steps; a fourth with each m
 task's acc_norm against steps when a run scored any (run.eval_tasks). A star marks where a run
 reached its run.target_val_loss; vertical lines on the first panel mark where a run stopped, started
 again with other settings, or rolled back past a loss spike. One colour per run, named once in a
-legend above the panels (the run dir, its optimizer, sync mode and world size, from config.json
-and the newest checkpoint); solid lines are train loss, circles val loss. The picture goes next
-to the first run (runs/NAME -> runs/NAME.png) unless --out says otherwise: a file (.png, .pdf or
-.svg) or an existing directory (NAME.png inside it). matplotlib is an optional extra:
-`pip install 'ddpgpt[plot]'`.
+legend above the panels (the run dir, its optimizer, sync mode and the world size it trained
+most steps at, from config.json and configs.jsonl); solid lines are train loss, circles val
+loss. The picture goes next to the first run (runs/NAME -> runs/NAME.png) unless --out says
+otherwise: a file (.png, .pdf or .svg) or an existing directory (NAME.png inside it).
+matplotlib is an optional extra: `pip install 'ddpgpt[plot]'`.
 
 Smoothing is an exponential moving average whose time constant, by default, is 1/20 of the
 run's logged rows: a 20-step run is drawn as logged, a 2,000-step one averages ~100 rows. (A
@@ -71,7 +71,9 @@ def load_run(path: str) -> dict:
     per_step = next((r["tokens"] / r["step"] for r in train
                      if _number(r.get("tokens")) and r["step"] > 0), None)
     targets = [r for r in rows if r.get("event") == "target" and _number(r.get("val_loss"))]
-    return {"label": _label(run, path), "train": train, "val": val, "tokens_per_step": per_step,
+    last = max((r["step"] for r in train), default=0)
+    return {"label": _label(run, path, last), "train": train, "val": val,
+            "tokens_per_step": per_step,
             "target": targets[-1] if targets else None, "marks": marks(run, rows)}
 
 
@@ -102,20 +104,50 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _label(run: RunDir, path: str) -> str:
-    """"NAME (optimizer, sync, W=N)", with what config.json and the newest checkpoint say."""
+def _label(run: RunDir, path: str, last_step: int) -> str:
+    """"NAME (optimizer, sync, W=N)", with what config.json says and the world size the run
+    trained most steps at (configs.jsonl; the newest checkpoint's for runs that predate it),
+    and the others', if any: "W=2; W=1 for 20 of 200 steps"."""
     label = Path(os.path.abspath(path)).name or path
     try:
         cfg = json.loads(run.config.read_text())
         label += f" ({cfg['optim'].get('name', 'adamw')}, {cfg['run']['sync']}"
-        saved = step_dirs(run.checkpoints)
-        if saved:
+        steps = steps_per_world_size(run, last_step)
+        if steps:
+            best = max(steps, key=lambda w: (steps[w], w))
+            label += f", W={best}"
+            others = sorted(w for w in steps if w != best)
+            if others:
+                label += (f"; W={', '.join(map(str, others))} for "
+                          f"{sum(steps[w] for w in others)} of {sum(steps.values())} steps")
+        elif saved := step_dirs(run.checkpoints):
             meta = json.loads((saved[-1][1] / "meta.json").read_text())
             label += f", W={meta['world_size']}"
         label += ")"
     except (OSError, ValueError, KeyError, TypeError):
         pass  # a label without the details
     return label
+
+
+def steps_per_world_size(run: RunDir, last_step: int) -> dict[int, int]:
+    """{W: steps trained at W}: each start in configs.jsonl holds until the next one (a start
+    from an older checkpoint replaces what followed it), the last until `last_step`. Starts
+    recorded without a world size (older versions) are not counted."""
+    starts: list[tuple[int, int | None]] = []
+    if run.configs.is_file():
+        for line in run.configs.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+                step, world = int(entry["step"]), entry.get("world_size")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+            starts = [s for s in starts if s[0] < step] + [(step, world)]
+    steps: dict[int, int] = {}
+    ends = [s for s, _ in starts[1:]] + [last_step]
+    for (start, world), end in zip(starts, ends):
+        if isinstance(world, int) and end > start:
+            steps[world] = steps.get(world, 0) + end - start
+    return steps
 
 
 def smoothed(values: list[float | None], beta: float) -> list[float | None]:

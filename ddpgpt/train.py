@@ -175,8 +175,8 @@ def run(cfg: TrainConfig) -> None:
         lr_fields = "optim.lr or optim.muon_lr" if cfg.optim.name == "muon" else "optim.lr"
         guard = Guard(env, cfg.run, stop, lr_fields, run_dir.checkpoints)
         trainer = setup(cfg, env, dataset, start, guard)
-        dist.together(env, lambda: write_run_files(run_dir, cfg, dataset, start.step),
-                      main_only=True)
+        dist.together(env, lambda: write_run_files(run_dir, cfg, dataset, start.step,
+                                                   env.world_size), main_only=True)
         metrics = open_metrics(trainer, run_dir, start)
         saver = Saver(env, run_dir.checkpoints, dist.checkpoint_group(env, cfg.run.dist_timeout_s),
                       saver_token(env), cfg.run.keep_checkpoints, cfg.run.checkpoint_async)
@@ -312,10 +312,11 @@ def settle(trainer, saver: Saver, run_dir: RunDir) -> None:
         trainer.doing = doing
 
 
-def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset, step: int) -> None:
+def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset, step: int,
+                    world_size: int) -> None:
     """config.json (and configs.jsonl), and the dataset's meta.json and tokenizer (so `sample`
     needs only the run dir)."""
-    run_dir.write_config(cfg.to_dict(), step)
+    run_dir.write_config(cfg.to_dict(), step, world_size)
     run_dir.write_data_files(dataset.path, dataset.meta_bytes)
 
 

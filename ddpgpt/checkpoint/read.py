@@ -29,7 +29,7 @@ from ddpgpt.checkpoint.store import (
 from ddpgpt.config.io import from_dict
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.errors import UserError, beside
-from ddpgpt.files import describe, os_error_in
+from ddpgpt.files import as_created, describe, os_error_in
 from ddpgpt.model import GPT
 
 
@@ -155,6 +155,7 @@ def export_safetensors(path: Path, out: Path) -> Path:
     """The checkpoint's weights as one consolidated safetensors file (names as the single-device
     model's state_dict), for tools that read one file."""
     save_safetensors_file({k: v.contiguous() for k, v in weights(path).items()}, str(out))
+    as_created(out)
     return Path(out)
 
 

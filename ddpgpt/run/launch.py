@@ -53,7 +53,7 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
     if resume.report_finished(cfg, run_dir, first):  # no worker needed to find that out
         return 0
     with run_dir.locked():
-        run_dir.write_config(cfg.to_dict(), first.step)
+        run_dir.write_config(cfg.to_dict(), first.step, nproc)
         started = time.time()
         # What belongs to this start and not to the run (config.io.START_FIELDS) goes as flags.
         own = ["--run.resume", cfg.run.resume, "--run.threads", str(cfg.run.threads)]

@@ -6,7 +6,8 @@
       job.json           the launchers (elastic agents) of the job that trains here: a start is
                          the job's first unless one of its launchers is listed (elastic.py)
       config.json        the resolved config (no `auto` left); `--nproc` workers start from it
-      configs.jsonl      each start's config that differed from the one before, with its step
+      configs.jsonl      each start's config and world size that differed from the one before,
+                         with its step
       data_meta.json     the dataset's meta.json, and tokenizer.json (bpe): `sample` needs only
                          this dir
       metrics.jsonl      one row per logged step and per evaluation (see metrics.py)
@@ -208,22 +209,26 @@ class RunDir:
 
     # ---- what a run writes --------------------------------------------------------------------
 
-    def write_config(self, config: dict, step: int) -> None:
+    def write_config(self, config: dict, step: int, world_size: int) -> None:
         """config.json is this start's config (what `--nproc` workers start from); every start
-        whose config differs from the previous start's is also appended to configs.jsonl, with
-        the step it started from, so what each stretch of the run trained with stays known."""
+        whose config or world size differs from the previous start's, or that starts before it
+        (a run gone back to an older checkpoint), is also appended to configs.jsonl, with the
+        step it started from, so what each stretch of the run trained with stays known."""
         replace_text(self.config, json.dumps(config, indent=1) + "\n")
         history = self.configs
-        last = None
+        last = {}
         if history.is_file():
             lines = history.read_text().splitlines()
-            with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
-                last = json.loads(lines[-1])["config"]
-        if last != config:
+            with contextlib.suppress(ValueError, IndexError):
+                last = json.loads(lines[-1])
+        if not isinstance(last, dict):
+            last = {}
+        if (last.get("config"), last.get("world_size"), last.get("step", -1) <= step) != (
+                config, world_size, True):
             try:
                 with open(history, "a") as f:
                     f.write(json.dumps({"step": step, "saved_at": time.time(),
-                                        "config": config}) + "\n")
+                                        "world_size": world_size, "config": config}) + "\n")
             except OSError as e:
                 raise WriteError(f"cannot write {history}: {describe(e)}") from None
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import stat
 import struct
 import sys
 import sysconfig
@@ -119,6 +121,15 @@ def test_export_loads_in_transformers_with_our_logits_tokens_and_text(bpe):
     # greedy by two implementations: the same tokens but at a tie within fp32's rounding
     assert_greedy_agrees(ours.generate(x[:, :8], 20, top_k=1, vocab_size=run_tok.vocab_size),
                          theirs, lambda prefix: ours(prefix)[0][:, -1, :run_tok.vocab_size])
+
+
+def test_the_exported_files_have_one_mode(bpe):
+    """model.safetensors as readable as the files beside it (safetensors creates it 0600): the
+    mode open() gives under the umask the test runs with."""
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in bpe.out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~mask}, modes
 
 
 def test_export_then_init_from_gives_the_same_weights(bpe):

@@ -186,3 +186,26 @@ def test_stops_restarts_and_rollbacks_are_marked(tmp_path, monkeypatch):
     assert vertical == {(8, "--"), (12, "-."), (15, ":")}
     labels = [t.get_text() for t in figures[0].legends[0].get_texts()]
     assert {"stopped", "restarted", "rolled back"} <= set(labels)
+
+
+def test_a_run_is_labelled_by_the_world_size_it_trained_most_steps_at(tmp_path):
+    """180 steps at W=2, then 20 at W=1 after a resume (its checkpoint saved at W=1): W=2, and
+    the stretch at W=1 said; a start from an older checkpoint replaces the steps after it."""
+    from ddpgpt.plot import load_run
+
+    a = fake_run(tmp_path / "a", "adamw", steps=200)
+    (a / "checkpoints" / "step_0000200").mkdir(parents=True)
+    (a / "checkpoints" / "step_0000200" / "meta.json").write_text('{"world_size": 1}')
+    starts = [(0, 2), (180, 1)]
+    (a / "configs.jsonl").write_text("".join(
+        json.dumps({"step": s, "world_size": w, "config": {}}) + "\n" for s, w in starts))
+    assert load_run(str(a))["label"] == "a (adamw, ddp, W=2; W=1 for 20 of 200 steps)"
+    # W=1 from step 50 (back from a crash at 180 to the checkpoint of step 50): 150 steps at 1
+    with open(a / "configs.jsonl", "a") as f:
+        f.write(json.dumps({"step": 50, "world_size": 1, "config": {}}) + "\n")
+    assert load_run(str(a))["label"] == "a (adamw, ddp, W=1; W=2 for 50 of 200 steps)"
+    # one world size throughout; a run from before configs.jsonl held it: its checkpoint's
+    (a / "configs.jsonl").write_text('{"step": 0, "world_size": 4, "config": {}}\n')
+    assert load_run(str(a))["label"] == "a (adamw, ddp, W=4)"
+    (a / "configs.jsonl").write_text('{"step": 0, "config": {}}\n')
+    assert load_run(str(a))["label"] == "a (adamw, ddp, W=1)"

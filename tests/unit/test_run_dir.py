@@ -127,3 +127,16 @@ def test_launcher_starts_workers_from_the_resolved_config_under_its_lock(tiny_da
     assert (seen["nproc"], seen["max_restarts"]) == (2, 1)
     assert seen["config"]["run"]["device"] == "cpu" and seen["config"]["model"]["vocab_size"] == 257
     assert seen["config"]["run"]["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+def test_configs_jsonl_records_each_start_that_changed_its_config_or_world_size(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.create()
+    a, b = {"run": {"steps": 10}}, {"run": {"steps": 20}}
+    for config, step, world in ((a, 0, 2), (a, 0, 2), (a, 4, 2), (a, 6, 1), (b, 8, 1),
+                                (b, 2, 1)):  # the last: back to an older checkpoint
+        run.write_config(config, step, world)
+    starts = [json.loads(line) for line in run.configs.read_text().splitlines()]
+    assert [(s["step"], s["world_size"], s["config"]) for s in starts] == [
+        (0, 2, a), (6, 1, a), (8, 1, b), (2, 1, b)]
+    assert json.loads(run.config.read_text()) == b

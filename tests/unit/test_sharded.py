@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import shutil
+import stat
 
 import pytest
 import torch
@@ -142,10 +143,15 @@ def test_export_writes_one_safetensors_file(tmp_path):
 
     weights = GPT(SMALL, seed=4).state_dict()
     path = checkpoint.save(tmp_path, 1, {"model": weights}, {}, keep=5)
-    out = checkpoint.export_safetensors(path, tmp_path / "model.safetensors")
+    old = os.umask(0o027)  # a group-readable umask: the file is 0640, as open() would make it
+    try:
+        out = checkpoint.export_safetensors(path, tmp_path / "model.safetensors")
+    finally:
+        os.umask(old)
     loaded = load_file(out)
     assert loaded.keys() == weights.keys()
     assert all(torch.equal(loaded[k], v) for k, v in weights.items())
+    assert stat.S_IMODE(out.stat().st_mode) == 0o640
 
 
 def test_a_one_process_save_and_load_warn_nothing(tmp_path):
