@@ -21,7 +21,7 @@ class PrepareConfig:
     """Dataset directory to create (written to .NAME.partial beside it, renamed when complete;
     the same command continues an interrupted prepare)."""
     tokenizer: str = "bpe"
-    """bpe (trained on the corpus), byte (UTF-8 bytes), or gpt2 (tiktoken; needs the hf extra)."""
+    """bpe (trained on the corpus), byte (UTF-8 bytes), or gpt2 (tiktoken; needs the data extra)."""
     tokenizer_from: str | None = None
     """Use the tokenizer of this prepared dataset or run directory (data for an existing model);
     replaces --tokenizer."""

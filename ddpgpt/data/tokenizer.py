@@ -126,7 +126,7 @@ class BPETokenizer:
 
 
 class GPT2Tokenizer:
-    """tiktoken's GPT-2 encoding (50257 ids, end-of-text 50256); needs the `hf` extra.
+    """tiktoken's GPT-2 encoding (50257 ids, end-of-text 50256); needs the `data` extra.
     `threads`: tiktoken's threads per encode_batch (a prepare worker uses one)."""
 
     kind = "gpt2"
@@ -136,7 +136,7 @@ class GPT2Tokenizer:
         try:
             import tiktoken
         except ImportError:
-            raise UserError("--tokenizer gpt2 needs tiktoken: pip install 'ddpgpt[hf]'") from None
+            raise UserError("--tokenizer gpt2 needs tiktoken: pip install 'ddpgpt[data]'") from None
         try:
             self._enc = tiktoken.get_encoding("gpt2")
         except Exception as e:

@@ -1,0 +1,52 @@
+"""A run continues from its directory alone: `train --run-dir R` takes the run's config.json (its
+data, shape, batch, schedule), flags override it and are recorded, and `--resolved-config
+R/config.json` takes flags too. What belongs to one start (--reset, the threads) is not carried
+to the next."""
+
+import json
+import os
+
+import pytest
+
+from ddpgpt.config.commands import PrepareConfig
+from ddpgpt.data import prepare
+from tests.conftest import CORPUS, STDLIB
+from tests.helpers import read_metrics, run_cli, tiny_train_args
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def _ok(r):
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_a_run_continues_from_its_directory_alone(tiny_data, tmp_path):
+    """Made with its own --data (byte ids), T=16 of a 32-token block, --reset and one thread,
+    in a directory whose default data (data/stdlib) has another tokenizer: continued by
+    `train --run-dir R`, then with more steps, then by --resolved-config with more again."""
+    prepare.run(PrepareConfig(sources=[str(STDLIB / f) for f in CORPUS[:4]],
+                              out=str(tmp_path / "data" / "stdlib"), vocab_size=300,
+                              val_fraction=0.2))  # the default --data: a bpe of 300 ids
+    run = tmp_path / "runs" / "lic"
+    made = tiny_train_args(tiny_data, run, steps=4, data__seq_len=16, run__resume="reset")
+    _ok(run_cli(*made[2:], cwd=tmp_path, timeout=120))
+
+    r = _ok(run_cli("train", "--run-dir", run, cwd=tmp_path))
+    assert r.stderr == f"run {run} is already at step 4 of 4; raise run.steps to train further\n"
+
+    r = _ok(run_cli("train", "--run-dir", run, "--run.steps", "6", cwd=tmp_path, timeout=120))
+    assert f"resuming from {run / 'checkpoints' / 'step_0000004'} (step 4," in r.stderr
+    assert ("ddpgpt: resuming with changed settings (applied from step 4): run.steps 4 -> 6\n"
+            in r.stderr), r.stderr
+    assert "--reset" not in r.stderr and not list(run.glob("reset-*"))
+
+    r = _ok(run_cli("train", "--resolved-config", run / "config.json", "--run.steps", "8",
+                    cwd=tmp_path, timeout=120))
+    assert "run.steps 6 -> 8\n" in r.stderr
+    assert [x["step"] for x in read_metrics(run)[0]] == list(range(1, 9))
+    config = json.loads((run / "config.json").read_text())
+    # the run's data, T and schedule (the cosine kept at its first length); this start's threads
+    assert (config["data"]["dir"], config["data"]["seq_len"], config["run"]["steps"],
+            config["optim"]["decay_steps"], config["run"]["threads"]) == (
+        str(tiny_data), 16, 8, 4, len(os.sched_getaffinity(0)))

@@ -1,0 +1,57 @@
+"""What `train` prints where a person reads it: a log file gets whole lines (no carriage returns,
+no blank lines around `step N:`), a short run no note about rollbacks, a long one without
+checkpoints the note, and --compile a line before its slow first step and none of dynamo's
+profiler notes."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import kill_tree, tiny_train_args
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+NOTE = "ddpgpt: note: no checkpoint before step"
+
+
+def logged(args: list[str], timeout: float = 120) -> str:
+    """`python ARGS > log 2>&1`: stdout and stderr into one file, as a batch job's log."""
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except BaseException:
+        kill_tree(proc.pid)
+        raise
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_a_log_file_gets_whole_lines(tiny_data, tmp_path):
+    out = logged(tiny_train_args(tiny_data, tmp_path / "run", steps=4, run__eval_every=2))
+    lines = out.split("\n")
+    assert "\r" not in out and lines[-1] == "", repr(out)
+    assert [line for line in lines[:-1] if not line.strip()] == [], repr(out)
+    assert sum(line.startswith("step ") and ": val_loss " in line for line in lines) == 2
+    assert NOTE not in out  # 4 steps: nothing worth a note
+
+
+def test_the_rollback_note_is_for_runs_longer_than_the_checkpoint_period(tiny_data, tmp_path):
+    """101 steps with no checkpoint before the end: a spike that does not heal would cost them."""
+    out = logged(tiny_train_args(tiny_data, tmp_path / "run", steps=101, run__checkpoint_every=0,
+                                 run__eval_every=0, data__eval_windows=2))
+    assert (f"{NOTE} 101 (run.checkpoint_every = 0): a loss spike the model does not heal from "
+            "can only roll back to the start\n") in out
+
+
+def test_compile_says_its_first_step_waits_and_no_profiler_note(tiny_data, tmp_path):
+    """Two processes (DDP's forward opens a profiler range that dynamo leaves out, and says so
+    on every compile), one step."""
+    out = logged([*tiny_train_args(tiny_data, tmp_path / "run", steps=1, run__eval_every=0,
+                                   data__eval_windows=2), "--compile", "--nproc", "2"],
+                 timeout=280)
+    assert ("ddpgpt: compiling the model (run.compile): the first step waits for torch.compile "
+            "(tens of seconds; its kernels are cached for later runs)\n") in out
+    assert "Profiler" not in out and "record_function" not in out, out
