@@ -184,7 +184,9 @@ def test_tensorboard_shows_each_step_once_after_a_rollback_to_the_initial_state(
     run_dir = tmp_path / "run"
     (result,) = spike_run(tiny_data, run_dir, 1, "weights@3", run__checkpoint_every=0,
                           run__tracker="tensorboard")
-    assert "can only roll back to the start" in result.stderr
+    # 10 steps: a rollback to the start loses little, so the start says nothing of it (a run
+    # longer than the default checkpoint period does: tests/e2e/test_output.py)
+    assert "can only roll back to the start" not in result.stderr
     (rollback,) = events(run_dir, "rollback")
     assert (rollback["step"], rollback["checkpoint"], rollback["spike_step"]) == (0, None, 6)
     rows = read_metrics(run_dir)[0]
