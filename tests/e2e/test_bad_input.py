@@ -191,6 +191,13 @@ def corrupt_checkpoint_meta(ctx: Ctx) -> Case:
     return c
 
 
+def corrupt_run_config(ctx: Ctx) -> Case:
+    """The run's config.json cut short: `train --run-dir R` alone starts from it."""
+    c = with_run(ctx)
+    c.facts["error"] = truncate_half(c.run / "config.json").removeprefix("JSONDecodeError: ")
+    return c
+
+
 def run_dir_below_a_file(ctx: Ctx) -> Case:
     c = copied(ctx)
     (ctx.tmp / "file").write_text("not a directory\n")
@@ -312,6 +319,14 @@ CASES = [
     row("checkpoint-newer-format", newer_checkpoint, train,
         lambda c: f"{E}{c.run / 'checkpoints' / CKPT}: checkpoint format version 99 is newer "
                   "than this ddpgpt reads (3); upgrade ddpgpt (pip install -U ddpgpt)"),
+    row("run-config-corrupt", corrupt_run_config, lambda c: ["train", "--run-dir", c.run],
+        lambda c: f"{E}the run's config {c.run / 'config.json'}: not valid JSON "
+                  f"({c.facts['error']}); restore it, or give the whole config (--preset, "
+                  "--config)"),
+    row("resolved-config-with-preset", with_run,
+        lambda c: ["train", "--resolved-config", c.run / "config.json", "--preset", "tiny"],
+        lambda c: f"{E}--resolved-config is a whole config; --preset does not go with it: give "
+                  "one of them (flags override either)"),
     row("checkpoint-meta-corrupt", corrupt_checkpoint_meta, train,
         lambda c: f"{E}no valid checkpoint in {c.run}: "
                   f"{c.run / 'checkpoints' / CKPT / 'meta.json'}: corrupt meta.json "
