@@ -1,5 +1,6 @@
 """The Trainer: the training state and one optimizer step. What resumes lives here, each part
-with its own state_dict(); the run's story (setup, the loop, saving, rolling back) is train.py's.
+with its own state_dict(); the run's story (setup, the loop, saving, rolling back) is
+commands/train.py's.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from ddpgpt.checkpoint import sharded
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.evals.loss import evaluate
 from ddpgpt.evals.multiple_choice import Scorer
-from ddpgpt.evaluate import evaluate
 from ddpgpt.guard.health import Guard
 from ddpgpt.model import GPT
 from ddpgpt.optim.optimizer import set_lr

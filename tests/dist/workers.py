@@ -21,7 +21,7 @@ def eval_loss(env, data: str, max_windows: int) -> float:
     from ddpgpt.config.schema import ModelConfig
     from ddpgpt.data.loader import EvalLoader
     from ddpgpt.data.shards import TokenDataset
-    from ddpgpt.evaluate import evaluate
+    from ddpgpt.evals.loss import evaluate
     from ddpgpt.model import GPT
 
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=320), seed=5)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from ddpgpt import bench
+from ddpgpt.commands import bench
 from ddpgpt.sync import MODES
 from tests.helpers import run_cli
 

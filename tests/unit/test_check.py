@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from ddpgpt import check
-from ddpgpt.check import matrix, training
-from ddpgpt.check.matrix import Case
-from ddpgpt.check.report import FAIL, NOT_RUN, PASS, Row, write
-from ddpgpt.check.training import Result
+from ddpgpt.commands.check import main as check
+from ddpgpt.commands.check import matrix, training
+from ddpgpt.commands.check.matrix import Case
+from ddpgpt.commands.check.report import FAIL, NOT_RUN, PASS, Row, write
+from ddpgpt.commands.check.training import Result
 from ddpgpt.config.commands import CheckConfig
 from ddpgpt.sync import MODES
 
@@ -174,7 +174,7 @@ def test_check_exits_non_zero_when_a_row_fails(tmp_path, monkeypatch, tiny_data)
 
 
 def test_export_without_transformers_is_not_run_and_says_what_it_needs(tmp_path, monkeypatch):
-    from ddpgpt.check import commands
+    from ddpgpt.commands.check import commands
 
     monkeypatch.setattr(commands.importlib.util, "find_spec", lambda name: None)
     r = commands.export_row(tmp_path, tmp_path, "cpu")

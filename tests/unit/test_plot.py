@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ddpgpt.cli import main
-from ddpgpt.plot import auto_beta, smoothed
+from ddpgpt.commands.plot import auto_beta, smoothed
 
 
 def fake_run(path, optimizer: str, steps: int = 20, eval_every: int = 5):

@@ -14,15 +14,15 @@ import traceback
 import torch
 
 from ddpgpt import dist
-from ddpgpt.check import matrix
-from ddpgpt.check.matrix import Case, Spec
-from ddpgpt.check.report import FAIL, NOT_RUN, PASS, Row, rel_diff, within
+from ddpgpt.commands.check import matrix
+from ddpgpt.commands.check.matrix import Case, Spec
+from ddpgpt.commands.check.report import FAIL, NOT_RUN, PASS, Row, rel_diff, within
 from ddpgpt.config.io import build
 from ddpgpt.guard.health import Guard, StopSignal
 from ddpgpt.optim.schedule import Schedule
 from ddpgpt.run.preflight import preflight
 from ddpgpt.sync import MODES
-from ddpgpt.train import Trainer
+from ddpgpt.trainer import Trainer
 
 MICRO_BATCH = 4
 # The rows' model: small enough that a case takes a fraction of a second on a CPU core.

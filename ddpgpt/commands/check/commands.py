@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 
 from ddpgpt import checkpoint, dist
-from ddpgpt.check.matrix import VS_FP32_CPU, default_precision
-from ddpgpt.check.report import FAIL, PASS, Row, rel_diff, within
 from ddpgpt.checkpoint.read import load_model
+from ddpgpt.commands.check.matrix import VS_FP32_CPU, default_precision
+from ddpgpt.commands.check.report import FAIL, PASS, Row, rel_diff, within
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
-from ddpgpt.evaluate import evaluate
+from ddpgpt.evals.loss import evaluate
 from ddpgpt.guard.health import EXIT_PREEMPTED
 from ddpgpt.run.run_dir import RunDir
 
@@ -116,7 +116,7 @@ def guarded(check: str, device: str, oracle: str, fn) -> Row:
     except Failed as e:
         return Row(check, device, 1, oracle, str(e), FAIL)
     except Exception as e:  # noqa: BLE001 -- one row's failure, reported; the others go on
-        from ddpgpt.check.training import error_line
+        from ddpgpt.commands.check.training import error_line
         return Row(check, device, 1, oracle, error_line(e), FAIL)
 
 

@@ -33,8 +33,17 @@ from pathlib import Path
 import torch
 
 from ddpgpt import dist
-from ddpgpt.check import commands, matrix, training
-from ddpgpt.check.report import FAIL, NOT_RUN, Row, counts, environment, header, table, write
+from ddpgpt.commands.check import commands, matrix, training
+from ddpgpt.commands.check.report import (
+    FAIL,
+    NOT_RUN,
+    Row,
+    counts,
+    environment,
+    header,
+    table,
+    write,
+)
 from ddpgpt.config.commands import CheckConfig, PrepareConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
