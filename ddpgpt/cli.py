@@ -234,7 +234,7 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
 
 def _pretrained_shape(cfg: TrainConfig, explicit: dict) -> TrainConfig:
     """--model.init-from: the shape of its weights (read only when asked for)."""
-    from ddpgpt.init_from import apply_shape
+    from ddpgpt.hf.init_from import apply_shape
     return apply_shape(cfg, explicit)
 
 

@@ -43,7 +43,7 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
 from ddpgpt.files import describe, writable_dir
 from ddpgpt.guard.health import Guard, StopSignal
-from ddpgpt.init_from import apply_shape
+from ddpgpt.hf.init_from import apply_shape
 from ddpgpt.optim.schedule import Schedule
 from ddpgpt.run import launch
 from ddpgpt.run.precision import configure

@@ -24,13 +24,13 @@ import os
 import shutil
 from pathlib import Path
 
-from ddpgpt import gpt2
 from ddpgpt.checkpoint.read import saved
 from ddpgpt.config.commands import ExportConfig
 from ddpgpt.config.schema import ModelConfig
 from ddpgpt.data.output import check_out, publish
 from ddpgpt.data.tokenizer import EOT_TEXT, fingerprint
 from ddpgpt.errors import UserError
+from ddpgpt.hf import gpt2
 from ddpgpt.run.run_dir import RunDir
 
 

@@ -109,7 +109,7 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: res
           guard: Guard, announce: bool = True) -> Trainer:
     init = None
     if start.path is None and cfg.model.init_from:  # a fresh start; restarts resume instead
-        from ddpgpt.init_from import read_state
+        from ddpgpt.hf.init_from import read_state
         # Every rank reads the weights itself; one that cannot stops them all.
         init = dist.together(env, lambda: read_state(cfg.model.init_from, cfg.model))
     trainer = Trainer(cfg, env, dataset, guard, init=init, digest=start.path is None)

@@ -116,7 +116,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int,
     trackers.check(cfg.run.tracker)
     dataset = TokenDataset(cfg.data.dir)
     if cfg.model.init_from:
-        from ddpgpt.init_from import check_tokenizer, locate
+        from ddpgpt.hf.init_from import check_tokenizer, locate
 
         check_tokenizer(cfg, dataset)
         locate(cfg.model.init_from)  # a hub name is downloaded here, once, before any worker

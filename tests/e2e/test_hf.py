@@ -26,7 +26,7 @@ from ddpgpt.config.io import build, from_dict
 from ddpgpt.data import prepare
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import EOT_TEXT, load_tokenizer
-from ddpgpt.init_from import apply_shape, check_tokenizer, read_state
+from ddpgpt.hf.init_from import apply_shape, check_tokenizer, read_state
 from ddpgpt.model import GPT
 from tests.helpers import read_metrics, reference_step, run_cli, write_dataset
 
