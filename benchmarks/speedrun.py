@@ -129,7 +129,7 @@ def score_nanogpt(snapshot: Path, checkpoint: Path, data: Path, threads: int) ->
 
     from ddpgpt.data.loader import EvalLoader
     from ddpgpt.data.shards import TokenDataset
-    from ddpgpt.dist.group import DistEnv
+    from ddpgpt.distributed.group import DistEnv
     from ddpgpt.evals.loss import evaluate
 
     spec = importlib.util.spec_from_file_location("nanogpt_model", snapshot / "model.py")

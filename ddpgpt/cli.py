@@ -241,14 +241,14 @@ def _pretrained_shape(cfg: TrainConfig, explicit: dict) -> TrainConfig:
 def print_config(cfg: TrainConfig, nproc: int | None) -> None:
     """What `train` would run with, as TOML. Every `auto` is resolved as the run would resolve
     it; without the dataset, the values that depend on it stay as given, and a comment says so."""
-    from ddpgpt import dist
     from ddpgpt.config.io import to_toml
+    from ddpgpt.distributed.group import detect
     from ddpgpt.errors import DataError
     from ddpgpt.run import resume
     from ddpgpt.run.preflight import preflight
     from ddpgpt.run.run_dir import RunDir
 
-    here = dist.detect()
+    here = detect()
     world = nproc or here.world_size
     try:
         cfg, dataset = preflight(cfg, world, nproc or here.local_world_size)

@@ -11,11 +11,13 @@ import time
 
 import torch
 
-from ddpgpt import checkpoint, dist, optim, sync
+from ddpgpt import checkpoint, optim, sync
 from ddpgpt.checkpoint import sharded
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv, collective
 from ddpgpt.evals.loss import evaluate
 from ddpgpt.evals.multiple_choice import Scorer
 from ddpgpt.guard.health import Guard
@@ -32,7 +34,7 @@ class Trainer:
     count of skipped steps and its spike detector, the progress (step, elapsed time) and every
     rank's RNG."""
 
-    def __init__(self, cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, guard: Guard,
+    def __init__(self, cfg: TrainConfig, env: DistEnv, dataset: TokenDataset, guard: Guard,
                  local: bool = False, init: dict | None = None, digest: bool = True):
         """Built in one direction: the model, the sync mode around it, the optimizer over the
         parameters as the mode left them; a checkpoint is loaded into those (load_state_dict).
@@ -49,7 +51,7 @@ class Trainer:
             self.raw.load_state_dict(init)
         # What this rank built, before any sharding: fsdp2 would otherwise show every rank the
         # same gathered mix of the ranks' shards, whatever each built.
-        self.init_digest = dist.state_digest(self.raw.state_dict()) if digest else None
+        self.init_digest = collectives.state_digest(self.raw.state_dict()) if digest else None
         # 2. The sync mode wraps it (DDP, gradient buckets, zero1's flat buffers, fsdp2's shards)
         #    and says what this rank steps; the optimizer is built over exactly that.
         groups = optim.groups(self.raw, cfg.optim)
@@ -114,10 +116,10 @@ class Trainer:
     def state_dict(self) -> dict:
         """Collective: every rank's RNG state is gathered, so every rank must call it."""
         env = self.env
-        rng = {"cpu": dist.all_gather(env, torch.get_rng_state().to(env.device)).cpu()}
+        rng = {"cpu": collectives.all_gather(env, torch.get_rng_state().to(env.device)).cpu()}
         if env.device.type == "cuda":
-            rng["cuda"] = dist.all_gather(env,
-                                          torch.cuda.get_rng_state(env.device).to(env.device)).cpu()
+            rng["cuda"] = collectives.all_gather(
+                env, torch.cuda.get_rng_state(env.device).to(env.device)).cpu()
         return {"model": self.sync.model_state(),
                 "optimizer": self.sync.optimizer_state(self.optimizer), "rng": rng,
                 **self._rest()}
@@ -203,7 +205,7 @@ class Trainer:
             self._seed_rng(self.step)
 
     def unwrap(self) -> None:
-        """No DDP wrapper or hook may outlive the process group (see dist.shutdown)."""
+        """No DDP wrapper or hook may outlive the process group (see group.shutdown)."""
         if self.sync is not None:
             self.sync.close()
         self.model = self.raw
@@ -223,7 +225,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.env.device)
         # A lost peer shows in whichever collective comes first: the last backward's (DDP, the
         # buckets), any forward's (fsdp2 gathers each block's weights), finish()'s or the norm's.
-        with dist.collective() if self.env.world_size > 1 else contextlib.nullcontext():
+        with collective() if self.env.world_size > 1 else contextlib.nullcontext():
             for m, (x, y) in enumerate(self.loader.next_step()):
                 last = m == self.accum - 1
                 # Before the last micro-step no gradient is synced: they accumulate locally.
@@ -254,7 +256,7 @@ class Trainer:
     def probe(self, batch: int) -> float:
         """The global mean loss of the weights as they are on global batch `batch` (no update,
         no gradient, no RNG drawn): each rank its share, one all-reduce. Collective."""
-        with dist.collective() if self.env.world_size > 1 else contextlib.nullcontext():
+        with collective() if self.env.world_size > 1 else contextlib.nullcontext():
             return evaluate(self.raw, self.loader.batch(batch), self.env, self.autocast)
 
     def update(self, rates: Rates) -> None:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 
-from ddpgpt import dist, evals
+from ddpgpt import evals
 from ddpgpt.checkpoint.read import model_of, saved
 from ddpgpt.config.commands import EvalConfig
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
+from ddpgpt.distributed.group import session
 from ddpgpt.errors import warn
 from ddpgpt.evals.loss import evaluate
 from ddpgpt.evals.multiple_choice import Scorer
@@ -33,7 +34,7 @@ def run(cfg: EvalConfig) -> None:
     # Bad task files and the download fail here, on every rank, before the group exists.
     tasks = evals.load_all(cfg.task, cfg.task_data, cfg.limit, "--task", "--task-data")
     tokenizer = run_tokenizer(run_dir) if tasks else None
-    with dist.session(cfg.device, "auto") as env:
+    with session(cfg.device, "auto") as env:
         model = model_of(found, env.device)
         if env.device.type == "cpu":
             flush_denormals()  # as in training: the same figures, at full speed

@@ -11,14 +11,14 @@ from __future__ import annotations
 import socket
 import sys
 
-from ddpgpt import dist
 from ddpgpt.config.commands import RendezvousConfig
+from ddpgpt.distributed.group import serve_store
 
 
 def run(cfg: RendezvousConfig) -> None:
     """Serves until stopped (Ctrl-C, SIGTERM); prints how the nodes reach it."""
     where = f"{socket.getfqdn()}:{cfg.port}"
-    dist.serve_store(cfg.host, cfg.port, ready=lambda: print(
+    serve_store(cfg.host, cfg.port, ready=lambda: print(
         f"ddpgpt: rendezvous store on {cfg.host}:{cfg.port}; start every node with "
         f"--rdzv-backend c10d --rdzv-endpoint {where} --rdzv-conf is_host=0; Ctrl-C ends it",
         file=sys.stderr, flush=True))

@@ -8,13 +8,14 @@ import contextlib
 
 import torch
 
-from ddpgpt import dist
 from ddpgpt.data.loader import EvalLoader
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.progress import bar as progress_bar
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: EvalLoader, env: dist.DistEnv,
+def evaluate(model: torch.nn.Module, loader: EvalLoader, env: DistEnv,
              autocast=contextlib.nullcontext, progress: bool = False) -> float:
     """Mean cross-entropy per target token over every rank's windows.
 
@@ -34,6 +35,6 @@ def evaluate(model: torch.nn.Module, loader: EvalLoader, env: dist.DistEnv,
             _, loss = model(x, y, reduction="sum")
         totals[0] += loss.double()
         totals[1] += (y >= 0).sum()
-    dist.all_reduce(env, totals)
+    collectives.all_reduce(env, totals)
     model.train(was_training)
     return (totals[0] / totals[1]).item()

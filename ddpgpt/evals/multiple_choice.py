@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ddpgpt import dist, progress
+from ddpgpt import progress
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.evals.tasks import Example, Task
 
 
@@ -79,7 +81,7 @@ class Scorer:
     """One or more tasks, each rank holding its rendered share (rendered once; scored at every
     evaluation during training)."""
 
-    def __init__(self, tasks: list[Task], tokenizer, block_size: int, env: dist.DistEnv):
+    def __init__(self, tasks: list[Task], tokenizer, block_size: int, env: DistEnv):
         self.env, self.names, self.sizes, self.shares = env, [], [], []
         for task in tasks:
             mine = task.examples[env.rank::env.world_size]
@@ -124,4 +126,4 @@ class Scorer:
             if i < mine:
                 totals += torch.tensor([*correct(sums, lengths, r), 1], dtype=torch.float64,
                                        device=env.device)
-        return dist.all_reduce(env, totals)
+        return collectives.all_reduce(env, totals)

@@ -17,7 +17,7 @@ Every restart is a new start of `ddpgpt train` at the new world size W. What ddp
 3. A stop signal makes every rank checkpoint after the same step (guard/health.py), so a node that
    joins costs no step: the larger group continues from that checkpoint.
 4. First-start rules (`--reset`, `--resume never`, `--resume PATH`) apply once per job. torch's
-   store, where the attempt number lives (dist._attempt), is hosted by one node's agent and is
+   store, where the attempt number lives (group._attempt), is hosted by one node's agent and is
    lost with that node, so the run dir records the job's launchers instead (job.json): a start is
    the job's first unless one of its launchers has started it before. A new `torchrun` on every
    node is a new job; a restart always has at least one surviving launcher.
@@ -27,26 +27,28 @@ from __future__ import annotations
 
 import dataclasses
 
-from ddpgpt import checkpoint, dist
+from ddpgpt import checkpoint
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.run import resume
 from ddpgpt.run.run_dir import RunDir
 
 
-def first_start(run_dir: RunDir, env: dist.DistEnv) -> tuple[bool, set[str]]:
+def first_start(run_dir: RunDir, env: DistEnv) -> tuple[bool, set[str]]:
     """(whether this is the job's first start, every rank's launcher). Collective. Rank 0
     decides from job.json and every rank takes its answer (nodes that see different run dirs
     are named later by setup's agreement check)."""
-    launchers = set(filter(None, dist.all_gather_text(env, env.launcher)))
+    launchers = set(filter(None, collectives.all_gather_text(env, env.launcher)))
     answer = None
     if env.is_main:  # no launcher (one process, or ranks started by hand): nothing can restart
         answer = "first" if not launchers & run_dir.known_launchers() else "restart"
-    return dist.all_gather_text(env, answer)[0] == "first", launchers
+    return collectives.all_gather_text(env, answer)[0] == "first", launchers
 
 
-def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv,
-          dataset: TokenDataset) -> tuple[TrainConfig, resume.Start, dist.DistEnv]:
+def claim(run_dir: RunDir, cfg: TrainConfig, env: DistEnv,
+          dataset: TokenDataset) -> tuple[TrainConfig, resume.Start, DistEnv]:
     """The run dir for this run, and where it starts; `env` with its `first_start` set. Rank 0
     takes the lock (unless the `--nproc` launcher that started it holds it), applies the
     first-start rules (--reset, or a roll-back for --resume PATH), records the job's launchers
@@ -71,7 +73,8 @@ def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv,
         if launchers:  # after the rules: a start that dies before this applies them again
             run_dir.record_job(launchers, first)
 
-    dist.together(env, lambda: plan(verify=False))  # bad input fails before anything is written
-    dist.together(env, take, main_only=True)
-    settled, start = dist.together(env, lambda: plan(verify=True))
+    # Bad input fails before anything is written.
+    collectives.together(env, lambda: plan(verify=False))
+    collectives.together(env, take, main_only=True)
+    settled, start = collectives.together(env, lambda: plan(verify=True))
     return settled, start, env

@@ -5,7 +5,7 @@ For training, the launcher first does everything that needs no worker: it resolv
 checks the data, the run dir and where the run starts (bad input is one line before any worker
 exists), takes the run dir's lock and holds it for the whole job (restarts included), and writes
 the resolved config.json. The workers start from that file (`train --resolved-config`) rather
-than from the command line. A worker whose launcher dies is killed with it (dist.die_with_launcher).
+than from the command line. A worker whose launcher dies is killed with it (die_with_launcher).
 
 Exit codes: the workers' (0; 1 a run-time failure; 2 bad input; 75 stopped with a checkpoint),
 or 128+N when a worker or the launcher was ended by signal N without one.
@@ -21,8 +21,9 @@ import time
 
 import torch
 
-from ddpgpt import checkpoint, dist, evals
+from ddpgpt import checkpoint, evals
 from ddpgpt.config.schema import TrainConfig
+from ddpgpt.distributed.group import detect
 from ddpgpt.errors import UserError
 from ddpgpt.guard.health import EXIT_PREEMPTED, resume_hint
 from ddpgpt.run import resume
@@ -33,7 +34,7 @@ from ddpgpt.run.run_dir import RunDir
 def check_nproc(nproc: int, device: str) -> None:
     if nproc < 1:
         raise UserError(f"--nproc {nproc} must be >= 1")
-    if dist.detect().world_size > 1:
+    if detect().world_size > 1:
         raise UserError("--nproc starts processes itself; under torchrun leave it out")
     if device != "cpu" and torch.cuda.is_available() and nproc > torch.cuda.device_count():
         n = torch.cuda.device_count()

@@ -16,8 +16,8 @@ import contextlib
 
 import torch
 
-from ddpgpt import dist
 from ddpgpt.checkpoint.sharded import Pieces, of_dtensor, whole
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.optim.muon import Matrices
 from ddpgpt.optim.optimizer import Group, Optimizer, load_state
 from ddpgpt.sync.modes import MODES
@@ -26,7 +26,7 @@ from ddpgpt.sync.modes import MODES
 class Sync:
     """What every mode does unless it says otherwise: no collective at all."""
 
-    def __init__(self, model: torch.nn.Module, groups: list[Group], env: dist.DistEnv,
+    def __init__(self, model: torch.nn.Module, groups: list[Group], env: DistEnv,
                  bucket_mb: float = 25.0):
         self.raw = self.model = model  # the single-device model; what runs the forward
         self.groups, self.env = groups, env

@@ -12,6 +12,7 @@ from ddpgpt.commands.check.matrix import Case
 from ddpgpt.commands.check.report import FAIL, NOT_RUN, PASS, Row, write
 from ddpgpt.commands.check.training import Result
 from ddpgpt.config.commands import CheckConfig
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.sync import MODES
 
 
@@ -127,7 +128,7 @@ def test_rows_a_machine_cannot_run_say_what_they_need():
     assert {(r.status, r.figure) for r in rows} == {(NOT_RUN, "needs a second GPU")}
     hook = _spec("ddp · adamw · fp32 · torch's bf16_compress_hook")
     assert hook.oracle == Case("ddp", compress="bf16")
-    env = training.dist.DistEnv()  # no group, so no NCCL
+    env = DistEnv()  # no group, so no NCCL
     assert training.train(hook.case, env, "unused", 2, True).needs == "NCCL"
     r = training.row(hook, {hook.case: Result(needs="NCCL"), hook.oracle: Result(losses=[1.0])},
                      "cpu", 2)
@@ -201,7 +202,7 @@ def test_no_compile_lists_the_compile_rows_as_left_out(tiny_data):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a small model: a second thread only waits on a busy machine
     try:
-        rows = check.training_rows(cfg, training.dist.DistEnv(), str(tiny_data), 2, None)
+        rows = check.training_rows(cfg, DistEnv(), str(tiny_data), 2, None)
     finally:
         torch.set_num_threads(threads)
     by_check = {r.check: r for r in rows}

@@ -19,7 +19,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 from ddpgpt import optim
 from ddpgpt.config.schema import ConfigError, ModelConfig, OptimConfig
-from ddpgpt.dist.group import DistEnv
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.model import GPT
 from ddpgpt.optim.muon import (
     NS_COEFFICIENTS,

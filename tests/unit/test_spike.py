@@ -14,7 +14,7 @@ from ddpgpt import checkpoint
 from ddpgpt.config.schema import ConfigError, DataConfig, RunConfig, TrainConfig
 from ddpgpt.data.loader import TrainLoader
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.dist.group import DistEnv, DistError, parse_nnodes
+from ddpgpt.distributed.group import DistEnv, DistError, parse_nnodes
 from ddpgpt.guard.health import Guard, Health, StopSignal
 from ddpgpt.guard.spike import UPDATE, SpikePolicy, Verdict, target
 from ddpgpt.run.elastic import first_start

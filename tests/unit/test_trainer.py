@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddpgpt.config.io import build
-from ddpgpt.dist.group import DistEnv
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.guard.health import Guard, StopSignal
 from ddpgpt.optim.schedule import Rates
 from ddpgpt.run.preflight import preflight

@@ -24,13 +24,15 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt import checkpoint, dist
+from ddpgpt import checkpoint
 from ddpgpt.checkpoint.read import load_model
 from ddpgpt.commands.check.matrix import VS_FP32_CPU, default_precision
 from ddpgpt.commands.check.report import FAIL, PASS, Row, rel_diff, within
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.evals.loss import evaluate
 from ddpgpt.guard.health import EXIT_PREEMPTED
 from ddpgpt.run.run_dir import RunDir
@@ -187,7 +189,8 @@ def sigterm(data: str, runs: Path, device: str, want: dict[int, float]) -> Row:
     got = train(data, run_dir, device)
     model, _ = load(run_dir)
     oracle, _ = load(runs / f"straight-{device}")
-    same = dist.state_digest(model.state_dict()) == dist.state_digest(oracle.state_dict())
+    same = (collectives.state_digest(model.state_dict())
+            == collectives.state_digest(oracle.state_dict()))
     diff = max((abs(got[k] - want[k]) for k in want if k in got), default=float("inf"))
     ok = same and got == want
     figure = (f"stopped at step {stopped_at[1]['step']}, exit 75; losses max abs Δ {diff:.1e}, "
@@ -205,7 +208,7 @@ def eval_row(run_dir: Path, device: str) -> Row:
     model, cfg = load(run_dir)
     loader = EvalLoader(TokenDataset(cfg.data.dir), seq_len=cfg.seq_len,
                         micro_batch=cfg.data.micro_batch, max_windows=cfg.data.eval_windows)
-    want = evaluate(model, loader, dist.DistEnv())
+    want = evaluate(model, loader, DistEnv())
     # eval prints 4 decimals: half a unit of the last one is rounding, not error
     tol = VS_FP32_CPU[device, default_precision(device)] + 5e-5 / want
     row = within("eval", device, 1, "the fp32 CPU model of the checkpoint",
@@ -263,7 +266,7 @@ def export_row(run_dir: Path, runs: Path, device: str) -> Row:
     return within("export", device, 1, oracle, diff, 1e-5, "transformers' logits max abs Δ")
 
 
-def loader_row(env: dist.DistEnv, data: str) -> Row:
+def loader_row(env: DistEnv, data: str) -> Row:
     """tests/gpu's first check: the loader's batches on the device equal the CPU loader's."""
     dataset = TokenDataset(data)
     cpu = TrainLoader(dataset, seq_len=32, micro_batch=4, accum_steps=2, seed=3)
