@@ -19,7 +19,7 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.distributed import collectives
 from ddpgpt.distributed.group import DistEnv, collective
 from ddpgpt.evals.loss import evaluate
-from ddpgpt.evals.multiple_choice import Scorer
+from ddpgpt.evals.scorer import Scorer
 from ddpgpt.guard.health import Guard
 from ddpgpt.model import GPT
 from ddpgpt.optim.optimizer import set_lr

@@ -1,6 +1,7 @@
 """Validation loss: token-weighted over the loader's fixed windows, all-reduced across ranks, and
 the same as bits per byte of text (comparable across tokenizers; see TokenDataset.bits_per_byte);
-with --task, multiple-choice accuracy as llm.c scores HellaSwag (evals/).
+with --task, each task scored by its kind (evals/kinds.py): multiple-choice accuracy as llm.c
+scores HellaSwag, by default.
 
     ddpgpt eval --run-dir runs/demo                                  # one process
     ddpgpt eval --run-dir runs/demo --task hellaswag --limit 1000 --json
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import json
 
-from ddpgpt import evals
 from ddpgpt.checkpoint.read import model_of, saved
 from ddpgpt.config.commands import EvalConfig
 from ddpgpt.data.loader import EvalLoader
@@ -20,8 +20,10 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.distributed.group import session
 from ddpgpt.errors import warn
+from ddpgpt.evals.kinds import KINDS
 from ddpgpt.evals.loss import evaluate
-from ddpgpt.evals.multiple_choice import Scorer
+from ddpgpt.evals.scorer import Scorer
+from ddpgpt.evals.tasks import load_all
 from ddpgpt.run.precision import Precision, flush_denormals
 from ddpgpt.run.run_dir import RunDir
 
@@ -32,7 +34,7 @@ def run(cfg: EvalConfig) -> None:
     train_cfg = found.config
     dataset = TokenDataset(train_cfg.data.dir)
     # Bad task files and the download fail here, on every rank, before the group exists.
-    tasks = evals.load_all(cfg.task, cfg.task_data, cfg.limit, "--task", "--task-data")
+    tasks = load_all(cfg.task, cfg.task_data, cfg.limit, "--task", "--task-data")
     tokenizer = run_tokenizer(run_dir) if tasks else None
     with session(cfg.device, "auto") as env:
         model = model_of(found, env.device)
@@ -68,9 +70,10 @@ def report(cfg: EvalConfig, dataset: TokenDataset, loss: float, scores: dict, ta
           f"{world_size} process{'es' if world_size > 1 else ''})")
     for task in tasks:
         name = task.name
-        print(f"{name}: acc_norm {scores[name + '_acc_norm']:.4f}, acc {scores[name + '_acc']:.4f}"
-              f", acc_char {scores[name + '_acc_char']:.4f} ({scores[name + '_n']:,} examples of "
-              f"{task.source}, {scores[name + '_s']:.1f} s)")
+        figures = ", ".join(f"{metric} {scores[f'{name}_{metric}']:.4f}"
+                            for metric in KINDS[task.kind].metrics)
+        print(f"{name}: {figures} ({scores[name + '_n']:,} examples of {task.source}, "
+              f"{scores[name + '_s']:.1f} s)")
 
 
 def run_tokenizer(run_dir: RunDir):

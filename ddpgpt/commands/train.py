@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from ddpgpt import __version__, checkpoint, evals
+from ddpgpt import __version__, checkpoint
 from ddpgpt.checkpoint.saver import SaveFailed, Saver
 from ddpgpt.checkpoint.saver import token as saver_token
 from ddpgpt.config.schema import TrainConfig
@@ -43,7 +43,8 @@ from ddpgpt.distributed.group import (
     under_launcher,
 )
 from ddpgpt.errors import UserError, warn
-from ddpgpt.evals.multiple_choice import Scorer
+from ddpgpt.evals.scorer import Scorer
+from ddpgpt.evals.tasks import for_run
 from ddpgpt.guard.health import Guard, StopSignal, collective_failed, preempted, resume_hint
 from ddpgpt.guard.spike import Verdict, json_number, target
 from ddpgpt.run import elastic, resume, trackers
@@ -163,7 +164,7 @@ def run(cfg: TrainConfig) -> None:
     here = detect()
     try:
         cfg, dataset = preflight(cfg, here.world_size, here.local_world_size, elastic_nodes())
-        tasks = evals.for_run(cfg.run)  # a bad task file, or HellaSwag offline: one line
+        tasks = for_run(cfg.run)  # a bad task file, or HellaSwag offline: one line
     except UserError as e:  # every rank finds it: one line per node
         e.quiet = e.quiet or here.local_rank > 0
         raise

@@ -21,10 +21,11 @@ import time
 
 import torch
 
-from ddpgpt import checkpoint, evals
+from ddpgpt import checkpoint
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.distributed.group import detect
 from ddpgpt.errors import UserError
+from ddpgpt.evals.tasks import for_run
 from ddpgpt.guard.health import EXIT_PREEMPTED, resume_hint
 from ddpgpt.run import resume
 from ddpgpt.run.preflight import preflight
@@ -46,7 +47,7 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
     """Checks, locks and starts `nproc` training workers; returns the exit code."""
     check_nproc(nproc, cfg.run.device)
     cfg, dataset = preflight(cfg, nproc, nproc)
-    evals.for_run(cfg.run)  # bad task files: one line here, before the run dir is touched
+    for_run(cfg.run)  # bad task files: one line here, before the run dir is touched
     run_dir = RunDir(cfg.run.dir)
     run_dir.check_creatable()
     cfg, first = resume.plan(cfg, run_dir, dataset)
