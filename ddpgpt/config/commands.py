@@ -155,8 +155,9 @@ class EvalConfig:
     task: str = ""
     """Multiple-choice tasks to score besides the validation loss, comma-separated: hellaswag
     (its validation set, downloaded once into DDPGPT_CACHE_DIR or ~/.cache/ddpgpt), or any NAME
-    given with --task-data (KIND:NAME: a task of another kind, evals/kinds.py). Each prints NAME_acc_norm (lowest mean loss per token, llm.c's),
-    NAME_acc (lowest sum) and NAME_acc_char (sum per character, lm-evaluation-harness's)."""
+    given with --task-data (KIND:NAME: a task of another kind, evals/kinds.py). Each prints
+    NAME_acc_norm (lowest mean loss per token, llm.c's), NAME_acc (lowest sum) and NAME_acc_char
+    (sum per character, lm-evaluation-harness's)."""
     task_data: str = ""
     """The tasks' jsonl files, comma-separated in --task's order: one example per line, {"ctx":
     ..., "endings": [...], "label": INDEX}. Empty for hellaswag: its cached download."""

@@ -238,8 +238,9 @@ class RunConfig:
     """Evaluate on the validation windows every this many steps (and at the end); 0: end only."""
     eval_tasks: str = ""
     """Multiple-choice tasks scored at every evaluation, comma-separated: hellaswag (downloaded
-    once) or NAME with eval_task_data (KIND:NAME: another kind of task). metrics.jsonl's eval rows get NAME_acc_norm, NAME_acc,
-    NAME_acc_char, NAME_n and NAME_s (the seconds it took); the same at any number of processes."""
+    once) or NAME with eval_task_data (KIND:NAME: another kind of task). metrics.jsonl's eval
+    rows get NAME_acc_norm, NAME_acc, NAME_acc_char, NAME_n and NAME_s (the seconds it took); the
+    same at any number of processes."""
     eval_task_data: str = ""
     """The eval_tasks' jsonl files (ctx, endings, label per line), comma-separated in their order;
     empty for hellaswag's download."""
