@@ -42,7 +42,7 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.distributed import collectives
 from ddpgpt.distributed.group import DistEnv, session
 from ddpgpt.errors import UserError
-from ddpgpt.files import describe, writable_dir
+from ddpgpt.files import describe, install, writable_dir
 from ddpgpt.guard.health import Guard, StopSignal
 from ddpgpt.hf.init_from import apply_shape
 from ddpgpt.optim.schedule import Schedule
@@ -242,7 +242,7 @@ def report(cfg: BenchConfig, env: DistEnv, rows: list[dict], stopped: str | None
         raise UserError(f"cannot write the results into --out {out}: {describe(e)}; the table "
                         "above holds them") from None
     print(f"wrote {out / 'bench.json'}" + (f" and {png}" if png else
-                                           " (no chart: pip install 'ddpgpt[plot]' for bench.png)"))
+                                           f" (no chart: {install('plot')} for bench.png)"))
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path | None:

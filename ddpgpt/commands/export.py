@@ -30,20 +30,13 @@ from ddpgpt.config.schema import ModelConfig
 from ddpgpt.data.output import check_out, publish
 from ddpgpt.data.tokenizer import EOT_TEXT, fingerprint
 from ddpgpt.errors import UserError
+from ddpgpt.files import require
 from ddpgpt.hf import gpt2
 from ddpgpt.run.run_dir import RunDir
 
 
-def require_transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise UserError("ddpgpt export needs transformers: pip install 'ddpgpt[export]'") from None
-    return transformers
-
-
 def run(cfg: ExportConfig) -> None:
-    require_transformers()
+    require("transformers", "export", "ddpgpt export")
     if cfg.out is None:
         raise UserError("ddpgpt export needs --out DIR")
     run_dir, out = RunDir(cfg.run_dir), Path(cfg.out)

@@ -34,7 +34,7 @@ from ddpgpt.checkpoint.store import step_dirs
 from ddpgpt.config.commands import PlotConfig
 from ddpgpt.errors import UserError
 from ddpgpt.evals.kinds import headlines, label_of
-from ddpgpt.files import describe
+from ddpgpt.files import atomic_write, describe, require
 from ddpgpt.run.run_dir import RunDir
 
 FORMATS = (".png", ".pdf", ".svg")
@@ -240,21 +240,13 @@ def draw(runs: list[dict], beta: float | None, fmt: str) -> bytes:
 
 
 def write(path: Path, data: bytes) -> None:
-    """Into a temporary file beside `path`, renamed over it; straight into anything that is not
-    a regular file (a pipe, a device). A failed write is one line and leaves `path` as it was."""
+    """Atomically (files.atomic_write); straight into anything that is not a regular file (a
+    pipe, a device). A failed write is one line and leaves `path` as it was."""
     special = path.exists() and not path.is_file()
-    tmp = path if special else path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with open(path, "wb") if special else atomic_write(path) as f:
             f.write(data)
-            f.flush()
-            if not special:
-                os.fsync(f.fileno())
-        if not special:
-            os.replace(tmp, path)
     except OSError as e:
-        if not special:
-            tmp.unlink(missing_ok=True)
         raise UserError(f"cannot write {path}: {describe(e)}; choose another --out") from None
 
 
@@ -262,10 +254,7 @@ def run(cfg: PlotConfig) -> None:
     if not cfg.runs:
         raise UserError("plot: give one or more run dirs (ddpgpt plot runs/a runs/b)")
     path = out_path(cfg)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UserError("plot needs matplotlib: pip install 'ddpgpt[plot]'") from None
+    require("matplotlib", "plot", "plot")
     runs = [load_run(p) for p in cfg.runs]
     fmt = path.suffix[1:].lower() if path.suffix.lower() in FORMATS else "png"
     write(path, draw(runs, None if cfg.smooth < 0 else cfg.smooth, fmt))

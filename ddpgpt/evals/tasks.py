@@ -27,6 +27,7 @@ from pathlib import Path
 from ddpgpt.errors import DataError, UserError
 from ddpgpt.evals import kinds
 from ddpgpt.evals.kinds import DEFAULT, KINDS
+from ddpgpt.files import atomic_write
 
 HELLASWAG = "hellaswag"
 HELLASWAG_COMMIT = "a29ff8e9a04bba4bd6588223785ce105328adc57"
@@ -195,9 +196,8 @@ def hellaswag_file() -> Path:
                         "or give the file with --task-data FILE")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)  # whole or absent: concurrent ranks each rename a full copy
+        with atomic_write(path) as f:  # whole or absent: concurrent ranks each rename a copy
+            f.write(data)
     except OSError as e:
         raise UserError(f"{path.parent}: cannot cache HellaSwag there ({e.strerror}); set "
                         "DDPGPT_CACHE_DIR to a directory you can write to") from None

@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from ddpgpt.evals.kinds import headlines
-from ddpgpt.files import WriteError, describe
+from ddpgpt.files import WriteError, describe, replace_text
 from ddpgpt.run.trackers import kept_rows
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets.
@@ -88,7 +88,7 @@ def cut_log(path: Path, step: int) -> None:
                 kept.append(line)
         except (ValueError, KeyError, TypeError):
             continue  # a torn last line from a crash
-    path.write_text("".join(row + "\n" for row in kept))
+    replace_text(path, "".join(row + "\n" for row in kept))  # whole: a crash keeps the old rows
 
 
 class Metrics:

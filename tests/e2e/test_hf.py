@@ -310,7 +310,7 @@ def test_bad_input_is_one_line(bpe, gpt2_run, tmp_path, capsys, monkeypatch):
                         else find_spec(name, *a))
     for tracker in ("tensorboard", "wandb"):
         assert _fails(capsys, *train, "--data", bpe.data, "--run.tracker", tracker) == (
-            f"run.tracker = {tracker} needs the {tracker} package, which is not installed: "
+            f"run.tracker = {tracker} needs {tracker}: "
             "pip install 'ddpgpt[track]' (or run.tracker = none)")
 
 

@@ -87,3 +87,11 @@ def test_no_module_outgrows_a_reading():
     sizes = {p.relative_to(REPO): len(p.read_text().splitlines())
              for p in (REPO / "ddpgpt").rglob("*.py")}
     assert {p: n for p, n in sizes.items() if n > LARGEST} == {}
+
+
+def test_files_are_replaced_only_through_files_py():
+    """The temporary file renamed over its name (files.atomic_write) is written once: no module
+    but files.py calls os.replace."""
+    calls = {p.relative_to(REPO) for p in (REPO / "ddpgpt").rglob("*.py")
+             if "os.replace(" in p.read_text()}
+    assert calls == {Path("ddpgpt/files.py")}

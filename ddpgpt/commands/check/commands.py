@@ -34,6 +34,7 @@ from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.distributed import collectives
 from ddpgpt.distributed.group import DistEnv
 from ddpgpt.evals.loss import evaluate
+from ddpgpt.files import install
 from ddpgpt.guard.health import EXIT_PREEMPTED
 from ddpgpt.run.run_dir import RunDir
 
@@ -250,7 +251,7 @@ def sample_row(run_dir: Path, device: str) -> Row:
 def export_row(run_dir: Path, runs: Path, device: str) -> Row:
     oracle = "the fp32 CPU model's logits"
     if importlib.util.find_spec("transformers") is None:
-        return Row.needs("export", device, 1, oracle, "transformers (pip install 'ddpgpt[export]')")
+        return Row.needs("export", device, 1, oracle, f"transformers ({install('export')})")
     out = runs / "export"
     succeed("export", "--run-dir", str(run_dir), "--out", str(out), "--force")
     import transformers
