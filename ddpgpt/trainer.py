@@ -8,11 +8,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+from typing import get_args
 
 import torch
 
 from ddpgpt import checkpoint, optim, sync
 from ddpgpt.checkpoint import sharded
+from ddpgpt.config.choices import Optimizer
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
@@ -165,7 +167,7 @@ class Trainer:
             return
         index, rest = checkpoint.open_sharded(path, meta)
         saved = set(index.state_dict_metadata)
-        create = tuple(kind for kind in ("adamw", "muon")
+        create = tuple(kind for kind in get_args(Optimizer)
                        if any(k.startswith(f"optimizer.{kind}.") for k in saved))
         targets, _ = self.sync.checkpoint_state(self.optimizer, create)
         missing = sorted(k for k in targets if k not in saved)

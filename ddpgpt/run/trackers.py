@@ -25,7 +25,6 @@ from pathlib import Path
 from ddpgpt.errors import UserError, warn
 from ddpgpt.files import missing, replace_text
 
-TRACKERS = ("none", "tensorboard", "wandb")
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 

@@ -439,3 +439,31 @@ def test_print_config_is_the_resolved_config_as_toml_that_config_reads(dataset, 
                                                                        decay_steps=200))
     assert resolve(None, str(tmp_path / "printed.toml"), {}) == expected
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def _choice_fields():
+    """(section, config class, field, its choices) for every setting typed as a Literal."""
+    import typing
+
+    from ddpgpt.config import commands
+    from ddpgpt.config.io import field_types
+    from ddpgpt.config.schema import SECTIONS
+
+    classes = [(s, c) for s, c in SECTIONS.items()] + [
+        (c.__name__.removesuffix("Config").lower(), c) for c in vars(commands).values()
+        if dataclasses.is_dataclass(c) and c.__module__ == commands.__name__]
+    return [(section, cls, name, typing.get_args(tp)) for section, cls in classes
+            for name, tp in field_types(cls).items() if typing.get_origin(tp) is typing.Literal]
+
+
+@pytest.mark.parametrize("section, cls, name, choices", _choice_fields(),
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_a_choice_is_checked_against_its_literal_and_nothing_else(section, cls, name, choices):
+    """Every value of the field's Literal is accepted; one outside it is refused with the
+    Literal's list: validation reads the type, no copied list."""
+    for value in choices:
+        assert getattr(cls(**{name: value}), name) == value
+    with pytest.raises(ConfigError) as e:
+        cls(**{name: "zzzzzzzz"})
+    assert str(e.value).endswith(f"{section}.{name} = 'zzzzzzzz'; choose one of "
+                                 f"{', '.join(choices)}")
