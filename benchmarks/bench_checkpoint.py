@@ -168,8 +168,7 @@ def worker(args) -> None:
     """One rank: every mode, every method; rank 0 writes the results."""
     import torch
 
-    from ddpgpt import checkpoint
-    from ddpgpt.checkpoint import sharded
+    from ddpgpt.checkpoint import sharded, store
     from ddpgpt.config.io import build
     from ddpgpt.distributed import collectives
     from ddpgpt.distributed.group import checkpoint_group, session
@@ -210,7 +209,7 @@ def worker(args) -> None:
                     base = rss_kb()
                     reset_peak()
                     start = time.perf_counter()
-                    meta = checkpoint.read_meta(path, verify=True)
+                    meta = store.read_meta(path, verify=True)
                     t.restore(path, meta)
                     collectives.barrier(env)
                     times.append(time.perf_counter() - start)

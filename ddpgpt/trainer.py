@@ -12,8 +12,7 @@ from typing import get_args
 
 import torch
 
-from ddpgpt import checkpoint, optim, sync
-from ddpgpt.checkpoint import sharded
+from ddpgpt.checkpoint import read, sharded, store
 from ddpgpt.config.choices import Optimizer
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.loader import EvalLoader, TrainLoader
@@ -24,10 +23,12 @@ from ddpgpt.evals.loss import evaluate
 from ddpgpt.evals.scorer import Scorer
 from ddpgpt.guard.health import Guard
 from ddpgpt.model import GPT
+from ddpgpt.optim import optimizer
 from ddpgpt.optim.optimizer import set_lr
 from ddpgpt.optim.schedule import Rates, Schedule
 from ddpgpt.run.precision import Precision
 from ddpgpt.run.preflight import accum_steps
+from ddpgpt.sync.base import make_sync
 
 
 class Trainer:
@@ -56,15 +57,15 @@ class Trainer:
         self.init_digest = collectives.state_digest(self.raw.state_dict()) if digest else None
         # 2. The sync mode wraps it (DDP, gradient buckets, zero1's flat buffers, fsdp2's shards)
         #    and says what this rank steps; the optimizer is built over exactly that.
-        groups = optim.groups(self.raw, cfg.optim)
-        self.sync = sync.make(None if local else run.sync, self.raw, groups, env, run.bucket_mb,
+        groups = optimizer.groups(self.raw, cfg.optim)
+        self.sync = make_sync(None if local else run.sync, self.raw, groups, env, run.bucket_mb,
                               run.grad_compress)
         self.precision = Precision.of(run, dev)
         self.scaler = self.precision.scaler()  # fp16: it must see every gradient held
         ns_dtype = self.precision.newton_schulz_dtype(cfg.optim.muon_ns_dtype)
-        self.optimizer = optim.Optimizer(groups, self.sync.params(), cfg.optim, dev,
-                                         held=self.sync.held() if self.scaler else (),
-                                         ns_dtype=ns_dtype)
+        self.optimizer = optimizer.Optimizer(groups, self.sync.params(), cfg.optim, dev,
+                                             held=self.sync.held() if self.scaler else (),
+                                             ns_dtype=ns_dtype)
         # Each step's lr and momentum; a rollback's lower lr comes from the guard at each step.
         self.schedule = Schedule(cfg.optim, run.steps, lambda: guard.spikes.lr_factor)
         # 3. Compile after the sync: for DDP, dynamo's DDPOptimizer then splits the graph at
@@ -140,7 +141,7 @@ class Trainer:
         starts from the beginning."""
         self.sync.load_model_state(state["model"])
         # this run's hyperparameters win over the saved ones
-        self.sync.load_optimizer_state(self.optimizer, optim.upgrade(state["optimizer"]))
+        self.sync.load_optimizer_state(self.optimizer, optimizer.upgrade(state["optimizer"]))
         rng = None
         if saved_world_size == self.env.world_size:
             rng = {k: v[self.env.rank] for k, v in state["rng"].items() if v is not None}
@@ -163,9 +164,9 @@ class Trainer:
         collective (ranks that disagree on the checkpoint are named by `setup` afterwards);
         formats 1-2: whole, through load_state_dict."""
         if int(meta["format_version"]) < 3:
-            self.load_state_dict(checkpoint.load(path, meta), meta["world_size"], new_data)
+            self.load_state_dict(read.load(path, meta), meta["world_size"], new_data)
             return
-        index, rest = checkpoint.open_sharded(path, meta)
+        index, rest = read.open_sharded(path, meta)
         saved = set(index.state_dict_metadata)
         create = tuple(kind for kind in get_args(Optimizer)
                        if any(k.startswith(f"optimizer.{kind}.") for k in saved))
@@ -173,13 +174,13 @@ class Trainer:
         missing = sorted(k for k in targets if k not in saved)
         if missing:  # resume._check_fit compared the shapes; this checkpoint lacks tensors
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            raise checkpoint.CheckpointError(
+            raise store.CheckpointError(
                 f"{path}: the checkpoint holds no {missing[0]}{more}; it was not written by "
                 "this model and optimizer: resume from another one, or --reset")
         same = int(meta["world_size"]) == self.env.world_size
         rng = sharded.rng(self.env, fresh=True) if same else {}
-        checkpoint.read_into(path, index,
-                             {k: v for k, v in {**targets, **rng}.items() if k in saved})
+        read.read_into(path, index,
+                       {k: v for k, v in {**targets, **rng}.items() if k in saved})
         self.sync.set_adamw_steps(self.optimizer, rest["optimizer"]["adamw"]["step"])
         self._load_rest(rest, new_data, {k[4:]: p.chunks[0][1].view(-1) for k, p in rng.items()
                                          if k in saved} if same else None)

@@ -49,8 +49,8 @@ from ddpgpt.optim.schedule import Schedule
 from ddpgpt.run import launch
 from ddpgpt.run.precision import configure
 from ddpgpt.run.preflight import preflight
-from ddpgpt.sync import MODES, Traffic
-from ddpgpt.sync import check as check_mode
+from ddpgpt.sync.modes import MODES, Traffic
+from ddpgpt.sync.modes import check as check_mode
 from ddpgpt.trainer import Trainer
 
 

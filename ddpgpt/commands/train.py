@@ -26,7 +26,8 @@ import sys
 
 import torch
 
-from ddpgpt import __version__, checkpoint
+from ddpgpt import __version__
+from ddpgpt.checkpoint import store
 from ddpgpt.checkpoint.saver import SaveFailed, Saver
 from ddpgpt.checkpoint.saver import token as saver_token
 from ddpgpt.config.schema import TrainConfig
@@ -109,7 +110,7 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
             nodes = elastic_nodes()
             hint = resume_hint(cfg.run.resume, str(run_dir), bool(nodes and nodes[1] > nodes[0]))
             raise preempted(trainer.step, guard.signal.name,
-                            checkpoint.step_dir(run_dir.checkpoints, trainer.step), hint,
+                            store.step_dir(run_dir.checkpoints, trainer.step), hint,
                             quiet=not env.is_main)
     return None
 
@@ -266,13 +267,13 @@ def _healthy_start(run_dir: RunDir, first: int, origin: resume.Start,
     """The checkpoint to roll back to (spike.target) as a Start; `origin` (where this process
     started) when no checkpoint of this run qualifies. The starting checkpoint itself is
     `origin`, which knows a data switch."""
-    dirs = dict(checkpoint.step_dirs(run_dir.checkpoints))
+    dirs = dict(store.step_dirs(run_dir.checkpoints))
     while (step := target(sorted(dirs), first, origin.step, rollbacks)) is not None:
         if step == origin.step and origin.path:
             return origin
         try:
-            meta = checkpoint.read_meta(dirs[step])
-        except checkpoint.CheckpointError as e:
+            meta = store.read_meta(dirs[step])
+        except store.CheckpointError as e:
             warn(f"rollback: skipping checkpoint {dirs[step].name}: {e}")
             del dirs[step]
             continue

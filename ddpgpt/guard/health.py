@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt import checkpoint
+from ddpgpt.checkpoint import store
 from ddpgpt.config.schema import RunConfig
 from ddpgpt.distributed import collectives
 from ddpgpt.distributed.group import CollectiveError, DistEnv, DistError
@@ -166,7 +166,7 @@ class Guard:
 
     def healthy_checkpoint(self, first: int) -> str:
         """Which checkpoint to resume from after trouble that began at step `first`, as advice."""
-        steps = checkpoint.step_dirs(self.checkpoints) if self.checkpoints else []
+        steps = store.step_dirs(self.checkpoints) if self.checkpoints else []
         suspect = [p for s, p in steps if s >= first - 1]
         good = [p for s, p in steps if s <= first - 2]
         said = (f"The checkpoint {suspect[0]} was written after the trouble began (the update "

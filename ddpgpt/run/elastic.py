@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ddpgpt import checkpoint
+from ddpgpt.checkpoint import store
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.distributed import collectives
@@ -69,7 +69,7 @@ def claim(run_dir: RunDir, cfg: TrainConfig, env: DistEnv,
             run_dir.reset()
         elif start.set_aside:
             run_dir.roll_back(start.set_aside, start.step)
-        checkpoint.remove_temporaries(run_dir.checkpoints)
+        store.remove_temporaries(run_dir.checkpoints)
         if launchers:  # after the rules: a start that dies before this applies them again
             run_dir.record_job(launchers, first)
 

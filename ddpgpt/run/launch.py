@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ddpgpt import checkpoint
+from ddpgpt.checkpoint import store
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.distributed.group import detect
 from ddpgpt.errors import UserError
@@ -63,7 +63,7 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
         hint = resume_hint(cfg.run.resume, str(run_dir))
         if stop_checkpoint(run_dir, since=started) is not None:
             return EXIT_PREEMPTED  # rank 0 named the signal, the step and the checkpoint
-        found = checkpoint.find_latest(run_dir.checkpoints)
+        found = store.find_latest(run_dir.checkpoints)
         newest = f"the newest complete one is {found[0]}" if found else "there is none yet"
         print(f"ddpgpt: stopped by {stopped_by.name} before the workers could write a checkpoint; "
               f"{newest}: {hint}", file=sys.stderr)
@@ -72,7 +72,7 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
 
 def stop_checkpoint(run_dir: RunDir, since: float):
     """The checkpoint the workers wrote on a stop request after `since`, if they did."""
-    found = checkpoint.find_latest(run_dir.checkpoints)
+    found = store.find_latest(run_dir.checkpoints)
     if found and found[1].get("reason") == "stop" and found[1].get("saved_at", 0) >= since:
         return found[0]
     return None

@@ -6,8 +6,8 @@ runs, so `--run.sync toy` reaches preflight, `make` and the Trainer like any bui
 import sys
 
 from ddpgpt.distributed import collectives
-from ddpgpt.sync import MODES, Mode
 from ddpgpt.sync.base import Replicated
+from ddpgpt.sync.modes import MODES, Mode
 
 
 class ToySync(Replicated):

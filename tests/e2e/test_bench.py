@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from ddpgpt.commands import bench
-from ddpgpt.sync import MODES
+from ddpgpt.sync.modes import MODES
 from tests.helpers import run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.dist, pytest.mark.timeout(240)]

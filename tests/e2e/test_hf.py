@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from ddpgpt import checkpoint, cli
+from ddpgpt import cli
+from ddpgpt.checkpoint import read
 from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.config.io import build, from_dict
 from ddpgpt.data import prepare
@@ -47,7 +48,7 @@ def _ok(r):
 
 
 def _model(run: Path) -> tuple[GPT, dict]:
-    path, meta, state = checkpoint.load_latest(run / "checkpoints")
+    path, meta, state = read.load_latest(run / "checkpoints")
     model = GPT(from_dict(meta["config"]).model).eval()
     model.load_state_dict(state["model"])
     return model, state["model"]

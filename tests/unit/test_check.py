@@ -13,7 +13,7 @@ from ddpgpt.commands.check.report import FAIL, NOT_RUN, PASS, Row, write
 from ddpgpt.commands.check.training import Result
 from ddpgpt.config.commands import CheckConfig
 from ddpgpt.distributed.group import DistEnv
-from ddpgpt.sync import MODES
+from ddpgpt.sync.modes import MODES
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

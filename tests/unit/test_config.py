@@ -26,7 +26,7 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
 from ddpgpt.run.preflight import accum_steps, preflight
 from ddpgpt.run.preflight import resolve as resolve_autos
-from ddpgpt.sync import MODES
+from ddpgpt.sync.modes import MODES
 from tests.helpers import run_cli, write_dataset
 
 if sys.version_info >= (3, 11):

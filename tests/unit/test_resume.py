@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from ddpgpt import checkpoint
+from ddpgpt.checkpoint import store
 from ddpgpt.config.schema import DataConfig, OptimConfig, RunConfig, TrainConfig
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT
@@ -28,8 +28,8 @@ def save(run: RunDir, step: int, origin: dict | None = None, fingerprint: str = 
          tokenizer: str | None = None):
     meta = {"config": config().to_dict(), "world_size": 1, "data_fingerprint": fingerprint,
             "origin": origin, **({"tokenizer_fingerprint": tokenizer} if tokenizer else {})}
-    return checkpoint.save(run.checkpoints, step, {"model": GPT(SMALL).state_dict()}, meta,
-                           keep=100)
+    return store.save(run.checkpoints, step, {"model": GPT(SMALL).state_dict()}, meta,
+                      keep=100)
 
 
 def choose(run: RunDir, mode: str = "auto", first: bool = True, tokenizer: str | None = None,
@@ -189,7 +189,7 @@ def test_a_muon_checkpoint_under_adamw_is_refused_in_one_line(run):
     """The reverse, from the run dir: Muon's momentum cannot become AdamW's moments."""
     muon = dataclasses.replace(config(), optim=OptimConfig(name="muon"))
     meta = {"config": muon.to_dict(), "world_size": 2, "data_fingerprint": FP, "origin": None}
-    checkpoint.save(run.checkpoints, 2, {"model": GPT(SMALL).state_dict()}, meta, keep=100)
+    store.save(run.checkpoints, 2, {"model": GPT(SMALL).state_dict()}, meta, keep=100)
     with pytest.raises(UserError) as e:
         choose(run)
     assert str(e.value) == (f"run dir {run.path}: refused to resume checkpoint step_0000002, "

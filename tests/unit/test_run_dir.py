@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from ddpgpt import checkpoint
+from ddpgpt.checkpoint import store
 from ddpgpt.config.io import build
 from ddpgpt.model import GPT
 from ddpgpt.run import launch
@@ -80,7 +80,7 @@ def test_set_aside_keeps_everything(tmp_path):
 def save(root, step, reason, saved_at=None):
     model = GPT(build(None, None, {"model": {"n_layer": 1, "n_head": 1, "n_embd": 8,
                                              "block_size": 4, "vocab_size": 16}}).model)
-    path = checkpoint.save(root, step, {"model": model.state_dict()}, {"reason": reason}, keep=10)
+    path = store.save(root, step, {"model": model.state_dict()}, {"reason": reason}, keep=10)
     if saved_at is not None:
         meta = json.loads((path / "meta.json").read_text())
         meta["saved_at"] = saved_at

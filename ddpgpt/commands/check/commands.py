@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt import checkpoint
+from ddpgpt.checkpoint import store
 from ddpgpt.checkpoint.read import load_model
 from ddpgpt.commands.check.matrix import VS_FP32_CPU, default_precision
 from ddpgpt.commands.check.report import FAIL, PASS, Row, rel_diff, within
@@ -103,7 +103,7 @@ def after(losses: dict[int, float], step: int) -> list[float]:
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
-    return checkpoint.step_dir(run_dir / "checkpoints", step)
+    return store.step_dir(run_dir / "checkpoints", step)
 
 
 def load(run_dir: Path, device: str = "cpu"):
@@ -184,7 +184,7 @@ def sigterm(data: str, runs: Path, device: str, want: dict[int, float]) -> Row:
     retrace the straight run bitwise: every loss and the final weights."""
     run_dir = runs / "sigterm"
     train(data, run_dir, device, code=EXIT_PREEMPTED, fault=f"term@{STOP_AT}")
-    stopped_at = checkpoint.find_latest(run_dir / "checkpoints")
+    stopped_at = store.find_latest(run_dir / "checkpoints")
     if stopped_at is None or stopped_at[1].get("reason") != "stop":
         raise Failed("exit 75 but no checkpoint written for the stop")
     got = train(data, run_dir, device)

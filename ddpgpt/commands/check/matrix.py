@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import get_args
 
 from ddpgpt.config.choices import Optimizer
-from ddpgpt.sync import MODES
+from ddpgpt.sync.modes import MODES
 
 STEPS = 5          # optimizer steps per training run
 SKIP_AT = 3        # the fp16 run's forced non-finite step (1-based)

@@ -22,7 +22,7 @@ from ddpgpt.distributed.group import DistEnv
 from ddpgpt.guard.health import Guard, StopSignal
 from ddpgpt.optim.schedule import Schedule
 from ddpgpt.run.preflight import preflight
-from ddpgpt.sync import MODES
+from ddpgpt.sync.modes import MODES
 from ddpgpt.trainer import Trainer
 
 MICRO_BATCH = 4
