@@ -168,14 +168,3 @@ def writable_dir(path: Path, flag: str = "--out") -> Path:
                         "can write to") from None
     return path
 
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists on this host (signal 0 checks without sending)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, owned by someone else
-    return True

@@ -34,7 +34,6 @@ HELLASWAG_COMMIT = "a29ff8e9a04bba4bd6588223785ce105328adc57"
 HELLASWAG_URL = ("https://raw.githubusercontent.com/rowanz/hellaswag/"
                  f"{HELLASWAG_COMMIT}/data/hellaswag_val.jsonl")
 HELLASWAG_BLOB = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"  # git ls-tree of that commit
-HELLASWAG_EXAMPLES = 10_042
 NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 

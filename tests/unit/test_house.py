@@ -124,3 +124,4 @@ def test_files_are_replaced_only_through_files_py():
     calls = {p.relative_to(REPO) for p in (REPO / "ddpgpt").rglob("*.py")
              if "os.replace(" in p.read_text()}
     assert calls == {Path("ddpgpt/files.py")}
+
