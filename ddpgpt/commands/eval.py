@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from ddpgpt.checkpoint.read import model_of, saved
+from ddpgpt.checkpoint.read import model_of, run_checkpoint
 from ddpgpt.config.commands import EvalConfig
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
@@ -30,7 +30,7 @@ from ddpgpt.run.run_dir import RunDir
 
 def run(cfg: EvalConfig) -> None:
     run_dir = RunDir(cfg.run_dir)
-    found = saved(run_dir)
+    found = run_checkpoint(run_dir)
     train_cfg = found.config
     dataset = TokenDataset(train_cfg.data.dir)
     # Bad task files and the download fail here, on every rank, before the group exists.

@@ -24,7 +24,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ddpgpt.checkpoint.read import saved
+from ddpgpt.checkpoint.read import run_checkpoint
 from ddpgpt.config.commands import ExportConfig
 from ddpgpt.config.schema import ModelConfig
 from ddpgpt.data.output import check_out, publish
@@ -40,7 +40,7 @@ def run(cfg: ExportConfig) -> None:
     if cfg.out is None:
         raise UserError("ddpgpt export needs --out DIR")
     run_dir, out = RunDir(cfg.run_dir), Path(cfg.out)
-    found = saved(run_dir, cfg.step)
+    found = run_checkpoint(run_dir, cfg.step)
     path, meta, model_cfg = found.path, found.meta, found.config.model
     data_meta = run_dir.read_data_meta("export needs")
     check_out(out, cfg.force)

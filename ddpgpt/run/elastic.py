@@ -51,7 +51,7 @@ def claim(run_dir: RunDir, cfg: TrainConfig, env: DistEnv,
           dataset: TokenDataset) -> tuple[TrainConfig, resume.Start, DistEnv]:
     """The run dir for this run, and where it starts; `env` with its `first_start` set. Rank 0
     takes the lock (unless the `--nproc` launcher that started it holds it), applies the
-    first-start rules (--reset, or a roll-back for --resume PATH), records the job's launchers
+    first-start rules (--reset, or a rewind for --resume PATH), records the job's launchers
     and removes temporaries of interrupted saves; then every rank chooses."""
     first, launchers = first_start(run_dir, env)
     env = dataclasses.replace(env, first_start=first)
@@ -68,7 +68,7 @@ def claim(run_dir: RunDir, cfg: TrainConfig, env: DistEnv,
         if first and cfg.run.resume == "reset":
             run_dir.reset()
         elif start.set_aside:
-            run_dir.roll_back(start.set_aside, start.step)
+            run_dir.rewind(start.set_aside, start.step)
         store.remove_temporaries(run_dir.checkpoints)
         if launchers:  # after the rules: a start that dies before this applies them again
             run_dir.record_job(launchers, first)

@@ -7,7 +7,7 @@ elastic restarts, `--max-restarts`) continues from the run dir's newest complete
     reset   first start: set the run dir's checkpoints and metrics aside (reset-<time>/), start over
     never   first start: refuse a run dir that has checkpoints
     PATH    first start: that checkpoint. If PATH is in the run dir, the checkpoints after it are
-            set aside (rollback-<time>/); another run's checkpoints in the run dir are refused.
+            set aside (rewind-<time>/); another run's checkpoints in the run dir are refused.
             Every checkpoint that descends from PATH names it as its `origin`, so a restart or a
             rerun of the same command continues from the newest of those, not from PATH again.
 
@@ -41,7 +41,7 @@ class Start:
     meta: dict | None = None
     origin: dict | None = None    # {"path", "step"} of the explicit --resume PATH this run
                                   # descends from
-    set_aside: list[Path] = field(default_factory=list)  # later checkpoints a roll-back moves away
+    set_aside: list[Path] = field(default_factory=list)  # later checkpoints a rewind moves away
     data_switch: bool = False     # resumed on another dataset, with data.allow_switch
 
     @property
