@@ -171,8 +171,9 @@ def run(cfg: TrainConfig) -> None:
         raise
     run_dir = RunDir(cfg.run.dir)
     run_dir.check_creatable()
+    planned = None  # where the run starts: decided once, here for one process, else in claim
     if here.world_size == 1 and not under_launcher():  # one process: finished already?
-        settled, first = resume.plan(cfg, run_dir, dataset)
+        planned = settled, first = resume.plan(cfg, run_dir, dataset, verify=True)
         if resume.report_finished(settled, run_dir, first):
             return
     # 2. Join the group (W > 1); it is destroyed on every way out of this block.
@@ -181,7 +182,7 @@ def run(cfg: TrainConfig) -> None:
         configure(cfg.run.threads, env.device)
         if cfg.data.verify:  # each rank re-hashes a 1/W share of the shards
             collectives.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
-        cfg, start, env = elastic.claim(run_dir, cfg, env, dataset)
+        cfg, start, env = elastic.claim(run_dir, cfg, env, dataset, planned)
         # Each rank's share of the tasks, rendered once.
         scorer = collectives.together(env, lambda: Scorer(
             tasks, load_tokenizer(dataset.path, dataset.tokenizer), cfg.model.block_size, env)

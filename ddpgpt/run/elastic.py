@@ -47,24 +47,27 @@ def first_start(run_dir: RunDir, env: DistEnv) -> tuple[bool, set[str]]:
     return collectives.all_gather_text(env, answer)[0] == "first", launchers
 
 
-def claim(run_dir: RunDir, cfg: TrainConfig, env: DistEnv,
-          dataset: TokenDataset) -> tuple[TrainConfig, resume.Start, DistEnv]:
-    """The run dir for this run, and where it starts; `env` with its `first_start` set. Rank 0
-    takes the lock (unless the `--nproc` launcher that started it holds it), applies the
-    first-start rules (--reset, or a rewind for --resume PATH), records the job's launchers
-    and removes temporaries of interrupted saves; then every rank chooses."""
+def claim(run_dir: RunDir, cfg: TrainConfig, env: DistEnv, dataset: TokenDataset,
+          planned: tuple[TrainConfig, resume.Start] | None = None
+          ) -> tuple[TrainConfig, resume.Start, DistEnv]:
+    """The run dir for this run, and where it starts; `env` with its `first_start` set. Every
+    rank decides where it starts, once (resume.plan, every file of the checkpoint hashed), before
+    anything is written: bad input fails there, on every rank. Then rank 0 takes the lock
+    (unless the `--nproc` launcher that started it holds it), applies that decision's first-start
+    rules (--reset, or a rewind for --resume PATH), records the job's launchers and removes
+    temporaries of interrupted saves; the rules leave the decision as it was (a reset starts
+    from scratch, a rewind moves only checkpoints after the one it resumes). `planned`: the
+    decision a lone process (no launcher: always its job's first start) has taken already."""
     first, launchers = first_start(run_dir, env)
     env = dataclasses.replace(env, first_start=first)
-
-    def plan(verify: bool) -> tuple[TrainConfig, resume.Start]:
-        return resume.plan(cfg, run_dir, dataset, first, verify=verify, quiet=not env.is_main)
+    settled, start = planned or collectives.together(env, lambda: resume.plan(
+        cfg, run_dir, dataset, first, verify=True, quiet=not env.is_main))
 
     def take() -> None:
         # A restart may find the lock still held by the rank 0 of a node that left (a network
         # filesystem frees it when that node's lease runs out); the other ranks wait meanwhile,
         # at most run.dist_timeout_s, in the collective that ends `together`.
         run_dir.lock(allow_parent=True, wait_s=0 if first else cfg.run.dist_timeout_s / 2)
-        _, start = plan(verify=False)
         if first and cfg.run.resume == "reset":
             run_dir.reset()
         elif start.set_aside:
@@ -73,8 +76,5 @@ def claim(run_dir: RunDir, cfg: TrainConfig, env: DistEnv,
         if launchers:  # after the rules: a start that dies before this applies them again
             run_dir.record_job(launchers, first)
 
-    # Bad input fails before anything is written.
-    collectives.together(env, lambda: plan(verify=False))
     collectives.together(env, take, main_only=True)
-    settled, start = collectives.together(env, lambda: plan(verify=True))
     return settled, start, env

@@ -3,6 +3,7 @@ hold, no module imports one that imports it back (a package's __init__ included:
 `a.b.c` runs `a/__init__.py` and `a/b/__init__.py` first), the config imports no component, and
 no module outgrows a reading."""
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -125,3 +126,11 @@ def test_files_are_replaced_only_through_files_py():
              if "os.replace(" in p.read_text()}
     assert calls == {Path("ddpgpt/files.py")}
 
+
+def test_a_package_init_imports_nothing():
+    """Callers import from the defining module: a package's __init__ is its docstring (the root's
+    also holds __version__), so importing any module of it runs nothing else first."""
+    faces = {p.relative_to(REPO): [n.lineno for n in ast.walk(ast.parse(p.read_text()))
+                                   if isinstance(n, (ast.Import, ast.ImportFrom))]
+             for p in (REPO / "ddpgpt").rglob("__init__.py")}
+    assert {p: lines for p, lines in faces.items() if lines} == {}
