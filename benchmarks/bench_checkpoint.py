@@ -91,7 +91,7 @@ def previous_save(trainer, root: Path, step: int) -> None:
     import torch
     from safetensors.torch import save as save_safetensors
 
-    from ddpgpt import dist
+    from ddpgpt.distributed import collectives
     from ddpgpt.files import fsync, write_bytes
 
     state = trainer.state_dict()
@@ -113,19 +113,19 @@ def previous_save(trainer, root: Path, step: int) -> None:
         fsync(root)
         del files, buffer
     del state
-    dist.barrier(trainer.env)
+    collectives.barrier(trainer.env)
 
 
 def train_steps(t, n: int) -> float:
     """Seconds of `n` training steps (every rank; a barrier at the end)."""
-    from ddpgpt import dist
+    from ddpgpt.distributed import collectives
     from ddpgpt.optim.schedule import Schedule
 
     start = time.perf_counter()
     for _ in range(n):
         t.train_step()
         t.update(Schedule(t.cfg.optim, 10).at(0))
-    dist.barrier(t.env)
+    collectives.barrier(t.env)
     return time.perf_counter() - start
 
 
@@ -133,12 +133,12 @@ def measure(t, env, root: Path, group, method: str, step: int, steps) -> dict:
     """One save of `t` by `method`: its peak memory, the time the caller was blocked and until
     the checkpoint was published (nothing else running); for async, also what the background
     write costs 3 training steps that run during it (a second save)."""
-    from ddpgpt import dist
     from ddpgpt.checkpoint.saver import Saver
+    from ddpgpt.distributed import collectives
 
     def save(at: int, during: int) -> tuple[float, float, float]:
         saver = Saver(env, root, group, "bench", keep=100, asynchronous=method == "async")
-        dist.barrier(env)
+        collectives.barrier(env)
         start = time.perf_counter()
         if method == "previous":
             previous_save(t, root, at)
@@ -150,7 +150,7 @@ def measure(t, env, root: Path, group, method: str, step: int, steps) -> dict:
         saver.settle()
         total = time.perf_counter() - start
         saver.close()
-        dist.barrier(env)
+        collectives.barrier(env)
         return blocked, total, stepped
 
     base = rss_kb()
@@ -168,18 +168,19 @@ def worker(args) -> None:
     """One rank: every mode, every method; rank 0 writes the results."""
     import torch
 
-    from ddpgpt import checkpoint, dist
-    from ddpgpt.checkpoint import sharded
+    from ddpgpt.checkpoint import sharded, store
     from ddpgpt.config.io import build
+    from ddpgpt.distributed import collectives
+    from ddpgpt.distributed.group import checkpoint_group, session
     from ddpgpt.guard.health import Guard, StopSignal
     from ddpgpt.run.preflight import preflight
     from ddpgpt.trainer import Trainer
 
     results = {}
-    with dist.session(device=args.device) as env:
+    with session(device=args.device) as env:
         torch.set_num_threads(1)
-        group = dist.checkpoint_group(env)
-        root = Path(dist.all_gather_text(env, tempfile.mkdtemp(dir=args.tmp))[0])
+        group = checkpoint_group(env)
+        root = Path(collectives.all_gather_text(env, tempfile.mkdtemp(dir=args.tmp))[0])
         for mode in args.modes:
             flags = {"data": {"dir": args.data, "micro_batch": 1, "global_batch": env.world_size,
                               "seq_len": 64, "eval_windows": 1},
@@ -204,23 +205,23 @@ def worker(args) -> None:
                 path = root / f"step_{step:07d}"
                 times, peaks = [], []
                 for _ in range(args.repeats):
-                    dist.barrier(env)
+                    collectives.barrier(env)
                     base = rss_kb()
                     reset_peak()
                     start = time.perf_counter()
-                    meta = checkpoint.read_meta(path, verify=True)
+                    meta = store.read_meta(path, verify=True)
                     t.restore(path, meta)
-                    dist.barrier(env)
+                    collectives.barrier(env)
                     times.append(time.perf_counter() - start)
                     peaks.append((peak_kb() - base) / 1024)
                 row[f"resume_{method}"] = {"s": statistics.median(times),
                                            "peak_mb": statistics.median(peaks)}
-            results[mode] = dist.all_gather_text(env, json.dumps(row))
+            results[mode] = collectives.all_gather_text(env, json.dumps(row))
             t.close()
             for p in list(root.iterdir()):
                 if env.is_main:
                     shutil.rmtree(p, ignore_errors=True)
-            dist.barrier(env)
+            collectives.barrier(env)
         if env.is_main:
             Path(args.out).write_text(json.dumps(results))
 

@@ -51,7 +51,7 @@ from ddpgpt.config.schema import ModelConfig
 from ddpgpt.model import GPT
 from ddpgpt.optim.muon import plan
 from ddpgpt.optim.optimizer import is_muon_param
-from ddpgpt.sync import MODES, Traffic
+from ddpgpt.sync.modes import MODES, Traffic
 
 MODELS = {  # name: (shape, micro-batch b a GPU fits, as the presets choose)
     "gpt2-124m": (dict(n_layer=12, n_head=12, n_embd=768), 16),

@@ -7,7 +7,7 @@
 nanoGPT (a clone of github.com/karpathy/nanoGPT, passed by path and run unmodified) trains its
 own `train.py` on the corpus's tokens: 4 layers × 256 wide, T=256, 16 sequences a step, AdamW at
 lr 1e-3 → 1e-4 (cosine, warmup 50), 500 steps, fp32, `--threads` threads. Its checkpoint is then
-scored by ddpgpt's evaluator (`ddpgpt.evaluate.evaluate`) on every val window ddpgpt evaluates,
+scored by ddpgpt's evaluator (`ddpgpt.evals.loss.evaluate`) on every val window ddpgpt evaluates,
 so its final val loss and ddpgpt's come from one evaluator; that loss is the target. Each ddpgpt
 recipe trains on the same prepared tokens and is evaluated on the same windows every
 `--eval-every` steps; its time to target is the training seconds (`train_s`: evaluations and
@@ -129,8 +129,8 @@ def score_nanogpt(snapshot: Path, checkpoint: Path, data: Path, threads: int) ->
 
     from ddpgpt.data.loader import EvalLoader
     from ddpgpt.data.shards import TokenDataset
-    from ddpgpt.dist.group import DistEnv
-    from ddpgpt.evaluate import evaluate
+    from ddpgpt.distributed.group import DistEnv
+    from ddpgpt.evals.loss import evaluate
 
     spec = importlib.util.spec_from_file_location("nanogpt_model", snapshot / "model.py")
     module = importlib.util.module_from_spec(spec)

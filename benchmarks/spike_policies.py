@@ -25,6 +25,9 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import get_args
+
+from ddpgpt.config.choices import OnSpike
 
 LICENSES = Path("/usr/share/common-licenses")
 TINY2 = ["--preset", "tiny", "--model.n-layer", "2", "--data.global-batch", "8",
@@ -169,7 +172,8 @@ def main() -> None:
     ap.add_argument("--windows", nargs="+", type=int, default=[10, 20])
     ap.add_argument("--ratio", type=float, default=2.0)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    ap.add_argument("--policies", nargs="+", default=["none", "stop", "recover"])
+    ap.add_argument("--policies", nargs="+", default=list(get_args(OnSpike)),
+                    choices=get_args(OnSpike))
     ap.add_argument("--seeds", nargs="+", type=int, default=[1337])
     ap.add_argument("--out", default="runs/spikes")
     ap.add_argument("--threads", type=int, default=1)

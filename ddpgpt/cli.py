@@ -1,17 +1,17 @@
 """The `ddpgpt` command line: each subcommand parses into a config and calls `<module>.run(cfg)`
-(COMMANDS: one row per command; train has its own flags, built from the config's sections).
+(COMMANDS: one row per command, each run(cfg) in commands/ but prepare's, in data/prepare.py;
+train has its own flags, built from the config's sections, and `--nproc` goes to run/launch.py).
 
-    ddpgpt prepare [SOURCE ...] --out DIR          corpus -> token shards        (data/prepare.py)
-    ddpgpt train --data DIR [--preset tiny]        train, 1 process or --nproc N (train.py,
-                                                                                  launch.py)
-    ddpgpt sample --run-dir DIR --prompt TEXT      generate from a checkpoint    (sample.py)
-    ddpgpt eval --run-dir DIR                      validation loss               (evaluate.py)
-    ddpgpt doctor [--nproc N]                      environment and all-reduce probe (doctor.py)
-    ddpgpt bench [--nproc N] [--sync MODES]        what each sync mode costs (bench.py)
-    ddpgpt plot RUN [RUN ...] [--out FILE.png]     loss curves and tokens/s of runs (plot.py)
-    ddpgpt export --run-dir DIR --out DIR          a checkpoint for transformers (export.py)
-    ddpgpt rendezvous [--port 29500]               elastic jobs' rendezvous store (dist/group.py)
-    ddpgpt check [--device cuda] [--quick]         every path against its oracle (check/)
+    ddpgpt prepare [SOURCE ...] --out DIR          corpus -> token shards
+    ddpgpt train --data DIR [--preset tiny]        train, 1 process or --nproc N
+    ddpgpt sample --run-dir DIR --prompt TEXT      generate from a checkpoint
+    ddpgpt eval --run-dir DIR                      validation loss
+    ddpgpt doctor [--nproc N]                      environment and all-reduce probe
+    ddpgpt bench [--nproc N] [--sync MODES]        what each sync mode costs
+    ddpgpt plot RUN [RUN ...] [--out FILE.png]     loss curves and tokens/s of runs
+    ddpgpt export --run-dir DIR --out DIR          a checkpoint for transformers
+    ddpgpt rendezvous [--port 29500]               elastic jobs' rendezvous store
+    ddpgpt check [--device cuda] [--quick]         every path against its oracle
 
 Flags are generated from the config dataclasses (config/io.py), so `--help` shows each field's
 docstring. Bad input (unknown flag, bad value, missing data) is one line on stderr and exit code
@@ -108,25 +108,27 @@ COMMANDS = {
     "prepare": (PrepareConfig, "ddpgpt.data.prepare:run",
                 "turn a corpus into token shards (docs/usage.md: Data)",
                 "ddpgpt prepare 'books/*.txt' --tokenizer bpe --out data/books"),
-    "sample": (SampleConfig, "ddpgpt.sample:run", "generate text from a run's latest checkpoint",
+    "sample": (SampleConfig, "ddpgpt.commands.sample:run",
+               "generate text from a run's latest checkpoint",
                "ddpgpt sample --run-dir runs/demo --prompt 'def ' --temperature 0"),
-    "eval": (EvalConfig, "ddpgpt.evaluate:run", "print a run's validation loss",
+    "eval": (EvalConfig, "ddpgpt.commands.eval:run", "print a run's validation loss",
              "ddpgpt eval --run-dir runs/demo"),
-    "doctor": (DoctorConfig, "ddpgpt.doctor:run",
+    "doctor": (DoctorConfig, "ddpgpt.commands.doctor:run",
                "print the environment; probe all-reduce bandwidth",
                "ddpgpt doctor --nproc 2"),
-    "bench": (BenchConfig, "ddpgpt.bench:run",
+    "bench": (BenchConfig, "ddpgpt.commands.bench:run",
               "measure each gradient-sync mode: time, bytes, memory",
               "ddpgpt bench --nproc 2 --sync ddp,zero1"),
-    "plot": (PlotConfig, "ddpgpt.plot:run", "draw runs' loss curves and tokens/s into one PNG",
+    "plot": (PlotConfig, "ddpgpt.commands.plot:run",
+             "draw runs' loss curves and tokens/s into one PNG",
              "ddpgpt plot runs/adamw runs/muon --out curves.png"),
-    "export": (ExportConfig, "ddpgpt.export:run",
+    "export": (ExportConfig, "ddpgpt.commands.export:run",
                "write a checkpoint as a Hugging Face transformers directory",
                "ddpgpt export --run-dir runs/demo --out exported/demo"),
-    "check": (CheckConfig, "ddpgpt.check:run",
+    "check": (CheckConfig, "ddpgpt.commands.check.main:run",
               "check every path against its oracle on this machine's device; writes "
               "device-check.md", "ddpgpt check --device cuda --out device-check"),
-    "rendezvous": (RendezvousConfig, "ddpgpt.cli:rendezvous",
+    "rendezvous": (RendezvousConfig, "ddpgpt.commands.rendezvous:run",
                    "host the rendezvous store of elastic jobs (torchrun --nnodes MIN:MAX) on a "
                    "node that does not train", "ddpgpt rendezvous --port 29500"),
 }
@@ -244,21 +246,21 @@ def read_config(path: str | Path, where: str, fix: str = "") -> dict:
 
 def _pretrained_shape(cfg: TrainConfig, explicit: dict) -> TrainConfig:
     """--model.init-from: the shape of its weights (read only when asked for)."""
-    from ddpgpt.init_from import apply_shape
+    from ddpgpt.hf.init_from import apply_shape
     return apply_shape(cfg, explicit)
 
 
 def print_config(cfg: TrainConfig, nproc: int | None) -> None:
     """What `train` would run with, as TOML. Every `auto` is resolved as the run would resolve
     it; without the dataset, the values that depend on it stay as given, and a comment says so."""
-    from ddpgpt import dist
     from ddpgpt.config.io import to_toml
+    from ddpgpt.distributed.group import detect
     from ddpgpt.errors import DataError
     from ddpgpt.run import resume
     from ddpgpt.run.preflight import preflight
     from ddpgpt.run.run_dir import RunDir
 
-    here = dist.detect()
+    here = detect()
     world = nproc or here.world_size
     try:
         cfg, dataset = preflight(cfg, world, nproc or here.local_world_size)
@@ -341,7 +343,7 @@ def dispatch(argv: list[str]) -> None:
     if ns.command == "train":
         cfg, nproc, max_restarts = train_config(values)  # checked before torch loads
         if nproc is None:
-            from ddpgpt import train
+            from ddpgpt.commands import train
             train.run(cfg)
         else:
             from ddpgpt.run import launch
@@ -350,19 +352,6 @@ def dispatch(argv: list[str]) -> None:
     cls, target, _, _ = COMMANDS[ns.command]
     module, function = target.split(":")
     getattr(importlib.import_module(module), function)(flat_config(cls, values))
-
-
-def rendezvous(cfg: RendezvousConfig) -> None:
-    """Serves until stopped (Ctrl-C, SIGTERM); prints how the nodes reach it."""
-    import socket
-
-    from ddpgpt import dist
-
-    where = f"{socket.getfqdn()}:{cfg.port}"
-    dist.serve_store(cfg.host, cfg.port, ready=lambda: print(
-        f"ddpgpt: rendezvous store on {cfg.host}:{cfg.port}; start every node with "
-        f"--rdzv-backend c10d --rdzv-endpoint {where} --rdzv-conf is_host=0; Ctrl-C ends it",
-        file=sys.stderr, flush=True))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,6 @@
-"""Durable files: fsync, sha256, atomic replacement, and write errors a person can act on.
+"""Durable files: fsync, sha256, the one atomic write (`atomic_write`) and the one publication of
+a whole directory (`publish_dir`), write errors a person can act on, and the one message for an
+optional package that is not installed (`require`).
 
 A write that fails for a reason outside the program (a full disk, a read-only or vanished
 directory, a quota) becomes a `WriteError`: one line naming the path and the OS's reason.
@@ -6,9 +8,13 @@ directory, a quota) becomes a `WriteError`: one line naming the path and the OS'
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
+import importlib
 import os
+import shutil
+import threading
 from pathlib import Path
 
 from ddpgpt.errors import UserError
@@ -55,14 +61,40 @@ def write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def replace_text(path: Path, text: str) -> None:
-    """Replaces `path` atomically: a reader sees the old file or the new one, never a torn one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike):
+    """`with atomic_write(path) as f: f.write(data)`: `path` is replaced whole or not at all. The
+    bytes go to a temporary file beside it (.NAME.tmp-PID-THREAD: writers in other processes and
+    threads do not collide), which is renamed over `path`; a reader sees the old file or the new
+    one, never a torn one, and concurrent writers each rename a whole copy.
+
+    The fsync policy, the same for every file written this way: the temporary file's data is
+    fsynced before the rename, so a crash or power loss leaves the old file or the whole new one,
+    never an empty or partial one under the name; the directory is fsynced after the rename, so
+    the new name itself survives a power loss (a filesystem that cannot sync a directory is not
+    an error: the rename, which readers see, has happened). On failure the temporary file is
+    removed and the OSError raised: the caller says what it means (replace_text: a WriteError)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
-        write_bytes(tmp, text.encode())
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException:
         tmp.unlink(missing_ok=True)
+        raise
+    with contextlib.suppress(OSError):
+        fsync(path.parent)
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Replaces `path` atomically (atomic_write); a failure is a WriteError naming it."""
+    try:
+        with atomic_write(path) as f:
+            f.write(text.encode())
+    except OSError as e:
         raise WriteError(f"cannot write {path}: {describe(e)}") from None
 
 
@@ -72,6 +104,55 @@ def as_created(path: str | os.PathLike) -> None:
     mask = os.umask(0)  # reading the umask means setting it; put back at once
     os.umask(mask)
     os.chmod(path, 0o666 & ~mask)
+
+
+class NotMovedAside(OSError):
+    """publish_dir could not move the directory it replaces aside: nothing has changed."""
+
+
+def publish_dir(tmp: Path, final: Path, aside: Path | None = None) -> None:
+    """Renames the complete directory `tmp` to `final` (a checkpoint, a prepared dataset, an
+    export): a reader sees the old directory or the new one, never a mix. An existing `final` is
+    first renamed to `aside` (default .NAME.old-PID beside it), renamed back if `tmp` cannot take
+    its place, and deleted last. Syncing is the caller's: the contents before, the parent after
+    (a checkpoint does both). OSError on failure; NotMovedAside when the old one could not be
+    moved (a mount point, say)."""
+    old = None
+    if final.exists():
+        old = aside or final.with_name(f".{final.name}.old-{os.getpid()}")
+        try:
+            os.rename(final, old)
+        except OSError as e:
+            raise NotMovedAside(e.errno, e.strerror, str(final)) from e
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if old is not None:
+            os.rename(old, final)  # the previous copy stays
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def install(extra: str) -> str:
+    """How to install one of ddpgpt's optional extras."""
+    return f"pip install 'ddpgpt[{extra}]'"
+
+
+def missing(module: str, extra: str, for_what: str, or_else: str = "") -> str:
+    """The one line for an optional package that is not installed: "FOR_WHAT needs MODULE: pip
+    install 'ddpgpt[EXTRA]'" and, if given, what else would do (`or_else`, e.g. " (or
+    run.tracker = none)")."""
+    return f"{for_what} needs {module.partition('.')[0]}: {install(extra)}{or_else}"
+
+
+def require(module: str, extra: str, for_what: str, or_else: str = ""):
+    """`module` imported, or a UserError with `missing`'s line (imported only where it is needed:
+    the optional extras stay optional)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(missing(module, extra, for_what, or_else)) from None
 
 
 def sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
@@ -95,13 +176,3 @@ def writable_dir(path: Path, flag: str = "--out") -> Path:
                         "can write to") from None
     return path
 
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists on this host (signal 0 checks without sending)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, owned by someone else
-    return True

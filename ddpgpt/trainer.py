@@ -1,5 +1,6 @@
 """The Trainer: the training state and one optimizer step. What resumes lives here, each part
-with its own state_dict(); the run's story (setup, the loop, saving, rolling back) is train.py's.
+with its own state_dict(); the run's story (setup, the loop, saving, rolling back) is
+commands/train.py's.
 """
 
 from __future__ import annotations
@@ -8,22 +9,27 @@ import contextlib
 import copy
 import logging
 import time
+from typing import get_args
 
 import torch
 
-from ddpgpt import checkpoint, dist, optim, sync
-from ddpgpt.checkpoint import sharded
+from ddpgpt.checkpoint import read, sharded, store
+from ddpgpt.config.choices import Optimizer
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.evals.multiple_choice import Scorer
-from ddpgpt.evaluate import evaluate
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv, collective
+from ddpgpt.evals.loss import evaluate
+from ddpgpt.evals.scorer import Scorer
 from ddpgpt.guard.health import Guard
 from ddpgpt.model import GPT
+from ddpgpt.optim import optimizer
 from ddpgpt.optim.optimizer import set_lr
 from ddpgpt.optim.schedule import Rates, Schedule
 from ddpgpt.run.precision import Precision
 from ddpgpt.run.preflight import accum_steps
+from ddpgpt.sync.base import make_sync
 
 # What dynamo says, on every compile, of the profiler's record_function ranges it leaves out of
 # the graph (DDP's forward opens one): nothing a user can act on, so not printed.
@@ -55,7 +61,7 @@ class Trainer:
     count of skipped steps and its spike detector, the progress (step, elapsed time) and every
     rank's RNG."""
 
-    def __init__(self, cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, guard: Guard,
+    def __init__(self, cfg: TrainConfig, env: DistEnv, dataset: TokenDataset, guard: Guard,
                  local: bool = False, init: dict | None = None, digest: bool = True):
         """Built in one direction: the model, the sync mode around it, the optimizer over the
         parameters as the mode left them; a checkpoint is loaded into those (load_state_dict).
@@ -72,18 +78,18 @@ class Trainer:
             self.raw.load_state_dict(init)
         # What this rank built, before any sharding: fsdp2 would otherwise show every rank the
         # same gathered mix of the ranks' shards, whatever each built.
-        self.init_digest = dist.state_digest(self.raw.state_dict()) if digest else None
+        self.init_digest = collectives.state_digest(self.raw.state_dict()) if digest else None
         # 2. The sync mode wraps it (DDP, gradient buckets, zero1's flat buffers, fsdp2's shards)
         #    and says what this rank steps; the optimizer is built over exactly that.
-        groups = optim.groups(self.raw, cfg.optim)
-        self.sync = sync.make(None if local else run.sync, self.raw, groups, env, run.bucket_mb,
+        groups = optimizer.groups(self.raw, cfg.optim)
+        self.sync = make_sync(None if local else run.sync, self.raw, groups, env, run.bucket_mb,
                               run.grad_compress)
         self.precision = Precision.of(run, dev)
         self.scaler = self.precision.scaler()  # fp16: it must see every gradient held
         ns_dtype = self.precision.newton_schulz_dtype(cfg.optim.muon_ns_dtype)
-        self.optimizer = optim.Optimizer(groups, self.sync.params(), cfg.optim, dev,
-                                         held=self.sync.held() if self.scaler else (),
-                                         ns_dtype=ns_dtype)
+        self.optimizer = optimizer.Optimizer(groups, self.sync.params(), cfg.optim, dev,
+                                             held=self.sync.held() if self.scaler else (),
+                                             ns_dtype=ns_dtype)
         # Each step's lr and momentum; a rollback's lower lr comes from the guard at each step.
         self.schedule = Schedule(cfg.optim, run.steps, lambda: guard.spikes.lr_factor)
         # 3. Compile after the sync: for DDP, dynamo's DDPOptimizer then splits the graph at
@@ -137,10 +143,10 @@ class Trainer:
     def state_dict(self) -> dict:
         """Collective: every rank's RNG state is gathered, so every rank must call it."""
         env = self.env
-        rng = {"cpu": dist.all_gather(env, torch.get_rng_state().to(env.device)).cpu()}
+        rng = {"cpu": collectives.all_gather(env, torch.get_rng_state().to(env.device)).cpu()}
         if env.device.type == "cuda":
-            rng["cuda"] = dist.all_gather(env,
-                                          torch.cuda.get_rng_state(env.device).to(env.device)).cpu()
+            rng["cuda"] = collectives.all_gather(
+                env, torch.cuda.get_rng_state(env.device).to(env.device)).cpu()
         return {"model": self.sync.model_state(),
                 "optimizer": self.sync.optimizer_state(self.optimizer), "rng": rng,
                 **self._rest()}
@@ -159,7 +165,7 @@ class Trainer:
         starts from the beginning."""
         self.sync.load_model_state(state["model"])
         # this run's hyperparameters win over the saved ones
-        self.sync.load_optimizer_state(self.optimizer, optim.upgrade(state["optimizer"]))
+        self.sync.load_optimizer_state(self.optimizer, optimizer.upgrade(state["optimizer"]))
         rng = None
         if saved_world_size == self.env.world_size:
             rng = {k: v[self.env.rank] for k, v in state["rng"].items() if v is not None}
@@ -182,23 +188,23 @@ class Trainer:
         collective (ranks that disagree on the checkpoint are named by `setup` afterwards);
         formats 1-2: whole, through load_state_dict."""
         if int(meta["format_version"]) < 3:
-            self.load_state_dict(checkpoint.load(path, meta), meta["world_size"], new_data)
+            self.load_state_dict(read.load(path, meta), meta["world_size"], new_data)
             return
-        index, rest = checkpoint.open_sharded(path, meta)
+        index, rest = read.open_sharded(path, meta)
         saved = set(index.state_dict_metadata)
-        create = tuple(kind for kind in ("adamw", "muon")
+        create = tuple(kind for kind in get_args(Optimizer)
                        if any(k.startswith(f"optimizer.{kind}.") for k in saved))
         targets, _ = self.sync.checkpoint_state(self.optimizer, create)
         missing = sorted(k for k in targets if k not in saved)
         if missing:  # resume._check_fit compared the shapes; this checkpoint lacks tensors
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            raise checkpoint.CheckpointError(
+            raise store.CheckpointError(
                 f"{path}: the checkpoint holds no {missing[0]}{more}; it was not written by "
                 "this model and optimizer: resume from another one, or --reset")
         same = int(meta["world_size"]) == self.env.world_size
         rng = sharded.rng(self.env, fresh=True) if same else {}
-        checkpoint.read_into(path, index,
-                             {k: v for k, v in {**targets, **rng}.items() if k in saved})
+        read.read_into(path, index,
+                       {k: v for k, v in {**targets, **rng}.items() if k in saved})
         self.sync.set_adamw_steps(self.optimizer, rest["optimizer"]["adamw"]["step"])
         self._load_rest(rest, new_data, {k[4:]: p.chunks[0][1].view(-1) for k, p in rng.items()
                                          if k in saved} if same else None)
@@ -226,7 +232,7 @@ class Trainer:
             self._seed_rng(self.step)
 
     def unwrap(self) -> None:
-        """No DDP wrapper or hook may outlive the process group (see dist.shutdown)."""
+        """No DDP wrapper or hook may outlive the process group (see group.shutdown)."""
         if self.sync is not None:
             self.sync.close()
         self.model = self.raw
@@ -246,7 +252,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.env.device)
         # A lost peer shows in whichever collective comes first: the last backward's (DDP, the
         # buckets), any forward's (fsdp2 gathers each block's weights), finish()'s or the norm's.
-        with dist.collective() if self.env.world_size > 1 else contextlib.nullcontext():
+        with collective() if self.env.world_size > 1 else contextlib.nullcontext():
             for m, (x, y) in enumerate(self.loader.next_step()):
                 last = m == self.accum - 1
                 # Before the last micro-step no gradient is synced: they accumulate locally.
@@ -277,7 +283,7 @@ class Trainer:
     def probe(self, batch: int) -> float:
         """The global mean loss of the weights as they are on global batch `batch` (no update,
         no gradient, no RNG drawn): each rank its share, one all-reduce. Collective."""
-        with dist.collective() if self.env.world_size > 1 else contextlib.nullcontext():
+        with collective() if self.env.world_size > 1 else contextlib.nullcontext():
             return evaluate(self.raw, self.loader.batch(batch), self.env, self.autocast)
 
     def update(self, rates: Rates) -> None:

@@ -103,16 +103,16 @@ def run_cli(*args: str, timeout: float = 60, env: dict | None = None, cwd: Path 
 def saved_state(path: Path) -> dict:
     """A checkpoint's whole state on this one process, in the layout Trainer.load_state_dict
     reads (weights, torch's optimizer state_dict over the whole model, every rank's RNG, ...)."""
-    from ddpgpt import checkpoint
+    from ddpgpt.checkpoint import read, store
 
-    return checkpoint.load(Path(path), checkpoint.read_meta(Path(path)))
+    return read.load(Path(path), store.read_meta(Path(path)))
 
 
 def saved_weights(path: Path) -> dict:
     """A checkpoint's weights, whole, on this one process."""
-    from ddpgpt import checkpoint
+    from ddpgpt.checkpoint import read
 
-    return checkpoint.weights(Path(path))
+    return read.weights(Path(path))
 
 
 def save_format_2(root: Path, step: int, state: dict, meta: dict) -> Path:

@@ -199,7 +199,7 @@ def load_latest(root: Path, weights_only: bool = True) -> tuple[Path, dict, dict
 
 
 @dataclass
-class Saved:
+class RunCheckpoint:
     """One checkpoint of a run: where it is, its meta.json, the config it was trained with, and
     its weights (whole, on the CPU)."""
     path: Path
@@ -212,7 +212,7 @@ class Saved:
         return int(self.meta["step"])
 
 
-def saved(run_dir, step: int = 0) -> Saved:
+def run_checkpoint(run_dir, step: int = 0) -> RunCheckpoint:
     """`run_dir` (a RunDir)'s newest complete checkpoint, or that of `step`; one line when there
     is none."""
     if step:
@@ -233,18 +233,18 @@ def saved(run_dir, step: int = 0) -> Saved:
             raise UserError(f"run {run_dir} has no complete checkpoint{near}; train first "
                             f"(ddpgpt train --run-dir {run_dir})")
     path, meta, state = found
-    return Saved(path, meta, from_dict(meta["config"], source=str(path / "meta.json")),
+    return RunCheckpoint(path, meta, from_dict(meta["config"], source=str(path / "meta.json")),
                  state["model"])
 
 
-def model_of(found: Saved, device: torch.device | str) -> GPT:
+def model_of(found: RunCheckpoint, device: torch.device | str) -> GPT:
     """The model a checkpoint holds, on `device`, in eval mode."""
     model = GPT(found.config.model).to(device)
     load_weights(found.path, model, found.weights)
     return model.eval()
 
 
-def load_model(run_dir, device: torch.device | str, step: int = 0) -> tuple[GPT, Saved]:
+def load_model(run_dir, device: torch.device | str, step: int = 0) -> tuple[GPT, RunCheckpoint]:
     """The model of `run_dir`'s newest checkpoint (or `step`'s) on `device`, in eval mode."""
-    found = saved(run_dir, step)
+    found = run_checkpoint(run_dir, step)
     return model_of(found, device), found

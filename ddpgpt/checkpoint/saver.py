@@ -1,7 +1,7 @@
 """Saving a checkpoint while the training goes on: every rank writes its own share, in the
 background, and the checkpoint is published only once every rank's files are durable.
 
-    saver = Saver(env, run_dir.checkpoints, dist.checkpoint_group(env, timeout_s), ...)
+    saver = Saver(env, run_dir.checkpoints, checkpoint_group(env, timeout_s), ...)
     saver.save(step, held, replicated, rest, meta)   # every rank, at the same step
     ...guard.exchange(..., saving=saver.busy)        # every step: is a save still running here?
     saver.settle()      # every rank at once, when none is: its outcome (a failure raises)
@@ -38,8 +38,9 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 
-from ddpgpt import dist
 from ddpgpt.checkpoint import sharded, store
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv, collective
 from ddpgpt.errors import warn
 from ddpgpt.files import WriteError, describe, os_error_in
 
@@ -98,7 +99,7 @@ class SaveFailed(WriteError):
 
 
 class Saver:
-    def __init__(self, env: dist.DistEnv, root: Path, group, token: str, keep: int,
+    def __init__(self, env: DistEnv, root: Path, group, token: str, keep: int,
                  asynchronous: bool = True):
         """`group`: the checkpoint's process group (None at W = 1); `token`: the same on every
         rank (rank 0's PID), naming the temporary directories."""
@@ -170,7 +171,7 @@ class Saver:
         problems = [problem]
         if self.group is not None:
             problems = [None] * self.env.world_size
-            with dist.collective():
+            with collective():
                 torch_dist.all_gather_object(problems, problem, group=self.group)
         failed = next((p for p in problems if p is not None), None)
         if failed is not None:
@@ -250,7 +251,7 @@ class Saver:
         if self.group is None:
             return [item]
         out = [None] * self.env.world_size if self.env.is_main else None
-        with dist.collective():
+        with collective():
             torch_dist.gather_object(item, out, dst=0, group=self.group)
         return out or []
 
@@ -258,7 +259,7 @@ class Saver:
         if self.group is None:
             return item
         box = [item]
-        with dist.collective():
+        with collective():
             torch_dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
@@ -280,6 +281,6 @@ def reason(error: BaseException, rank: int) -> str:
     return f"{type(exc).__name__}: {text} on rank {rank if failed is None else failed}"
 
 
-def token(env: dist.DistEnv) -> str:
+def token(env: DistEnv) -> str:
     """Rank 0's PID, on every rank (collective): names this run's temporary directories."""
-    return dist.all_gather_text(env, str(os.getpid()))[0]
+    return collectives.all_gather_text(env, str(os.getpid()))[0]

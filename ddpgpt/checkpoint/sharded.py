@@ -133,7 +133,7 @@ def flat_range(shape: torch.Size, flat: torch.Tensor, start: int) -> Pieces:
 def rng(env, fresh: bool = False) -> dict[str, Pieces]:
     """This rank's generator states as row `rank` of (W, bytes) tensors, `rng.cpu` (and
     `rng.cuda`): every rank writes its own row, and reads it back at the same W. `fresh`: zeros
-    to load into. (`env`: a dist.DistEnv.)"""
+    to load into. (`env`: a DistEnv.)"""
     states = {"cpu": torch.get_rng_state()}
     if env.device.type == "cuda":
         states["cuda"] = torch.cuda.get_rng_state(env.device)

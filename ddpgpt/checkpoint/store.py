@@ -39,7 +39,15 @@ import torch
 from ddpgpt import __version__
 from ddpgpt.checkpoint import sharded
 from ddpgpt.errors import UserError, warn
-from ddpgpt.files import WriteError, describe, fsync, os_error_in, sha256, write_bytes
+from ddpgpt.files import (
+    WriteError,
+    describe,
+    fsync,
+    os_error_in,
+    publish_dir,
+    sha256,
+    write_bytes,
+)
 
 FORMAT_VERSION = 3
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
@@ -137,17 +145,9 @@ def _torch_bytes(obj) -> bytes:
 
 
 def _publish(tmp: Path, final: Path) -> None:
-    if final.exists():  # the same step saved again (e.g. a resumed run's end): replace it
-        old = final.with_name(f".old-{final.name}-{os.getpid()}")
-        os.rename(final, old)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            os.rename(old, final)  # the previous copy stays the checkpoint
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
+    """The same step saved again (e.g. a resumed run's end) replaces it; if the new copy cannot
+    take its place, the previous one stays the checkpoint."""
+    publish_dir(tmp, final, aside=final.with_name(f".old-{final.name}-{os.getpid()}"))
 
 
 def prune(root: Path, keep: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ddpgpt.config.choices import Device, Optimizer, Tokenizer
 from ddpgpt.config.schema import MAX_BUCKET_MB, _choice, _finite, _require
 
 
@@ -20,7 +21,7 @@ class PrepareConfig:
     out: str | None = None
     """Dataset directory to create (written to .NAME.partial beside it, renamed when complete;
     the same command continues an interrupted prepare)."""
-    tokenizer: str = "bpe"
+    tokenizer: Tokenizer = "bpe"
     """bpe (trained on the corpus), byte (UTF-8 bytes), or gpt2 (tiktoken; needs the data extra)."""
     tokenizer_from: str | None = None
     """Use the tokenizer of this prepared dataset or run directory (data for an existing model);
@@ -59,7 +60,7 @@ class PrepareConfig:
 
     def __post_init__(self):
         _finite(self, "--")
-        _choice("prepare", "tokenizer", self.tokenizer, ("bpe", "byte", "gpt2"))
+        _choice("prepare", "tokenizer", self.tokenizer, Tokenizer)
         _require(0 < self.val_fraction < 1,
                  f"--val-fraction {self.val_fraction} must be between 0 and 1")
         _require(self.shard_tokens >= 1, f"--shard-tokens {self.shard_tokens} must be >= 1")
@@ -103,7 +104,7 @@ class SampleConfig:
     """Independent samples to print."""
     seed: int = 1337
     """Sampling seed."""
-    device: str = "auto"
+    device: Device = "auto"
     """auto (cuda when available), cpu or cuda."""
     threads: int = 0
     """CPU threads; 0: one for models whose sampling step is small (under ~200M parameters ×
@@ -121,7 +122,7 @@ class SampleConfig:
                  "greedy)")
         _require(self.top_k >= 0, f"--top-k {self.top_k} must be >= 0 (0: off)")
         _require(self.num_samples >= 1, f"--num-samples {self.num_samples} must be >= 1")
-        _choice("sample", "device", self.device, ("auto", "cpu", "cuda"))
+        _choice("sample", "device", self.device, Device)
 
 
 @dataclass
@@ -155,8 +156,9 @@ class EvalConfig:
     task: str = ""
     """Multiple-choice tasks to score besides the validation loss, comma-separated: hellaswag
     (its validation set, downloaded once into DDPGPT_CACHE_DIR or ~/.cache/ddpgpt), or any NAME
-    given with --task-data. Each prints NAME_acc_norm (lowest mean loss per token, llm.c's),
-    NAME_acc (lowest sum) and NAME_acc_char (sum per character, lm-evaluation-harness's)."""
+    given with --task-data (KIND:NAME: a task of another kind, evals/kinds.py). Each prints
+    NAME_acc_norm (lowest mean loss per token, llm.c's), NAME_acc (lowest sum) and NAME_acc_char
+    (sum per character, lm-evaluation-harness's)."""
     task_data: str = ""
     """The tasks' jsonl files, comma-separated in --task's order: one example per line, {"ctx":
     ..., "endings": [...], "label": INDEX}. Empty for hellaswag: its cached download."""
@@ -165,7 +167,7 @@ class EvalConfig:
     json: bool = False
     """Print one JSON object (val_loss, val_bpb, NAME_acc_norm, NAME_acc, NAME_acc_char, NAME_n)
     instead of lines."""
-    device: str = "auto"
+    device: Device = "auto"
     """auto (cuda:LOCAL_RANK when available), cpu or cuda."""
 
     def __post_init__(self):
@@ -173,7 +175,7 @@ class EvalConfig:
         _require(self.limit >= 0, f"--limit {self.limit} must be >= 0 (0: all)")
         _require(bool(self.task) or not self.task_data,
                  "--task-data needs --task NAME (the task the file holds)")
-        _choice("eval", "device", self.device, ("auto", "cpu", "cuda"))
+        _choice("eval", "device", self.device, Device)
 
 
 @dataclass
@@ -254,17 +256,17 @@ class BenchConfig:
     """Start this many local processes (0: just this one, or torchrun's)."""
     out: str = "bench"
     """Directory for bench.json and bench.png."""
-    device: str = "auto"
+    device: Device = "auto"
     """auto (cuda:LOCAL_RANK when available), cpu or cuda."""
 
     def __post_init__(self):
         if self.optim:
-            _choice("bench", "optim", self.optim, ("adamw", "muon"))
+            _choice("bench", "optim", self.optim, Optimizer)
         _require(self.steps >= 1, f"--steps {self.steps} must be >= 1")
         _require(self.warmup >= 0, f"--warmup {self.warmup} must be >= 0")
         _require(self.repeats >= 1, f"--repeats {self.repeats} must be >= 1")
         _require(self.nproc >= 0, f"--nproc {self.nproc} must be >= 0")
-        _choice("bench", "device", self.device, ("auto", "cpu", "cuda"))
+        _choice("bench", "device", self.device, Device)
 
 
 @dataclass
@@ -272,7 +274,7 @@ class CheckConfig:
     """`ddpgpt check`: every path (sync modes, precisions, optimizers, compile, checkpoints,
     signals, eval, sample, export) against its oracle on this machine's device."""
 
-    device: str = "auto"
+    device: Device = "auto"
     """auto (cuda when available), cpu or cuda: the device every row runs on (the oracles run on
     the CPU in fp32)."""
     quick: bool = False
@@ -296,5 +298,5 @@ class CheckConfig:
     row."""
 
     def __post_init__(self):
-        _choice("check", "device", self.device, ("auto", "cpu", "cuda"))
+        _choice("check", "device", self.device, Device)
         _require(self.nproc >= 0, f"--nproc {self.nproc} must be >= 0 (0: auto)")

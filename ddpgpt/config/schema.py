@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import get_args
 
+from ddpgpt.config import choices
 from ddpgpt.errors import UserError, did_you_mean
 
 MAX_BUCKET_MB = 65536     # 64 GiB: larger than any device's memory, far below an int overflow
@@ -38,9 +40,11 @@ def _finite(obj, prefix: str) -> None:
             _require(math.isfinite(value), f"{name} must be a finite number")
 
 
-def _choice(section: str, name: str, value: str, choices: tuple[str, ...]) -> None:
-    _require(value in choices, f"{section}.{name} = {value!r}{did_you_mean(value, choices)}; "
-             f"choose one of {', '.join(choices)}")
+def _choice(section: str, name: str, value: str, options) -> None:
+    """`value` one of `options`: a Literal type (choices.py) or a sequence of names (a table's)."""
+    options = get_args(options) or tuple(options)
+    _require(value in options, f"{section}.{name} = {value!r}{did_you_mean(value, options)}; "
+             f"choose one of {', '.join(options)}")
 
 
 @dataclass
@@ -62,7 +66,7 @@ class ModelConfig:
     """Biases in linear layers and LayerNorms (GPT-2 has them)."""
     dropout: float = 0.0
     """Dropout probability on attention, residual and embedding outputs (0 for pretraining)."""
-    gelu: str = "tanh"
+    gelu: choices.Gelu = "tanh"
     """The MLP's GELU: tanh (its tanh approximation, GPT-2's gelu_new) or exact (erf, as
     nn.GELU and nanoGPT; on a CPU about half the time of tanh's)."""
     vocab_limit: int = 0
@@ -83,7 +87,7 @@ class ModelConfig:
         _require(self.n_embd % self.n_head == 0,
                  f"model.n_head = {self.n_head} must divide model.n_embd = {self.n_embd}")
         _require(0 <= self.dropout < 1, f"model.dropout = {self.dropout} must be in [0, 1)")
-        _choice("model", "gelu", self.gelu, ("tanh", "exact"))
+        _choice("model", "gelu", self.gelu, choices.Gelu)
         _require(self.vocab_limit >= 0 and (not self.vocab_size
                                             or self.vocab_limit <= self.vocab_size),
                  f"model.vocab_limit = {self.vocab_limit} must be in [0, model.vocab_size = "
@@ -138,7 +142,7 @@ class OptimConfig:
     """AdamW, or Muon for the blocks' matrices with AdamW for the rest; linear warmup, then a
     cosine, warmup-stable-decay or constant schedule (optim/schedule.py); gradient clipping."""
 
-    name: str = "adamw"
+    name: choices.Optimizer = "adamw"
     """adamw, or muon: torch's Muon for the blocks' 2-D weight matrices, each stepped by one
     owner rank, and AdamW (lr, betas) for the embeddings, norms and biases (docs/muon.md)."""
     lr: float = 1e-3
@@ -153,7 +157,7 @@ class OptimConfig:
     resumes, so raising run.steps to train further goes on at min_lr rather than re-shaping the
     cosine mid-run (set it to re-shape the schedule on purpose). wsd resumed in its flat phase
     takes the new run.steps instead."""
-    schedule: str = "cosine"
+    schedule: choices.Schedule = "cosine"
     """The lr after warmup: cosine (down to min_lr at the schedule's end), wsd (warmup, stable,
     decay: flat at lr, then linear down to min_lr over the last decay_fraction of the schedule;
     a run resumed in its flat phase with more run.steps stays flat and decays at the new end) or
@@ -181,21 +185,21 @@ class OptimConfig:
     """Steps over which Muon's momentum rises to muon_momentum (0: constant)."""
     muon_ns_steps: int = 5
     """Newton-Schulz iterations per Muon update."""
-    muon_ns: str = "quintic"
+    muon_ns: choices.NewtonSchulz = "quintic"
     """The Newton-Schulz polynomials: quintic (torch's, the same every iteration) or polar (Polar
     Express: one per iteration, closer to orthogonal in fewer; docs/muon.md)."""
-    muon_ns_dtype: str = "auto"
+    muon_ns_dtype: choices.NewtonSchulzDtype = "auto"
     """The dtype Newton-Schulz iterates in: auto (fp32 under run.precision fp32, so that runs
     compare exactly; bf16 otherwise, as torch), fp32 or bf16 (faster where the CPU or GPU has
     bf16 matrix units)."""
 
     def __post_init__(self):
         _finite(self, "optim.")
-        _choice("optim", "name", self.name, ("adamw", "muon"))
+        _choice("optim", "name", self.name, choices.Optimizer)
         _require(self.lr > 0, f"optim.lr = {self.lr} must be > 0")
         _require(0 <= self.min_lr <= self.lr,
                  f"optim.min_lr = {self.min_lr} must be in [0, optim.lr = {self.lr}]")
-        _choice("optim", "schedule", self.schedule, ("cosine", "wsd", "constant"))
+        _choice("optim", "schedule", self.schedule, choices.Schedule)
         _require(0 < self.decay_fraction <= 1,
                  f"optim.decay_fraction = {self.decay_fraction:g} must be in (0, 1]")
         _require(self.warmup_steps >= 0, f"optim.warmup_steps = {self.warmup_steps} must be >= 0")
@@ -215,11 +219,11 @@ class OptimConfig:
                  f"optim.muon_momentum_warmup = {self.muon_momentum_warmup} must be >= 0")
         _require(self.muon_ns_steps >= 1,
                  f"optim.muon_ns_steps = {self.muon_ns_steps} must be >= 1")
-        _choice("optim", "muon_ns", self.muon_ns, ("quintic", "polar"))
+        _choice("optim", "muon_ns", self.muon_ns, choices.NewtonSchulz)
         _require(self.muon_ns != "polar" or self.muon_ns_steps >= 5,  # optim/muon.py's table
                  f"optim.muon_ns = polar is made for 5 iterations; optim.muon_ns_steps = "
                  f"{self.muon_ns_steps} must be >= 5 with it")
-        _choice("optim", "muon_ns_dtype", self.muon_ns_dtype, ("auto", "fp32", "bf16"))
+        _choice("optim", "muon_ns_dtype", self.muon_ns_dtype, choices.NewtonSchulzDtype)
 
 
 @dataclass
@@ -238,8 +242,9 @@ class RunConfig:
     """Evaluate on the validation windows every this many steps (and at the end); 0: end only."""
     eval_tasks: str = ""
     """Multiple-choice tasks scored at every evaluation, comma-separated: hellaswag (downloaded
-    once) or NAME with eval_task_data. metrics.jsonl's eval rows get NAME_acc_norm, NAME_acc,
-    NAME_acc_char, NAME_n and NAME_s (the seconds it took); the same at any number of processes."""
+    once) or NAME with eval_task_data (KIND:NAME: another kind of task). metrics.jsonl's eval
+    rows get NAME_acc_norm, NAME_acc, NAME_acc_char, NAME_n and NAME_s (the seconds it took); the
+    same at any number of processes."""
     eval_task_data: str = ""
     """The eval_tasks' jsonl files (ctx, endings, label per line), comma-separated in their order;
     empty for hellaswag's download."""
@@ -262,11 +267,11 @@ class RunConfig:
     complete checkpoint): auto, the newest complete checkpoint if any; never, refuse a run dir that
     has checkpoints; reset (or --reset), set its checkpoints and metrics aside into reset-<time>/
     and start over; or the path of a checkpoint directory (reruns continue from the run dir)."""
-    device: str = field(default="auto", metadata={"alias": "--device"})
+    device: choices.Device = field(default="auto", metadata={"alias": "--device"})
     """auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu or cuda."""
-    backend: str = "auto"
+    backend: choices.Backend = "auto"
     """Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo."""
-    precision: str = "auto"
+    precision: choices.Precision = "auto"
     """auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16 or fp16 (autocast + GradScaler)."""
     compile: bool = field(default=False, metadata={"alias": "--compile"})
     """Apply torch.compile to the model."""
@@ -279,7 +284,7 @@ class RunConfig:
     optimizer (Muon by whole matrices, each on one rank)."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MB (every sync mode)."""
-    grad_compress: str = "none"
+    grad_compress: choices.GradCompress = "none"
     """none, or bf16: gradients travel between ranks in bfloat16 (half the bytes; the sum over
     ranks is rounded to bf16) and still accumulate over micro-steps in fp32."""
     threads: int = 0
@@ -288,13 +293,13 @@ class RunConfig:
     dist_timeout_s: float = field(default=600.0, metadata={"alias": "--dist-timeout"})
     """Longest wait of any collective, in seconds: a stalled or lost rank ends the job with an error
     naming the step after this long instead of hanging (gloo's own default is 30 minutes)."""
-    on_nonfinite: str = field(default="spike", metadata={"alias": "--on-nonfinite"})
+    on_nonfinite: choices.OnNonfinite = field(default="spike", metadata={"alias": "--on-nonfinite"})
     """When any rank sees a non-finite loss or gradient norm: spike (a loss spike: run.on_spike
     decides, and with on_spike = none the run stops), stop (every rank, naming the step and the
     newest healthy checkpoint) or skip (no update for that step, counted)."""
     max_skipped: int = 10
     """Stop once this many steps have been skipped for a non-finite value in the run."""
-    on_spike: str = "recover"
+    on_spike: choices.OnSpike = "recover"
     """When the global loss spikes (above spike_ratio × the median of the last spike_window
     healthy steps, or not finite): recover (find the cause with one forward over the last
     healthy batch: bad data is skipped; bad weights are trained through as with none, and rolled
@@ -316,7 +321,7 @@ class RunConfig:
     within the last rollback_window steps."""
     rollback_window: int = 100
     """Steps over which max_rollbacks counts."""
-    tracker: str = "none"
+    tracker: choices.Tracker = "none"
     """Mirror metrics.jsonl to an experiment tracker, from rank 0: none, tensorboard (event files
     in RUN/tensorboard/) or wandb (Weights & Biases; WANDB_MODE=offline logs to RUN/wandb/).
     Needs the track extra. A resumed run continues the same tracker run."""
@@ -334,19 +339,19 @@ class RunConfig:
         _require(0 < self.bucket_mb <= MAX_BUCKET_MB,
                  f"run.bucket_mb = {self.bucket_mb:g} must be in (0, {MAX_BUCKET_MB}] (MB per "
                  "gradient bucket)")
-        _choice("run", "device", self.device, ("auto", "cpu", "cuda"))
-        _choice("run", "backend", self.backend, ("auto", "nccl", "gloo"))
-        _choice("run", "grad_compress", self.grad_compress, ("none", "bf16"))
-        _choice("run", "precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
-        _choice("run", "on_nonfinite", self.on_nonfinite, ("spike", "stop", "skip"))
-        _choice("run", "on_spike", self.on_spike, ("none", "stop", "recover"))
+        _choice("run", "device", self.device, choices.Device)
+        _choice("run", "backend", self.backend, choices.Backend)
+        _choice("run", "grad_compress", self.grad_compress, choices.GradCompress)
+        _choice("run", "precision", self.precision, choices.Precision)
+        _choice("run", "on_nonfinite", self.on_nonfinite, choices.OnNonfinite)
+        _choice("run", "on_spike", self.on_spike, choices.OnSpike)
         _require(self.spike_ratio > 1, f"run.spike_ratio = {self.spike_ratio:g} must be > 1")
         _require(0 < self.rollback_lr_factor <= 1,
                  f"run.rollback_lr_factor = {self.rollback_lr_factor:g} must be in (0, 1]")
         for name in ("spike_window", "spike_patience", "rollback_window"):
             _require(getattr(self, name) >= 1, f"run.{name} = {getattr(self, name)} must be >= 1")
         _require(self.max_rollbacks >= 0, f"run.max_rollbacks = {self.max_rollbacks} must be >= 0")
-        _choice("run", "tracker", self.tracker, ("none", "tensorboard", "wandb"))
+        _choice("run", "tracker", self.tracker, choices.Tracker)
         _require(0 < self.dist_timeout_s <= MAX_TIMEOUT_S,
                  f"run.dist_timeout_s = {self.dist_timeout_s:g} must be in (0, {MAX_TIMEOUT_S}] "
                  "seconds")

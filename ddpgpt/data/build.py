@@ -23,6 +23,7 @@ from ddpgpt.data import units as unitfiles
 from ddpgpt.data.assemble import Assembler
 from ddpgpt.data.formats import Plan, llmc_array
 from ddpgpt.errors import UserError
+from ddpgpt.files import atomic_write
 
 COMMIT_SECONDS = 2.0
 AHEAD_PER_WORKER = 4  # units encoded ahead of the assembler, per worker: bounds the disk used
@@ -57,11 +58,8 @@ def _first_difference(old: dict, new: dict) -> str:
 
 
 def _write_json(path: Path, value) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, separators=(",", ":")))
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_write(path) as f:
+        f.write(json.dumps(value, separators=(",", ":")).encode())
 
 
 class Build:

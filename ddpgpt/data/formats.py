@@ -27,6 +27,7 @@ import numpy as np
 
 from ddpgpt.data import sources
 from ddpgpt.errors import UserError
+from ddpgpt.files import require
 
 UNIT_BYTES = 8 << 20  # text per unit of plain files and jsonl blocks
 UNIT_FILES = 4096  # small text files per unit at most
@@ -212,11 +213,7 @@ def _parquet_row_groups(path: Path, text_field: str) -> int:
 
 
 def _pyarrow():
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise UserError("parquet sources need pyarrow: pip install 'ddpgpt[data]'") from None
-    return pq
+    return require("pyarrow.parquet", "data", "a parquet source")
 
 
 def _first_line(e: BaseException) -> str:
@@ -381,11 +378,7 @@ def _open_jsonl(path: str):
     if name.endswith(".gz"):
         return gzip.open(path, "rb")
     if name.endswith(".zst"):
-        try:
-            import zstandard
-        except ImportError:
-            raise UserError(f"{path}: .zst sources need zstandard: pip install 'ddpgpt[data]'") \
-                from None
+        zstandard = require("zstandard", "data", f"{path}: a .zst source")
         raw = open(path, "rb")
         reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
         return io.BufferedReader(reader, 1 << 20)

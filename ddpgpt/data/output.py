@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 from ddpgpt.errors import UserError
+from ddpgpt.files import NotMovedAside, publish_dir
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -85,18 +86,13 @@ class Lock:
 
 
 def publish(tmp: Path, out: Path) -> None:
-    """Renames the finished `tmp` to `out`; an old `out` is moved aside first, deleted last."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        try:
-            os.rename(out, old)
-        except OSError as e:  # e.g. a mount point: the old --out stays as it was
-            raise UserError(f"--out {out}: cannot move it aside to replace it ({e.strerror}); "
-                            "remove it yourself or give another --out") from None
-    os.rename(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    """Renames the finished `tmp` to `out` (files.publish_dir: an old `out` is moved aside
+    first, deleted last)."""
+    try:
+        publish_dir(tmp, out)
+    except NotMovedAside as e:  # e.g. a mount point: the old --out stays as it was
+        raise UserError(f"--out {out}: cannot move it aside to replace it ({e.strerror}); "
+                        "remove it yourself or give another --out") from None
 
 
 class Terminated(UserError):

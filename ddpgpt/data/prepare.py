@@ -243,11 +243,7 @@ def _tokenizer(cfg: PrepareConfig, job: dict, tmp: Path):
         return load_tokenizer(tmp, "bpe")
     tok = BPETokenizer.train(_training_texts(job["plan"], cfg), cfg.vocab_size,
                              show_progress=sys.stderr.isatty())
-    staging = tmp / ".tokenizer"  # then renamed: a tokenizer.json in the partial is whole
-    staging.mkdir(exist_ok=True)
-    tok.save(staging)
-    os.replace(staging / "tokenizer.json", tmp / "tokenizer.json")
-    staging.rmdir()
+    tok.save(tmp)  # atomically: a tokenizer.json in the partial is whole
     return tok
 
 

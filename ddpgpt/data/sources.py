@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpgpt.errors import UserError
+from ddpgpt.files import require
 
 PIECE_CHARS = 1 << 20  # a longer document is read and encoded in pieces of at most this
 # On reversed text: a non-space then a newline (or any ASCII whitespace) is, read forwards, a
@@ -115,11 +116,7 @@ def _cut_point(text: str, start: int, end: int) -> int:
 
 def hf_texts(name: str, config: str | None, split: str,
              text_field: str = "text") -> Iterator[str]:
-    try:
-        import datasets
-    except ImportError:
-        raise UserError(f"source hf:{name} needs the 'hf' extra: "
-                        "pip install 'ddpgpt[hf]'") from None
+    datasets = require("datasets", "hf", f"source hf:{name}")
     try:
         rows = datasets.load_dataset(name, config, split=split, streaming=True)
         for row in rows:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ddpgpt.errors import DataError, UserError
-from ddpgpt.files import sha256
+from ddpgpt.files import atomic_write, require, sha256
 
 EOT_TEXT = "<|endoftext|>"
 MIN_BPE_VOCAB = 257  # 256 byte symbols + the end-of-text token
@@ -122,7 +122,9 @@ class BPETokenizer:
                      for c in vocab(i))
 
     def save(self, out_dir: Path) -> None:
-        self._tok.save(str(Path(out_dir) / "tokenizer.json"))
+        """tokenizer.json in `out_dir`, written whole or not at all (files.atomic_write)."""
+        with atomic_write(Path(out_dir) / "tokenizer.json") as f:
+            f.write(self._tok.to_str(pretty=True).encode())
 
 
 class GPT2Tokenizer:
@@ -133,10 +135,7 @@ class GPT2Tokenizer:
 
     def __init__(self, threads: int = 2):
         self.threads = threads
-        try:
-            import tiktoken
-        except ImportError:
-            raise UserError("--tokenizer gpt2 needs tiktoken: pip install 'ddpgpt[data]'") from None
+        tiktoken = require("tiktoken", "data", "--tokenizer gpt2")
         try:
             self._enc = tiktoken.get_encoding("gpt2")
         except Exception as e:

@@ -33,6 +33,7 @@ import numpy as np
 from ddpgpt.data import formats
 from ddpgpt.data.formats import Unit, UnitStats
 from ddpgpt.errors import UserError
+from ddpgpt.files import atomic_write
 
 BATCH_BYTES = 4 << 20  # text per encode_batch call
 
@@ -77,9 +78,8 @@ def encode_unit(unit: Unit, tok, dtype: str, work: Path, index: int, text_field:
                 arrays.append(ids.astype(dtype, copy=False))
             f.write(np.concatenate(arrays).tobytes())
     record = {"dtype": dtype, "docs": docs, "stats": asdict(stats)}
-    tmp = rec_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, separators=(",", ":")))
-    os.replace(tmp, rec_path)
+    with atomic_write(rec_path) as f:
+        f.write(json.dumps(record, separators=(",", ":")).encode())
 
 
 def _batches(pieces: Iterator[tuple[bool, str | bytes]]) -> Iterator[list]:

@@ -1,4 +1,5 @@
-"""Multiple-choice accuracy, as llm.c's dev/data/hellaswag.py defines it for HellaSwag.
+"""Multiple-choice accuracy, as llm.c's dev/data/hellaswag.py defines it for HellaSwag: the
+default kind of eval task (kinds.py; its files' lines are read by tasks.example).
 
 For each ending, the context's tokens then the tokens of " " + ending (no end-of-text token
 first) go through the model; the ending's tokens are scored by their cross-entropy given
@@ -20,13 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ddpgpt import dist, progress
+from ddpgpt import progress
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.evals.tasks import Example, Task
 
 
@@ -75,53 +77,33 @@ def correct(sums: torch.Tensor, counts: torch.Tensor, r: Rendered) -> tuple[int,
     return tuple(int(p.item() == r.label) for p in picks)
 
 
-class Scorer:
-    """One or more tasks, each rank holding its rendered share (rendered once; scored at every
-    evaluation during training)."""
+class TaskScorer:
+    """One task, this rank holding its rendered share (rendered once; scored at every evaluation
+    during training)."""
 
-    def __init__(self, tasks: list[Task], tokenizer, block_size: int, env: dist.DistEnv):
-        self.env, self.names, self.sizes, self.shares = env, [], [], []
-        for task in tasks:
-            mine = task.examples[env.rank::env.world_size]
-            self.names.append(task.name)
-            self.sizes.append(len(task.examples))
-            # A rank without examples renders the first one for its uncounted forwards.
-            self.shares.append([render(e, tokenizer, block_size)
-                                for e in (mine or task.examples[:1])])
+    def __init__(self, task: Task, tokenizer, block_size: int, env: DistEnv):
+        self.env, self.size = env, len(task.examples)
+        mine = task.examples[env.rank::env.world_size]
+        # A rank without examples renders the first one for its uncounted forwards.
+        self.share = [render(e, tokenizer, block_size) for e in (mine or task.examples[:1])]
 
     def score(self, model: torch.nn.Module, autocast=contextlib.nullcontext,
-              progress: bool = False) -> dict:
-        """{NAME_acc_norm, NAME_acc, NAME_acc_char, NAME_n, NAME_s} for every task: collective
-        (one all-reduce per task). Call it on the unwrapped model, on every rank. `progress`: a
-        bar on rank 0 (`ddpgpt eval`)."""
-        was_training = model.training
-        model.eval()
-        out = {}
-        try:
-            for name, size, share in zip(self.names, self.sizes, self.shares):
-                start = time.perf_counter()
-                counts = self._count(model, share, size, autocast, progress and name)
-                n = int(counts[3].item())
-                out.update({f"{name}_acc_norm": counts[0].item() / n,
-                            f"{name}_acc": counts[1].item() / n,
-                            f"{name}_acc_char": counts[2].item() / n, f"{name}_n": n,
-                            f"{name}_s": time.perf_counter() - start})
-        finally:
-            model.train(was_training)
-        return out
-
-    def _count(self, model, share: list[Rendered], size: int, autocast,
-               bar: str | bool) -> torch.Tensor:
+              bar: str | bool = False) -> dict:
+        """{acc_norm, acc, acc_char, n}: collective (one all-reduce). Call it on the unwrapped
+        model, on every rank, in eval mode. `bar`: a progress bar on rank 0, named so."""
         env = self.env
-        mine = len(range(env.rank, size, env.world_size))  # examples this rank counts
+        mine = len(range(env.rank, self.size, env.world_size))  # examples this rank counts
         totals = torch.zeros(4, dtype=torch.float64, device=env.device)  # norm, sum, char, n
-        steps = range(math.ceil(size / env.world_size))  # the same forwards on every rank
+        steps = range(math.ceil(self.size / env.world_size))  # the same forwards on every rank
         if bar and env.is_main:
             steps = progress.bar(steps, desc=bar, unit="question")
         for i in steps:
-            r = share[i] if i < mine else share[0]
+            r = self.share[i] if i < mine else self.share[0]
             sums, lengths = ending_losses(model, r, env.device, autocast)
             if i < mine:
                 totals += torch.tensor([*correct(sums, lengths, r), 1], dtype=torch.float64,
                                        device=env.device)
-        return dist.all_reduce(env, totals)
+        counts = collectives.all_reduce(env, totals)
+        n = int(counts[3].item())
+        return {"acc_norm": counts[0].item() / n, "acc": counts[1].item() / n,
+                "acc_char": counts[2].item() / n, "n": n}

@@ -1,5 +1,7 @@
-"""Multiple-choice task files: a jsonl with one example per line, `{"ctx": str, "endings": [str,
-...], "label": int}` (HellaSwag's shape; PIQA, ARC or a user's own set converted to it).
+"""Task files: a jsonl with one example per line, read by its kind's line parser (kinds.py). A
+multiple-choice file (the default kind) holds `{"ctx": str, "endings": [str, ...], "label": int}`
+on each line (HellaSwag's shape; PIQA, ARC or a user's own set converted to it); `example` below
+reads one.
 
 HellaSwag's validation set is downloaded once into a cache (DDPGPT_CACHE_DIR, else
 ~/.cache/ddpgpt) from the HellaSwag repository at a fixed commit and checked against its content
@@ -23,13 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpgpt.errors import DataError, UserError
+from ddpgpt.evals import kinds
+from ddpgpt.evals.kinds import DEFAULT, KINDS
+from ddpgpt.files import atomic_write
 
 HELLASWAG = "hellaswag"
 HELLASWAG_COMMIT = "a29ff8e9a04bba4bd6588223785ce105328adc57"
 HELLASWAG_URL = ("https://raw.githubusercontent.com/rowanz/hellaswag/"
                  f"{HELLASWAG_COMMIT}/data/hellaswag_val.jsonl")
 HELLASWAG_BLOB = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"  # git ls-tree of that commit
-HELLASWAG_EXAMPLES = 10_042
 NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
@@ -45,7 +49,8 @@ class Example:
 class Task:
     name: str
     source: str  # the file the examples came from
-    examples: tuple[Example, ...]
+    examples: tuple  # of its kind's examples (multiple choice: Example)
+    kind: str = DEFAULT  # its row in kinds.KINDS
 
 
 def check_name(name: str, flag: str) -> None:
@@ -56,52 +61,69 @@ def check_name(name: str, flag: str) -> None:
 
 
 def pairs(names: str, files: str, flag: str, data_flag: str) -> list[tuple[str, str]]:
-    """(name, file) for each comma-separated task, with its file from the comma-separated
-    `files` in the same order ('' for hellaswag: the cached download). One file may be given
-    for one task."""
+    """(task, file) for each comma-separated task ([KIND:]NAME), with its file from the
+    comma-separated `files` in the same order ('' for hellaswag: the cached download). One file
+    may be given for one task."""
     tasks = [n.strip() for n in names.split(",") if n.strip()]
     given = [f.strip() for f in files.split(",")] if files else []
     if given and len(given) != len(tasks):
         raise UserError(f"{data_flag} names {len(given)} file(s) for the {len(tasks)} task(s) of "
                         f"{flag}; give one per task, in order (empty for hellaswag's download)")
-    out = []
-    for i, name in enumerate(tasks):
+    out, seen = [], set()
+    for i, spec in enumerate(tasks):
+        kind, name = kinds.split(spec, flag)
         check_name(name, flag)
         path = given[i] if given else ""
-        if not path and name != HELLASWAG:
-            raise UserError(f"{flag} {name}: only hellaswag downloads itself; give the task's "
-                            f"jsonl (ctx, endings, label per line) with {data_flag} FILE")
-        out.append((name, path))
-    if len({n for n, _ in out}) != len(out):
+        if not path and (kind, name) != (DEFAULT, HELLASWAG):
+            raise UserError(f"{flag} {spec}: only hellaswag downloads itself; give the task's "
+                            f"jsonl (one {KINDS[kind].row} per line) with {data_flag} FILE")
+        out.append((spec, path))
+        seen.add(name)
+    if len(seen) != len(out):
         raise UserError(f"{flag} {names}: a task is named twice")
     return out
 
 
-def load(name: str, path: str, limit: int = 0) -> Task:
+def load(spec: str, path: str, limit: int = 0) -> Task:
     """The task's examples (the first `limit`, 0: all) from `path`, or from HellaSwag's cached
-    download when `path` is empty."""
+    download when `path` is empty. `spec`: [KIND:]NAME."""
+    kind, name = kinds.split(spec, "--task")
     file = Path(path) if path else hellaswag_file()
-    return Task(name, str(file), tuple(read(file, limit)))
+    return Task(name, str(file), tuple(read(file, limit, kind)), kind)
 
 
-def read(path: Path, limit: int = 0) -> list[Example]:
-    """Every example of a jsonl file, checked line by line (see `example`)."""
+def load_all(names: str, files: str, limit: int, flag: str, data_flag: str) -> list[Task]:
+    """Every task named in `names` (comma-separated), each from its file in `files` (or
+    HellaSwag's cached download), the first `limit` examples of each (0: all)."""
+    return [load(spec, path, limit) for spec, path in pairs(names, files, flag, data_flag)]
+
+
+def for_run(run) -> list[Task]:
+    """A training's tasks (run.eval_tasks, run.eval_task_data, run.eval_task_limit): read and
+    checked before any worker or process group starts, and again by every worker."""
+    return load_all(run.eval_tasks, run.eval_task_data, run.eval_task_limit, "run.eval_tasks",
+                    "run.eval_task_data")
+
+
+def read(path: Path, limit: int = 0, kind: str = DEFAULT) -> list:
+    """Every example of a jsonl file, checked line by line by its kind's parser (multiple
+    choice: `example`)."""
+    parse, row = kinds.load(KINDS[kind].parse), KINDS[kind].row
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        raise DataError(f"{path}: no such task file; give a jsonl with ctx, endings and label "
-                        "on each line") from None
+        raise DataError(f"{path}: no such task file; give a jsonl with one {row} per "
+                        "line") from None
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     out = []
     for number, line in enumerate(lines, 1):
         if line.strip():
-            out.append(example(line, f"{path}:{number}"))
+            out.append(parse(line, f"{path}:{number}"))
             if limit and len(out) == limit:
                 break
     if not out:
-        raise DataError(f"{path}: no examples; give a jsonl with one "
-                        '{"ctx": ..., "endings": [...], "label": ...} per line')
+        raise DataError(f"{path}: no examples; give a jsonl with one {row} per line")
     return out
 
 
@@ -173,9 +195,8 @@ def hellaswag_file() -> Path:
                         "or give the file with --task-data FILE")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)  # whole or absent: concurrent ranks each rename a full copy
+        with atomic_write(path) as f:  # whole or absent: concurrent ranks each rename a copy
+            f.write(data)
     except OSError as e:
         raise UserError(f"{path.parent}: cannot cache HellaSwag there ({e.strerror}); set "
                         "DDPGPT_CACHE_DIR to a directory you can write to") from None

@@ -24,8 +24,10 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt import checkpoint, dist
+from ddpgpt.checkpoint import store
 from ddpgpt.config.schema import RunConfig
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import CollectiveError, DistEnv, DistError
 from ddpgpt.errors import UserError, warn
 from ddpgpt.guard.spike import Spike, SpikePolicy, Verdict
 
@@ -112,7 +114,7 @@ class Guard:
     """The exchange after each step, and what a bad step leads to: the update, a skipped step, a
     rollback (spike.py) or a stop."""
 
-    def __init__(self, env: dist.DistEnv, cfg: RunConfig, stop: StopSignal,
+    def __init__(self, env: DistEnv, cfg: RunConfig, stop: StopSignal,
                  lr_fields: str = "optim.lr", checkpoints: Path | None = None):
         """`lr_fields`: the learning rates to name in advice ("optim.lr or optim.muon_lr");
         `checkpoints`: the run's checkpoint directory, whose healthy ones a stop names."""
@@ -128,8 +130,9 @@ class Guard:
         checkpoint save is still running in the background."""
         finite = torch.isfinite(loss) & (torch.isfinite(norm) | scaled)
         flags = torch.tensor([float(self.signal.requested), float(saving)], device=loss.device)
-        rows = dist.all_gather(self.env, torch.cat([loss.float().view(1), finite.float().view(1),
-                                                    flags])).cpu()  # (W, 4)
+        rows = collectives.all_gather(self.env, torch.cat([loss.float().view(1),
+                                                          finite.float().view(1), flags])).cpu()
+        # rows: (W, 4)
         bad = [r for r in range(self.env.world_size) if not rows[r, 1]]
         return Health(rows[:, 0].mean().item(), bad, bool(rows[:, 2].any()),
                       not bool(rows[:, 3].any()))
@@ -157,13 +160,13 @@ class Guard:
     def _stop(self, where: str, why: str, advice: str, first: int) -> None:
         """Every rank raises the same line; `first`: the first step of the trouble, whose
         previous checkpoint holds the update that caused it."""
-        raise dist.DistError(f"{where}; stopped before the optimizer step{why}. "
-                             f"{self.healthy_checkpoint(first)}; lower {self.lr_fields} or raise "
-                             f"optim.warmup_steps, {advice}", quiet=not self.env.is_main)
+        raise DistError(f"{where}; stopped before the optimizer step{why}. "
+                        f"{self.healthy_checkpoint(first)}; lower {self.lr_fields} or raise "
+                        f"optim.warmup_steps, {advice}", quiet=not self.env.is_main)
 
     def healthy_checkpoint(self, first: int) -> str:
         """Which checkpoint to resume from after trouble that began at step `first`, as advice."""
-        steps = checkpoint.step_dirs(self.checkpoints) if self.checkpoints else []
+        steps = store.step_dirs(self.checkpoints) if self.checkpoints else []
         suspect = [p for s, p in steps if s >= first - 1]
         good = [p for s, p in steps if s <= first - 2]
         said = (f"The checkpoint {suspect[0]} was written after the trouble began (the update "
@@ -217,10 +220,10 @@ def preempted(step: int, signal_name: str, checkpoint_dir, hint: str, quiet: boo
                      f"checkpoint {checkpoint_dir} is complete: {hint}", quiet=quiet)
 
 
-def collective_failed(error: dist.CollectiveError, env: dist.DistEnv, during: str,
-                      timeout_s: float) -> dist.DistError:
+def collective_failed(error: CollectiveError, env: DistEnv, during: str,
+                      timeout_s: float) -> DistError:
     """The one line for a collective that failed `during` ("step 7", "the checkpoint of step
     6"): this rank lost a peer."""
-    return dist.DistError(f"{during}: a collective failed on rank {env.rank} ({error}); "
-                          f"another rank stalled or died (see its log). Collectives wait at most "
-                          f"run.dist_timeout_s = {timeout_s:g} s")
+    return DistError(f"{during}: a collective failed on rank {env.rank} ({error}); "
+                     f"another rank stalled or died (see its log). Collectives wait at most "
+                     f"run.dist_timeout_s = {timeout_s:g} s")

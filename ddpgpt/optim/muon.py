@@ -43,7 +43,8 @@ from dataclasses import dataclass
 import torch
 from torch.optim._muon import _adjust_lr
 
-from ddpgpt import dist
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv
 
 
 def ns_cost(shape: tuple[int, int]) -> int:
@@ -130,7 +131,7 @@ class Matrices:
     """The whole model's Muon matrices (model order), this rank's share, and the one collective
     that gives every rank what each owner holds for its matrices."""
 
-    def __init__(self, params: list[torch.nn.Parameter], env: dist.DistEnv,
+    def __init__(self, params: list[torch.nn.Parameter], env: DistEnv,
                  bucket_elems: int = 0):
         """`params`: the whole model's matrices, in model order (before any sharding)."""
         self.env = env
@@ -154,7 +155,7 @@ class Matrices:
                 flat[offset:offset + t.numel()] = t.reshape(-1)
                 offset += t.numel()
         everyone = flat.new_empty(self.env.world_size, 1 + self.width)  # (W, 1 + width)
-        dist.all_gather_into(self.env, everyone.view(-1), flat)
+        collectives.all_gather_into(self.env, everyone.view(-1), flat)
         out: list[torch.Tensor | None] = [None] * len(self.shapes)
         flags = everyone[:, 0].tolist()  # one read of the W flags
         for rank in range(self.env.world_size):

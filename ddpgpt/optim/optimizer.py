@@ -1,7 +1,7 @@
 """The optimizer: torch's AdamW, or torch's Muon for the blocks' matrices with torch's AdamW for the
 rest (optim/muon.py). The learning-rate schedule is optim/schedule.py's.
 
-Built in one direction (train.py): the whole model's parameter groups (`groups`) go to the sync
+Built in one direction (trainer.py): the whole model's parameter groups (`groups`) go to the sync
 mode, which lays the parameters out as it needs (whole, zero1's slices, fsdp2's shards, Muon
 matrices by owner) and says what this rank steps of each group; `Optimizer` is then built over
 exactly those tensors. Nothing is rebuilt or swapped afterwards.

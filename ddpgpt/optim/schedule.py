@@ -25,8 +25,6 @@ from dataclasses import dataclass
 
 from ddpgpt.config.schema import OptimConfig
 
-SCHEDULES = ("cosine", "wsd", "constant")
-
 
 @dataclass(frozen=True)
 class Rates:

@@ -17,7 +17,7 @@ Every restart is a new start of `ddpgpt train` at the new world size W. What ddp
 3. A stop signal makes every rank checkpoint after the same step (guard/health.py), so a node that
    joins costs no step: the larger group continues from that checkpoint.
 4. First-start rules (`--reset`, `--resume never`, `--resume PATH`) apply once per job. torch's
-   store, where the attempt number lives (dist._attempt), is hosted by one node's agent and is
+   store, where the attempt number lives (group._attempt), is hosted by one node's agent and is
    lost with that node, so the run dir records the job's launchers instead (job.json): a start is
    the job's first unless one of its launchers has started it before. A new `torchrun` on every
    node is a new job; a restart always has at least one surviving launcher.
@@ -27,51 +27,54 @@ from __future__ import annotations
 
 import dataclasses
 
-from ddpgpt import checkpoint, dist
+from ddpgpt.checkpoint import store
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.run import resume
 from ddpgpt.run.run_dir import RunDir
 
 
-def first_start(run_dir: RunDir, env: dist.DistEnv) -> tuple[bool, set[str]]:
+def first_start(run_dir: RunDir, env: DistEnv) -> tuple[bool, set[str]]:
     """(whether this is the job's first start, every rank's launcher). Collective. Rank 0
     decides from job.json and every rank takes its answer (nodes that see different run dirs
     are named later by setup's agreement check)."""
-    launchers = set(filter(None, dist.all_gather_text(env, env.launcher)))
+    launchers = set(filter(None, collectives.all_gather_text(env, env.launcher)))
     answer = None
     if env.is_main:  # no launcher (one process, or ranks started by hand): nothing can restart
         answer = "first" if not launchers & run_dir.known_launchers() else "restart"
-    return dist.all_gather_text(env, answer)[0] == "first", launchers
+    return collectives.all_gather_text(env, answer)[0] == "first", launchers
 
 
-def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv,
-          dataset: TokenDataset) -> tuple[TrainConfig, resume.Start, dist.DistEnv]:
-    """The run dir for this run, and where it starts; `env` with its `first_start` set. Rank 0
-    takes the lock (unless the `--nproc` launcher that started it holds it), applies the
-    first-start rules (--reset, or a roll-back for --resume PATH), records the job's launchers
-    and removes temporaries of interrupted saves; then every rank chooses."""
+def claim(run_dir: RunDir, cfg: TrainConfig, env: DistEnv, dataset: TokenDataset,
+          planned: tuple[TrainConfig, resume.Start] | None = None
+          ) -> tuple[TrainConfig, resume.Start, DistEnv]:
+    """The run dir for this run, and where it starts; `env` with its `first_start` set. Every
+    rank decides where it starts, once (resume.plan, every file of the checkpoint hashed), before
+    anything is written: bad input fails there, on every rank. Then rank 0 takes the lock
+    (unless the `--nproc` launcher that started it holds it), applies that decision's first-start
+    rules (--reset, or a rewind for --resume PATH), records the job's launchers and removes
+    temporaries of interrupted saves; the rules leave the decision as it was (a reset starts
+    from scratch, a rewind moves only checkpoints after the one it resumes). `planned`: the
+    decision a lone process (no launcher: always its job's first start) has taken already."""
     first, launchers = first_start(run_dir, env)
     env = dataclasses.replace(env, first_start=first)
-
-    def plan(verify: bool) -> tuple[TrainConfig, resume.Start]:
-        return resume.plan(cfg, run_dir, dataset, first, verify=verify, quiet=not env.is_main)
+    settled, start = planned or collectives.together(env, lambda: resume.plan(
+        cfg, run_dir, dataset, first, verify=True, quiet=not env.is_main))
 
     def take() -> None:
         # A restart may find the lock still held by the rank 0 of a node that left (a network
         # filesystem frees it when that node's lease runs out); the other ranks wait meanwhile,
         # at most run.dist_timeout_s, in the collective that ends `together`.
         run_dir.lock(allow_parent=True, wait_s=0 if first else cfg.run.dist_timeout_s / 2)
-        _, start = plan(verify=False)
         if first and cfg.run.resume == "reset":
             run_dir.reset()
         elif start.set_aside:
-            run_dir.roll_back(start.set_aside, start.step)
-        checkpoint.remove_temporaries(run_dir.checkpoints)
+            run_dir.rewind(start.set_aside, start.step)
+        store.remove_temporaries(run_dir.checkpoints)
         if launchers:  # after the rules: a start that dies before this applies them again
             run_dir.record_job(launchers, first)
 
-    dist.together(env, lambda: plan(verify=False))  # bad input fails before anything is written
-    dist.together(env, take, main_only=True)
-    settled, start = dist.together(env, lambda: plan(verify=True))
+    collectives.together(env, take, main_only=True)
     return settled, start, env

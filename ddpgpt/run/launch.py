@@ -6,7 +6,7 @@ checks the data, the run dir and where the run starts (bad input is one line bef
 exists), takes the run dir's lock and holds it for the whole job (restarts included), and writes
 the resolved config.json. The workers start from that file (`train --resolved-config`, with this
 start's own run.resume and run.threads) rather than from the command line. A worker whose
-launcher dies is killed with it (dist.die_with_launcher).
+launcher dies is killed with it (die_with_launcher).
 
 Exit codes: the workers' (0; 1 a run-time failure; 2 bad input; 75 stopped with a checkpoint),
 or 128+N when a worker or the launcher was ended by signal N without one.
@@ -22,9 +22,11 @@ import time
 
 import torch
 
-from ddpgpt import checkpoint, dist, evals
+from ddpgpt.checkpoint import store
 from ddpgpt.config.schema import TrainConfig
+from ddpgpt.distributed.group import detect
 from ddpgpt.errors import UserError
+from ddpgpt.evals.tasks import for_run
 from ddpgpt.guard.health import EXIT_PREEMPTED, resume_hint
 from ddpgpt.run import resume
 from ddpgpt.run.preflight import preflight
@@ -34,7 +36,7 @@ from ddpgpt.run.run_dir import RunDir
 def check_nproc(nproc: int, device: str) -> None:
     if nproc < 1:
         raise UserError(f"--nproc {nproc} must be >= 1")
-    if dist.detect().world_size > 1:
+    if detect().world_size > 1:
         raise UserError("--nproc starts processes itself; under torchrun leave it out")
     if device != "cpu" and torch.cuda.is_available() and nproc > torch.cuda.device_count():
         n = torch.cuda.device_count()
@@ -46,7 +48,7 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
     """Checks, locks and starts `nproc` training workers; returns the exit code."""
     check_nproc(nproc, cfg.run.device)
     cfg, dataset = preflight(cfg, nproc, nproc)
-    evals.for_run(cfg.run)  # bad task files: one line here, before the run dir is touched
+    for_run(cfg.run)  # bad task files: one line here, before the run dir is touched
     run_dir = RunDir(cfg.run.dir)
     run_dir.check_creatable()
     cfg, first = resume.plan(cfg, run_dir, dataset)
@@ -64,7 +66,7 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
         hint = resume_hint(cfg.run.resume, str(run_dir))
         if stop_checkpoint(run_dir, since=started) is not None:
             return EXIT_PREEMPTED  # rank 0 named the signal, the step and the checkpoint
-        found = checkpoint.find_latest(run_dir.checkpoints)
+        found = store.find_latest(run_dir.checkpoints)
         newest = f"the newest complete one is {found[0]}" if found else "there is none yet"
         print(f"ddpgpt: stopped by {stopped_by.name} before the workers could write a checkpoint; "
               f"{newest}: {hint}", file=sys.stderr)
@@ -73,7 +75,7 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
 
 def stop_checkpoint(run_dir: RunDir, since: float):
     """The checkpoint the workers wrote on a stop request after `since`, if they did."""
-    found = checkpoint.find_latest(run_dir.checkpoints)
+    found = store.find_latest(run_dir.checkpoints)
     if found and found[1].get("reason") == "stop" and found[1].get("saved_at", 0) >= since:
         return found[0]
     return None

@@ -3,8 +3,9 @@
 metrics.jsonl holds one JSON object per logged step,
     {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s"}
 one per evaluation, {"step", "val_loss", "val_bpb"} (bits per byte of the val text; absent for
-datasets prepared without byte counts) with each task's {NAME_acc_norm, NAME_acc, NAME_acc_char,
-NAME_n, NAME_s} (run.eval_tasks) and the run's seconds so far {elapsed_s, train_s, eval_s,
+datasets prepared without byte counts) with each task's scores {NAME_<metric> for its kind's
+metrics (evals/kinds.py; multiple choice: acc_norm, acc, acc_char), NAME_n, NAME_s}
+(run.eval_tasks) and the run's seconds so far {elapsed_s, train_s, eval_s,
 checkpoint_s} (train_s: without evaluations and checkpoints), and one per event a reader of the
 curves must know about, {"step", "event", ...} (a deliberate switch of dataset on resume, a
 settings change, a rollback past a loss spike: guard/spike.py; the first evaluation at
@@ -32,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt.files import WriteError, describe
+from ddpgpt.evals.kinds import headlines
+from ddpgpt.files import WriteError, describe, replace_text
 from ddpgpt.progress import bar
 from ddpgpt.run.trackers import kept_rows
 
@@ -86,7 +88,7 @@ def cut_log(path: Path, step: int) -> None:
                 kept.append(line)
         except (ValueError, KeyError, TypeError):
             continue  # a torn last line from a crash
-    path.write_text("".join(row + "\n" for row in kept))
+    replace_text(path, "".join(row + "\n" for row in kept))  # whole: a crash keeps the old rows
 
 
 class Metrics:
@@ -147,15 +149,16 @@ class Metrics:
 
     def log_eval(self, step: int, val_loss: float, val_bpb: float | None = None,
                  **fields) -> None:
-        """An eval row: `fields` are the tasks' scores (NAME_acc_norm, ...) and the run's seconds
+        """An eval row: `fields` are the tasks' scores (NAME_acc_norm, ...; the line shows each
+        task's headline score, evals/kinds.py) and the run's seconds
         (elapsed_s, train_s, eval_s, checkpoint_s)."""
         if self.enabled:
             row = {"step": step, "val_loss": val_loss}
             if val_bpb is not None:
                 row["val_bpb"] = val_bpb
             self._write({**row, **fields})
-            tasks = "".join(f", {k.removesuffix('_acc_norm')} {v:.4f}" for k, v in fields.items()
-                            if k.endswith("_acc_norm"))
+            tasks = "".join(f", {name} {fields[key]:.4f}"
+                            for name, key in headlines(fields).items())
             self.bar.write(f"step {step}: val_loss {val_loss:.4f}"
                            + ("" if val_bpb is None else f", val_bpb {val_bpb:.4f}") + tasks)
 
@@ -200,3 +203,20 @@ class Metrics:
         if self.tracker is not None:
             self.tracker.close()
             self.tracker = None
+
+
+def summary(trainer) -> str:
+    """One line on what the Trainer runs where: processes, nodes, batch arithmetic, size."""
+    env, cfg = trainer.env, trainer.cfg
+    nodes = env.world_size // env.local_world_size
+    where = f"{env.world_size} process{'es' if env.world_size > 1 else ''}"
+    if env.world_size > 1:
+        where += (f" ({nodes} node{'s' if nodes > 1 else ''} × {env.local_world_size}, "
+                  f"{env.backend})")
+    G, T = cfg.data.global_batch, cfg.seq_len
+    return (f"ddpgpt: training on {where}, {env.device.type}, {cfg.run.precision}; "
+            f"G={G} sequences × T={T} = "
+            f"{G * T:,} tokens per step = {env.world_size} × A={trainer.accum} micro-steps × "
+            f"b={cfg.data.micro_batch}; "
+            f"{trainer.raw.num_params(non_embedding=False) / 1e6:.2f}M parameters")
+

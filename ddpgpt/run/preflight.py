@@ -17,10 +17,10 @@ import os
 
 import torch
 
-from ddpgpt import dist
 from ddpgpt.config.schema import ConfigError, TrainConfig, padded_vocab
 from ddpgpt.data.loader import TokenStream, require_windows
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.distributed.group import default_backend
 from ddpgpt.run import trackers
 from ddpgpt.sync.modes import MODES, check
 
@@ -73,7 +73,7 @@ def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> T
     check_mode(cfg, precision)
     threads = cfg.run.threads or max(1, len(os.sched_getaffinity(0)) // local_world_size)
     run = dataclasses.replace(cfg.run, device=device, precision=precision, threads=threads,
-                              backend=(dist.default_backend(device) if cfg.run.backend == "auto"
+                              backend=(default_backend(device) if cfg.run.backend == "auto"
                                        else cfg.run.backend))
     ns_dtype = cfg.optim.muon_ns_dtype
     if ns_dtype == "auto":
@@ -116,7 +116,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int,
     trackers.check(cfg.run.tracker)
     dataset = TokenDataset(cfg.data.dir)
     if cfg.model.init_from:
-        from ddpgpt.init_from import check_tokenizer, locate
+        from ddpgpt.hf.init_from import check_tokenizer, locate
 
         check_tokenizer(cfg, dataset)
         locate(cfg.model.init_from)  # a hub name is downloaded here, once, before any worker

@@ -7,7 +7,7 @@ elastic restarts, `--max-restarts`) continues from the run dir's newest complete
     reset   first start: set the run dir's checkpoints and metrics aside (reset-<time>/), start over
     never   first start: refuse a run dir that has checkpoints
     PATH    first start: that checkpoint. If PATH is in the run dir, the checkpoints after it are
-            set aside (rollback-<time>/); another run's checkpoints in the run dir are refused.
+            set aside (rewind-<time>/); another run's checkpoints in the run dir are refused.
             Every checkpoint that descends from PATH names it as its `origin`, so a restart or a
             rerun of the same command continues from the newest of those, not from PATH again.
 
@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpgpt import checkpoint
+from ddpgpt.checkpoint import store
 from ddpgpt.checkpoint.store import CheckpointError
 from ddpgpt.config.io import START_FIELDS
 from ddpgpt.config.schema import TrainConfig
@@ -42,7 +42,7 @@ class Start:
     meta: dict | None = None
     origin: dict | None = None    # {"path", "step"} of the explicit --resume PATH this run
                                   # descends from
-    set_aside: list[Path] = field(default_factory=list)  # later checkpoints a roll-back moves away
+    set_aside: list[Path] = field(default_factory=list)  # later checkpoints a rewind moves away
     data_switch: bool = False     # resumed on another dataset, with data.allow_switch
 
     @property
@@ -67,7 +67,7 @@ def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: st
     a checkpoint skipped as bad is not announced (every rank chooses, rank 0 says it)."""
     mode = cfg.run.resume
     if mode in ("auto", "reset", "never"):
-        existing = checkpoint.step_dirs(run_dir.checkpoints)
+        existing = store.step_dirs(run_dir.checkpoints)
         if first_start and mode == "reset":
             return Start()  # the caller sets them aside
         if first_start and mode == "never" and existing:
@@ -85,35 +85,35 @@ def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: st
 
 def _latest(root: Path, verify: bool, quiet: bool) -> tuple[Path, dict] | None:
     if verify:
-        return checkpoint.find_latest(root, quiet)
-    for _, path in reversed(checkpoint.step_dirs(root)):
+        return store.find_latest(root, quiet)
+    for _, path in reversed(store.step_dirs(root)):
         try:
-            return path, checkpoint.read_meta(path, verify=False)
-        except checkpoint.CheckpointVersionError:
+            return path, store.read_meta(path, verify=False)
+        except store.CheckpointVersionError:
             raise
         except CheckpointError:
             continue
-    return checkpoint.find_latest(root, quiet)  # none parses: its error names the newest's problem
+    return store.find_latest(root, quiet)  # none parses: its error names the newest's problem
 
 
 def _explicit(run_dir: RunDir, path: Path, first_start: bool, verify: bool) -> Start:
     origin_path = str(path.resolve())
-    for _, candidate in reversed(checkpoint.step_dirs(run_dir.checkpoints)):
+    for _, candidate in reversed(store.step_dirs(run_dir.checkpoints)):
         try:
-            meta = checkpoint.read_meta(candidate, verify=False)
+            meta = store.read_meta(candidate, verify=False)
         except CheckpointError:
             continue
         origin = meta.get("origin")
         if origin and origin["path"] == origin_path:  # this run already went on from PATH
             if verify:
-                meta = checkpoint.read_meta(candidate)
+                meta = store.read_meta(candidate)
             return Start(candidate, meta, origin)
     if not path.is_dir():
         raise UserError(f"--resume {path}: no such checkpoint directory; give a step_NNNNNNN "
                         "directory of a run's checkpoints/, or --resume auto")
-    meta = checkpoint.read_meta(path, verify=verify)
+    meta = store.read_meta(path, verify=verify)
     step = int(meta["step"])
-    existing = checkpoint.step_dirs(run_dir.checkpoints)
+    existing = store.step_dirs(run_dir.checkpoints)
     if path.resolve().parent != run_dir.checkpoints.resolve():
         if existing:
             raise UserError(f"--resume {path}: run dir {run_dir} already has checkpoints of "
@@ -228,7 +228,7 @@ def finished(cfg: TrainConfig, start: Start) -> bool:
     if start.path is None or start.step < cfg.run.steps:
         return False
     try:
-        checkpoint.read_meta(start.path, verify=True)
+        store.read_meta(start.path, verify=True)
     except CheckpointError:
         return False
     return True

@@ -13,7 +13,7 @@
       metrics.jsonl      one row per logged step and per evaluation (see metrics.py)
       checkpoints/       step_NNNNNNN/ (see checkpoint/store.py)
       tensorboard/, wandb/, tracker.json    run.tracker's files (see trackers.py)
-      reset-<time>/      what --reset set aside; rollback-<time>/ what --resume PATH set aside
+      reset-<time>/      what --reset set aside; rewind-<time>/ what --resume PATH set aside
 """
 
 from __future__ import annotations
@@ -266,10 +266,11 @@ class RunDir:
             print(f"ddpgpt: --reset: moved the previous checkpoints and metrics to {aside}",
                   file=sys.stderr)
 
-    def roll_back(self, newer: list[Path], step: int) -> None:
+    def rewind(self, newer: list[Path], step: int) -> None:
         """--resume PATH of this run dir: checkpoints after PATH, and a copy of the metrics,
-        go into rollback-<time>/ before the run continues from PATH (metrics are cut back)."""
-        aside = self.set_aside("rollback", newer)
+        go into rewind-<time>/ before the run continues from PATH (metrics are cut back). (A
+        rollback is the spike guard's, guard/spike.py: back to a healthy checkpoint.)"""
+        aside = self.set_aside("rewind", newer)
         if aside is None:
             return
         if self.metrics.is_file():

@@ -23,9 +23,8 @@ import string
 from pathlib import Path
 
 from ddpgpt.errors import UserError, warn
-from ddpgpt.files import replace_text
+from ddpgpt.files import missing, replace_text
 
-TRACKERS = ("none", "tensorboard", "wandb")
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
@@ -33,8 +32,8 @@ def check(kind: str) -> None:
     """Before any process starts: the tracker's package is installed, or one line saying how."""
     package = PACKAGES.get(kind)
     if package and importlib.util.find_spec(package) is None:
-        raise UserError(f"run.tracker = {kind} needs the {package} package, which is not "
-                        "installed: pip install 'ddpgpt[track]' (or run.tracker = none)")
+        raise UserError(missing(package, "track", f"run.tracker = {kind}",
+                                " (or run.tracker = none)"))
 
 
 def flat(config: dict, prefix: str = "") -> dict:

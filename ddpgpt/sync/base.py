@@ -13,20 +13,21 @@ state_dict over the rest}.
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import torch
 
-from ddpgpt import dist
 from ddpgpt.checkpoint.sharded import Pieces, of_dtensor, whole
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.optim.muon import Matrices
 from ddpgpt.optim.optimizer import Group, Optimizer, load_state
-from ddpgpt.sync.modes import MODES
+from ddpgpt.sync.modes import MODES, check
 
 
 class Sync:
     """What every mode does unless it says otherwise: no collective at all."""
 
-    def __init__(self, model: torch.nn.Module, groups: list[Group], env: dist.DistEnv,
+    def __init__(self, model: torch.nn.Module, groups: list[Group], env: DistEnv,
                  bucket_mb: float = 25.0):
         self.raw = self.model = model  # the single-device model; what runs the forward
         self.groups, self.env = groups, env
@@ -242,3 +243,17 @@ def adamw_state(adamw: torch.optim.AdamW, p: torch.Tensor, create: bool) -> dict
 def pieces(t: torch.Tensor) -> Pieces:
     """A tensor as the chunks this rank holds: a DTensor's local shard, else all of it."""
     return of_dtensor(t) if hasattr(t, "device_mesh") else whole(t)
+
+
+def make_sync(mode: str, model, groups: list, env, bucket_mb: float = 25.0, compress: str = "none"):
+    """The Sync of `mode` around the single-device `model`, which it wraps and lays out for
+    `groups` (optim.groups: the optimizer's parameter groups over the whole model). mode=None, or
+    no process group: the model alone, no collective. `compress` bf16: gradients travel in
+    bfloat16 (they still accumulate in fp32)."""
+    if mode is not None:
+        check(mode)
+    if mode is None or env.backend is None:
+        return Sync(model, groups, env, bucket_mb)
+    module, name = MODES[mode].impl.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    return cls(model, groups, env, bucket_mb, mode=mode, compress=compress)

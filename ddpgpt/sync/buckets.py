@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddpgpt import dist
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv, collective
 from ddpgpt.optim.optimizer import Group
 from ddpgpt.sync.base import Replicated, nbytes
 from ddpgpt.sync.modes import MODES
@@ -73,7 +74,7 @@ def packed(params: list[torch.nn.Parameter], start: int = 0) -> list[int]:
 
 
 class BucketSync(Replicated):
-    def __init__(self, model: torch.nn.Module, groups: list[Group], env: dist.DistEnv,
+    def __init__(self, model: torch.nn.Module, groups: list[Group], env: DistEnv,
                  bucket_mb: float, mode: str = "allreduce", compress: str = "none"):
         """Buckets never mix the optimizer's parameter groups (zero1 steps a bucket's slice as
         one tensor); each group's parameters are bucketed last first."""
@@ -131,9 +132,10 @@ class BucketSync(Replicated):
         if bucket.wire is not bucket.buffer:
             bucket.wire.copy_(bucket.buffer)
         if self.reduce_scatter:
-            bucket.works.append(dist.reduce_scatter_async(self.env, bucket.wire_shard, bucket.wire))
+            bucket.works.append(collectives.reduce_scatter_async(self.env, bucket.wire_shard,
+                                                                 bucket.wire))
         else:
-            bucket.works.append(dist.all_reduce_async(self.env, bucket.wire))
+            bucket.works.append(collectives.all_reduce_async(self.env, bucket.wire))
 
     def finish(self) -> None:
         """Waits for every bucket and leaves the mean gradient in every `.grad`."""
@@ -141,7 +143,8 @@ class BucketSync(Replicated):
         for bucket in self.buckets:
             self._wait(bucket)
             if self.reduce_scatter:
-                bucket.works = [dist.all_gather_async(self.env, bucket.wire, bucket.wire_shard)]
+                bucket.works = [collectives.all_gather_async(self.env, bucket.wire,
+                                                             bucket.wire_shard)]
         for bucket in self.buckets:
             self._land(bucket, bucket.wire, bucket.buffer)
         self.syncing = False
@@ -163,7 +166,7 @@ class BucketSync(Replicated):
                 self._issue(bucket)
 
     def _wait(self, bucket: Bucket) -> None:
-        with dist.collective():
+        with collective():
             for work in bucket.works:
                 work.wait()
 

@@ -8,12 +8,13 @@ import inspect
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpgpt import dist
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.optim.optimizer import Group
 from ddpgpt.sync.base import Replicated
 
 
-def wrap_model(model: torch.nn.Module, env: dist.DistEnv,
+def wrap_model(model: torch.nn.Module, env: DistEnv,
                bucket_mb: float = 25.0) -> torch.nn.Module:
     """DDP when there is a process group (W > 1, or bench's one-rank group), else the model.
 
@@ -33,7 +34,7 @@ def wrap_model(model: torch.nn.Module, env: dist.DistEnv,
 
 
 class DDPSync(Replicated):
-    def __init__(self, model: torch.nn.Module, groups: list[Group], env: dist.DistEnv,
+    def __init__(self, model: torch.nn.Module, groups: list[Group], env: DistEnv,
                  bucket_mb: float, mode: str = "ddp", compress: str = "none"):
         super().__init__(model, groups, env, bucket_mb)
         self.name = mode
@@ -46,11 +47,11 @@ class DDPSync(Replicated):
         return contextlib.nullcontext() if last else self.model.no_sync()
 
     def close(self) -> None:
-        """No DDP wrapper may outlive the process group (see dist.shutdown)."""
+        """No DDP wrapper may outlive the process group (see group.shutdown)."""
         self.model = None
 
 
-def bf16_hook(env: dist.DistEnv):
+def bf16_hook(env: DistEnv):
     """A DDP comm hook: each bucket travels in bf16 (summed, then divided by W in fp32). Ours
     rather than torch's bf16_compress_hook, which needs NCCL: this one runs on gloo too."""
     def hook(state, bucket):
@@ -60,6 +61,6 @@ def bf16_hook(env: dist.DistEnv):
         def unpack(fut):
             return grads.copy_(fut.value()[0]).div_(env.world_size)
 
-        return dist.all_reduce_async(env, wire).get_future().then(unpack)
+        return collectives.all_reduce_async(env, wire).get_future().then(unpack)
 
     return hook

@@ -46,7 +46,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ddpgpt import dist
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv, collective
 from ddpgpt.optim.optimizer import Group, Optimizer
 from ddpgpt.sync.base import MOMENTS, Sync, nbytes
 
@@ -61,7 +62,7 @@ def band(rows: int, world: int, rank: int) -> tuple[int, int]:
 
 
 class FSDP2Sync(Sync):
-    def __init__(self, model: torch.nn.Module, groups: list[Group], env: dist.DistEnv,
+    def __init__(self, model: torch.nn.Module, groups: list[Group], env: DistEnv,
                  bucket_mb: float, mode: str = "fsdp2", compress: str = "none"):
         super().__init__(model, groups, env, bucket_mb)
         self.name = mode
@@ -113,8 +114,8 @@ class FSDP2Sync(Sync):
             sizes.append(sum(t.numel() for t in mine))
         sent = self._cat(pieces)
         received = sent.new_empty(sum(self._band_sizes(r, 2) for r in range(W)))
-        dist.all_to_all(self.env, received, sent, [self._band_sizes(r, 2) for r in range(W)],
-                        sizes)
+        collectives.all_to_all(self.env, received, sent,
+                               [self._band_sizes(r, 2) for r in range(W)], sizes)
         offset = 0
         for copy in self.owned:  # freed again by zero_grad: none between steps
             copy.grad = torch.empty_like(copy)
@@ -144,7 +145,7 @@ class FSDP2Sync(Sync):
         splits = [sum(self.shards[i].to_local().numel() for i in layout.owned(r))
                   for r in range(W)]
         received = sent.new_empty(sum(splits))
-        dist.all_to_all(self.env, received, sent, splits, sizes)
+        collectives.all_to_all(self.env, received, sent, splits, sizes)
         offset = 0
         with torch.no_grad():
             for owner in range(W):
@@ -172,7 +173,7 @@ class FSDP2Sync(Sync):
     # ---- state, in the layout that does not depend on the mode --------------------------------
 
     def model_state(self) -> dict:
-        with dist.collective():
+        with collective():
             return get_model_state_dict(self.model, options=FULL)
 
     def load_model_state(self, state: dict) -> None:
@@ -182,7 +183,7 @@ class FSDP2Sync(Sync):
         order = [n for n, _ in self.model.named_parameters()]
         state = {n: state[n] for n in order if n in state} | {k: v for k, v in state.items()
                                                               if k not in order}
-        with dist.collective():
+        with collective():
             set_model_state_dict(self.model, state, options=FULL)
 
     def _adamw(self) -> list[torch.Tensor]:
@@ -196,7 +197,7 @@ class FSDP2Sync(Sync):
         for i, p in enumerate(self._adamw()):
             saved = optimizer.adamw.state.get(p)
             if saved:
-                with dist.collective():
+                with collective():
                     state[i] = {"step": saved["step"].clone(),
                                 **{k: saved[k].full_tensor() for k in MOMENTS}}
         groups = optimizer.adamw.state_dict()["param_groups"]  # indices in this order already

@@ -28,15 +28,16 @@ import math
 
 import torch
 
-from ddpgpt import dist
 from ddpgpt.checkpoint.sharded import Pieces, flat_range
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv, collective
 from ddpgpt.optim.optimizer import Group, Optimizer
 from ddpgpt.sync.base import MOMENTS, adamw_state, nbytes
 from ddpgpt.sync.buckets import Bucket, BucketSync, packed
 
 
 class Zero1Sync(BucketSync):
-    def __init__(self, model: torch.nn.Module, groups: list[Group], env: dist.DistEnv,
+    def __init__(self, model: torch.nn.Module, groups: list[Group], env: DistEnv,
                  bucket_mb: float, mode: str = "zero1", compress: str = "none"):
         super().__init__(model, groups, env, bucket_mb, mode=mode, compress=compress)
         self.group_of = {id(p): i for i, g in enumerate(groups) for p in g.params}
@@ -110,7 +111,7 @@ class Zero1Sync(BucketSync):
         """The global gradient norm (squared slice norms summed over ranks; padding is zero), and
         the slices scaled as torch's clip_grad_norm_ scales whole gradients."""
         squares = torch.stack([b.shard.float().pow(2).sum() for b in self.buckets]).sum()
-        norm = dist.all_reduce(self.env, squares).sqrt()
+        norm = collectives.all_reduce(self.env, squares).sqrt()
         if math.isfinite(max_norm):
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for bucket in self.buckets:
@@ -119,9 +120,9 @@ class Zero1Sync(BucketSync):
 
     def after_update(self) -> None:
         """Every rank gets every rank's updated slices back: the whole model again."""
-        works = [dist.all_gather_async(self.env, b.flat, b.param_shard.detach().clone())
+        works = [collectives.all_gather_async(self.env, b.flat, b.param_shard.detach().clone())
                  for b in self.buckets]
-        with dist.collective():
+        with collective():
             for work in works:
                 work.wait()
 
@@ -146,7 +147,7 @@ class Zero1Sync(BucketSync):
             gathered = {}
             for key in MOMENTS:
                 flat = bucket.flat.new_zeros(bucket.flat.numel())
-                dist.all_gather_async(self.env, flat, shard[key].contiguous()).wait()
+                collectives.all_gather_async(self.env, flat, shard[key].contiguous()).wait()
                 gathered[key] = bucket.views(flat)
             for i, p in enumerate(bucket.params):
                 state[index[id(p)]] = {"step": shard["step"].clone(),

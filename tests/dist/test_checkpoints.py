@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddpgpt import checkpoint
+from ddpgpt.checkpoint import read, store
 from ddpgpt.config.io import from_dict
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.guard.health import EXIT_PREEMPTED
@@ -60,7 +60,7 @@ def train(data, run_dir, world: int, sync: str = "ddp", fault: str | None = None
 
 
 def newest(run_dir) -> int:
-    return checkpoint.find_latest(run_dir / "checkpoints")[1]["step"]
+    return store.find_latest(run_dir / "checkpoints")[1]["step"]
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_a_checkpoint_written_at_w4_is_sampled_on_one_process(chain, tiny_data):
     _, oracle = reference_training(tiny_data, STEPS, weights_at=4)
     for name, value in oracle.items():
         torch.testing.assert_close(chain["step 4"][name], value, rtol=0, atol=5e-5, msg=name)
-    meta = checkpoint.read_meta(chain["run_dir"] / "checkpoints" / "step_0000004")
+    meta = store.read_meta(chain["run_dir"] / "checkpoints" / "step_0000004")
     model = GPT(from_dict(meta["config"]).model)
     model.load_state_dict(oracle)
     tok = load_tokenizer(tiny_data, json.loads((tiny_data / "meta.json").read_text())["tokenizer"])
@@ -146,7 +146,7 @@ def test_a_stop_during_a_save_waits_for_it_and_its_own(chain):
     assert "fault: term at step 6" in text and "released the write of step 6 at step 7" in text
     assert (f"ddpgpt: stopped: at step 7 on SIGTERM; checkpoint "
             f"{run_dir / 'checkpoints' / 'step_0000007'} is complete") in text
-    assert step == 7 and checkpoint.read_meta(run_dir / "checkpoints" / "step_0000006")
+    assert step == 7 and store.read_meta(run_dir / "checkpoints" / "step_0000006")
 
 
 def test_a_corrupt_shard_falls_back_with_a_warning_naming_it(chain):
@@ -184,8 +184,8 @@ def test_a_format_2_checkpoint_resumes_under_fsdp2(chain, tiny_data, tmp_path):
     for path in root.iterdir():
         if path.name > "step_0000006":
             shutil.rmtree(path)
-    meta = checkpoint.read_meta(root / "step_0000006")
-    state = checkpoint.load(root / "step_0000006", meta)
+    meta = store.read_meta(root / "step_0000006")
+    state = read.load(root / "step_0000006", meta)
     shutil.rmtree(root / "step_0000006")
     save_format_2(root, 6, state, {k: v for k, v in meta.items()
                                    if k not in ("files", "format_version", "step")})
@@ -195,7 +195,7 @@ def test_a_format_2_checkpoint_resumes_under_fsdp2(chain, tiny_data, tmp_path):
     losses, _ = reference_training(tiny_data, STEPS)
     rows = read_metrics(run_dir)[0]
     np.testing.assert_allclose([r["loss"] for r in rows], losses, rtol=2e-5)
-    assert checkpoint.read_meta(root / f"step_{STEPS:07d}")["format_version"] == 3
+    assert store.read_meta(root / f"step_{STEPS:07d}")["format_version"] == 3
 
 
 def test_a_full_disk_on_one_rank_stops_every_rank(tiny_data, tmp_path):

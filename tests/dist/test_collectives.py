@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from ddpgpt.dist.group import DistEnv
+from ddpgpt.distributed.group import DistEnv
 from tests.dist import workers
 from tests.helpers import codes, run_ranks, tiny_train_args
 

@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pytest
 
-from ddpgpt.sync import MODES
+from ddpgpt.sync.modes import MODES
 from tests.helpers import read_metrics, run_ranks, tiny_train_args
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddpgpt import checkpoint
+from ddpgpt.checkpoint import store
 from ddpgpt.guard.health import EXIT_PREEMPTED
 from tests.helpers import Launch, free_port, read_metrics, run_cli, saved_weights, tiny_train_args
 
@@ -185,7 +185,7 @@ def test_sighup_to_the_launcher_stops_with_a_checkpoint(straight, tiny_data, tmp
             "run the same command to resume")
     assert job.text.count(line) == 1 and "ddpgpt: stopped" not in job.text.replace(line, ""), \
         job.text  # one line: the launcher does not repeat what rank 0 said
-    assert checkpoint.read_meta(saved)["reason"] == "stop"
+    assert store.read_meta(saved)["reason"] == "stop"
     again = Launch(train_args(tiny_data, run_dir))
     assert again.wait(180) == 0, again.text
     assert_same_as_straight(run_dir, straight)
@@ -206,7 +206,7 @@ def test_workers_die_with_their_launcher(straight, tiny_data, tmp_path):
         time.sleep(0.05)
     gone = time.monotonic()
     assert not any(Path(f"/proc/{p}").exists() for p in workers), "workers outlived their launcher"
-    assert [p.name for _, p in checkpoint.step_dirs(run_dir / "checkpoints")] == ["step_0000003"]
+    assert [p.name for _, p in store.step_dirs(run_dir / "checkpoints")] == ["step_0000003"]
     print(f"\n[figure] SIGKILL of the --nproc launcher -> its workers gone {gone - killed:.1f} s "
           "after the fault")
     again = Launch(train_args(tiny_data, run_dir, run__checkpoint_every=3))

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from ddpgpt import checkpoint
+from ddpgpt.checkpoint import store
 from ddpgpt.guard.health import EXIT_PREEMPTED
 from tests.helpers import (
     Launch,
@@ -80,7 +80,7 @@ def test_sigterm_to_one_rank_checkpoints_and_stops_all(straight, tiny_data, tmp_
     stop = run_dir / "checkpoints" / "step_0000006"
     assert (f"ddpgpt: stopped: at step 6 on a signal to another rank; checkpoint {stop} "
             "is complete: run the same command to resume") in job.text
-    assert checkpoint.read_meta(stop)["step"] == 6
+    assert store.read_meta(stop)["step"] == 6
     assert [r["step"] for r in read_metrics(run_dir)[0]] == [1, 2, 3, 4, 5, 6]
     again = Launch(launch_args(tiny_data, run_dir))
     assert again.wait(180) == 0, again.text
@@ -104,7 +104,7 @@ def test_sigint_to_the_launcher_is_forwarded(straight, tiny_data, tmp_path):
     assert job.text.count(line) == 1 and "ddpgpt: stopped" not in job.text.replace(line, ""), \
         job.text  # one line: the launcher does not repeat what rank 0 said
     assert "closing signal" not in job.text  # the elastic agent's narration is not shown
-    assert checkpoint.find_latest(run_dir / "checkpoints")[1]["step"] == stopped_at
+    assert store.find_latest(run_dir / "checkpoints")[1]["step"] == stopped_at
     print(f"\n[figure] SIGINT to the launcher -> job exited with its checkpoint: "
           f"{job.end - signaled:.1f} s")
     again = Launch(launch_args(tiny_data, run_dir))
@@ -121,7 +121,7 @@ def test_second_signal_exits_at_once(tiny_data, tmp_path):
     assert ranks[0].returncode == 1
     assert ranks[0].stderr.splitlines()[-1].startswith(
         "ddpgpt: error: step 4: a collective failed on rank 0 (")
-    assert [p.name for _, p in checkpoint.step_dirs(tmp_path / "run" / "checkpoints")] == [
+    assert [p.name for _, p in store.step_dirs(tmp_path / "run" / "checkpoints")] == [
         "step_0000003"]
 
 
@@ -170,9 +170,9 @@ def test_nan_on_one_rank_stops_every_rank(tiny_data, tmp_path):
         "would resume from it; no checkpoint before it is known healthy: --reset starts over; "
         "lower optim.lr or raise optim.warmup_steps, or use --on-nonfinite skip\n")
     assert ranks[1].stderr == ""
-    assert [p.name for _, p in checkpoint.step_dirs(run_dir / "checkpoints")] == ["step_0000003"]
+    assert [p.name for _, p in store.step_dirs(run_dir / "checkpoints")] == ["step_0000003"]
     # intact: hashes match
-    assert checkpoint.read_meta(run_dir / "checkpoints" / "step_0000003")["step"] == 3
+    assert store.read_meta(run_dir / "checkpoints" / "step_0000003")["step"] == 3
     assert [r["step"] for r in read_metrics(run_dir)[0]] == [1, 2, 3]
 
 

@@ -18,7 +18,7 @@ import json
 import numpy as np
 import pytest
 
-from ddpgpt.sync import MODES
+from ddpgpt.sync.modes import MODES
 from tests.helpers import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]

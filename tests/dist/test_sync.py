@@ -15,13 +15,13 @@ import json
 import numpy as np
 import pytest
 
-from ddpgpt import sync
+from ddpgpt.sync import modes
 from tests.helpers import reference_training, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 STEPS = 10
-MODES = list(sync.MODES)
-COMPRESSED = [m for m in MODES if sync.MODES[m].compression]
+MODES = list(modes.MODES)
+COMPRESSED = [m for m in MODES if modes.MODES[m].compression]
 RESUMES = [["zero1", "ddp"], ["ddp", "zero1"], ["rs-ag", "allreduce"], ["fsdp2", "zero1"],
            ["ddp", "fsdp2"]]
 LOSS_TOL, PARAM_TOL = 1e-6, 2e-5

@@ -5,9 +5,9 @@ runs, so `--run.sync toy` reaches preflight, `make` and the Trainer like any bui
 
 import sys
 
-from ddpgpt import dist
-from ddpgpt.sync import MODES, Mode
+from ddpgpt.distributed import collectives
 from ddpgpt.sync.base import Replicated
+from ddpgpt.sync.modes import MODES, Mode
 
 
 class ToySync(Replicated):
@@ -22,7 +22,7 @@ class ToySync(Replicated):
         for group in self.groups:
             for p in group.params:
                 if p.grad is not None:
-                    dist.all_reduce(self.env, p.grad).div_(self.env.world_size)
+                    collectives.all_reduce(self.env, p.grad).div_(self.env.world_size)
 
 
 ROW = Mode("toy", "tests.dist.toy_sync:ToySync", "plain all-reduce after the backward",

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt import dist
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import session
 
 
 def eval_loss(env, data: str, max_windows: int) -> float:
@@ -21,7 +22,7 @@ def eval_loss(env, data: str, max_windows: int) -> float:
     from ddpgpt.config.schema import ModelConfig
     from ddpgpt.data.loader import EvalLoader
     from ddpgpt.data.shards import TokenDataset
-    from ddpgpt.evaluate import evaluate
+    from ddpgpt.evals.loss import evaluate
     from ddpgpt.model import GPT
 
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=320), seed=5)
@@ -59,8 +60,8 @@ def count_allreduces(env, data: str, run_dir: str, accum: int, steps: int) -> di
         t.train_step()
         per_step.append(list(calls))
         grads = torch.cat([p.grad.flatten() for p in t.raw.parameters()])
-        digests = dist.all_gather(env, torch.tensor(list(dist.digest(grads.numpy().tobytes())),
-                                                    dtype=torch.uint8))
+        digest = collectives.digest(grads.numpy().tobytes())
+        digests = collectives.all_gather(env, torch.tensor(list(digest), dtype=torch.uint8))
         assert all(torch.equal(d, digests[0]) for d in digests), \
             "ranks hold different gradients after the step"
         t.sync.zero_grad()
@@ -98,7 +99,8 @@ def early_checkpoint(env, data: str, run_dir: str, steps: int, modes: list[list[
         losses = []
         for k in range(steps):
             loss, _ = t.train_step()
-            losses.append((dist.all_reduce(env, loss.detach().clone()) / env.world_size).item())
+            summed = collectives.all_reduce(env, loss.detach().clone())
+            losses.append((summed / env.world_size).item())
             t.update(Schedule(t.cfg.optim, steps).at(k))
         return losses
 
@@ -139,7 +141,7 @@ def make_trainer(env, flags: dict):
 def main(functions: dict | None = None) -> None:
     """Runs `functions[NAME]` (this module's by default) on this rank."""
     name, args, out = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
-    with dist.session(device="cpu", group_at_one=args.pop("group_at_one", False)) as env:
+    with session(device="cpu", group_at_one=args.pop("group_at_one", False)) as env:
         result = (functions or globals())[name](env, **args)
         if env.is_main:
             out.write_text(json.dumps(result))

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt import dist
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import checkpoint_group
 from tests.dist.workers import main, make_trainer
 
 
@@ -41,11 +42,11 @@ def checkpoint_memory(env, data: str, run_dir: str, cases: list[list[str]]) -> d
         # The whole state's bytes, from the logical tensors' shapes (not from what was written):
         # the union of every rank's names, since a rank lists only what it holds.
         sizes = {k: p.shape.numel() * p.chunks[0][1].element_size() for k, p in held.items()}
-        total = sum({k: v for text in dist.all_gather_text(env, json.dumps(sizes))
+        total = sum({k: v for text in collectives.all_gather_text(env, json.dumps(sizes))
                      for k, v in json.loads(text).items()}.values())
         largest = max(p.shape.numel() * p.chunks[0][1].element_size() for p in held.values())
-        root = Path(dist.all_gather_text(env, tempfile.mkdtemp(dir=run_dir))[0])
-        saver = Saver(env, root, dist.checkpoint_group(env), "test", keep=5, asynchronous=False)
+        root = Path(collectives.all_gather_text(env, tempfile.mkdtemp(dir=run_dir))[0])
+        saver = Saver(env, root, checkpoint_group(env), "test", keep=5, asynchronous=False)
         with Allocations() as synchronous:
             saver.save(2, held, replicated, rest, {}, wait=True)
         with Allocations() as staged:
@@ -55,7 +56,7 @@ def checkpoint_memory(env, data: str, run_dir: str, cases: list[list[str]]) -> d
         with Allocations() as gathered:  # what the previous store took before serializing it
             state = t.state_dict()
         del state
-        out[f"{mode} {optimizer}"] = dist.all_gather_text(env, json.dumps({
+        out[f"{mode} {optimizer}"] = collectives.all_gather_text(env, json.dumps({
             "written": written, "total": total, "largest": largest,
             "staged": stager.staged_bytes, "peak_sync": synchronous.peak,
             "peak_staged": staged.peak, "peak_gather": gathered.peak}))
@@ -140,7 +141,7 @@ def saver_failures(env, root: str) -> dict:
     from ddpgpt.checkpoint import sharded, store
     from ddpgpt.checkpoint.saver import Saver
 
-    group = dist.checkpoint_group(env, 30)
+    group = checkpoint_group(env, 30)
     held = {"model.w": sharded.whole(torch.ones(6, 4)), "model.b": sharded.whole(torch.ones(4))}
     held.update(sharded.rng(env))
     out = {}
@@ -170,7 +171,7 @@ def saver_failures(env, root: str) -> dict:
                 raise PermissionError(errno.EACCES, "Permission denied", str(root))
             store.prune = unreadable
             restore.append(lambda real=real_prune: setattr(store, "prune", real))
-        dist.barrier(env)
+        collectives.barrier(env)
         start = time.perf_counter()
         try:
             saver.save(1, held, {"model.w", "model.b"}, {"x": 1}, {}, wait=True)
@@ -181,9 +182,9 @@ def saver_failures(env, root: str) -> dict:
         saver.close()
         for undo in restore:
             undo()
-        dist.barrier(env)
+        collectives.barrier(env)
         listing = sorted(os.listdir(where)) if where.is_dir() else []
-        out[case] = dist.all_gather_text(env, json.dumps([outcome, listing, took]))
+        out[case] = collectives.all_gather_text(env, json.dumps([outcome, listing, took]))
     return out
 
 

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from ddpgpt import dist
+from ddpgpt.distributed import collectives
 from tests.dist.workers import main, make_trainer
 
 
@@ -38,7 +38,7 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
         return Trainer(cfg, env, dataset, Guard(env, cfg.run, StopSignal(announce=False)))
 
     issued, events, sent = [], [], set()
-    real = {name: getattr(dist, name) for name in
+    real = {name: getattr(collectives, name) for name in
             ("all_reduce_async", "reduce_scatter_async", "all_gather_async")}
 
     def recorder(name):
@@ -50,7 +50,7 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
         return issue
 
     for name in real:
-        setattr(dist, name, recorder(name))
+        setattr(collectives, name, recorder(name))
 
     def train(t, first, last, trace=False):
         losses, norms, per_step = [], [], []
@@ -60,7 +60,8 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
                 for i, p in enumerate(t.raw.parameters()):  # after the sync's own hooks
                     p.register_post_accumulate_grad_hook(lambda p, i=i: events.append(("ready", i)))
             loss, norm = t.train_step()
-            losses.append((dist.all_reduce(env, loss.detach().clone()) / env.world_size).item())
+            summed = collectives.all_reduce(env, loss.detach().clone())
+            losses.append((summed / env.world_size).item())
             norms.append(norm.item())
             t.update(Schedule(t.cfg.optim, steps).at(k))
             per_step.append(list(issued))
@@ -77,7 +78,7 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
         losses, norms, per_step = train(t, 0, steps, trace=mode == "allreduce")
         weights = t.sync.model_state()  # whole tensors, whatever the mode shards
         final[mode] = torch.cat([weights[k].detach().flatten() for k in sorted(weights)])
-        same = dist.all_gather(env, final[mode])
+        same = collectives.all_gather(env, final[mode])
         out[mode] = {"losses": losses, "norms": norms, "collectives": per_step,
                      "buckets": len(getattr(t.sync, "buckets", [])),
                      "buffer_elements": sum(b.buffer.numel()
@@ -97,7 +98,7 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
         t.close()
         out["compressed"][mode] = {"losses": losses, "sent": sorted(sent)}
     for name in real:
-        setattr(dist, name, real[name])
+        setattr(collectives, name, real[name])
     out["events"] = events
     out["resumed"] = {}
     for source, target in resumes:
@@ -147,14 +148,16 @@ def muon_modes(env, data: str, run_dir: str, steps: int, modes: list[str],
         for k in range(first, last):
             calls.clear()
             loss, _ = t.train_step()
-            losses.append((dist.all_reduce(env, loss.detach().clone()) / env.world_size).item())
+            summed = collectives.all_reduce(env, loss.detach().clone())
+            losses.append((summed / env.world_size).item())
             t.update(Schedule(t.cfg.optim, steps).at(k))
             t.step += 1
-            per_step.append(dist.all_gather(env, torch.tensor([len(calls)])).flatten().tolist())
+            counts = collectives.all_gather(env, torch.tensor([len(calls)]))
+            per_step.append(counts.flatten().tolist())
         return losses, per_step
 
     def gathered(value):
-        return [json.loads(v) for v in dist.all_gather_text(env, json.dumps(value))]
+        return [json.loads(v) for v in collectives.all_gather_text(env, json.dumps(value))]
 
     out = {}
     for mode in modes:
@@ -163,7 +166,7 @@ def muon_modes(env, data: str, run_dir: str, steps: int, modes: list[str],
         opt, mine = t.optimizer, t.sync.matrices.mine
         weights = t.sync.model_state()
         flat = torch.cat([weights[k].detach().flatten() for k in sorted(weights)])
-        everyone = dist.all_gather(env, flat)
+        everyone = collectives.all_gather(env, flat)
         out[mode] = {
             "losses": losses, "ns_calls": per_step,
             "momentum": gathered(sorted(i for i, p in zip(mine, opt.matrices)

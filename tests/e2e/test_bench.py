@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from ddpgpt import bench
-from ddpgpt.sync import MODES
+from ddpgpt.commands import bench
+from ddpgpt.sync.modes import MODES
 from tests.helpers import run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.dist, pytest.mark.timeout(240)]

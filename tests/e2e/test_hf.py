@@ -22,13 +22,14 @@ import numpy as np
 import pytest
 import torch
 
-from ddpgpt import checkpoint, cli
+from ddpgpt import cli
+from ddpgpt.checkpoint import read
 from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.config.io import build, from_dict
 from ddpgpt.data import prepare
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import EOT_TEXT, load_tokenizer
-from ddpgpt.init_from import apply_shape, check_tokenizer, read_state
+from ddpgpt.hf.init_from import apply_shape, check_tokenizer, read_state
 from ddpgpt.model import GPT
 from tests.helpers import (
     assert_greedy_agrees,
@@ -55,7 +56,7 @@ def _ok(r):
 
 
 def _model(run: Path) -> tuple[GPT, dict]:
-    path, meta, state = checkpoint.load_latest(run / "checkpoints")
+    path, meta, state = read.load_latest(run / "checkpoints")
     model = GPT(from_dict(meta["config"]).model).eval()
     model.load_state_dict(state["model"])
     return model, state["model"]
@@ -328,7 +329,7 @@ def test_bad_input_is_one_line(bpe, gpt2_run, tmp_path, capsys, monkeypatch):
                         else find_spec(name, *a))
     for tracker in ("tensorboard", "wandb"):
         assert _fails(capsys, *train, "--data", bpe.data, "--run.tracker", tracker) == (
-            f"run.tracker = {tracker} needs the {tracker} package, which is not installed: "
+            f"run.tracker = {tracker} needs {tracker}: "
             "pip install 'ddpgpt[track]' (or run.tracker = none)")
 
 

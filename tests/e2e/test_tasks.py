@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddpgpt import checkpoint
+from ddpgpt.checkpoint import read
 from ddpgpt.config.io import from_dict
 from ddpgpt.data.tokenizer import ByteTokenizer
 from ddpgpt.evals import tasks
@@ -74,7 +74,7 @@ def runs(tmp_path_factory):
 
 
 def _model(run: Path) -> GPT:
-    _, meta, state = checkpoint.load_latest(run / "checkpoints")
+    _, meta, state = read.load_latest(run / "checkpoints")
     model = GPT(from_dict(meta["config"]).model).eval()
     model.load_state_dict(state["model"])
     return model

@@ -6,13 +6,14 @@ import json
 import pytest
 import torch
 
-from ddpgpt import check
-from ddpgpt.check import matrix, training
-from ddpgpt.check.matrix import Case
-from ddpgpt.check.report import FAIL, NOT_RUN, PASS, Row, write
-from ddpgpt.check.training import Result
+from ddpgpt.commands.check import main as check
+from ddpgpt.commands.check import matrix, training
+from ddpgpt.commands.check.matrix import Case
+from ddpgpt.commands.check.report import FAIL, NOT_RUN, PASS, Row, write
+from ddpgpt.commands.check.training import Result
 from ddpgpt.config.commands import CheckConfig
-from ddpgpt.sync import MODES
+from ddpgpt.distributed.group import DistEnv
+from ddpgpt.sync.modes import MODES
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -127,7 +128,7 @@ def test_rows_a_machine_cannot_run_say_what_they_need():
     assert {(r.status, r.figure) for r in rows} == {(NOT_RUN, "needs a second GPU")}
     hook = _spec("ddp · adamw · fp32 · torch's bf16_compress_hook")
     assert hook.oracle == Case("ddp", compress="bf16")
-    env = training.dist.DistEnv()  # no group, so no NCCL
+    env = DistEnv()  # no group, so no NCCL
     assert training.train(hook.case, env, "unused", 2, True).needs == "NCCL"
     r = training.row(hook, {hook.case: Result(needs="NCCL"), hook.oracle: Result(losses=[1.0])},
                      "cpu", 2)
@@ -174,7 +175,7 @@ def test_check_exits_non_zero_when_a_row_fails(tmp_path, monkeypatch, tiny_data)
 
 
 def test_export_without_transformers_is_not_run_and_says_what_it_needs(tmp_path, monkeypatch):
-    from ddpgpt.check import commands
+    from ddpgpt.commands.check import commands
 
     monkeypatch.setattr(commands.importlib.util, "find_spec", lambda name: None)
     r = commands.export_row(tmp_path, tmp_path, "cpu")
@@ -201,7 +202,7 @@ def test_no_compile_lists_the_compile_rows_as_left_out(tiny_data):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a small model: a second thread only waits on a busy machine
     try:
-        rows = check.training_rows(cfg, training.dist.DistEnv(), str(tiny_data), 2, None)
+        rows = check.training_rows(cfg, DistEnv(), str(tiny_data), 2, None)
     finally:
         torch.set_num_threads(threads)
     by_check = {r.check: r for r in rows}

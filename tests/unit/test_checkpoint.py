@@ -7,9 +7,8 @@ import shutil
 import pytest
 import torch
 
-from ddpgpt import checkpoint
+from ddpgpt.checkpoint import read, store
 from ddpgpt.checkpoint import read as load_module
-from ddpgpt.checkpoint import store
 from ddpgpt.checkpoint.store import CheckpointError
 from ddpgpt.config.schema import ModelConfig
 from ddpgpt.model import GPT
@@ -23,16 +22,16 @@ def model(seed=0):
 def save(run, step, keep=10, seed=None):
     state = {"model": model(step if seed is None else seed).state_dict(),
              "optimizer": {"step": step}}
-    return checkpoint.save(run / "checkpoints", step, state, {"config": {}}, keep)
+    return store.save(run / "checkpoints", step, state, {"config": {}}, keep)
 
 
 def find_latest(run):
-    return checkpoint.find_latest(run / "checkpoints")
+    return store.find_latest(run / "checkpoints")
 
 
 def load_into(path, target):
-    checkpoint.load_weights(path, target,
-                            checkpoint.load(path, checkpoint.read_meta(path))["model"])
+    read.load_weights(path, target,
+                      read.load(path, store.read_meta(path))["model"])
 
 
 def test_save_is_complete_and_validated(tmp_path):
@@ -40,7 +39,7 @@ def test_save_is_complete_and_validated(tmp_path):
     assert path == tmp_path / "checkpoints" / "step_0000007"
     assert sorted(p.name for p in path.iterdir()) == [
         ".metadata", "__0_0.distcp", "meta.json", "trainer.pt"]
-    meta = checkpoint.read_meta(path)
+    meta = store.read_meta(path)
     assert meta["step"] == 7 and meta["format_version"] == 3
     assert set(meta["files"]) == {".metadata", "__0_0.distcp", "trainer.pt"}
     # no temp dir left
@@ -49,7 +48,7 @@ def test_save_is_complete_and_validated(tmp_path):
     load_into(path, loaded)
     assert all(torch.equal(a, b)
                for a, b in zip(loaded.state_dict().values(), model(7).state_dict().values()))
-    assert checkpoint.load(path, meta)["optimizer"] == {"step": 7}
+    assert read.load(path, meta)["optimizer"] == {"step": 7}
 
 
 def test_files_and_directory_are_fsynced_before_the_rename(tmp_path, monkeypatch):
@@ -139,7 +138,7 @@ def test_temporaries_are_removed_at_startup(tmp_path):
     for path in leftovers:
         path.mkdir()
         (path / "model.safetensors").write_bytes(b"x" * 100)
-    assert sorted(checkpoint.remove_temporaries(root)) == sorted(leftovers)
+    assert sorted(store.remove_temporaries(root)) == sorted(leftovers)
     assert [p.name for p in root.iterdir()] == ["step_0000001"]
 
 
@@ -225,7 +224,7 @@ def test_load_latest_skips_a_checkpoint_pruned_while_read(tmp_path, monkeypatch)
     reader takes the next newest instead of failing."""
     save(tmp_path, 1)
     save(tmp_path, 2)
-    root, real_load = tmp_path / "checkpoints", checkpoint.load
+    root, real_load = tmp_path / "checkpoints", read.load
 
     def pruned_first(path, meta, **kw):
         if path.name == "step_0000002":  # deleted the way prune deletes: renamed away, then removed
@@ -234,7 +233,7 @@ def test_load_latest_skips_a_checkpoint_pruned_while_read(tmp_path, monkeypatch)
         return real_load(path, meta, **kw)
 
     monkeypatch.setattr(load_module, "load", pruned_first)
-    path, meta, state = checkpoint.load_latest(root)
+    path, meta, state = read.load_latest(root)
     assert (path.name, meta["step"]) == ("step_0000001", 1)
     assert torch.equal(state["model"]["wte.weight"], model(1).wte.weight)
 
@@ -258,7 +257,7 @@ def test_readers_never_fail_while_a_training_prunes(tmp_path):
     try:
         for _ in range(200):
             try:
-                path, meta, state = checkpoint.load_latest(tmp_path / "checkpoints")
+                path, meta, state = read.load_latest(tmp_path / "checkpoints")
                 assert torch.equal(state["model"]["wte.weight"], model(meta["step"]).wte.weight)
             except CheckpointError as e:
                 errors.append(e)

@@ -27,7 +27,7 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
 from ddpgpt.run.preflight import accum_steps, preflight
 from ddpgpt.run.preflight import resolve as resolve_autos
-from ddpgpt.sync import MODES
+from ddpgpt.sync.modes import MODES
 from tests.helpers import run_cli, write_dataset
 
 if sys.version_info >= (3, 11):
@@ -514,3 +514,31 @@ def test_a_local_gpt2_directorys_positions_bound_the_sequence_length(tmp_path):
     with pytest.raises(ConfigError, match="data.seq_len = 600 exceeds model.block_size = 512"):
         _parse_train(["--data", "d", "--init-from", str(tmp_path / "small"),
                       "--data.seq-len", "600"])
+
+
+def _choice_fields():
+    """(section, config class, field, its choices) for every setting typed as a Literal."""
+    import typing
+
+    from ddpgpt.config import commands
+    from ddpgpt.config.io import field_types
+    from ddpgpt.config.schema import SECTIONS
+
+    classes = [(s, c) for s, c in SECTIONS.items()] + [
+        (c.__name__.removesuffix("Config").lower(), c) for c in vars(commands).values()
+        if dataclasses.is_dataclass(c) and c.__module__ == commands.__name__]
+    return [(section, cls, name, typing.get_args(tp)) for section, cls in classes
+            for name, tp in field_types(cls).items() if typing.get_origin(tp) is typing.Literal]
+
+
+@pytest.mark.parametrize("section, cls, name, choices", _choice_fields(),
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_a_choice_is_checked_against_its_literal_and_nothing_else(section, cls, name, choices):
+    """Every value of the field's Literal is accepted; one outside it is refused with the
+    Literal's list: validation reads the type, no copied list."""
+    for value in choices:
+        assert getattr(cls(**{name: value}), name) == value
+    with pytest.raises(ConfigError) as e:
+        cls(**{name: "zzzzzzzz"})
+    assert str(e.value).endswith(f"{section}.{name} = 'zzzzzzzz'; choose one of "
+                                 f"{', '.join(choices)}")

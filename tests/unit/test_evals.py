@@ -12,10 +12,11 @@ import torch
 
 from ddpgpt.config.schema import ModelConfig
 from ddpgpt.data.tokenizer import BPETokenizer, ByteTokenizer, GPT2Tokenizer
-from ddpgpt.dist.group import DistEnv
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.errors import DataError, UserError
 from ddpgpt.evals import tasks
-from ddpgpt.evals.multiple_choice import Scorer, ending_losses, render
+from ddpgpt.evals.multiple_choice import ending_losses, render
+from ddpgpt.evals.scorer import Scorer
 from ddpgpt.model import GPT
 from tests import hellaswag_oracle as oracle
 

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from ddpgpt import gpt2
+from ddpgpt.commands.export import byte_tokenizer, from_tiktoken, write_model
 from ddpgpt.config import io as config_io
 from ddpgpt.config.schema import ConfigError, ModelConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import EOT_TEXT, ByteTokenizer
 from ddpgpt.errors import UserError
-from ddpgpt.export import byte_tokenizer, from_tiktoken, write_model
-from ddpgpt.init_from import (
+from ddpgpt.hf import gpt2
+from ddpgpt.hf.init_from import (
     ASSUMED_GPT2,
     apply_shape,
     check_tokenizer,

@@ -1,7 +1,9 @@
 """The house reads in one direction (docs/development.md): the import contracts in pyproject.toml
-hold, no module imports one that imports it back, the config imports no component, and no module
-outgrows a reading."""
+hold, no module imports one that imports it back (a package's __init__ included: importing
+`a.b.c` runs `a/__init__.py` and `a/b/__init__.py` first), the config imports no component, and
+no module outgrows a reading."""
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -27,8 +29,20 @@ def test_the_layers_contract_holds():
     assert "0 broken" in proc.stdout
 
 
+def _imports(graph, module: str) -> set[str]:
+    """What importing `module` runs: each module it imports and, as Python does, every package
+    above each of those (`from a.b import c` runs a/__init__.py and a/b/__init__.py first).
+    grimp records only the module named, so a cycle through a package's __init__ (the package
+    re-exports a module that imports its sibling through the package) would go unseen."""
+    out = set()
+    for imported in graph.find_modules_directly_imported_by(module):
+        parts = imported.split(".")
+        out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return (out & graph.modules) - {module}
+
+
 def _cycles(graph) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
+    """The strongly connected components of more than one module (Tarjan), over `_imports`."""
     index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
 
     def visit(v):
@@ -36,7 +50,7 @@ def _cycles(graph) -> list[list[str]]:
         counter[0] += 1
         stack.append(v)
         on.add(v)
-        for w in graph.find_modules_directly_imported_by(v):
+        for w in _imports(graph, v):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -75,6 +89,22 @@ def test_the_cycle_finder_finds_a_cycle(tmp_path, monkeypatch):
                                                                         "loop_pkg.b"]]
 
 
+def test_the_cycle_finder_finds_a_cycle_through_a_package_init(tmp_path, monkeypatch):
+    """The oracle for a cycle that no two modules show by name: the package's __init__
+    re-exports `a`, and `a` imports its sibling `b`, which runs the package's __init__ first."""
+    pkg = tmp_path / "face_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from face_pkg.a import f  # noqa: F401\n")
+    (pkg / "a.py").write_text("from face_pkg.b import g\n\ndef f():\n    return g()\n")
+    (pkg / "b.py").write_text("def g():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    graph = grimp.build_graph("face_pkg", cache_dir=None)
+    assert graph.find_modules_directly_imported_by("face_pkg.a") == {"face_pkg.b"}  # no cycle
+    assert _cycles(graph) == [["face_pkg", "face_pkg.a"]]
+    (pkg / "__init__.py").write_text('"""A package that re-exports nothing."""\n')
+    assert _cycles(grimp.build_graph("face_pkg", cache_dir=None)) == []
+
+
 def test_the_config_imports_no_component():
     """config/ is the ground: it imports nothing of ddpgpt but errors (and itself)."""
     graph = grimp.build_graph("ddpgpt")
@@ -87,3 +117,20 @@ def test_no_module_outgrows_a_reading():
     sizes = {p.relative_to(REPO): len(p.read_text().splitlines())
              for p in (REPO / "ddpgpt").rglob("*.py")}
     assert {p: n for p, n in sizes.items() if n > LARGEST} == {}
+
+
+def test_files_are_replaced_only_through_files_py():
+    """The temporary file renamed over its name (files.atomic_write) is written once: no module
+    but files.py calls os.replace."""
+    calls = {p.relative_to(REPO) for p in (REPO / "ddpgpt").rglob("*.py")
+             if "os.replace(" in p.read_text()}
+    assert calls == {Path("ddpgpt/files.py")}
+
+
+def test_a_package_init_imports_nothing():
+    """Callers import from the defining module: a package's __init__ is its docstring (the root's
+    also holds __version__), so importing any module of it runs nothing else first."""
+    faces = {p.relative_to(REPO): [n.lineno for n in ast.walk(ast.parse(p.read_text()))
+                                   if isinstance(n, (ast.Import, ast.ImportFrom))]
+             for p in (REPO / "ddpgpt").rglob("__init__.py")}
+    assert {p: lines for p, lines in faces.items() if lines} == {}

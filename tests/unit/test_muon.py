@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from ddpgpt import optim
 from ddpgpt.config.schema import ConfigError, ModelConfig, OptimConfig
-from ddpgpt.dist.group import DistEnv
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.model import GPT
+from ddpgpt.optim import optimizer
 from ddpgpt.optim.muon import (
     NS_COEFFICIENTS,
     NS_NORM_SCALE,
@@ -129,12 +129,12 @@ def test_newton_schulz_fp32_keeps_singular_vectors_and_equalizes_values(name, g)
 def ours_and_torchs(ns_dtype: torch.dtype):
     """Our optimizer at W=1 and torch's two over a copy of the same model."""
     ours, ref = GPT(MODEL, seed=3), GPT(MODEL, seed=3)
-    groups = optim.groups(ours, CFG)
-    opt = optim.Optimizer(groups, Sync(ours, groups, DistEnv()).params(), CFG,
-                          torch.device("cpu"), ns_dtype=ns_dtype)
+    groups = optimizer.groups(ours, CFG)
+    opt = optimizer.Optimizer(groups, Sync(ours, groups, DistEnv()).params(), CFG,
+                              torch.device("cpu"), ns_dtype=ns_dtype)
     named = list(ref.named_parameters())
-    matrices = [p for n, p in named if optim.is_muon_param(n, p)]
-    rest = [p for n, p in named if not optim.is_muon_param(n, p)]
+    matrices = [p for n, p in named if optimizer.is_muon_param(n, p)]
+    rest = [p for n, p in named if not optimizer.is_muon_param(n, p)]
     muon = torch.optim.Muon(matrices, lr=CFG.muon_lr, weight_decay=CFG.weight_decay,
                             adjust_lr_fn="match_rms_adamw")
     adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2],
@@ -149,7 +149,7 @@ def step_both(ours, opt, ref, muon, adamw, gen, step):
     for p, q in zip(ours.parameters(), ref.parameters()):
         p.grad = torch.randn(p.shape, generator=gen)
         q.grad = p.grad.clone()
-    optim.set_lr(opt, lr, momentum)
+    optimizer.set_lr(opt, lr, momentum)
     opt.step()
     for group in muon.param_groups:
         group["lr"], group["momentum"] = lr * CFG.muon_lr / CFG.lr, momentum
@@ -167,7 +167,7 @@ def test_a_step_is_torchs_muon_and_adamw_bitwise_in_bf16():
         for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
             assert torch.equal(p, q), (step, name)
     # the same momentum buffers, in torch's Muon state_dict layout over the whole model
-    full, theirs = Sync(ours, optim.groups(ours, CFG), DistEnv()).optimizer_state(opt), \
+    full, theirs = Sync(ours, optimizer.groups(ours, CFG), DistEnv()).optimizer_state(opt), \
         muon.state_dict()
     assert full["muon"]["state"].keys() == theirs["state"].keys()
     assert all(torch.equal(s["momentum_buffer"], theirs["state"][i]["momentum_buffer"])
@@ -182,7 +182,7 @@ def test_a_step_with_fp32_newton_schulz_is_torchs_within_bf16_rounding():
     step_both(ours, opt, ref, muon, adamw, torch.Generator().manual_seed(1), 0)
     worst = 0.0
     for (name, p), q, p0 in zip(ours.named_parameters(), ref.parameters(), before):
-        if optim.is_muon_param(name, p):
+        if optimizer.is_muon_param(name, p):
             worst = max(worst, ((p - q).norm() / (q - p0).norm()).item())
         else:
             assert torch.equal(p, q), name
@@ -220,7 +220,7 @@ def test_gpt2_124m_loads():
     """The README's figures: max/mean Newton-Schulz cost per rank for gpt2-124m's 48 matrices."""
     with torch.device("meta"):
         model = GPT(ModelConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50304))
-    shapes = [tuple(p.shape) for n, p in model.named_parameters() if optim.is_muon_param(n, p)]
+    shapes = [tuple(p.shape) for n, p in model.named_parameters() if optimizer.is_muon_param(n, p)]
     assert len(shapes) == 48
     balance = {w: plan(shapes, w).balance() for w in (2, 4, 8)}
     assert balance[2] == balance[4] == 1.0
@@ -230,12 +230,12 @@ def test_gpt2_124m_loads():
 def test_the_whole_model_state_survives_a_round_trip():
     ours, opt, ref, muon, adamw = ours_and_torchs(torch.float32)
     step_both(ours, opt, ref, muon, adamw, torch.Generator().manual_seed(1), 0)
-    sync = Sync(ours, optim.groups(ours, CFG), DistEnv())
+    sync = Sync(ours, optimizer.groups(ours, CFG), DistEnv())
     full = sync.optimizer_state(opt)
     other = GPT(MODEL, seed=3)
-    groups = optim.groups(other, CFG)
-    fresh = optim.Optimizer(groups, Sync(other, groups, DistEnv()).params(), CFG,
-                            torch.device("cpu"), ns_dtype=torch.float32)
+    groups = optimizer.groups(other, CFG)
+    fresh = optimizer.Optimizer(groups, Sync(other, groups, DistEnv()).params(), CFG,
+                                torch.device("cpu"), ns_dtype=torch.float32)
     Sync(other, groups, DistEnv()).load_optimizer_state(fresh, full)
     again = Sync(other, groups, DistEnv()).optimizer_state(fresh)
     for part in ("muon", "adamw"):
@@ -250,25 +250,25 @@ def test_an_earlier_muon_checkpoint_is_read_in_todays_layout():
                            "exp_avg_sq": torch.zeros(4)}},
              "param_groups": [{"kind": "muon", "params": [0, 1]}, {"params": [2]},
                               {"params": [3, 4]}]}
-    new = optim.upgrade(state)
+    new = optimizer.upgrade(state)
     assert new["muon"]["state"] == {0: state["state"][0]}
     assert new["muon"]["param_groups"][0]["params"] == [0, 1]
     assert new["adamw"]["state"] == {0: state["state"][2]}
     assert [g["params"] for g in new["adamw"]["param_groups"]] == [[0], [1, 2]]
-    assert optim.upgrade(new) is new and optim.upgrade(new["adamw"]) is new["adamw"]
+    assert optimizer.upgrade(new) is new and optimizer.upgrade(new["adamw"]) is new["adamw"]
 
 
 def test_groups_split_matrices_from_the_rest():
     model = GPT(MODEL)
     names = {id(p): n for n, p in model.named_parameters()}
-    muon, decay, no_decay = ([names[id(p)] for p in g.params] for g in optim.groups(model, CFG))
+    muon, decay, no_decay = ([names[id(p)] for p in g.params] for g in optimizer.groups(model, CFG))
     assert all(n.startswith("blocks.") and "weight" in n and "ln" not in n for n in muon)
     assert len(muon) == 8 and decay == ["wte.weight", "wpe.weight"]
     assert all(model.get_parameter(n).dim() == 1 for n in no_decay)
-    groups = optim.groups(model, CFG)
-    opt = optim.Optimizer(groups, Sync(model, groups, DistEnv()).params(), CFG,
-                          torch.device("cpu"))
-    optim.set_lr(opt, 5e-3, 0.9)
+    groups = optimizer.groups(model, CFG)
+    opt = optimizer.Optimizer(groups, Sync(model, groups, DistEnv()).params(), CFG,
+                              torch.device("cpu"))
+    optimizer.set_lr(opt, 5e-3, 0.9)
     assert [g["lr"] for g in opt.param_groups] == [pytest.approx(0.025), 5e-3, 5e-3]
     assert opt.param_groups[0]["momentum"] == 0.9
 

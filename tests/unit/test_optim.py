@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from ddpgpt.config.schema import ModelConfig, OptimConfig, RunConfig, TrainConfig
-from ddpgpt.dist.group import DistEnv
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.model import GPT
 from ddpgpt.optim.optimizer import Optimizer, groups, set_lr
 from ddpgpt.optim.schedule import Rates, Schedule, lr_at, momentum_at

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ddpgpt.cli import main
-from ddpgpt.plot import auto_beta, smoothed
+from ddpgpt.commands.plot import auto_beta, smoothed
 
 
 def fake_run(path, optimizer: str, steps: int = 20, eval_every: int = 5):
@@ -191,7 +191,7 @@ def test_stops_restarts_and_rollbacks_are_marked(tmp_path, monkeypatch):
 def test_a_run_is_labelled_by_the_world_size_it_trained_most_steps_at(tmp_path):
     """180 steps at W=2, then 20 at W=1 after a resume (its checkpoint saved at W=1): W=2, and
     the stretch at W=1 said; a start from an older checkpoint replaces the steps after it."""
-    from ddpgpt.plot import load_run
+    from ddpgpt.commands.plot import load_run
 
     a = fake_run(tmp_path / "a", "adamw", steps=200)
     (a / "checkpoints" / "step_0000200").mkdir(parents=True)

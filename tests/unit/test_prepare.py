@@ -156,7 +156,7 @@ def test_hf_source_without_extra(monkeypatch, tmp_path):
     with pytest.raises(UserError) as e:
         prepare.run(PrepareConfig(sources=["hf:roneneldan/TinyStories"], out=str(tmp_path / "o"),
                                   tokenizer="byte"))
-    assert str(e.value) == ("source hf:roneneldan/TinyStories needs the 'hf' extra: "
+    assert str(e.value) == ("source hf:roneneldan/TinyStories needs datasets: "
                             "pip install 'ddpgpt[hf]'")
     assert not (tmp_path / "o").exists()
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from ddpgpt import checkpoint
+from ddpgpt.checkpoint import store
 from ddpgpt.config.schema import DataConfig, OptimConfig, RunConfig, TrainConfig
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT
@@ -28,8 +28,8 @@ def save(run: RunDir, step: int, origin: dict | None = None, fingerprint: str = 
          tokenizer: str | None = None):
     meta = {"config": config().to_dict(), "world_size": 1, "data_fingerprint": fingerprint,
             "origin": origin, **({"tokenizer_fingerprint": tokenizer} if tokenizer else {})}
-    return checkpoint.save(run.checkpoints, step, {"model": GPT(SMALL).state_dict()}, meta,
-                           keep=100)
+    return store.save(run.checkpoints, step, {"model": GPT(SMALL).state_dict()}, meta,
+                      keep=100)
 
 
 def choose(run: RunDir, mode: str = "auto", first: bool = True, tokenizer: str | None = None,
@@ -205,9 +205,28 @@ def test_a_muon_checkpoint_under_adamw_is_refused_in_one_line(run):
     """The reverse, from the run dir: Muon's momentum cannot become AdamW's moments."""
     muon = dataclasses.replace(config(), optim=OptimConfig(name="muon"))
     meta = {"config": muon.to_dict(), "world_size": 2, "data_fingerprint": FP, "origin": None}
-    checkpoint.save(run.checkpoints, 2, {"model": GPT(SMALL).state_dict()}, meta, keep=100)
+    store.save(run.checkpoints, 2, {"model": GPT(SMALL).state_dict()}, meta, keep=100)
     with pytest.raises(UserError) as e:
         choose(run)
     assert str(e.value) == (f"run dir {run.path}: refused to resume checkpoint step_0000002, "
                             "which has another model shape or optimizer (optim.name muon -> "
                             "adamw); use another --run-dir, or --reset to set the old run aside")
+
+
+def test_where_a_run_starts_is_decided_once_per_process(tiny_data, tmp_path, monkeypatch,
+                                                         one_thread):
+    """One process trains, stops, and resumes: each start decides its starting point once
+    (resume.plan, every file hashed) and hands that decision on to the run dir's claim."""
+    from ddpgpt.cli import main
+    from tests.helpers import tiny_train_args
+
+    calls = []
+    real = resume.plan
+    monkeypatch.setattr(resume, "plan", lambda *a, **k: calls.append(k) or real(*a, **k))
+    args = tiny_train_args(tiny_data, tmp_path / "run", steps=2, run__checkpoint_every=1)[3:]
+    main(["train", *args])
+    assert calls == [{"verify": True}]
+    main(["train", *args, "--run.steps", "3"])  # resumes from step 2
+    assert calls == [{"verify": True}] * 2
+    assert [p.name for _, p in store.step_dirs(tmp_path / "run" / "checkpoints")][-1] == \
+        "step_0000003"

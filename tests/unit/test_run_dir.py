@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from ddpgpt import checkpoint
+from ddpgpt.checkpoint import store
 from ddpgpt.config.io import build
 from ddpgpt.model import GPT
 from ddpgpt.run import launch
@@ -77,10 +77,29 @@ def test_set_aside_keeps_everything(tmp_path):
     assert not run.checkpoints.exists() and not run.metrics.exists()
 
 
+
+def test_a_rewind_sets_the_later_checkpoints_aside_with_a_copy_of_the_metrics(tmp_path, capsys):
+    """--resume PATH of this run dir (a rewind: not the spike guard's rollback) moves the
+    checkpoints after PATH into rewind-<time>/ with a copy of metrics.jsonl, and says so."""
+    run = RunDir(tmp_path / "run")
+    later = [run.checkpoints / f"step_000000{s}" for s in (4, 6)]
+    for path in [run.checkpoints / "step_0000002", *later]:
+        path.mkdir(parents=True)
+    run.metrics.write_text('{"step": 6}\n')
+    run.rewind(later, 2)
+    (aside,) = run.path.glob("rewind-*")
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_0000004",
+                                                                        "step_0000006"]
+    assert [p.name for p in run.checkpoints.iterdir()] == ["step_0000002"]
+    assert (aside / "metrics.jsonl").read_text() == run.metrics.read_text()
+    assert capsys.readouterr().err == (
+        "ddpgpt: --resume: continuing from step 2; moved the later checkpoints (step_0000004, "
+        f"step_0000006) and a copy of the metrics to {aside}\n")
+
 def save(root, step, reason, saved_at=None):
     model = GPT(build(None, None, {"model": {"n_layer": 1, "n_head": 1, "n_embd": 8,
                                              "block_size": 4, "vocab_size": 16}}).model)
-    path = checkpoint.save(root, step, {"model": model.state_dict()}, {"reason": reason}, keep=10)
+    path = store.save(root, step, {"model": model.state_dict()}, {"reason": reason}, keep=10)
     if saved_at is not None:
         meta = json.loads((path / "meta.json").read_text())
         meta["saved_at"] = saved_at

@@ -4,7 +4,7 @@ docs/sync.md's scaling figures (benchmarks/scaling.py) read."""
 import pytest
 
 from benchmarks import scaling
-from ddpgpt.sync import MODES, Traffic
+from ddpgpt.sync.modes import MODES, Traffic
 
 
 def test_ring_bytes_per_mode():

@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ddpgpt import checkpoint
-from ddpgpt.checkpoint import sharded
+from ddpgpt.checkpoint import read, sharded, store
 from ddpgpt.checkpoint.store import CheckpointError
 from ddpgpt.errors import UserError
 from tests.helpers import SMALL, save_format_2
@@ -104,14 +103,14 @@ def test_an_index_runs_no_code():
 def test_a_foreign_index_with_a_matching_hash_is_one_line(tmp_path):
     from ddpgpt.model import GPT
 
-    path = checkpoint.save(tmp_path, 1, {"model": GPT(SMALL).state_dict()}, {}, keep=5)
+    path = store.save(tmp_path, 1, {"model": GPT(SMALL).state_dict()}, {}, keep=5)
     data = pickle.dumps({"not": "an index"})
     (path / sharded.INDEX).write_bytes(data)
     meta = json.loads((path / "meta.json").read_text())
     meta["files"][sharded.INDEX] = __import__("hashlib").sha256(data).hexdigest()
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"\.metadata is not an index of tensors"):
-        checkpoint.load(path, checkpoint.read_meta(path))
+        read.load(path, store.read_meta(path))
 
 
 # ---- format 2: written whole by rank 0, still read ------------------------------------------
@@ -124,14 +123,14 @@ def test_format_2_still_loads_and_format_3_follows(tmp_path):
     root = tmp_path / "checkpoints"
     weights = GPT(SMALL, seed=3).state_dict()
     old = save_format_2(root, 1, {"model": weights, "optimizer": {"step": 1}}, {"world_size": 2})
-    path, meta = checkpoint.find_latest(root)
+    path, meta = store.find_latest(root)
     assert (path, meta["format_version"]) == (old, 2)
-    state = checkpoint.load(path, meta)
+    state = read.load(path, meta)
     assert state["optimizer"] == {"step": 1}
     assert all(torch.equal(state["model"][k], v) for k, v in weights.items())
-    assert all(torch.equal(checkpoint.weights(old)[k], v) for k, v in weights.items())
-    checkpoint.save(root, 2, {"model": weights}, {}, keep=5)
-    path, meta = checkpoint.find_latest(root)
+    assert all(torch.equal(read.weights(old)[k], v) for k, v in weights.items())
+    store.save(root, 2, {"model": weights}, {}, keep=5)
+    path, meta = store.find_latest(root)
     assert (path.name, meta["format_version"]) == ("step_0000002", 3)
     shutil.rmtree(path)
 
@@ -142,10 +141,10 @@ def test_export_writes_one_safetensors_file(tmp_path):
     from ddpgpt.model import GPT
 
     weights = GPT(SMALL, seed=4).state_dict()
-    path = checkpoint.save(tmp_path, 1, {"model": weights}, {}, keep=5)
+    path = store.save(tmp_path, 1, {"model": weights}, {}, keep=5)
     old = os.umask(0o027)  # a group-readable umask: the file is 0640, as open() would make it
     try:
-        out = checkpoint.export_safetensors(path, tmp_path / "model.safetensors")
+        out = read.export_safetensors(path, tmp_path / "model.safetensors")
     finally:
         os.umask(old)
     loaded = load_file(out)

@@ -11,8 +11,8 @@ from benchmarks import speedrun
 from ddpgpt.config.schema import ModelConfig
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.dist.group import DistEnv
-from ddpgpt.evaluate import evaluate
+from ddpgpt.distributed.group import DistEnv
+from ddpgpt.evals.loss import evaluate
 from ddpgpt.model import GPT
 from tests.helpers import write_dataset
 

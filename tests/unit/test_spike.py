@@ -10,11 +10,11 @@ import time
 import numpy as np
 import pytest
 
-from ddpgpt import checkpoint
+from ddpgpt.checkpoint import store
 from ddpgpt.config.schema import ConfigError, DataConfig, RunConfig, TrainConfig
 from ddpgpt.data.loader import TrainLoader
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.dist.group import DistEnv, DistError, parse_nnodes
+from ddpgpt.distributed.group import DistEnv, DistError, parse_nnodes
 from ddpgpt.guard.health import Guard, Health, StopSignal
 from ddpgpt.guard.spike import UPDATE, SpikePolicy, Verdict, target
 from ddpgpt.run.elastic import first_start
@@ -172,7 +172,7 @@ def test_what_a_bad_step_leads_to(on_nonfinite, on_spike, health, outcome, tmp_p
     """One story for both knobs: a non-finite value is a spike unless run.on_nonfinite says
     stop or skip; run.on_spike decides for spikes, and none never trains through a NaN. A stop
     names the newest checkpoint known healthy, never the one written just before the spike."""
-    c1, c2 = (checkpoint.step_dir(tmp_path, s) for s in (1, 2))
+    c1, c2 = (store.step_dir(tmp_path, s) for s in (1, 2))
     for c in (c1, c2):
         c.mkdir()
     g = guard(tmp_path, on_nonfinite=on_nonfinite, on_spike=on_spike)

@@ -34,7 +34,7 @@ def test_the_nonfinite_stop_advises_what_is_not_already_on(on_nonfinite, lr_fiel
     """With skipping on, advising --on-nonfinite skip says nothing; under Muon the matrices'
     learning rate is optim.muon_lr."""
     from ddpgpt.config.schema import RunConfig
-    from ddpgpt.dist.group import DistEnv, DistError
+    from ddpgpt.distributed.group import DistEnv, DistError
     from ddpgpt.guard.health import Guard
 
     guard = Guard(DistEnv(), RunConfig(on_nonfinite=on_nonfinite, max_skipped=0),
@@ -48,7 +48,7 @@ def test_the_nonfinite_stop_advises_what_is_not_already_on(on_nonfinite, lr_fiel
 def test_the_healthy_checkpoint_advice_is_a_sentence_of_its_own(tmp_path):
     """Without a suspect checkpoint the advice starts the sentence (after "... step. ")."""
     from ddpgpt.config.schema import RunConfig
-    from ddpgpt.dist.group import DistEnv
+    from ddpgpt.distributed.group import DistEnv
     from ddpgpt.guard.health import Guard
 
     (tmp_path / "step_0000001").mkdir()

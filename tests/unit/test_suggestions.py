@@ -57,7 +57,7 @@ def test_a_mistyped_choice_names_the_choice_meant(argv, line, capsys, tmp_path, 
 
 
 def test_a_mistyped_sync_mode_names_the_mode_meant():
-    from ddpgpt.sync import check
+    from ddpgpt.sync.modes import check
     with pytest.raises(UserError) as e:
         check("zero")
     assert str(e.value) == ("invalid config: run.sync = 'zero' (did you mean zero1?); choose one "

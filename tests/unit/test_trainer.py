@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddpgpt.config.io import build
-from ddpgpt.dist.group import DistEnv
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.guard.health import Guard, StopSignal
 from ddpgpt.optim.schedule import Rates
 from ddpgpt.run.preflight import preflight
@@ -125,7 +125,7 @@ def test_a_checkpoint_without_one_of_the_models_tensors_is_refused(tiny_data, tm
     """A format-3 checkpoint whose index lacks a tensor this model has (its files and hashes
     consistent: not written by ddpgpt for this model) is refused in one line, where the tensor
     would have kept its fresh initialization."""
-    from ddpgpt import checkpoint
+    from ddpgpt.checkpoint import read, store
     from ddpgpt.checkpoint.saver import Saver
 
     first = make(tiny_data, tmp_path)
@@ -136,17 +136,17 @@ def test_a_checkpoint_without_one_of_the_models_tensors_is_refused(tiny_data, tm
     held, replicated, rest = first.shard_state()
     saver.save(1, held, replicated, rest, {}, wait=True)
     saver.close()
-    path = checkpoint.step_dir(tmp_path / "run" / "checkpoints", 1)
-    meta = checkpoint.read_meta(path)
-    real_open = checkpoint.open_sharded
+    path = store.step_dir(tmp_path / "run" / "checkpoints", 1)
+    meta = store.read_meta(path)
+    real_open = read.open_sharded
 
     def without_wpe(path, meta, rest=True):
         index, rest_state = real_open(path, meta, rest)
         del index.state_dict_metadata["model.wpe.weight"]
         return index, rest_state
 
-    monkeypatch.setattr(checkpoint, "open_sharded", without_wpe)
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    monkeypatch.setattr(read, "open_sharded", without_wpe)
+    with pytest.raises(store.CheckpointError) as e:
         make(tiny_data, tmp_path).restore(path, meta)
     assert str(e.value) == (f"{path}: the checkpoint holds no model.wpe.weight; it was not "
                             "written by this model and optimizer: resume from another one, or "

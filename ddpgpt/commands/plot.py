@@ -3,8 +3,9 @@
     ddpgpt plot runs/adamw runs/muon --out compare.png
 
 Three panels: train loss (smoothed, the raw rows faint behind it) and val loss against optimizer
-steps, the same against tokens, and tokens/s against steps; a fourth with each multiple-choice
-task's acc_norm against steps when a run scored any (run.eval_tasks). A star marks where a run
+steps, the same against tokens, and tokens/s against steps; a fourth with each eval task's
+headline score (its kind's: acc_norm for multiple choice) against steps when a run scored any
+(run.eval_tasks). A star marks where a run
 reached its run.target_val_loss; vertical lines on the first panel mark where a run stopped, started
 again with other settings, or rolled back past a loss spike. One colour per run, named once in a
 legend above the panels (the run dir, its optimizer, sync mode and the world size it trained
@@ -32,7 +33,8 @@ from pathlib import Path
 from ddpgpt.checkpoint.store import step_dirs
 from ddpgpt.config.commands import PlotConfig
 from ddpgpt.errors import UserError
-from ddpgpt.files import describe
+from ddpgpt.evals.kinds import headlines, label_of
+from ddpgpt.files import atomic_write, describe, require
 from ddpgpt.run.run_dir import RunDir
 
 FORMATS = (".png", ".pdf", ".svg")
@@ -94,10 +96,12 @@ def marks(run: RunDir, rows: list[dict]) -> dict[str, list[int]]:
                                    if r.get("event") == "rollback"})}
 
 
-def task_names(runs: list[dict]) -> list[str]:
-    """The multiple-choice tasks any run scored (eval rows' NAME_acc_norm), in name order."""
-    return sorted({k.removesuffix("_acc_norm") for run in runs for r in run["val"] for k in r
-                   if k.endswith("_acc_norm") and _number(r[k])})
+def task_names(runs: list[dict]) -> dict[str, str]:
+    """{task: its headline score's key} for the tasks any run scored (evals/kinds.py: the
+    eval rows' NAME_acc_norm for multiple choice), in name order."""
+    found = {name: key for run in runs for r in run["val"]
+             for name, key in headlines(r).items() if _number(r[key])}
+    return dict(sorted(found.items()))
 
 
 def _number(value) -> bool:
@@ -225,9 +229,9 @@ def draw(runs: list[dict], beta: float | None, fmt: str) -> bytes:
                 by_step.axvline(step, color=colour, alpha=0.6, lw=1, **style)
         speeds = [r.get("tokens_per_s") for r in train]
         speed.plot(steps, [v if _number(v) else math.nan for v in speeds], color=colour)
-        for k, task in enumerate(tasks):
-            rows = [r for r in val if _number(r.get(f"{task}_acc_norm"))]
-            axes[3].plot([r["step"] for r in rows], [r[f"{task}_acc_norm"] for r in rows],
+        for k, key in enumerate(tasks.values()):
+            rows = [r for r in val if _number(r.get(key))]
+            axes[3].plot([r["step"] for r in rows], [r[key] for r in rows],
                          color=colour, marker="os^Dv"[k % 5], ls="-:"[k % 2], ms=5)
     by_step.set_xlabel("optimizer step")
     by_tokens.set_xlabel("tokens")
@@ -237,7 +241,8 @@ def draw(runs: list[dict], beta: float | None, fmt: str) -> bytes:
     speed.yaxis.set_major_formatter(EngFormatter(sep=""))
     if tasks:
         axes[3].set_xlabel("optimizer step")
-        axes[3].set_ylabel("acc_norm (llm.c's HellaSwag rule)")
+        axes[3].set_ylabel(" / ".join(dict.fromkeys(label_of(task, key)
+                                                    for task, key in tasks.items())))
         axes[3].xaxis.set_major_locator(MaxNLocator(integer=True))
         axes[3].legend(handles=[Line2D([], [], color="0.3", marker="os^Dv"[k % 5],
                                        ls="-:"[k % 2], label=task) for k, task in enumerate(tasks)],
@@ -267,21 +272,13 @@ def draw(runs: list[dict], beta: float | None, fmt: str) -> bytes:
 
 
 def write(path: Path, data: bytes) -> None:
-    """Into a temporary file beside `path`, renamed over it; straight into anything that is not
-    a regular file (a pipe, a device). A failed write is one line and leaves `path` as it was."""
+    """Atomically (files.atomic_write); straight into anything that is not a regular file (a
+    pipe, a device). A failed write is one line and leaves `path` as it was."""
     special = path.exists() and not path.is_file()
-    tmp = path if special else path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with open(path, "wb") if special else atomic_write(path) as f:
             f.write(data)
-            f.flush()
-            if not special:
-                os.fsync(f.fileno())
-        if not special:
-            os.replace(tmp, path)
     except OSError as e:
-        if not special:
-            tmp.unlink(missing_ok=True)
         raise UserError(f"cannot write {path}: {describe(e)}; choose another --out") from None
 
 
@@ -289,10 +286,7 @@ def run(cfg: PlotConfig) -> None:
     if not cfg.runs:
         raise UserError("plot: give one or more run dirs (ddpgpt plot runs/a runs/b)")
     path = out_path(cfg)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UserError("plot needs matplotlib: pip install 'ddpgpt[plot]'") from None
+    require("matplotlib", "plot", "plot")
     runs = [load_run(p) for p in cfg.runs]
     fmt = path.suffix[1:].lower() if path.suffix.lower() in FORMATS else "png"
     write(path, draw(runs, None if cfg.smooth < 0 else cfg.smooth, fmt))

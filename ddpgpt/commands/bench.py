@@ -35,21 +35,22 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt import dist
 from ddpgpt.config.commands import BenchConfig
 from ddpgpt.config.io import build
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv, session
 from ddpgpt.errors import UserError
-from ddpgpt.files import describe, writable_dir
+from ddpgpt.files import describe, install, writable_dir
 from ddpgpt.guard.health import Guard, StopSignal
-from ddpgpt.init_from import apply_shape
+from ddpgpt.hf.init_from import apply_shape
 from ddpgpt.optim.schedule import Schedule
 from ddpgpt.run import launch
 from ddpgpt.run.precision import configure
 from ddpgpt.run.preflight import preflight
-from ddpgpt.sync import MODES, Traffic
-from ddpgpt.sync import check as check_mode
+from ddpgpt.sync.modes import MODES, Traffic
+from ddpgpt.sync.modes import check as check_mode
 from ddpgpt.trainer import Trainer
 
 
@@ -68,7 +69,7 @@ def time_steps(trainer: Trainer, warmup: int, steps: int) -> tuple[list[float], 
     after its gradients are synced, before the update (which may free them)."""
     times, schedule = [], Schedule(trainer.cfg.optim, warmup + steps)
     for k in range(warmup + steps):
-        dist.barrier(trainer.env)  # every rank starts the step together
+        collectives.barrier(trainer.env)  # every rank starts the step together
         start = time.perf_counter()
         trainer.train_step()
         if k == warmup + steps - 1:
@@ -110,7 +111,7 @@ def check(cfg: BenchConfig, world: int, local: int) -> Path:
     return writable_dir(Path(cfg.out))
 
 
-def measure(cfg: BenchConfig, env: dist.DistEnv, mode: str | None) -> dict:
+def measure(cfg: BenchConfig, env: DistEnv, mode: str | None) -> dict:
     """One mode (None: no collective at all) on a fresh trainer: its step times."""
     train_cfg, dataset = train_config(cfg, env.world_size, env.local_world_size, mode,
                                       env.device.type)
@@ -150,9 +151,9 @@ def run(cfg: BenchConfig) -> None:
                 args.append(f"--{flag}={value}")
         sys.exit(launch.start(cfg.nproc, args)[0])
     order = [None, *modes(cfg)]
-    with dist.session(cfg.device, group_at_one=cfg.group) as env, \
+    with session(cfg.device, group_at_one=cfg.group) as env, \
             StopSignal(announce=False) as stop:
-        dist.together(env, lambda: check(cfg, env.world_size, env.local_world_size))
+        collectives.together(env, lambda: check(cfg, env.world_size, env.local_world_size))
         if env.is_main:
             print(f"ddpgpt bench: measuring {len(order)} modes ({', '.join(order[1:])} "
                   f"and no sync) × {cfg.repeats} round{'s' if cfg.repeats > 1 else ''} on "
@@ -189,13 +190,13 @@ class BenchStopped(UserError):
         self.exit_code = 128 + (signum or signal.SIGTERM)
 
 
-def agreed_stop(env: dist.DistEnv, stop: StopSignal) -> bool:
+def agreed_stop(env: DistEnv, stop: StopSignal) -> bool:
     """Whether any rank was asked to stop: every rank leaves after the same mode."""
     flag = torch.tensor([float(stop.requested)], device=env.device)
-    return bool(dist.all_reduce(env, flag, op="max").item())
+    return bool(collectives.all_reduce(env, flag, op="max").item())
 
 
-def summarize(env: dist.DistEnv, measured: dict) -> list[dict]:
+def summarize(env: DistEnv, measured: dict) -> list[dict]:
     """One row per mode measured: the median step over its rounds, of the slowest rank (a step
     is as slow as its slowest rank), and what is exposed against no sync."""
     rows = []
@@ -203,13 +204,13 @@ def summarize(env: dist.DistEnv, measured: dict) -> list[dict]:
         row = {k: v for k, v in results[-1].items() if k != "times"}
         row["step_s"] = statistics.median(t for r in results for t in r["times"])
         rows.append(row)
-    slowest = dist.all_reduce(env, torch.tensor([r["step_s"] for r in rows]), op="max")
+    slowest = collectives.all_reduce(env, torch.tensor([r["step_s"] for r in rows]), op="max")
     for row, step_s in zip(rows, slowest.tolist()):
         row["step_s"], row["exposed_s"] = step_s, max(0.0, step_s - slowest[0].item())
     return rows
 
 
-def report(cfg: BenchConfig, env: dist.DistEnv, rows: list[dict], stopped: str | None = None,
+def report(cfg: BenchConfig, env: DistEnv, rows: list[dict], stopped: str | None = None,
            total: int = 0) -> None:
     """The table first (it survives a failed write), then bench.json and bench.png."""
     mb = 2**20
@@ -241,7 +242,7 @@ def report(cfg: BenchConfig, env: dist.DistEnv, rows: list[dict], stopped: str |
         raise UserError(f"cannot write the results into --out {out}: {describe(e)}; the table "
                         "above holds them") from None
     print(f"wrote {out / 'bench.json'}" + (f" and {png}" if png else
-                                           " (no chart: pip install 'ddpgpt[plot]' for bench.png)"))
+                                           f" (no chart: {install('plot')} for bench.png)"))
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path | None:

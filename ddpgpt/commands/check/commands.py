@@ -24,14 +24,17 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt import checkpoint, dist
-from ddpgpt.check.matrix import VS_FP32_CPU, default_precision
-from ddpgpt.check.report import FAIL, PASS, Row, rel_diff, within
+from ddpgpt.checkpoint import store
 from ddpgpt.checkpoint.read import load_model
+from ddpgpt.commands.check.matrix import VS_FP32_CPU, default_precision
+from ddpgpt.commands.check.report import FAIL, PASS, Row, rel_diff, within
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
-from ddpgpt.evaluate import evaluate
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv
+from ddpgpt.evals.loss import evaluate
+from ddpgpt.files import install
 from ddpgpt.guard.health import EXIT_PREEMPTED
 from ddpgpt.run.run_dir import RunDir
 
@@ -100,7 +103,7 @@ def after(losses: dict[int, float], step: int) -> list[float]:
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
-    return checkpoint.step_dir(run_dir / "checkpoints", step)
+    return store.step_dir(run_dir / "checkpoints", step)
 
 
 def load(run_dir: Path, device: str = "cpu"):
@@ -116,7 +119,7 @@ def guarded(check: str, device: str, oracle: str, fn) -> Row:
     except Failed as e:
         return Row(check, device, 1, oracle, str(e), FAIL)
     except Exception as e:  # noqa: BLE001 -- one row's failure, reported; the others go on
-        from ddpgpt.check.training import error_line
+        from ddpgpt.commands.check.training import error_line
         return Row(check, device, 1, oracle, error_line(e), FAIL)
 
 
@@ -181,13 +184,14 @@ def sigterm(data: str, runs: Path, device: str, want: dict[int, float]) -> Row:
     retrace the straight run bitwise: every loss and the final weights."""
     run_dir = runs / "sigterm"
     train(data, run_dir, device, code=EXIT_PREEMPTED, fault=f"term@{STOP_AT}")
-    stopped_at = checkpoint.find_latest(run_dir / "checkpoints")
+    stopped_at = store.find_latest(run_dir / "checkpoints")
     if stopped_at is None or stopped_at[1].get("reason") != "stop":
         raise Failed("exit 75 but no checkpoint written for the stop")
     got = train(data, run_dir, device)
     model, _ = load(run_dir)
     oracle, _ = load(runs / f"straight-{device}")
-    same = dist.state_digest(model.state_dict()) == dist.state_digest(oracle.state_dict())
+    same = (collectives.state_digest(model.state_dict())
+            == collectives.state_digest(oracle.state_dict()))
     diff = max((abs(got[k] - want[k]) for k in want if k in got), default=float("inf"))
     ok = same and got == want
     figure = (f"stopped at step {stopped_at[1]['step']}, exit 75; losses max abs Δ {diff:.1e}, "
@@ -205,7 +209,7 @@ def eval_row(run_dir: Path, device: str) -> Row:
     model, cfg = load(run_dir)
     loader = EvalLoader(TokenDataset(cfg.data.dir), seq_len=cfg.seq_len,
                         micro_batch=cfg.data.micro_batch, max_windows=cfg.data.eval_windows)
-    want = evaluate(model, loader, dist.DistEnv())
+    want = evaluate(model, loader, DistEnv())
     # eval prints 4 decimals: half a unit of the last one is rounding, not error
     tol = VS_FP32_CPU[device, default_precision(device)] + 5e-5 / want
     row = within("eval", device, 1, "the fp32 CPU model of the checkpoint",
@@ -248,7 +252,7 @@ def sample_row(run_dir: Path, device: str) -> Row:
 def export_row(run_dir: Path, runs: Path, device: str) -> Row:
     oracle = "the fp32 CPU model's logits"
     if importlib.util.find_spec("transformers") is None:
-        return Row.needs("export", device, 1, oracle, "transformers (pip install 'ddpgpt[export]')")
+        return Row.needs("export", device, 1, oracle, f"transformers ({install('export')})")
     out = runs / "export"
     succeed("export", "--run-dir", str(run_dir), "--out", str(out), "--force")
     import transformers
@@ -264,7 +268,7 @@ def export_row(run_dir: Path, runs: Path, device: str) -> Row:
     return within("export", device, 1, oracle, diff, 1e-5, "transformers' logits max abs Δ")
 
 
-def loader_row(env: dist.DistEnv, data: str) -> Row:
+def loader_row(env: DistEnv, data: str) -> Row:
     """tests/gpu's first check: the loader's batches on the device equal the CPU loader's."""
     dataset = TokenDataset(data)
     cpu = TrainLoader(dataset, seq_len=32, micro_batch=4, accum_steps=2, seed=3)

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt import gpt2
 from ddpgpt.config.schema import ConfigError, TrainConfig, padded_vocab
 from ddpgpt.data.tokenizer import fingerprint
 from ddpgpt.errors import UserError, warn
+from ddpgpt.hf import gpt2
 
 HUB_FILES = ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
              "tokenizer_config.json", "vocab.json", "merges.txt"]

@@ -26,18 +26,30 @@ import sys
 
 import torch
 
-from ddpgpt import __version__, checkpoint, dist, evals
+from ddpgpt import __version__
+from ddpgpt.checkpoint import store
 from ddpgpt.checkpoint.saver import SaveFailed, Saver
 from ddpgpt.checkpoint.saver import token as saver_token
 from ddpgpt.config.schema import RunConfig, TrainConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import (
+    CollectiveError,
+    DistEnv,
+    checkpoint_group,
+    detect,
+    elastic_nodes,
+    session,
+    under_launcher,
+)
 from ddpgpt.errors import UserError, warn
-from ddpgpt.evals.multiple_choice import Scorer
+from ddpgpt.evals.scorer import Scorer
+from ddpgpt.evals.tasks import for_run
 from ddpgpt.guard.health import Guard, StopSignal, collective_failed, preempted, resume_hint
 from ddpgpt.guard.spike import Verdict, json_number, target
 from ddpgpt.run import elastic, resume, trackers
-from ddpgpt.run.metrics import Metrics, peak_flops
+from ddpgpt.run.metrics import Metrics, peak_flops, summary
 from ddpgpt.run.precision import configure
 from ddpgpt.run.preflight import preflight, shared
 from ddpgpt.run.run_dir import RunDir
@@ -95,23 +107,23 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
             return None
         if health.stop and trainer.step < total:
             guard.settle_stop()
-            nodes = dist.elastic_nodes()
+            nodes = elastic_nodes()
             hint = resume_hint(cfg.run.resume, str(run_dir), bool(nodes and nodes[1] > nodes[0]))
             raise preempted(trainer.step, guard.signal.name,
-                            checkpoint.step_dir(run_dir.checkpoints, trainer.step), hint,
+                            store.step_dir(run_dir.checkpoints, trainer.step), hint,
                             quiet=not env.is_main)
     return None
 
 
 # ---- a run, from its config to its end -----------------------------------------------------------
 
-def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: resume.Start,
+def setup(cfg: TrainConfig, env: DistEnv, dataset: TokenDataset, start: resume.Start,
           guard: Guard, announce: bool = True) -> Trainer:
     init = None
     if start.path is None and cfg.model.init_from:  # a fresh start; restarts resume instead
-        from ddpgpt.init_from import read_state
+        from ddpgpt.hf.init_from import read_state
         # Every rank reads the weights itself; one that cannot stops them all.
-        init = dist.together(env, lambda: read_state(cfg.model.init_from, cfg.model))
+        init = collectives.together(env, lambda: read_state(cfg.model.init_from, cfg.model))
     trainer = Trainer(cfg, env, dataset, guard, init=init, digest=start.path is None)
     trainer.origin = start.origin
 
@@ -119,23 +131,24 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: res
         if start.path is not None:
             trainer.restore(start.path, start.meta, start.data_switch)
 
-    dist.together(env, restore)  # every rank calls it: ranks may disagree on the start (see agree)
+    # Every rank calls it: ranks may disagree on the start (see agree).
+    collectives.together(env, restore)
     if start.path is not None and env.is_main and announce:
         print(f"resuming from {start.path} (step {trainer.step}, saved at world size "
               f"{start.meta['world_size']})", file=sys.stderr)
     # From scratch: what each rank built; resumed: the weights loaded (whole: fsdp2 gathers).
     weights = (trainer.init_digest if start.path is None
-               else dist.state_digest(trainer.sync.model_state()))
+               else collectives.state_digest(trainer.sync.model_state()))
     # Every rank holds the same checkpoint, weights, config, data and code, or all stop together.
     # Causes before their effects: a differing checkpoint or config explains the weights.
-    dist.agree(env, {
-        "the checkpoint to resume from": (dist.digest(str(trainer.step)),
+    collectives.agree(env, {
+        "the checkpoint to resume from": (collectives.digest(str(trainer.step)),
                                           "put the run dir on a filesystem that every node shares"),
-        "the resolved config": (dist.digest(json.dumps(shared(cfg), sort_keys=True)),
+        "the resolved config": (collectives.digest(json.dumps(shared(cfg), sort_keys=True)),
                                 "start every rank with the same command line and config file"),
         "the dataset (meta.json)": (bytes.fromhex(dataset.fingerprint),
                                     "every node must see the same prepared dataset in data.dir"),
-        "the ddpgpt and torch versions": (dist.digest(__version__, torch.__version__),
+        "the ddpgpt and torch versions": (collectives.digest(__version__, torch.__version__),
                                           "install the same versions on every node"),
         "the parameters before training": (weights, (
             f"every rank must read the same --init-from {cfg.model.init_from} (put it on a "
@@ -149,36 +162,38 @@ def setup(cfg: TrainConfig, env: dist.DistEnv, dataset: TokenDataset, start: res
 def run(cfg: TrainConfig) -> None:
     """Trains in this process: alone, as a torchrun worker, or as a `--nproc` worker."""
     # 1. Everything that needs no process group: batch arithmetic, the data, every `auto`.
-    here = dist.detect()
+    here = detect()
     try:
-        cfg, dataset = preflight(cfg, here.world_size, here.local_world_size, dist.elastic_nodes())
-        tasks = evals.for_run(cfg.run)  # a bad task file, or HellaSwag offline: one line
+        cfg, dataset = preflight(cfg, here.world_size, here.local_world_size, elastic_nodes())
+        tasks = for_run(cfg.run)  # a bad task file, or HellaSwag offline: one line
     except UserError as e:  # every rank finds it: one line per node
         e.quiet = e.quiet or here.local_rank > 0
         raise
     run_dir = RunDir(cfg.run.dir)
     run_dir.check_creatable()
-    if here.world_size == 1 and not dist.under_launcher():  # one process: finished already?
-        settled, first = resume.plan(cfg, run_dir, dataset)
+    planned = None  # where the run starts: decided once, here for one process, else in claim
+    if here.world_size == 1 and not under_launcher():  # one process: finished already?
+        planned = settled, first = resume.plan(cfg, run_dir, dataset, verify=True)
         if resume.report_finished(settled, run_dir, first):
             return
     # 2. Join the group (W > 1); it is destroyed on every way out of this block.
-    with dist.session(cfg.run.device, cfg.run.backend, cfg.run.dist_timeout_s) as env, \
+    with session(cfg.run.device, cfg.run.backend, cfg.run.dist_timeout_s) as env, \
             StopSignal(env.is_main) as stop:
         configure(cfg.run.threads, env.device)
         if cfg.data.verify:  # each rank re-hashes a 1/W share of the shards
-            dist.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
-        cfg, start, env = elastic.claim(run_dir, cfg, env, dataset)
-        scorer = dist.together(env, lambda: Scorer(  # each rank's share of the tasks, rendered once
+            collectives.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
+        cfg, start, env = elastic.claim(run_dir, cfg, env, dataset, planned)
+        # Each rank's share of the tasks, rendered once.
+        scorer = collectives.together(env, lambda: Scorer(
             tasks, load_tokenizer(dataset.path, dataset.tokenizer), cfg.model.block_size, env)
         ) if tasks else None
         lr_fields = "optim.lr or optim.muon_lr" if cfg.optim.name == "muon" else "optim.lr"
         guard = Guard(env, cfg.run, stop, lr_fields, run_dir.checkpoints)
         trainer = setup(cfg, env, dataset, start, guard)
-        dist.together(env, lambda: write_run_files(run_dir, cfg, dataset, start.step,
-                                                   env.world_size), main_only=True)
+        collectives.together(env, lambda: write_run_files(run_dir, cfg, dataset, start.step,
+                                                          env.world_size), main_only=True)
         metrics = open_metrics(trainer, run_dir, start)
-        saver = Saver(env, run_dir.checkpoints, dist.checkpoint_group(env, cfg.run.dist_timeout_s),
+        saver = Saver(env, run_dir.checkpoints, checkpoint_group(env, cfg.run.dist_timeout_s),
                       saver_token(env), cfg.run.keep_checkpoints, cfg.run.checkpoint_async)
         try:
             try:
@@ -188,7 +203,7 @@ def run(cfg: TrainConfig) -> None:
                     trainer = roll_back(trainer, spike, run_dir, start, metrics, lambda at: setup(
                         cfg, env, dataset, at, guard, announce=False))  # built as on a restart
                     _install_faults(trainer, saver)
-            except dist.CollectiveError as e:
+            except CollectiveError as e:
                 # A rank lost mid-save shows in the step's collectives first: name the save.
                 doing = trainer.doing if saver.troubled is None else \
                     f"the checkpoint of step {saver.troubled}"
@@ -244,7 +259,7 @@ def roll_back(trainer: Trainer, verdict: Verdict, run_dir: RunDir, origin: resum
                       checkpoint_step=found.step, skipped_batches=batches,
                       skipped_windows=skipped, lr_factor=spikes.lr_factor,
                       rollbacks=len(spikes.rollbacks))
-    dist.barrier(env)  # every rank has rolled back before any trains on
+    collectives.barrier(env)  # every rank has rolled back before any trains on
     return new
 
 
@@ -253,13 +268,13 @@ def _healthy_start(run_dir: RunDir, first: int, origin: resume.Start,
     """The checkpoint to roll back to (spike.target) as a Start; `origin` (where this process
     started) when no checkpoint of this run qualifies. The starting checkpoint itself is
     `origin`, which knows a data switch."""
-    dirs = dict(checkpoint.step_dirs(run_dir.checkpoints))
+    dirs = dict(store.step_dirs(run_dir.checkpoints))
     while (step := target(sorted(dirs), first, origin.step, rollbacks)) is not None:
         if step == origin.step and origin.path:
             return origin
         try:
-            meta = checkpoint.read_meta(dirs[step])
-        except checkpoint.CheckpointError as e:
+            meta = store.read_meta(dirs[step])
+        except store.CheckpointError as e:
             warn(f"rollback: skipping checkpoint {dirs[step].name}: {e}")
             del dirs[step]
             continue
@@ -324,7 +339,7 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
     cfg, env = trainer.cfg, trainer.env
     peak = peak_flops(env.device, trainer.precision.matmul_dtype)
     # Every rank measures at once; a host hiccup can halve one reading, so take the best.
-    peak = dist.all_reduce(env, torch.tensor(peak, device=env.device), op="max").item()
+    peak = collectives.all_reduce(env, torch.tensor(peak, device=env.device), op="max").item()
     if env.is_main:
         print(summary(trainer), file=sys.stderr)
         if trainer.dataset.split_bytes is None:
@@ -343,7 +358,7 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         if trainer.step >= cfg.run.steps:
             print(resume.finished_message(run_dir, trainer.step, cfg.run.steps), file=sys.stderr)
     # Rank 0 alone talks to the tracker; a tracker that cannot start stops every rank.
-    tracker = dist.together(env, lambda: trackers.open_tracker(
+    tracker = collectives.together(env, lambda: trackers.open_tracker(
         cfg.run.tracker, run_dir.path, cfg.to_dict(), trainer.step, cfg.run.tracker_project),
         main_only=True)
     metrics = Metrics(env.is_main, run_dir.metrics, trainer.step, cfg.run.steps,
@@ -370,20 +385,3 @@ def _install_faults(trainer: Trainer, saver: Saver) -> None:
     if os.environ.get("DDPGPT_FAULT"):
         from ddpgpt.guard import faults
         faults.install(trainer, saver)
-
-
-def summary(trainer: Trainer) -> str:
-    """One line on what runs where: processes, nodes, batch arithmetic, model size."""
-    env, cfg = trainer.env, trainer.cfg
-    nodes = env.world_size // env.local_world_size
-    where = f"{env.world_size} process{'es' if env.world_size > 1 else ''}"
-    if env.world_size > 1:
-        where += (f" ({nodes} node{'s' if nodes > 1 else ''} × {env.local_world_size}, "
-                  f"{env.backend})")
-    G, T = cfg.data.global_batch, cfg.seq_len
-    return (f"ddpgpt: training on {where}, {env.device.type}, {cfg.run.precision}; "
-            f"G={G} sequences × T={T} = "
-            f"{G * T:,} tokens per step = {env.world_size} × A={trainer.accum} micro-steps × "
-            f"b={cfg.data.micro_batch}; "
-            f"{trainer.raw.num_params(non_embedding=False) / 1e6:.2f}M parameters")
-

@@ -19,8 +19,10 @@ import time
 import torch
 import torch.distributed as tdist
 
-from ddpgpt import __version__, dist
+from ddpgpt import __version__
 from ddpgpt.config.commands import DoctorConfig
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv, session
 from ddpgpt.run import launch
 
 
@@ -44,15 +46,15 @@ def report() -> list[str]:
     return lines
 
 
-def probe(env: dist.DistEnv, megabytes: float, iters: int = 5) -> tuple[float, float]:
+def probe(env: DistEnv, megabytes: float, iters: int = 5) -> tuple[float, float]:
     """(seconds per all-reduce, bus bandwidth in bytes/s) for `megabytes` of float32."""
     numel = int(megabytes * 2**20 / 4)
     x = torch.ones(numel, device=env.device)
-    dist.all_reduce(env, x)  # warm up: connections, buffers
-    dist.barrier(env)
+    collectives.all_reduce(env, x)  # warm up: connections, buffers
+    collectives.barrier(env)
     start = time.perf_counter()
     for _ in range(iters):
-        dist.all_reduce(env, x)
+        collectives.all_reduce(env, x)
     if env.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / iters
@@ -66,7 +68,7 @@ def run(cfg: DoctorConfig) -> None:
         for line in report():
             print(line, flush=True)
         sys.exit(launch.start(cfg.nproc, ["doctor", "--probe-mb", str(cfg.probe_mb)])[0])
-    with dist.session() as env:
+    with session() as env:
         if env.world_size == 1:
             for line in report():
                 print(line)

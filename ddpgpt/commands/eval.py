@@ -1,6 +1,7 @@
 """Validation loss: token-weighted over the loader's fixed windows, all-reduced across ranks, and
 the same as bits per byte of text (comparable across tokenizers; see TokenDataset.bits_per_byte);
-with --task, multiple-choice accuracy as llm.c scores HellaSwag (evals/).
+with --task, each task scored by its kind (evals/kinds.py): multiple-choice accuracy as llm.c
+scores HellaSwag, by default.
 
     ddpgpt eval --run-dir runs/demo                                  # one process
     ddpgpt eval --run-dir runs/demo --task hellaswag --limit 1000 --json
@@ -10,59 +11,32 @@ with --task, multiple-choice accuracy as llm.c scores HellaSwag (evals/).
 
 from __future__ import annotations
 
-import contextlib
 import json
 
-import torch
-
-from ddpgpt import dist, evals
-from ddpgpt.checkpoint.read import model_of, saved
+from ddpgpt.checkpoint.read import model_of, run_checkpoint
 from ddpgpt.config.commands import EvalConfig
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
+from ddpgpt.distributed.group import session
 from ddpgpt.errors import warn
-from ddpgpt.evals.multiple_choice import Scorer
-from ddpgpt.progress import bar as progress_bar
+from ddpgpt.evals.kinds import KINDS
+from ddpgpt.evals.loss import evaluate
+from ddpgpt.evals.scorer import Scorer
+from ddpgpt.evals.tasks import load_all
 from ddpgpt.run.precision import Precision, flush_denormals
 from ddpgpt.run.run_dir import RunDir
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: EvalLoader, env: dist.DistEnv,
-             autocast=contextlib.nullcontext, progress: bool = False) -> float:
-    """Mean cross-entropy per target token over every rank's windows.
-
-    Each rank sums its losses and counts its targets (padding rows have none); one all-reduce of
-    the two sums makes the result exactly the single-process value up to float rounding. Call it
-    on the unwrapped model: the forward then runs no collectives, and the single all-reduce is
-    the only sync point. `progress`: a bar on rank 0 (`ddpgpt eval`; a line every few seconds
-    when stderr is a log file, not a terminal)."""
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=env.device)  # (loss sum, target count)
-    batches = loader
-    if progress and env.is_main:
-        batches = progress_bar(loader, total=loader.num_batches, desc="eval", unit="batch")
-    for x, y in batches:
-        with autocast():
-            _, loss = model(x, y, reduction="sum")
-        totals[0] += loss.double()
-        totals[1] += (y >= 0).sum()
-    dist.all_reduce(env, totals)
-    model.train(was_training)
-    return (totals[0] / totals[1]).item()
-
-
 def run(cfg: EvalConfig) -> None:
     run_dir = RunDir(cfg.run_dir)
-    found = saved(run_dir)
+    found = run_checkpoint(run_dir)
     train_cfg = found.config
     dataset = TokenDataset(train_cfg.data.dir)
     # Bad task files and the download fail here, on every rank, before the group exists.
-    tasks = evals.load_all(cfg.task, cfg.task_data, cfg.limit, "--task", "--task-data")
+    tasks = load_all(cfg.task, cfg.task_data, cfg.limit, "--task", "--task-data")
     tokenizer = run_tokenizer(run_dir) if tasks else None
-    with dist.session(cfg.device, "auto") as env:
+    with session(cfg.device, "auto") as env:
         model = model_of(found, env.device)
         if env.device.type == "cpu":
             flush_denormals()  # as in training: the same figures, at full speed
@@ -96,9 +70,10 @@ def report(cfg: EvalConfig, dataset: TokenDataset, loss: float, scores: dict, ta
           f"{world_size} process{'es' if world_size > 1 else ''})")
     for task in tasks:
         name = task.name
-        print(f"{name}: acc_norm {scores[name + '_acc_norm']:.4f}, acc {scores[name + '_acc']:.4f}"
-              f", acc_char {scores[name + '_acc_char']:.4f} ({scores[name + '_n']:,} examples of "
-              f"{task.source}, {scores[name + '_s']:.1f} s)")
+        figures = ", ".join(f"{metric} {scores[f'{name}_{metric}']:.4f}"
+                            for metric in KINDS[task.kind].metrics)
+        print(f"{name}: {figures} ({scores[name + '_n']:,} examples of {task.source}, "
+              f"{scores[name + '_s']:.1f} s)")
 
 
 def run_tokenizer(run_dir: RunDir):

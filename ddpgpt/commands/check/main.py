@@ -32,11 +32,20 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt import dist
-from ddpgpt.check import commands, matrix, training
-from ddpgpt.check.report import FAIL, NOT_RUN, Row, counts, environment, header, table, write
+from ddpgpt.commands.check import commands, matrix, training
+from ddpgpt.commands.check.report import (
+    FAIL,
+    NOT_RUN,
+    Row,
+    counts,
+    environment,
+    header,
+    table,
+    write,
+)
 from ddpgpt.config.commands import CheckConfig, PrepareConfig
 from ddpgpt.data.shards import TokenDataset
+from ddpgpt.distributed.group import DistEnv, detect, session
 from ddpgpt.errors import UserError
 from ddpgpt.files import writable_dir
 from ddpgpt.run import launch
@@ -55,7 +64,7 @@ class CheckFailed(UserError):
 
 
 def run(cfg: CheckConfig) -> None:
-    if dist.detect().world_size > 1:
+    if detect().world_size > 1:
         group_rows(cfg)
         return
     started = time.perf_counter()
@@ -67,7 +76,7 @@ def run(cfg: CheckConfig) -> None:
     say(f"ddpgpt check: {scope(cfg)} on {device}; W=1 and "
         f"W={max(nproc, 2)}; the runs go to {out}")
     rows: list[Row] = []
-    with dist.session(device, group_at_one=True) as env:   # 1. W=1: a group of one
+    with session(device, group_at_one=True) as env:   # 1. W=1: a group of one
         configure(max(1, len(os.sched_getaffinity(0))), env.device)
         env_info = environment(env.device)
         say(header(env_info))
@@ -102,7 +111,7 @@ def plan(cfg: CheckConfig, device: str, world: int) -> list[matrix.Spec]:
     return [s for s in matrix.plan(device, world, cfg.quick) if selected(cfg, s.check)]
 
 
-def training_rows(cfg: CheckConfig, env: dist.DistEnv, data: str, nproc: int, say_) -> list[Row]:
+def training_rows(cfg: CheckConfig, env: DistEnv, data: str, nproc: int, say_) -> list[Row]:
     """The training rows at env's W; the compile rows as left out under --no-compile."""
     specs = plan(cfg, env.device.type, env.world_size)
     run = [s for s in specs if cfg.compile or not s.case.compile]
@@ -168,7 +177,7 @@ def several(cfg: CheckConfig, device: str, out: Path, data: str, nproc: int) -> 
 
 def group_rows(cfg: CheckConfig) -> None:
     """A worker: the training rows at this group's world size; rank 0 writes them."""
-    with dist.session(cfg.device, timeout_s=300) as env:
+    with session(cfg.device, timeout_s=300) as env:
         configure(max(1, len(os.sched_getaffinity(0)) // env.local_world_size), env.device)
         rows = training_rows(cfg, env, cfg.data, env.world_size, say if env.is_main else None)
         if env.is_main:  # for the command that started this group; under torchrun, for you

@@ -13,16 +13,17 @@ import traceback
 
 import torch
 
-from ddpgpt import dist
-from ddpgpt.check import matrix
-from ddpgpt.check.matrix import Case, Spec
-from ddpgpt.check.report import FAIL, NOT_RUN, PASS, Row, rel_diff, within
+from ddpgpt.commands.check import matrix
+from ddpgpt.commands.check.matrix import Case, Spec
+from ddpgpt.commands.check.report import FAIL, NOT_RUN, PASS, Row, rel_diff, within
 from ddpgpt.config.io import build
+from ddpgpt.distributed import collectives
+from ddpgpt.distributed.group import DistEnv
 from ddpgpt.guard.health import Guard, StopSignal
 from ddpgpt.optim.schedule import Schedule
 from ddpgpt.run.preflight import preflight
-from ddpgpt.sync import MODES
-from ddpgpt.train import Trainer
+from ddpgpt.sync.modes import MODES
+from ddpgpt.trainer import Trainer
 
 MICRO_BATCH = 4
 # The rows' model: small enough that a case takes a fraction of a second on a CPU core.
@@ -47,7 +48,7 @@ def global_batch(nproc: int) -> int:
     return 2 * MICRO_BATCH * nproc
 
 
-def config(case: Case, env: dist.DistEnv, data: str, nproc: int, quick: bool):
+def config(case: Case, env: DistEnv, data: str, nproc: int, quick: bool):
     """The resolved training config of `case` at env's W (the oracle: W=1, CPU, fp32)."""
     run = {"dir": "check-run", "device": env.device.type, "sync": case.mode or "ddp",
            "precision": case.precision, "compile": case.compile, "grad_compress": case.compress}
@@ -65,9 +66,9 @@ def config(case: Case, env: dist.DistEnv, data: str, nproc: int, quick: bool):
     return preflight(build(None, None, flags), env.world_size, env.local_world_size)
 
 
-def train(case: Case, env: dist.DistEnv, data: str, nproc: int, quick: bool) -> Result:
+def train(case: Case, env: DistEnv, data: str, nproc: int, quick: bool) -> Result:
     """One case, start to end; a failure becomes the result's error (the other rows go on)."""
-    oracle = dist.DistEnv(device=torch.device("cpu"))  # one process, no group
+    oracle = DistEnv(device=torch.device("cpu"))  # one process, no group
     env = oracle if case.mode is None else env
     if case.torch_hook and env.backend != "nccl":
         return Result(needs="NCCL")
@@ -104,7 +105,7 @@ def error_line(e: Exception) -> str:
 
 def global_loss(trainer: Trainer, loss: torch.Tensor) -> float:
     env = trainer.env
-    return (dist.all_reduce(env, loss.detach().float().clone()) / env.world_size).item()
+    return (collectives.all_reduce(env, loss.detach().float().clone()) / env.world_size).item()
 
 
 def stepped(trainer: Trainer, case: Case, quick: bool) -> Result:
@@ -117,7 +118,7 @@ def stepped(trainer: Trainer, case: Case, quick: bool) -> Result:
         if forced and trainer.scaler is not None:
             scale = trainer.scaler.get_scale()
             trainer.scaler.update(new_scale=2.0**40)
-            before = dist.state_digest(trainer.raw.state_dict())
+            before = collectives.state_digest(trainer.raw.state_dict())
         loss, _ = trainer.train_step()
         result.losses.append(global_loss(trainer, loss))
         if forced and trainer.scaler is None:
@@ -126,7 +127,8 @@ def stepped(trainer: Trainer, case: Case, quick: bool) -> Result:
             trainer.update(schedule.at(k))
         if forced and trainer.scaler is not None:
             lowered = trainer.scaler.get_scale() < 2.0**40
-            result.skipped = lowered and dist.state_digest(trainer.raw.state_dict()) == before
+            after = collectives.state_digest(trainer.raw.state_dict())
+            result.skipped = lowered and after == before
             trainer.scaler.update(new_scale=scale)
     return result
 
@@ -144,7 +146,7 @@ def timed(trainer: Trainer, case: Case, quick: bool) -> Result:
     for k in range(warmup + steps):
         if k == warmup and env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
-        dist.barrier(env)
+        collectives.barrier(env)
         start = time.perf_counter()
         loss, _ = trainer.train_step()
         trainer.update(schedule.at(k))
@@ -152,18 +154,18 @@ def timed(trainer: Trainer, case: Case, quick: bool) -> Result:
             torch.cuda.synchronize(env.device)
         times.append(time.perf_counter() - start)
         result.losses.append(global_loss(trainer, loss))
-    slowest = dist.all_reduce(env, torch.tensor(statistics.median(times[warmup:])), op="max")
+    slowest = collectives.all_reduce(env, torch.tensor(statistics.median(times[warmup:])), op="max")
     result.tokens_per_s = cfg.data.global_batch * cfg.seq_len / slowest.item()
     params = sum(p.numel() for p in trainer.raw.parameters())  # a DTensor counts its whole
     result.floor_bytes = int(MODES[case.mode].memory(env.world_size, cfg.model.n_layer) * params)
     if env.device.type == "cuda":
-        result.peak_bytes = int(dist.all_reduce(
+        result.peak_bytes = int(collectives.all_reduce(
             env, torch.tensor(float(torch.cuda.max_memory_allocated(env.device)),
                               device=env.device), op="max").item())
     return result
 
 
-def run_all(specs: list[Spec], env: dist.DistEnv, data: str, nproc: int, quick: bool,
+def run_all(specs: list[Spec], env: DistEnv, data: str, nproc: int, quick: bool,
             progress=None) -> dict[Case, Result]:
     results = {}
     for case in matrix.cases(specs):

@@ -9,7 +9,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from ddpgpt.dist.group import DistEnv, DistError, collective
+from ddpgpt.distributed.group import DistEnv, DistError, collective
 from ddpgpt.errors import UserError
 
 # ---- collectives: no-ops at world size 1 ----------------------------------------------------

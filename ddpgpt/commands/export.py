@@ -24,31 +24,23 @@ import os
 import shutil
 from pathlib import Path
 
-from ddpgpt import gpt2
-from ddpgpt.checkpoint.read import saved
+from ddpgpt.checkpoint.read import run_checkpoint
 from ddpgpt.config.commands import ExportConfig
 from ddpgpt.config.schema import ModelConfig
 from ddpgpt.data.output import check_out, publish
 from ddpgpt.data.tokenizer import EOT_TEXT, fingerprint
 from ddpgpt.errors import UserError
-from ddpgpt.files import as_created
+from ddpgpt.files import as_created, require
+from ddpgpt.hf import gpt2
 from ddpgpt.run.run_dir import RunDir
 
 
-def require_transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise UserError("ddpgpt export needs transformers: pip install 'ddpgpt[export]'") from None
-    return transformers
-
-
 def run(cfg: ExportConfig) -> None:
-    require_transformers()
+    require("transformers", "export", "ddpgpt export")
     if cfg.out is None:
         raise UserError("ddpgpt export needs --out DIR")
     run_dir, out = RunDir(cfg.run_dir), Path(cfg.out)
-    found = saved(run_dir, cfg.step)
+    found = run_checkpoint(run_dir, cfg.step)
     path, meta, model_cfg = found.path, found.meta, found.config.model
     data_meta = run_dir.read_data_meta("export needs")
     check_out(out, cfg.force)

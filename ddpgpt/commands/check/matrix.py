@@ -16,8 +16,10 @@ This module imports no torch: the plan is read by the report before anything run
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
-from ddpgpt.sync import MODES
+from ddpgpt.config.choices import Optimizer
+from ddpgpt.sync.modes import MODES
 
 STEPS = 5          # optimizer steps per training run
 SKIP_AT = 3        # the fp16 run's forced non-finite step (1-based)
@@ -81,7 +83,7 @@ def plan(device: str, world: int, quick: bool) -> list[Spec]:
     where = f"ddp, {device}, W={world}"
     for mode, row in MODES.items():
         for precision in ("fp32", "bf16"):
-            for optim in ("adamw", "muon"):
+            for optim in get_args(Optimizer):
                 case = Case(mode, optim, precision)
                 if mode == "ddp":
                     specs.append(Spec(f"{mode} · {optim} · {precision}", case, Case(None, optim),

@@ -10,10 +10,10 @@ import os
 
 import torch
 
-from ddpgpt import dist
 from ddpgpt.checkpoint.read import load_model
 from ddpgpt.config.commands import SampleConfig
 from ddpgpt.data.tokenizer import load_tokenizer
+from ddpgpt.distributed.group import resolve_device
 from ddpgpt.run.precision import Precision, flush_denormals
 from ddpgpt.run.run_dir import RunDir
 
@@ -29,7 +29,7 @@ def sampling_threads(work: float) -> int:
 
 def run(cfg: SampleConfig) -> None:
     run_dir = RunDir(cfg.run_dir)
-    device = dist.resolve_device(cfg.device, 0)
+    device = resolve_device(cfg.device, 0)
     model, found = load_model(run_dir, device)  # first: a run without a checkpoint says so
     tok = load_tokenizer(run_dir.path, run_dir.read_data_meta("sample needs")["tokenizer"])
     train_cfg, meta = found.config, found.meta
