@@ -1,5 +1,6 @@
-"""Typed configuration (schema.py), the other commands' settings (commands.py), configs in and
-out of text (io.py) and named presets (presets.py). Imports nothing of ddpgpt but errors."""
+"""Typed configuration (schema.py; the model's in model.py, the checks every section runs in
+checks.py), the other commands' settings (commands.py), configs in and out of text (io.py) and
+named presets (presets.py). Imports nothing of ddpgpt but errors."""
 
 from ddpgpt.config.schema import (  # noqa: F401 -- the package's face
     MAX_BUCKET_MB,

@@ -25,7 +25,7 @@ import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from ddpgpt.config.schema import SECTIONS, ConfigError, TrainConfig
 
@@ -58,9 +58,12 @@ def field_types(cls: type) -> dict[str, Any]:
 
 
 def base_type(tp: Any) -> Any:
-    """`str | None` -> str; `list[str]` -> list; plain types unchanged."""
+    """`str | None` -> str; `list[str]` -> list; `Literal["a", "b"]` -> str; plain types
+    unchanged."""
     if get_origin(tp) in (Union, types.UnionType):
         return base_type(next(a for a in get_args(tp) if a is not type(None)))
+    if get_origin(tp) is Literal:  # the choices are checked by the section's __post_init__
+        return type(get_args(tp)[0])
     return get_origin(tp) or tp
 
 
@@ -248,6 +251,8 @@ def to_toml(cfg: TrainConfig) -> str:
     for section, fields in cfg.to_dict().items():
         lines.append(f"[{section}]")
         for name, value in fields.items():
+            if value is None:  # unset (a model piece: model.arch's), as the file leaves it
+                continue
             if isinstance(value, bool):
                 text = "true" if value else "false"
             elif isinstance(value, str):
