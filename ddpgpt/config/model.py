@@ -120,6 +120,9 @@ class ModelConfig:
 
     def __post_init__(self):
         _finite(self, "model.")
+        for name, choices in (("arch", Arch), ("norm", Norm), ("mlp", Mlp)):
+            if getattr(self, name) is not None:
+                _choice("model", name, getattr(self, name), get_args(choices))
         for name in ("n_layer", "n_head", "n_embd", "block_size"):
             _require(getattr(self, name) >= 1, f"model.{name} = {getattr(self, name)} must be >= 1")
         _require(self.vocab_size >= 0,
@@ -135,9 +138,6 @@ class ModelConfig:
                  f"rotary positions turn pairs of dimensions: the head width {self.head_width} "
                  "(model.n_embd / model.n_head, or model.head_dim) must be even")
         _require(0 <= self.dropout < 1, f"model.dropout = {self.dropout} must be in [0, 1)")
-        for name, choices in (("arch", Arch), ("norm", Norm), ("mlp", Mlp)):
-            if getattr(self, name) is not None:
-                _choice("model", name, getattr(self, name), get_args(choices))
         _choice("model", "gelu", self.gelu, ("tanh", "exact"))
         _require(self.logit_softcap >= 0,
                  f"model.logit_softcap = {self.logit_softcap:g} must be >= 0 (0: off)")
