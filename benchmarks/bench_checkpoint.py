@@ -294,8 +294,8 @@ def project(world: int = 8, ratio: tuple[float, float] = MEASURED_RATIO) -> list
     previous store against sharded (GB, s)."""
     import torch
 
-    from ddpgpt.config.schema import ModelConfig
-    from ddpgpt.model import GPT
+    from ddpgpt.config.model import ModelConfig
+    from ddpgpt.model.gpt import GPT
 
     rows = []
     for name, shape in PROJECTED.items():

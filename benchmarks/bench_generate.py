@@ -18,7 +18,7 @@ import time
 import torch
 
 from ddpgpt.config.presets import get_preset
-from ddpgpt.model import GPT
+from ddpgpt.model.gpt import GPT
 
 
 def measure(model: GPT, new: int, use_cache: bool, device: torch.device) -> tuple[float, list]:

@@ -48,10 +48,10 @@ from pathlib import Path
 
 import torch
 
+from ddpgpt.config.checks import ConfigError
 from ddpgpt.config.io import from_dict
 from ddpgpt.config.presets import get_preset
-from ddpgpt.config.schema import ConfigError
-from ddpgpt.model import GPT
+from ddpgpt.model.gpt import GPT
 from ddpgpt.run.metrics import measure_matmul_flops, peak_flops
 from ddpgpt.run.preflight import accum_steps
 

@@ -47,8 +47,8 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt.config.schema import ModelConfig
-from ddpgpt.model import GPT
+from ddpgpt.config.model import ModelConfig
+from ddpgpt.model.gpt import GPT
 from ddpgpt.optim.muon import plan
 from ddpgpt.optim.optimizer import is_muon_param
 from ddpgpt.sync.modes import MODES, Traffic

@@ -63,6 +63,11 @@ RECIPES = {
     "speedrun": ["--preset", "speedrun"],
     # the same for as many steps as the others: its final quality at equal steps
     "speedrun-500": ["--preset", "speedrun", "--run.steps", "500"],
+    # the tiny preset's Muon on the modern architecture (docs/model.md): SwiGLU, and ReLU²
+    "modern": ["--preset", "tiny", "--optim.name", "muon", "--model.arch", "modern",
+               "--run.steps", "500"],
+    "modern-relu2": ["--preset", "tiny", "--optim.name", "muon", "--model.arch", "modern",
+                     "--model.mlp", "relu2", "--run.steps", "500"],
 }
 DEFAULT_RECIPES = "adamw,muon,speedrun"
 

@@ -23,7 +23,7 @@ from ddpgpt.distributed.group import DistEnv, collective
 from ddpgpt.evals.loss import evaluate
 from ddpgpt.evals.scorer import Scorer
 from ddpgpt.guard.health import Guard
-from ddpgpt.model import GPT
+from ddpgpt.model.gpt import GPT
 from ddpgpt.optim import optimizer
 from ddpgpt.optim.optimizer import set_lr
 from ddpgpt.optim.schedule import Rates, Schedule

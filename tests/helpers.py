@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ddpgpt.config.schema import ModelConfig
+from ddpgpt.config.model import ModelConfig
 from ddpgpt.data.prepare import SplitWriter, make_meta
 from ddpgpt.data.shards import dtype_for_vocab
 
@@ -258,9 +258,10 @@ def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32,
     rate; `skip`: the steps (0-based) whose update is skipped."""
     import torch
 
-    from ddpgpt.config.schema import ModelConfig, OptimConfig, padded_vocab
+    from ddpgpt.config.model import ModelConfig
+    from ddpgpt.config.schema import OptimConfig, padded_vocab
     from ddpgpt.data.shards import TokenDataset
-    from ddpgpt.model import GPT
+    from ddpgpt.model.gpt import GPT
     from ddpgpt.optim.schedule import lr_at
 
     threads = torch.get_num_threads()

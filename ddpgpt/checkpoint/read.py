@@ -30,7 +30,7 @@ from ddpgpt.config.io import from_dict
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.errors import UserError, beside
 from ddpgpt.files import as_created, describe, os_error_in
-from ddpgpt.model import GPT
+from ddpgpt.model.gpt import GPT
 
 
 def load(path: Path, meta: dict, weights_only: bool = False) -> dict:

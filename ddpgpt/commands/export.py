@@ -6,15 +6,18 @@
     model = transformers.AutoModelForCausalLM.from_pretrained("exported/tiny")
     tokenizer = transformers.AutoTokenizer.from_pretrained("exported/tiny")
 
-The directory holds config.json (GPT2Config), model.safetensors (GPT-2's layout, gpt2.py), and
-generation_config.json (end-of-text as EOS), and the run's tokenizer:
+The directory holds config.json, model.safetensors and generation_config.json (end-of-text as
+EOS) for the transformers class that computes the run's model exactly: GPT2LMHeadModel for
+model.arch gpt2 (gpt2.py's layout), Qwen3ForCausalLM for modern, LlamaForCausalLM for modern
+without QK-norm (llama.py's); a mix that no class computes (ReLU², a logit soft-cap, learned
+positions with RMSNorm, ...) is refused in one line naming the setting. And the run's tokenizer:
 - bpe: its tokenizer.json, as a PreTrainedTokenizerFast;
 - byte: the same ids as a byte-level BPE without merges (bytes 0-255, then end-of-text), so
   transformers encodes and decodes exactly as ddpgpt's byte tokenizer does;
 - gpt2: GPT-2's tokenizer, converted from tiktoken's encoding (cached by `prepare --tokenizer
   gpt2`), or else the Hugging Face hub's openai-community/gpt2 files (cached or downloaded).
-The vocabulary is cut to the tokenizer's own ids (our padding rows are not exported), and a model
-without biases gets zero biases. config.json also records the tokenizer's fingerprint under
+The vocabulary is cut to the tokenizer's own ids (our padding rows are not exported), and a GPT-2
+model without biases gets zero biases. config.json also records the tokenizer's fingerprint under
 `ddpgpt`, so `--init-from` the directory checks it against a dataset's. Needs the export extra.
 """
 
@@ -26,12 +29,12 @@ from pathlib import Path
 
 from ddpgpt.checkpoint.read import run_checkpoint
 from ddpgpt.config.commands import ExportConfig
-from ddpgpt.config.schema import ModelConfig
+from ddpgpt.config.model import ModelConfig
 from ddpgpt.data.output import check_out, publish
 from ddpgpt.data.tokenizer import EOT_TEXT, fingerprint
 from ddpgpt.errors import UserError
 from ddpgpt.files import as_created, require
-from ddpgpt.hf import gpt2
+from ddpgpt.hf import gpt2, llama
 from ddpgpt.run.run_dir import RunDir
 
 
@@ -43,6 +46,7 @@ def run(cfg: ExportConfig) -> None:
     found = run_checkpoint(run_dir, cfg.step)
     path, meta, model_cfg = found.path, found.meta, found.config.model
     data_meta = run_dir.read_data_meta("export needs")
+    layout(model_cfg)  # a model no transformers class computes: one line, nothing written
     check_out(out, cfg.force)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
@@ -50,8 +54,8 @@ def run(cfg: ExportConfig) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         kind = data_meta["tokenizer"]
-        write_model(tmp, found.weights, model_cfg, int(data_meta["vocab_size"]),
-                    int(data_meta["eot_id"]), fingerprint(kind, run_dir.path))
+        written = write_model(tmp, found.weights, model_cfg, int(data_meta["vocab_size"]),
+                              int(data_meta["eot_id"]), fingerprint(kind, run_dir.path))
         write_tokenizer(tmp, kind, run_dir.path, model_cfg.block_size)
         check_out(out, cfg.force)
         publish(tmp, out)
@@ -60,28 +64,54 @@ def run(cfg: ExportConfig) -> None:
                         "write to") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"exported {path} (step {meta['step']}) to {out}: GPT-2 layout, {model_cfg.n_layer} "
+    print(f"exported {path} (step {meta['step']}) to {out}: {written}, {model_cfg.n_layer} "
           f"layers × {model_cfg.n_embd} wide, {data_meta['vocab_size']:,} ids, {kind} tokenizer")
 
 
 def write_model(out: Path, weights: dict, model: ModelConfig, vocab: int, eot: int,
-                tokenizer_fingerprint: str) -> None:
-    """config.json, generation_config.json and model.safetensors in GPT-2's layout."""
+                tokenizer_fingerprint: str) -> str:
+    """config.json, generation_config.json and model.safetensors for the transformers class that
+    computes `model` (its name is returned): GPT2LMHeadModel for learned positions (gpt2.py's
+    layout), Qwen3ForCausalLM or LlamaForCausalLM for rotary ones (llama.py's); a model that
+    none computes exactly is refused in one line naming the setting."""
     from safetensors.torch import save_file
-    from transformers import GenerationConfig, GPT2Config
+    from transformers import GenerationConfig
 
-    GPT2Config(vocab_size=vocab, n_positions=model.block_size, n_embd=model.n_embd,
-               n_layer=model.n_layer, n_head=model.n_head,
-               activation_function=gpt2.ACTIVATION[model.gelu],
-               resid_pdrop=model.dropout, embd_pdrop=model.dropout, attn_pdrop=model.dropout,
-               layer_norm_epsilon=1e-5, bos_token_id=eot, eos_token_id=eot,
-               tie_word_embeddings=True, architectures=["GPT2LMHeadModel"],
-               ddpgpt={"tokenizer": tokenizer_fingerprint, "bias": model.bias}
-               ).save_pretrained(str(out))
+    transformers = require("transformers", "export", "ddpgpt export")
+    model, name = model.resolved(), layout(model)
+    if model.rope:
+        kind = llama.family(model)
+        make = {"qwen3": "Qwen3Config", "llama": "LlamaConfig"}[kind]
+        getattr(transformers, make)(
+            **llama.config(model, vocab), bos_token_id=eot, eos_token_id=eot,
+            architectures=[llama.CLASSES[kind]], ddpgpt={"tokenizer": tokenizer_fingerprint}
+        ).save_pretrained(str(out))
+        tensors = llama.to_llama(weights, model, vocab)
+    else:
+        transformers.GPT2Config(
+            vocab_size=vocab, n_positions=model.block_size, n_embd=model.n_embd,
+            n_layer=model.n_layer, n_head=model.n_head,
+            activation_function=gpt2.ACTIVATION[model.gelu],
+            resid_pdrop=model.dropout, embd_pdrop=model.dropout, attn_pdrop=model.dropout,
+            layer_norm_epsilon=model.norm_eps, bos_token_id=eot, eos_token_id=eot,
+            tie_word_embeddings=True, architectures=["GPT2LMHeadModel"],
+            ddpgpt={"tokenizer": tokenizer_fingerprint, "bias": model.bias}
+        ).save_pretrained(str(out))
+        tensors = gpt2.to_gpt2(weights, vocab, model.bias)
     GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot).save_pretrained(str(out))
-    save_file(gpt2.to_gpt2(weights, vocab, model.bias), str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     as_created(out / "model.safetensors")
+    return name
+
+
+def layout(model: ModelConfig) -> str:
+    """The transformers class that computes `model` exactly, or one line naming the setting that
+    none does."""
+    model = model.resolved()
+    if model.rope:
+        return llama.CLASSES[llama.family(model)]
+    gpt2.check_model(model)
+    return "GPT2LMHeadModel"
 
 
 def write_tokenizer(out: Path, kind: str, run_dir: Path, max_length: int) -> None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ddpgpt.config.checks import _choice, _finite, _require
 from ddpgpt.config.choices import Device, Optimizer, Tokenizer
-from ddpgpt.config.schema import MAX_BUCKET_MB, _choice, _finite, _require
+from ddpgpt.config.schema import MAX_BUCKET_MB
 
 
 @dataclass

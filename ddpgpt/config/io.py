@@ -27,7 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from ddpgpt.config.schema import SECTIONS, ConfigError, TrainConfig
+from ddpgpt.config.checks import ConfigError
+from ddpgpt.config.schema import SECTIONS, TrainConfig
 
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
               list: "a list"}
@@ -294,6 +295,8 @@ def to_toml(cfg: TrainConfig) -> str:
     for section, fields in cfg.to_dict().items():
         lines.append(f"[{section}]")
         for name, value in fields.items():
+            if value is None:  # unset (a model piece: model.arch's), as the file leaves it
+                continue
             if isinstance(value, bool):
                 text = "true" if value else "false"
             elif isinstance(value, str):

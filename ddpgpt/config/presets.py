@@ -11,14 +11,9 @@ override any field of it.
 
 from __future__ import annotations
 
-from ddpgpt.config.schema import (
-    ConfigError,
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    RunConfig,
-    TrainConfig,
-)
+from ddpgpt.config.checks import ConfigError
+from ddpgpt.config.model import ModelConfig
+from ddpgpt.config.schema import DataConfig, OptimConfig, RunConfig, TrainConfig
 from ddpgpt.errors import did_you_mean
 
 

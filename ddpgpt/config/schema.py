@@ -9,89 +9,14 @@ exists; a bad one is a `ConfigError`: one line naming the field, the source and 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
-from typing import get_args
 
 from ddpgpt.config import choices
-from ddpgpt.errors import UserError, did_you_mean
+from ddpgpt.config.checks import _choice, _finite, _require
+from ddpgpt.config.model import ModelConfig
 
 MAX_BUCKET_MB = 65536     # 64 GiB: larger than any device's memory, far below an int overflow
 MAX_TIMEOUT_S = 1_000_000  # ~11.6 days: longer waits overflow the backends' timeouts
-
-
-class ConfigError(UserError):
-    """A config value that is unknown, of the wrong type, or out of range."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"invalid config: {message}")
-
-
-def _finite(obj, prefix: str) -> None:
-    """Every float field a finite number: inf or nan passes a `> 0` check and fails much later
-    (an overflow deep inside DDP, a NaN loss), after files were written."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if isinstance(value, float):
-            name = (f"--{f.name.replace('_', '-')} {value}" if prefix == "--"
-                    else f"{prefix}{f.name} = {value}")
-            _require(math.isfinite(value), f"{name} must be a finite number")
-
-
-def _choice(section: str, name: str, value: str, options) -> None:
-    """`value` one of `options`: a Literal type (choices.py) or a sequence of names (a table's)."""
-    options = get_args(options) or tuple(options)
-    _require(value in options, f"{section}.{name} = {value!r}{did_you_mean(value, options)}; "
-             f"choose one of {', '.join(options)}")
-
-
-@dataclass
-class ModelConfig:
-    """GPT-2-style decoder shape."""
-
-    n_layer: int = 4
-    """Transformer blocks."""
-    n_head: int = 4
-    """Attention heads per block; must divide n_embd."""
-    n_embd: int = 256
-    """Residual stream width."""
-    block_size: int = 256
-    """Longest context in tokens (size of the learned position embedding)."""
-    vocab_size: int = 0
-    """Output vocabulary; 0 takes the dataset's, rounded up to a multiple of 64 for fast matmuls
-    where that adds no more than a hundredth (GPT-2's 50,257 -> 50,304)."""
-    bias: bool = True
-    """Biases in linear layers and LayerNorms (GPT-2 has them)."""
-    dropout: float = 0.0
-    """Dropout probability on attention, residual and embedding outputs (0 for pretraining)."""
-    gelu: choices.Gelu = "tanh"
-    """The MLP's GELU: tanh (its tanh approximation, GPT-2's gelu_new) or exact (erf, as
-    nn.GELU and nanoGPT; on a CPU about half the time of tanh's)."""
-    vocab_limit: int = 0
-    """Ids from this one up to vocab_size are padding and get a logit of -inf: never predicted,
-    never trained. 0: every row is live (a fresh model learns to avoid its padding rows).
-    --init-from sets it to the weights' vocabulary."""
-    init_from: str = field(default="", metadata={"alias": "--init-from"})
-    """Start from pretrained weights instead of a random init: gpt2, gpt2-medium, gpt2-large,
-    gpt2-xl (Hugging Face hub), or a local transformers directory or .safetensors file. The shape
-    comes from the weights; a resumed run continues from its own checkpoints."""
-
-    def __post_init__(self):
-        _finite(self, "model.")
-        for name in ("n_layer", "n_head", "n_embd", "block_size"):
-            _require(getattr(self, name) >= 1, f"model.{name} = {getattr(self, name)} must be >= 1")
-        _require(self.vocab_size >= 0,
-                 f"model.vocab_size = {self.vocab_size} must be >= 0 (0: from the dataset)")
-        _require(self.n_embd % self.n_head == 0,
-                 f"model.n_head = {self.n_head} must divide model.n_embd = {self.n_embd}")
-        _require(0 <= self.dropout < 1, f"model.dropout = {self.dropout} must be in [0, 1)")
-        _choice("model", "gelu", self.gelu, choices.Gelu)
-        _require(self.vocab_limit >= 0 and (not self.vocab_size
-                                            or self.vocab_limit <= self.vocab_size),
-                 f"model.vocab_limit = {self.vocab_limit} must be in [0, model.vocab_size = "
-                 f"{self.vocab_size}]")
 
 
 def padded_vocab(vocab: int) -> int:

@@ -21,6 +21,7 @@ import re
 
 import torch
 
+from ddpgpt.config.model import ModelConfig
 from ddpgpt.errors import UserError
 
 # The hub's GPT-2 checkpoints: repository, layers, heads, width (all 1024 positions, 50,257 ids).
@@ -63,17 +64,39 @@ def strip_prefix(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def shape(shapes: dict[str, tuple[int, ...]], config: dict | None) -> dict:
     """The model shape of GPT-2 tensors (names as strip_prefix leaves them, to their shapes):
     n_layer, n_embd, block_size, vocab (unpadded), bias, and from `config` (config.json) when
-    there is one (the tensors do not say them) n_head and the GELU (else GPT-2's)."""
+    there is one (the tensors do not say them) n_head, the GELU and the norm's epsilon (else
+    GPT-2's)."""
     if "wte.weight" not in shapes or "wpe.weight" not in shapes:
         raise ValueError("no wte.weight / wpe.weight")
     layers = {int(m.group(1)) for n in shapes if (m := re.match(r"h\.(\d+)\.", n))}
     vocab, n_embd = shapes["wte.weight"]
     out = {"n_layer": len(layers), "n_embd": n_embd, "block_size": shapes["wpe.weight"][0],
            "vocab": vocab, "bias": "h.0.attn.c_attn.bias" in shapes,
-           "gelu": GELUS.get((config or {}).get("activation_function", "gelu_new"), "tanh")}
+           "gelu": GELUS.get((config or {}).get("activation_function", "gelu_new"), "tanh"),
+           "norm_eps": float((config or {}).get("layer_norm_epsilon", 1e-5))}
     if config and config.get("n_head"):
         out["n_head"] = int(config["n_head"])
     return out
+
+
+def check_model(model: ModelConfig) -> None:
+    """GPT2LMHeadModel computes `model` (learned positions) exactly, or one line naming the first
+    setting it does not."""
+    m = model.resolved()
+    needs = [("norm", "layernorm"), ("qk_norm", False), ("mlp", "gelu"), ("tie_embeddings", True),
+             ("logit_softcap", 0.0), ("n_kv_head", m.n_head), ("head_dim", m.n_embd // m.n_head),
+             ("mlp_hidden", 4 * m.n_embd)]
+    for name, value in needs:
+        if getattr(m, name) != value:
+            raise UserError(f"model.{name} = {_show(getattr(m, name))}: GPT2LMHeadModel, the "
+                            f"transformers class for learned positions, computes only model."
+                            f"{name} = {_show(value)}; train with that (or with model.arch "
+                            "modern: Qwen3ForCausalLM) to export")
+
+
+def _show(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else f"{value:g}" if isinstance(
+        value, float) else str(value)
 
 
 def check_config(config: dict, where: str) -> None:
@@ -86,8 +109,6 @@ def check_config(config: dict, where: str) -> None:
                         "gelu_new or gelu)")
     if config.get("n_inner") not in (None, 4 * config.get("n_embd", 0)):
         problems.append(f"n_inner {config['n_inner']} (only 4 × n_embd)")
-    if abs(config.get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
-        problems.append(f"layer_norm_epsilon {config['layer_norm_epsilon']} (only 1e-5)")
     for flag in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
         if config.get(flag):
             problems.append(f"{flag} true")

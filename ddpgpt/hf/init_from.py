@@ -1,14 +1,18 @@
-"""`--init-from`: start training from GPT-2's weights, or any GPT-2-layout checkpoint.
+"""`--init-from`: start training from GPT-2's weights, any GPT-2-layout checkpoint, or a small
+open model of the Llama or Qwen3 family.
 
     ddpgpt train --data data/owt --init-from gpt2 --data.seq-len 256   # hub: needs the network once
     ddpgpt train --data data/mine --init-from exported/                 # a transformers directory
     ddpgpt train --data data/mine --init-from weights.safetensors --model.n-head 12
+    ddpgpt train --data data/mine --init-from exported-modern/  # Qwen3ForCausalLM, LlamaForCausalLM
 
 Three steps, at three times:
 1. the shape (`apply_shape`, while the config is built): layers, width, positions, vocabulary
-   and GELU come from the weights; a shape the user set that disagrees is one line. The
-   vocabulary is padded as a dataset's would be (GPT-2's 50,257 ids -> 50,304 rows) and
-   `model.vocab_limit` masks the padding rows.
+   and the architecture's pieces come from the weights (GPT-2's: model.arch gpt2 and its GELU;
+   a Llama or Qwen3 config.json: model.arch modern with its heads, key/value heads, head width,
+   MLP width, rotary base, norm epsilon, biases, tying and QK-norm); a shape the user set that
+   disagrees is one line. The vocabulary is padded as a dataset's would be (GPT-2's 50,257 ids
+   -> 50,304 rows) and `model.vocab_limit` masks the padding rows.
 2. the tokenizer (`check_tokenizer`, in preflight): the dataset's must be the weights' — gpt2 for
    the hub names; for a directory the one saved beside the weights (config.json's `ddpgpt` entry
    from `ddpgpt export`, else GPT-2's if its files are GPT-2's or there are none and the
@@ -26,10 +30,12 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt.config.schema import ConfigError, TrainConfig, padded_vocab
+from ddpgpt.config.checks import ConfigError
+from ddpgpt.config.model import ARCHS
+from ddpgpt.config.schema import TrainConfig, padded_vocab
 from ddpgpt.data.tokenizer import fingerprint
 from ddpgpt.errors import UserError, warn
-from ddpgpt.hf import gpt2
+from ddpgpt.hf import gpt2, llama
 
 HUB_FILES = ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
              "tokenizer_config.json", "vocab.json", "merges.txt"]
@@ -106,7 +112,8 @@ def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def weights_shape(spec: str) -> dict:
-    """n_layer, n_head (when known), n_embd, block_size, vocab, bias of the weights `spec`."""
+    """The model fields the weights `spec` fix (n_layer, n_head when known, n_embd, block_size,
+    bias, ...; for Llama and Qwen3 every piece of the architecture) and `vocab`, unpadded."""
     if spec in gpt2.HUB:
         _, n_layer, n_head, n_embd = gpt2.HUB[spec]
         return {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd,
@@ -114,6 +121,8 @@ def weights_shape(spec: str) -> dict:
                 "gelu": "tanh"}
     path = locate(spec)
     config = _config(path)
+    if config is not None and config.get("model_type") in llama.CLASSES:
+        return llama.shape(config, f"--init-from {spec}")
     if config is not None:
         gpt2.check_config(config, f"--init-from {spec}")
     shapes = gpt2.strip_prefix(_shapes(path))
@@ -128,18 +137,28 @@ def weights_shape(spec: str) -> dict:
                         ) from None
 
 
-def apply_shape(cfg: TrainConfig, explicit: dict[str, str]) -> TrainConfig:
-    """cfg with the model shape of its --init-from weights. `explicit`: the model fields the user
-    set, each with where (a TOML file, the command line); those must agree with the weights."""
-    spec = cfg.model.init_from
-    found = weights_shape(spec)
-    vocab = found["vocab"]
-    want = {"n_layer": found["n_layer"], "n_embd": found["n_embd"],
-            "block_size": found["block_size"], "bias": found["bias"], "gelu": found["gelu"],
-            "vocab_size": padded_vocab(vocab), "vocab_limit": vocab}
+def gpt2_pieces(found: dict) -> dict:
+    """GPT-2's architecture as fields the weights fix: model.arch gpt2's pieces, and the widths
+    that follow from its shape."""
+    pieces = ARCHS["gpt2"]._asdict()
+    del pieces["bias"], pieces["zero_init_proj"]  # the weights say the first; the second is init
+    pieces.update(arch="gpt2", mlp_hidden=4 * found["n_embd"])
     if "n_head" in found:
-        want["n_head"] = found["n_head"]
-    elif "n_head" not in explicit:
+        pieces.update(n_kv_head=found["n_head"], head_dim=found["n_embd"] // found["n_head"])
+    return pieces
+
+
+def apply_shape(cfg: TrainConfig, explicit: dict[str, str]) -> TrainConfig:
+    """cfg with the model shape and architecture of its --init-from weights. `explicit`: the
+    model fields the user set, each with where (a TOML file, the command line); those must agree
+    with the weights."""
+    spec = cfg.model.init_from
+    want = dict(weights_shape(spec))
+    vocab = want.pop("vocab")
+    if "arch" not in want:
+        want.update(gpt2_pieces(want))
+    want.update(vocab_size=padded_vocab(vocab), vocab_limit=vocab)
+    if "n_head" not in want and "n_head" not in explicit:
         raise UserError(f"--init-from {spec}: no config.json beside the weights says how many "
                         "attention heads they have; give --model.n-head")
     conflicts = []
@@ -147,8 +166,10 @@ def apply_shape(cfg: TrainConfig, explicit: dict[str, str]) -> TrainConfig:
         if name not in explicit:
             continue
         mine = getattr(cfg.model, name)
-        ok = {"vocab_size": mine >= vocab, "bias": mine == value or not mine,
-              "vocab_limit": True}.get(name, mine == value)
+        if name == "vocab_size":  # a wider padded vocabulary is fine
+            ok = mine >= vocab
+        else:  # no biases where the weights' are zero; the padding mask's start is the user's
+            ok = mine == value or (name == "bias" and not mine) or name == "vocab_limit"
         if ok:
             want[name] = mine
         else:
@@ -229,7 +250,7 @@ def _short(fp: str) -> str:
 
 
 def read_weights(spec: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the weights `spec`, names as gpt2.strip_prefix leaves them."""
+    """Every tensor of the weights `spec`, names as they are stored."""
     from safetensors.torch import load_file
 
     tensors = {}
@@ -238,20 +259,31 @@ def read_weights(spec: str) -> dict[str, torch.Tensor]:
             tensors.update(load_file(str(file)))
         else:
             tensors.update(torch.load(file, map_location="cpu", weights_only=True))
-    return gpt2.strip_prefix(tensors)
+    return tensors
 
 
 def read_state(spec: str, cfg) -> dict[str, torch.Tensor]:
-    """Our state dict for a model of shape `cfg` (a ModelConfig) from the weights `spec`."""
-    tensors = read_weights(spec)
+    """Our state dict for a model of shape `cfg` (a ModelConfig) from the weights `spec`: GPT-2's
+    layout (gpt2.py) or Llama's and Qwen3's (llama.py)."""
+    tensors, cfg = read_weights(spec), cfg.resolved()
     try:
-        state = gpt2.from_gpt2(tensors, cfg.vocab_size, cfg.bias)
+        if "model.embed_tokens.weight" in tensors:
+            state = llama.from_llama(tensors, cfg)
+        else:
+            state = gpt2.from_gpt2(gpt2.strip_prefix(tensors), cfg.vocab_size, cfg.bias)
     except KeyError as e:
         raise UserError(f"--init-from {spec}: the weights have no {e}; were they changed since "
                         "the run was configured?") from None
     layers = sum(1 for name in state if name.endswith("attn.qkv.weight"))
-    if layers != cfg.n_layer or state["wpe.weight"].shape != (cfg.block_size, cfg.n_embd):
+    qkv = (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
+    shapes = {"wte.weight": (cfg.vocab_size, cfg.n_embd),
+              "blocks.0.attn.qkv.weight": (qkv, cfg.n_embd),
+              "blocks.0.mlp.fc.weight": (cfg.mlp_hidden, cfg.n_embd)}
+    if not cfg.rope:
+        shapes["wpe.weight"] = (cfg.block_size, cfg.n_embd)
+    if layers != cfg.n_layer or any(state[n].shape != s for n, s in shapes.items()):
         raise UserError(f"--init-from {spec}: the weights do not have the run's shape ("
-                        f"{cfg.n_layer} layers, {cfg.block_size} × {cfg.n_embd} positions); were "
-                        "they changed since the run was configured?")
+                        f"{cfg.n_layer} layers of {cfg.n_embd}, {cfg.n_head} heads of "
+                        f"{cfg.head_dim}, an MLP of {cfg.mlp_hidden}, {cfg.block_size} "
+                        "positions); were they changed since the run was configured?")
     return state

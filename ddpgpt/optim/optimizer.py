@@ -33,13 +33,15 @@ class Group:
 
 def is_muon_param(name: str, p: torch.nn.Parameter) -> bool:
     """The blocks' 2-D weight matrices: a linear map whose directions Muon equalizes. Embedding
-    rows are lookups and vectors have no singular values: those keep AdamW."""
+    rows are lookups, the output head (tied to the embedding or not, as modded-nanogpt and
+    nanochat keep it) maps into the vocabulary's logits, and vectors (gains, biases) have no
+    singular values: those keep AdamW."""
     return name.startswith("blocks.") and p.dim() == 2
 
 
 def groups(model: torch.nn.Module, cfg: OptimConfig) -> list[Group]:
-    """adamw: matrices and embeddings (dim >= 2) decay, biases and LayerNorm gains do not. muon:
-    the blocks' matrices first, then AdamW's two groups over the rest."""
+    """adamw: matrices, embeddings and the head (dim >= 2) decay, biases and norm gains do not.
+    muon: the blocks' matrices first, then AdamW's two groups over the rest."""
     muon, decay, no_decay = [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:

@@ -17,7 +17,8 @@ import os
 
 import torch
 
-from ddpgpt.config.schema import ConfigError, TrainConfig, padded_vocab
+from ddpgpt.config.checks import ConfigError
+from ddpgpt.config.schema import TrainConfig, padded_vocab
 from ddpgpt.data.loader import TokenStream, require_windows
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.distributed.group import default_backend
@@ -78,7 +79,8 @@ def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> T
     ns_dtype = cfg.optim.muon_ns_dtype
     if ns_dtype == "auto":
         ns_dtype = "fp32" if precision == "fp32" else "bf16"
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab),
+    model = dataclasses.replace(cfg.model.resolved(), vocab_size=vocab)  # the arch's pieces set
+    return dataclasses.replace(cfg, model=model,
                                data=dataclasses.replace(cfg.data, seq_len=cfg.seq_len), run=run,
                                optim=dataclasses.replace(cfg.optim, muon_ns_dtype=ns_dtype))
 

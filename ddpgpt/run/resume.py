@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ddpgpt.checkpoint import store
 from ddpgpt.checkpoint.store import CheckpointError
-from ddpgpt.config.io import START_FIELDS
+from ddpgpt.config.io import START_FIELDS, from_dict
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import fingerprint as fingerprint_of
@@ -33,7 +33,12 @@ from ddpgpt.errors import UserError
 from ddpgpt.optim.schedule import extends_flat
 from ddpgpt.run.run_dir import RunDir
 
-SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
+# What a checkpoint's weights are made of: a resume must keep them (the architecture's pieces
+# included; logit_softcap, rope_theta, norm_eps and gelu change no weight and may change).
+SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "rope", "norm",
+                "qk_norm", "mlp", "tie_embeddings")
+WIDTHS = ("mlp_hidden", "n_kv_head", "head_dim")  # named only when the fields above agree: their
+# defaults follow n_embd, n_head and mlp
 
 
 @dataclass
@@ -130,8 +135,13 @@ def _check_fit(cfg: TrainConfig, start: Start, run_dir: RunDir, mode: str,
     deliberately, this data; never another tokenizer."""
     explicit = start.origin is not None and mode not in ("auto", "reset", "never")
     saved = start.meta["config"]
-    diff = [f"{k} {saved['model'][k]} -> {getattr(cfg.model, k)}" for k in SHAPE_FIELDS
-            if saved["model"][k] != getattr(cfg.model, k)]
+    # Both with every piece set: a checkpoint from before the pieces existed is model.arch gpt2.
+    theirs = from_dict({"model": saved["model"]}, str(start.path)).model.resolved()
+    mine = cfg.model.resolved()
+    diff = [f"{k} {getattr(theirs, k)} -> {getattr(mine, k)}" for k in SHAPE_FIELDS
+            if getattr(theirs, k) != getattr(mine, k)]
+    diff = diff or [f"{k} {getattr(theirs, k)} -> {getattr(mine, k)}" for k in WIDTHS
+                    if getattr(theirs, k) != getattr(mine, k)]
     optimizer = saved["optim"].get("name", "adamw")  # its state has that optimizer's layout
     if optimizer != cfg.optim.name:
         diff.append(f"optim.name {optimizer} -> {cfg.optim.name}")

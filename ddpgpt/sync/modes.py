@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ddpgpt.config.schema import _choice
+from ddpgpt.config.checks import _choice
 
 
 @dataclass(frozen=True)

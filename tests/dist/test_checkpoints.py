@@ -33,7 +33,7 @@ from ddpgpt.checkpoint import read, store
 from ddpgpt.config.io import from_dict
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.guard.health import EXIT_PREEMPTED
-from ddpgpt.model import GPT
+from ddpgpt.model.gpt import GPT
 from tests.dist.test_recovery import mount_namespace
 from tests.helpers import (
     Launch,

@@ -27,10 +27,10 @@ RESUMES = [["zero1", "ddp"], ["ddp", "zero1"], ["rs-ag", "allreduce"], ["fsdp2",
 LOSS_TOL, PARAM_TOL = 1e-6, 2e-5
 
 
-def train_modes(tmp_path, tiny_data, W, n_embd):
+def train_modes(tmp_path, tiny_data, W, model):
     out = tmp_path / "out.json"
     args = {"data": str(tiny_data), "run_dir": str(tmp_path / "run"), "steps": STEPS,
-            "n_embd": n_embd,
+            "model": model,
             "modes": MODES, "resumes": RESUMES, "resume_at": 4,
             "compressed": COMPRESSED if W == 2 else []}
     run_ranks([["-m", "tests.dist.workers_sync", "sync_modes", json.dumps(args), str(out)]] * W,
@@ -40,13 +40,17 @@ def train_modes(tmp_path, tiny_data, W, n_embd):
 
 @pytest.fixture(scope="module")
 def two(tiny_data, tmp_path_factory):
-    return train_modes(tmp_path_factory.mktemp("w2"), tiny_data, W=2, n_embd=32)
+    return train_modes(tmp_path_factory.mktemp("w2"), tiny_data, W=2,
+                       model={"n_head": 2, "n_embd": 32})
 
 
 @pytest.fixture(scope="module")
 def four(tiny_data, tmp_path_factory):
-    """W=4 and a width of 30: bucket sizes that are not multiples of W (rs-ag's padding)."""
-    return train_modes(tmp_path_factory.mktemp("w4"), tiny_data, W=4, n_embd=30)
+    """W=4 and a width of 30: bucket sizes that are not multiples of W (rs-ag's padding); the
+    modern arch (rotary, RMSNorm, QK-norm, SwiGLU, an untied head, no biases), with 3 query heads
+    sharing one key/value head: every test below holds for both archs."""
+    return train_modes(tmp_path_factory.mktemp("w4"), tiny_data, W=4,
+                       model={"n_head": 3, "n_embd": 30, "arch": "modern", "n_kv_head": 1})
 
 
 @pytest.mark.parametrize("world", ["two", "four"])

@@ -19,11 +19,11 @@ from ddpgpt.distributed.group import session
 
 def eval_loss(env, data: str, max_windows: int) -> float:
     """evaluate() of a seeded tiny model, with the val windows split across the ranks."""
-    from ddpgpt.config.schema import ModelConfig
+    from ddpgpt.config.model import ModelConfig
     from ddpgpt.data.loader import EvalLoader
     from ddpgpt.data.shards import TokenDataset
     from ddpgpt.evals.loss import evaluate
-    from ddpgpt.model import GPT
+    from ddpgpt.model.gpt import GPT
 
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=320), seed=5)
     loader = EvalLoader(TokenDataset(data), seq_len=32, micro_batch=3, world_size=env.world_size,

@@ -10,9 +10,10 @@ from ddpgpt.distributed import collectives
 from tests.dist.workers import main, make_trainer
 
 
-def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: list[str],
+def sync_modes(env, data: str, run_dir: str, steps: int, model: dict, modes: list[str],
                resumes: list[list], resume_at: int, compressed: list[str]) -> dict:
-    """Trains `steps` steps of the tiny config (G = 8, b = 2) under each mode from the same init.
+    """Trains `steps` steps of the tiny config (G = 8, b = 2; `model`: the model fields beside 2
+    layers and T = 32) under each mode from the same init.
     Returns per mode: the global losses and gradient norms, the final parameters' largest
     difference from the first mode's, whether every rank holds the same parameters, the
     collectives issued per step and the optimizer-state elements this rank holds; the order in
@@ -29,7 +30,7 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
     from ddpgpt.trainer import Trainer
 
     def trainer(mode, compress="none"):
-        flags = {"model": {"n_layer": 2, "n_head": 2, "n_embd": n_embd, "block_size": 32},
+        flags = {"model": {"n_layer": 2, "block_size": 32, **model},
                  "data": {"dir": data, "micro_batch": 2, "global_batch": 8},
                  "optim": {"lr": 1e-2, "warmup_steps": 2},
                  "run": {"dir": run_dir, "device": "cpu", "threads": 1, "sync": mode,
@@ -115,7 +116,7 @@ def sync_modes(env, data: str, run_dir: str, steps: int, n_embd: int, modes: lis
 
 
 def muon_modes(env, data: str, run_dir: str, steps: int, modes: list[str],
-               chain: dict | None = None) -> dict:
+               chain: dict | None = None, modern: bool = False) -> dict:
     """`steps` Muon steps of a 30-wide model (G = 12 sequences of 32 tokens, b = 1, so every W
     from 1 to 4 divides it; 30 rows split unevenly over 4 fsdp2 shards) under each mode from the
     same init. Per mode: the global losses; each rank's Newton-Schulz calls per step (torch's, at
@@ -134,9 +135,10 @@ def muon_modes(env, data: str, run_dir: str, steps: int, modes: list[str],
 
     muon.newton_schulz = counting
 
-    def trainer(mode):
+    def trainer(mode, arch="gpt2"):
+        shape = {"n_head": 2} if arch == "gpt2" else {"n_head": 3, "n_kv_head": 1}
         return make_trainer(env, {
-            "model": {"n_layer": 2, "n_head": 2, "n_embd": 30, "block_size": 32},
+            "model": {"n_layer": 2, "n_embd": 30, "block_size": 32, "arch": arch, **shape},
             "data": {"dir": data, "micro_batch": 1, "global_batch": 12},
             "optim": {"name": "muon", "lr": 1e-2, "muon_lr": 0.05, "warmup_steps": 2,
                       "muon_momentum_warmup": 4},
@@ -160,14 +162,14 @@ def muon_modes(env, data: str, run_dir: str, steps: int, modes: list[str],
         return [json.loads(v) for v in collectives.all_gather_text(env, json.dumps(value))]
 
     out = {}
-    for mode in modes:
-        t = trainer(mode)
+    for mode, arch in [(m, "gpt2") for m in modes] + [(m, "modern") for m in modes if modern]:
+        t = trainer(mode, arch)
         losses, per_step = train(t, 0, steps)
         opt, mine = t.optimizer, t.sync.matrices.mine
         weights = t.sync.model_state()
         flat = torch.cat([weights[k].detach().flatten() for k in sorted(weights)])
         everyone = collectives.all_gather(env, flat)
-        out[mode] = {
+        out[mode if arch == "gpt2" else f"{mode} modern"] = {
             "losses": losses, "ns_calls": per_step,
             "momentum": gathered(sorted(i for i, p in zip(mine, opt.matrices)
                                         if "momentum_buffer" in opt.muon.state.get(p, {}))),

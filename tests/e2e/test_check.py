@@ -13,7 +13,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 # One row of each kind the matrix has (the rest are the same code with other cases)
 TRAINING = ["zero1 · muon · bf16", "ddp · adamw · fp16 · loss scaler · step 3 forced non-finite",
-            "allreduce · adamw · fp32 · grad-compress bf16", "speed zero1"]
+            "allreduce · adamw · fp32 · grad-compress bf16", "speed zero1",
+            "fsdp2 · muon · fp32 · modern"]
 COMMANDS = ["loader copy", "checkpoint cpu → cpu", "SIGTERM → exit 75 → resume", "eval", "sample",
             "export"]
 

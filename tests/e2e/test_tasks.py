@@ -22,7 +22,7 @@ from ddpgpt.config.io import from_dict
 from ddpgpt.data.tokenizer import ByteTokenizer
 from ddpgpt.evals import tasks
 from ddpgpt.evals.multiple_choice import ending_losses, render
-from ddpgpt.model import GPT
+from ddpgpt.model.gpt import GPT
 from ddpgpt.optim.schedule import lr_at
 from tests import hellaswag_oracle as oracle
 from tests.helpers import read_metrics, run_cli, run_ranks, tiny_train_args, write_dataset

@@ -17,7 +17,7 @@ from ddpgpt.data.tokenizer import ByteTokenizer
 from ddpgpt.errors import UserError
 from ddpgpt.evals import tasks
 from ddpgpt.evals.kinds import KINDS, label_of
-from ddpgpt.model import GPT
+from ddpgpt.model.gpt import GPT
 from tests.e2e import toy_task
 from tests.helpers import REPO, read_metrics, run_ranks, tiny_train_args
 

@@ -4,10 +4,10 @@
 import pytest
 import torch
 
-from ddpgpt.config.schema import ModelConfig
+from ddpgpt.config.model import ModelConfig
 from ddpgpt.data.loader import TrainLoader
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.model import GPT
+from ddpgpt.model.gpt import GPT
 from tests.helpers import read_metrics, run_cli, tiny_train_args
 
 pytestmark = [pytest.mark.gpu,
@@ -25,9 +25,10 @@ def test_loader_copies_to_the_gpu_unchanged(tiny_data):
                     and torch.equal(yg.cpu(), yc))
 
 
-def test_bf16_matches_fp32_closely():
-    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=128),
-                seed=0).cuda()
+@pytest.mark.parametrize("arch", ["gpt2", "modern"])
+def test_bf16_matches_fp32_closely(arch):
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=128,
+                            arch=arch, n_kv_head=1 if arch == "modern" else 0), seed=0).cuda()
     idx = torch.randint(0, 128, (4, 32), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(0))
     _, fp32 = model(idx, idx)
@@ -37,10 +38,12 @@ def test_bf16_matches_fp32_closely():
     assert abs(fp32.item() - bf16.item()) < 0.05 * fp32.item()
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "modern"])
 @pytest.mark.parametrize("extra", [[], ["--compile"]], ids=["eager", "compile"])
-def test_train_on_one_gpu(tiny_data, tmp_path, extra):
+def test_train_on_one_gpu(tiny_data, tmp_path, extra, arch):
     run = tmp_path / "run"
-    args = tiny_train_args(tiny_data, run, steps=20, device="cuda", run__checkpoint_every=10)[3:]
+    args = tiny_train_args(tiny_data, run, steps=20, device="cuda", run__checkpoint_every=10,
+                           model__arch=arch)[3:]
     r = run_cli("train", *args, *extra, timeout=500)
     assert r.returncode == 0, r.stderr
     assert "cuda, bf16" in r.stderr

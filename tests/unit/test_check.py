@@ -30,9 +30,13 @@ def test_the_plan_has_every_mode_precision_and_optimizer_against_an_oracle(devic
         assert any(n.startswith(f"{mode} · adamw · fp16 · loss scaler") for n in names) == \
             row.loss_scaler
         assert {f"speed {mode}", f"peak memory {mode}"} <= names
+        assert f"{mode} · muon · fp32 · modern" in names  # the modern arch, every mode
+    assert {"ddp · muon · bf16 · modern", "ddp · muon · fp16 · modern",
+            "ddp · muon · fp32 · compile · modern"} <= names
     assert len(names) == len(specs) and not any("," in n for n in names)  # --only splits at ","
     for s in specs:
         assert s.oracle != s.case and s.against
+        assert s.oracle is None or s.oracle.arch == s.case.arch  # one arch per row
         assert s.oracle is not None or s.check == "peak memory ddp"  # against the mode table
         # ddp against the fp32 CPU run, the other modes against ddp on the same device
         # fp16 against the fp32 CPU run with the same step skipped

@@ -10,8 +10,8 @@ import torch
 from ddpgpt.checkpoint import read, store
 from ddpgpt.checkpoint import read as load_module
 from ddpgpt.checkpoint.store import CheckpointError
-from ddpgpt.config.schema import ModelConfig
-from ddpgpt.model import GPT
+from ddpgpt.config.model import ModelConfig
+from ddpgpt.model.gpt import GPT
 from tests.helpers import json_error
 
 

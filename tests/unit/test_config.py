@@ -13,16 +13,11 @@ import pytest
 
 from ddpgpt import cli
 from ddpgpt.config import presets
+from ddpgpt.config.checks import ConfigError
 from ddpgpt.config.io import build as resolve
 from ddpgpt.config.io import continued, from_dict, nest
-from ddpgpt.config.schema import (
-    ConfigError,
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    RunConfig,
-    TrainConfig,
-)
+from ddpgpt.config.model import ModelConfig
+from ddpgpt.config.schema import DataConfig, OptimConfig, RunConfig, TrainConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
 from ddpgpt.run.preflight import accum_steps, preflight
@@ -35,8 +30,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODEL_KEYS = ("n_layer, n_head, n_embd, block_size, vocab_size, bias, dropout, gelu, "
-              "vocab_limit, init_from")
+MODEL_KEYS = ("n_layer, n_head, n_embd, block_size, vocab_size, arch, rope, norm, qk_norm, mlp, "
+              "mlp_hidden, bias, tie_embeddings, zero_init_proj, logit_softcap, n_kv_head, "
+              "head_dim, rope_theta, norm_eps, dropout, gelu, vocab_limit, init_from")
 
 
 def _toml(tmp_path, text: str, name: str = "run.toml") -> str:
@@ -324,7 +320,7 @@ def test_resolve_takes_the_datasets_vocab_and_the_block_size(dataset):
     assert cfg.model.vocab_size == 100  # 128 would add 28% to the output layer
     assert cfg.data.seq_len == 16  # 0 -> block_size
     assert (cfg.model, cfg.data, cfg.optim) == (
-        dataclasses.replace(_model().model, vocab_size=100),
+        dataclasses.replace(_model().model.resolved(), vocab_size=100),  # the pieces: gpt2
         dataclasses.replace(_model().data, seq_len=16),
         dataclasses.replace(_model().optim, muon_ns_dtype="fp32"))  # auto: fp32 under fp32
 

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpgpt.config.schema import ModelConfig
+from ddpgpt.config.model import ModelConfig
 from ddpgpt.data.tokenizer import BPETokenizer, ByteTokenizer, GPT2Tokenizer
 from ddpgpt.distributed.group import DistEnv
 from ddpgpt.errors import DataError, UserError
 from ddpgpt.evals import tasks
 from ddpgpt.evals.multiple_choice import ending_losses, render
 from ddpgpt.evals.scorer import Scorer
-from ddpgpt.model import GPT
+from ddpgpt.model.gpt import GPT
 from tests import hellaswag_oracle as oracle
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,5 +1,6 @@
 """Generation with a KV cache against the no-cache path (the oracle: every token re-encodes its
-whole context), the context window's rule past block_size, and the padding rows' mask."""
+whole context), for both archs: past block_size, learned positions restart the window and rotary
+ones slide it by one token. And the padding rows' mask."""
 
 from __future__ import annotations
 
@@ -9,16 +10,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ddpgpt.model import GPT, KVCache
+from ddpgpt.model.attention import KVCache, band
+from ddpgpt.model.gpt import GPT
 from tests.helpers import SMALL, assert_greedy_agrees
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BLOCK = SMALL.block_size  # 16
+# Rotary, QK-norm, SwiGLU, one key/value head; the output projections drawn (zero ones would make
+# every block the identity, and any cache equal to any other).
+MODERN = dataclasses.replace(SMALL, arch="modern", n_kv_head=1, zero_init_proj=False)
+ARCHS = {"gpt2": SMALL, "modern": MODERN}
 
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
     return GPT(SMALL, seed=0).eval()
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def either(request) -> GPT:
+    return GPT(ARCHS[request.param], seed=0).eval()
 
 
 def _tokens(B: int, T: int, seed: int = 0) -> torch.Tensor:
@@ -36,10 +47,10 @@ def _context_lengths(model: GPT, prompt: torch.Tensor, n: int, use_cache: bool) 
     return seen
 
 
-def test_cached_logits_equal_a_full_forward(model):
+def test_cached_logits_equal_a_full_forward(either):
     """Each token's logits from the cache equal those of a forward over the whole prefix."""
-    idx = _tokens(3, BLOCK, seed=1)
-    cache = KVCache(SMALL.n_layer, BLOCK)
+    model, idx = either, _tokens(3, BLOCK, seed=1)
+    cache = KVCache(SMALL.n_layer, BLOCK, slide=model.cfg.rope)
     with torch.no_grad():
         steps = [model(idx[:, :5], cache=cache)[0][:, -1]]
         steps += [model(idx[:, t:t + 1], cache=cache)[0][:, -1] for t in range(5, BLOCK)]
@@ -48,18 +59,51 @@ def test_cached_logits_equal_a_full_forward(model):
     assert cache.length == BLOCK
 
 
-@pytest.mark.parametrize("new_tokens", [5, BLOCK, 3 * BLOCK + 5])
+@pytest.mark.parametrize("prompt_len, new_tokens", [(4, 5), (4, BLOCK), (4, 3 * BLOCK + 5),
+                                                     (3 * BLOCK, 5)])
 @pytest.mark.parametrize("top_k", [None, 10])
-def test_cache_gives_the_no_cache_tokens(model, new_tokens, top_k):
+def test_cache_gives_the_no_cache_tokens(either, prompt_len, new_tokens, top_k):
     """Same seed, same tokens, within the window and well past it (the window restarts several
-    times), for a batch of three different prompts."""
-    prompt = _tokens(3, 4, seed=new_tokens)
+    times, or slides), and from a prompt longer than the window, for a batch of three different
+    prompts."""
+    prompt = _tokens(3, prompt_len, seed=new_tokens)
     for seed in (0, 1, 2):
-        runs = [model.generate(prompt, new_tokens, temperature=1.0, top_k=top_k,
-                               generator=torch.Generator().manual_seed(seed), use_cache=c)
+        runs = [either.generate(prompt, new_tokens, temperature=1.0, top_k=top_k,
+                                generator=torch.Generator().manual_seed(seed), use_cache=c)
                 for c in (True, False)]
         assert torch.equal(runs[0], runs[1]), seed
-        assert runs[0].shape == (3, 4 + new_tokens)
+        assert runs[0].shape == (3, prompt_len + new_tokens)
+
+
+def test_the_rotary_cache_slides_and_each_token_sees_its_last_block_at_every_layer():
+    """Past block_size the rotary cache overwrites its oldest keys: the prompt once, then one
+    token per call. Its logits are those of the no-cache oracle, a forward in which every token
+    attends to its last block_size tokens at every layer (the band), over all the tokens the last
+    one depends on; with one layer that is a plain forward over the last block_size tokens."""
+    model = GPT(MODERN, seed=0).eval()
+    assert _context_lengths(model, _tokens(1, 4), 3 * BLOCK, use_cache=True) == (
+        [4] + [1] * (3 * BLOCK - 1))
+    idx = _tokens(3, 4 * BLOCK, seed=2)
+    reach = MODERN.n_layer * (BLOCK - 1) + 1
+    cache = KVCache(MODERN.n_layer, BLOCK, slide=True)
+    with torch.no_grad():
+        model(idx[:, :5], cache=cache)
+        for t in range(5, idx.size(1)):
+            cached = model(idx[:, t:t + 1], cache=cache)[0][:, -1]
+            oracle = model(idx[:, max(0, t + 1 - reach):t + 1], window=BLOCK)[0][:, -1]
+            torch.testing.assert_close(cached, oracle, rtol=0, atol=1e-5)
+        assert cache.length == 4 * BLOCK
+        # a sliding cache is not a fresh forward over the last block_size: upper layers' keys
+        # carry what each token saw of tokens already out of the window
+        fresh = model(idx[:, -BLOCK:])[0][:, -1]
+        assert (fresh - cached).abs().max() > 1e-3
+        one = GPT(dataclasses.replace(MODERN, n_layer=1), seed=0).eval()
+        torch.testing.assert_close(one(idx, window=BLOCK)[0][:, -1],
+                                   one(idx[:, -BLOCK:])[0][:, -1], rtol=0, atol=1e-5)
+    # each token sees itself and the window - 1 before it; as wide as the sequence, it is causal
+    assert band(4, 2, "cpu").int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0],
+                                                [0, 0, 1, 1]]
+    assert torch.equal(band(5, 5, "cpu"), torch.ones(5, 5, dtype=torch.bool).tril())
 
 
 def test_the_window_restarts_from_its_last_half(model):

@@ -13,7 +13,8 @@ import torch
 
 from ddpgpt.commands.export import byte_tokenizer, from_tiktoken, write_model
 from ddpgpt.config import io as config_io
-from ddpgpt.config.schema import ConfigError, ModelConfig
+from ddpgpt.config.checks import ConfigError
+from ddpgpt.config.model import ModelConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import EOT_TEXT, ByteTokenizer
 from ddpgpt.errors import UserError
@@ -25,7 +26,7 @@ from ddpgpt.hf.init_from import (
     read_state,
     weights_tokenizer,
 )
-from ddpgpt.model import GPT
+from ddpgpt.model.gpt import GPT
 from tests.helpers import write_dataset
 
 

@@ -11,8 +11,10 @@ import pytest
 
 from ddpgpt import cli
 from ddpgpt.config import commands, schema
+from ddpgpt.config import model as model_config
 from ddpgpt.config.io import field_docs
-from ddpgpt.config.schema import SECTIONS, DataConfig, ModelConfig
+from ddpgpt.config.model import ModelConfig
+from ddpgpt.config.schema import SECTIONS, DataConfig
 
 
 def _help(argv: list[str], capsys) -> str:
@@ -68,7 +70,7 @@ def test_every_command_is_in_the_parser():
 
 # ---- field docstrings reach --help ------------------------------------------------------------
 
-CONFIG_CLASSES = [c for module in (schema, commands)
+CONFIG_CLASSES = [c for module in (schema, model_config, commands)
                   for _, c in inspect.getmembers(module, inspect.isclass)
                   if dataclasses.is_dataclass(c) and c.__module__ == module.__name__]
 

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpgpt.config.schema import ModelConfig
-from ddpgpt.model import GPT
+from ddpgpt.config.model import ModelConfig
+from ddpgpt.model.gpt import GPT
 from tests.helpers import SMALL, assert_greedy_agrees
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,15 +11,18 @@
 - Owners (muon.plan) balance the Newton-Schulz cost and give every matrix exactly one owner.
 """
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from ddpgpt.config.schema import ConfigError, ModelConfig, OptimConfig
+from ddpgpt.config.checks import ConfigError
+from ddpgpt.config.model import ModelConfig
+from ddpgpt.config.schema import OptimConfig
 from ddpgpt.distributed.group import DistEnv
-from ddpgpt.model import GPT
+from ddpgpt.model.gpt import GPT
 from ddpgpt.optim import optimizer
 from ddpgpt.optim.muon import (
     NS_COEFFICIENTS,
@@ -271,6 +274,21 @@ def test_groups_split_matrices_from_the_rest():
     optimizer.set_lr(opt, 5e-3, 0.9)
     assert [g["lr"] for g in opt.param_groups] == [pytest.approx(0.025), 5e-3, 5e-3]
     assert opt.param_groups[0]["momentum"] == 0.9
+
+
+def test_the_modern_arch_gives_muon_the_blocks_matrices_and_adamw_the_rest():
+    """The untied head and the embedding are AdamW's (decayed), the QK-norm and RMSNorm gains
+    AdamW's (not decayed); Muon owns the five matrices of each block (qkv, attention out, the
+    SwiGLU's gate, up and down) and nothing else."""
+    model = GPT(dataclasses.replace(MODEL, arch="modern"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon, decay, no_decay = ([names[id(p)] for p in g.params] for g in optimizer.groups(model, CFG))
+    parts = ("attn.qkv", "attn.proj", "mlp.gate", "mlp.fc", "mlp.proj")
+    assert muon == [f"blocks.{i}.{part}.weight" for i in range(2) for part in parts]
+    assert decay == ["wte.weight", "lm_head.weight"]
+    assert no_decay == [n for n, _ in model.named_parameters() if n not in muon + decay]
+    assert {n.rsplit(".", 2)[-2] for n in no_decay} == {"ln1", "q_norm", "k_norm", "ln2", "ln_f"}
+    assert sorted(muon + decay + no_decay) == sorted(names.values())
 
 
 def test_matrices_gather_at_one_rank_is_every_matrix_in_model_order():

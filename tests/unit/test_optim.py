@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ddpgpt.config.schema import ModelConfig, OptimConfig, RunConfig, TrainConfig
+from ddpgpt.config.model import ModelConfig
+from ddpgpt.config.schema import OptimConfig, RunConfig, TrainConfig
 from ddpgpt.distributed.group import DistEnv
-from ddpgpt.model import GPT
+from ddpgpt.model.gpt import GPT
 from ddpgpt.optim.optimizer import Optimizer, groups, set_lr
 from ddpgpt.optim.schedule import Rates, Schedule, lr_at, momentum_at
 from ddpgpt.run.resume import Start, settle

@@ -4,13 +4,14 @@ restart, against checkpoints written by the real store."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 from ddpgpt.checkpoint import store
 from ddpgpt.config.schema import DataConfig, OptimConfig, RunConfig, TrainConfig
 from ddpgpt.errors import UserError
-from ddpgpt.model import GPT
+from ddpgpt.model.gpt import GPT
 from ddpgpt.run import resume
 from ddpgpt.run.run_dir import RunDir
 from tests.conftest import STDLIB
@@ -189,6 +190,32 @@ def test_explicit_path_of_another_shape(run, other):
     assert str(e.value) == (f"--resume {path}: refused: that checkpoint has another model shape "
                             "or optimizer (n_embd 32 -> 64); resume it with the settings in its "
                             "meta.json")
+
+
+def test_another_architecture_is_refused_and_a_checkpoint_before_the_pieces_is_gpt2(run):
+    """A checkpoint whose config predates the architecture's pieces is model.arch gpt2: it
+    resumes as gpt2 and is refused as modern, naming the pieces; the widths that follow from the
+    pieces are named only when nothing else differs."""
+    saved = save(run, 2)
+    meta = saved / "meta.json"
+    old = json.loads(meta.read_text())
+    for key in ("arch", "rope", "norm", "qk_norm", "mlp", "mlp_hidden", "tie_embeddings",
+                "zero_init_proj", "logit_softcap", "n_kv_head", "head_dim", "rope_theta",
+                "norm_eps"):
+        del old["config"]["model"][key]
+    meta.write_text(json.dumps(old))
+    assert choose(run).path.name == "step_0000002"
+    modern = dataclasses.replace(config(), model=dataclasses.replace(SMALL, arch="modern"))
+    with pytest.raises(UserError) as e:
+        resume.choose(modern, run, True, FP)
+    assert str(e.value) == (f"run dir {run}: refused to resume checkpoint step_0000002, which has "
+                            "another model shape or optimizer (bias True -> False, rope False -> "
+                            "True, norm layernorm -> rmsnorm, qk_norm False -> True, mlp gelu -> "
+                            "swiglu, tie_embeddings True -> False); use another --run-dir, or "
+                            "--reset to set the old run aside")
+    wider = dataclasses.replace(config(), model=dataclasses.replace(SMALL, mlp_hidden=256))
+    with pytest.raises(UserError, match=r"\(mlp_hidden 128 -> 256\)"):
+        resume.choose(wider, run, True, FP)
 
 
 def test_explicit_path_of_another_optimizer(run, other):

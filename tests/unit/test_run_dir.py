@@ -14,7 +14,7 @@ import torch
 
 from ddpgpt.checkpoint import store
 from ddpgpt.config.io import build
-from ddpgpt.model import GPT
+from ddpgpt.model.gpt import GPT
 from ddpgpt.run import launch
 from ddpgpt.run.run_dir import RunDir, RunDirBusy
 from tests.helpers import REPO

@@ -101,7 +101,7 @@ def test_an_index_runs_no_code():
 
 
 def test_a_foreign_index_with_a_matching_hash_is_one_line(tmp_path):
-    from ddpgpt.model import GPT
+    from ddpgpt.model.gpt import GPT
 
     path = store.save(tmp_path, 1, {"model": GPT(SMALL).state_dict()}, {}, keep=5)
     data = pickle.dumps({"not": "an index"})
@@ -118,7 +118,7 @@ def test_a_foreign_index_with_a_matching_hash_is_one_line(tmp_path):
 def test_format_2_still_loads_and_format_3_follows(tmp_path):
     """A run dir whose older checkpoint is format 2: found, verified and loaded whole; the next
     save writes format 3 beside it and becomes the newest."""
-    from ddpgpt.model import GPT
+    from ddpgpt.model.gpt import GPT
 
     root = tmp_path / "checkpoints"
     weights = GPT(SMALL, seed=3).state_dict()
@@ -138,7 +138,7 @@ def test_format_2_still_loads_and_format_3_follows(tmp_path):
 def test_export_writes_one_safetensors_file(tmp_path):
     from safetensors.torch import load_file
 
-    from ddpgpt.model import GPT
+    from ddpgpt.model.gpt import GPT
 
     weights = GPT(SMALL, seed=4).state_dict()
     path = store.save(tmp_path, 1, {"model": weights}, {}, keep=5)

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from benchmarks import speedrun
-from ddpgpt.config.schema import ModelConfig
+from ddpgpt.config.model import ModelConfig
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.distributed.group import DistEnv
 from ddpgpt.evals.loss import evaluate
-from ddpgpt.model import GPT
+from ddpgpt.model.gpt import GPT
 from tests.helpers import write_dataset
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ddpgpt.config.schema import ModelConfig
-from ddpgpt.model import GPT as Ours
+from ddpgpt.config.model import ModelConfig
+from ddpgpt.model.gpt import GPT as Ours
 
 
 @dataclass

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from ddpgpt.checkpoint import store
-from ddpgpt.config.schema import ConfigError, DataConfig, RunConfig, TrainConfig
+from ddpgpt.config.checks import ConfigError
+from ddpgpt.config.schema import DataConfig, RunConfig, TrainConfig
 from ddpgpt.data.loader import TrainLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.distributed.group import DistEnv, DistError, parse_nnodes

@@ -58,7 +58,7 @@ def config(case: Case, env: DistEnv, data: str, nproc: int, quick: bool):
         flags = {"data": {"dir": data, "micro_batch": b, "global_batch": b * nproc,
                           "verify": False}, "run": run}
         return preflight(build(preset, None, flags), env.world_size, env.local_world_size)
-    flags = {"model": MODEL,
+    flags = {"model": {**MODEL, "arch": case.arch},
              "data": {"dir": data, "micro_batch": MICRO_BATCH, "global_batch": global_batch(nproc),
                       "verify": False},
              "optim": {"name": case.optim, "lr": 1e-2, "warmup_steps": 1},

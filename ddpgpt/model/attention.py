@@ -1,0 +1,106 @@
+"""Causal self-attention (through `F.scaled_dot_product_attention`, which picks flash or
+memory-efficient kernels where it can), with grouped-query heads, QK-norm and rotary positions as
+the config says, and the KV cache that generation keeps between tokens."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ddpgpt.config.model import ModelConfig
+from ddpgpt.model.layers import RMSNorm, rotate
+
+
+class KVCache:
+    """The keys and values of the tokens a sequence has seen, for every layer: (B, H_kv, max_len,
+    D) each. Allocated on the first write, in the dtype the keys come in (autocast: bf16).
+
+    `length` counts every token seen (the next token's position). A prompt fills it from empty,
+    then one token at a time joins it. With `slide` (rotary positions: a key's turn depends on
+    its own position only, and attention on the difference of positions) it holds the newest
+    max_len: token i lives in slot i % max_len, each new token overwriting the oldest, and a
+    prompt longer than max_len leaves its last max_len. Attention over the slots does not care
+    about their order. Without `slide` a full cache refuses more."""
+
+    def __init__(self, n_layer: int, max_len: int, slide: bool = False):
+        self.max_len, self.length, self.slide = max_len, 0, slide
+        self.k: list[torch.Tensor | None] = [None] * n_layer
+        self.v: list[torch.Tensor | None] = [None] * n_layer
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Writes this step's keys and values (B, H_kv, T, D); returns every one held, (B, H_kv,
+        held, D). `length` moves on once the last layer has written."""
+        T, m = k.size(2), self.max_len
+        if self.length and T > 1:
+            raise ValueError("a KV cache takes a prompt when empty, then one token at a time")
+        end = self.length + T
+        if end > m and not self.slide:
+            raise ValueError(f"KV cache holds {m} tokens; {end} would overflow it")
+        if self.k[layer] is None:
+            shape = (k.size(0), k.size(1), m, k.size(3))
+            self.k[layer] = k.new_empty(shape)
+            self.v[layer] = v.new_empty(shape)
+        kept = min(T, m)  # a prompt longer than the cache leaves its last m
+        slots = torch.arange(end - kept, end, device=k.device) % m
+        self.k[layer].index_copy_(2, slots, k[:, :, T - kept:])
+        self.v[layer].index_copy_(2, slots, v[:, :, T - kept:])
+        if layer == len(self.k) - 1:
+            self.length = end
+        held = min(end, m)
+        return self.k[layer][:, :, :held], self.v[layer][:, :, :held]
+
+
+def band(T: int, window: int, device) -> torch.Tensor:
+    """(T, T) bool, True where query i may attend key j: j <= i and i - j < window (each token
+    sees its last `window` tokens, itself included: the sliding cache's rule)."""
+    i = torch.arange(T, device=device)[:, None]
+    j = torch.arange(T, device=device)[None, :]
+    return (j <= i) & (i - j < window)
+
+
+class CausalSelfAttention(nn.Module):
+    """One fused projection to queries, keys and values ([q | k | v] rows: GPT-2's c_attn
+    layout, and Llama's q_proj, k_proj, v_proj stacked), n_head query heads sharing n_kv_head
+    key/value heads, and the output projection."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.dropout = cfg.dropout
+        q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+        self.sizes = (q, kv, kv)
+        self.qkv = nn.Linear(cfg.n_embd, q + 2 * kv, bias=cfg.bias)
+        if cfg.qk_norm:  # one gain per head dimension, shared by the heads (Qwen3's q_norm)
+            self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.proj = nn.Linear(q, cfg.n_embd, bias=cfg.bias)
+        self.proj.residual = True  # scaled or zero init, see GPT.init_weights
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: KVCache | None = None, layer: int = 0,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask`: a (T, T) band (`band`) instead of the causal mask."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(self.sizes, dim=2)
+        q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
+        k, v = (t.view(B, T, self.n_kv, self.head_dim) for t in (k, v))  # (B, T, H_kv, D)
+        if self.qk_norm:  # per head, before the rotary turn (as Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        if rotary is not None:
+            q, k = rotate(q, *rotary), rotate(k, *rotary)
+        if cache is not None:
+            # A prompt attends among itself (causal, or the band); after it one token at a
+            # time attends to every held one, so no mask is needed.
+            held = cache.append(layer, k, v)  # (B, H_kv, held, D)
+            if T == 1:
+                k, v = held
+        masks = {"attn_mask": mask} if mask is not None else {"is_causal": T > 1}
+        gqa = {"enable_gqa": True} if self.n_kv != self.n_head else {}
+        y = F.scaled_dot_product_attention(q, k, v, **masks, **gqa,  # (B, H, T, D)
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
+        return self.resid_drop(self.proj(y))
