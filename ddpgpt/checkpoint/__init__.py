@@ -19,6 +19,7 @@ from ddpgpt.checkpoint.read import (  # noqa: F401
 )
 from ddpgpt.checkpoint.store import (  # noqa: F401 -- the package's face
     FORMAT_VERSION,
+    ROLLBACK,
     STEP_DIR,
     TEMPORARY,
     CheckpointError,
@@ -27,11 +28,14 @@ from ddpgpt.checkpoint.store import (  # noqa: F401 -- the package's face
     commit,
     find_latest,
     hash_files,
+    pending_rollback,
     prune,
     read_meta,
+    record_rollback,
     remove_temporaries,
     save,
     step_dir,
     step_dirs,
+    superseded,
     temporary,
 )

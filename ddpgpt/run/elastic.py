@@ -65,8 +65,10 @@ def claim(run_dir: RunDir, cfg: TrainConfig, env: dist.DistEnv,
         _, start = plan(verify=False)
         if first and cfg.run.resume == "reset":
             run_dir.reset()
-        elif start.set_aside:
-            run_dir.roll_back(start.set_aside, start.step)
+        else:
+            if start.set_aside:
+                run_dir.roll_back(start.set_aside, start.step)
+            resume.set_abandoned_aside(run_dir, start)  # a rollback a kill interrupted
         checkpoint.remove_temporaries(run_dir.checkpoints)
         if launchers:  # after the rules: a start that dies before this applies them again
             run_dir.record_job(launchers, first)
