@@ -186,6 +186,9 @@ def test_tensorboard_shows_each_step_once_after_a_rollback_to_the_initial_state(
     (result,) = spike_run(tiny_data, run_dir, 1, "weights@3", run__checkpoint_every=0,
                           run__tracker="tensorboard")
     assert "can only roll back to the start" in result.stderr
+    # the median the spike was judged by: the window's 3 steps, not the rebuilt guard's 0
+    assert "of the last 3 steps (the spike began at step 4); rolling back to step 0 (the " \
+        "initial state)" in result.stderr
     (rollback,) = events(run_dir, "rollback")
     assert (rollback["step"], rollback["checkpoint"], rollback["spike_step"]) == (0, None, 6)
     rows = read_metrics(run_dir)[0]
