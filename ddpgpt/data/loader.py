@@ -170,8 +170,12 @@ class TrainLoader:
         """Continues from a saved cursor; W and A may differ from the saving run's."""
         for key in ("seed", "seq_len", "shuffle"):
             if state[key] != getattr(self, key):
-                raise DataError(f"loader state has {key} = {state[key]} but this run has "
-                                f"{getattr(self, key)}; resume with the same data settings")
+                flag = f"--data.{key.replace('_', '-')}"
+                value = f"{flag} {str(state[key]).lower()}"
+                raise DataError(f"the checkpoint's data order was read with data.{key} = "
+                                f"{state[key]}, this run has {getattr(self, key)}: resume with "
+                                f"{value} (the order cannot change mid-run), or start a new "
+                                "--run-dir")
         if state["num_windows"] != self.stream.num_windows:
             raise DataError(f"loader state counts {state['num_windows']} windows but the dataset "
                             f"has {self.stream.num_windows}: the data changed; resume on the same "

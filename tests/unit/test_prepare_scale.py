@@ -70,10 +70,11 @@ def test_parts_merged_are_the_single_machine_dataset(corpus, tmp_path, capsys):
     for i in (1, 2, 3):
         prep([corpus], tmp_path / f"part{i}", tokenizer="byte", part=f"{i}/3")
     assert "when every part is done: ddpgpt prepare --merge" in capsys.readouterr().out
-    merged = prep([tmp_path / "part*"], tmp_path / "merged", tokenizer="byte", merge=True)
+    # the parts' tokenizer and the encoding's workers are theirs: a merge takes neither
+    merged = prep([tmp_path / "part*"], tmp_path / "merged", merge=True, workers=0)
     assert digests(merged) == digests(whole)
     with pytest.raises(UserError) as e:
-        prep([tmp_path / "part1", tmp_path / "part3"], tmp_path / "m2", merge=True)
+        prep([tmp_path / "part1", tmp_path / "part3"], tmp_path / "m2", merge=True, workers=0)
     assert str(e.value) == "--merge: parts [2] of 3 are missing; give each part directory once"
 
 
