@@ -29,6 +29,7 @@ from ddpgpt import __version__, checkpoint, dist, evals
 from ddpgpt.checkpoint.saver import SaveFailed, Saver
 from ddpgpt.checkpoint.saver import token as saver_token
 from ddpgpt.config.schema import TrainConfig
+from ddpgpt.data import verify
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.errors import UserError, warn
@@ -176,8 +177,8 @@ def run(cfg: TrainConfig) -> None:
     with dist.session(cfg.run.device, cfg.run.backend, cfg.run.dist_timeout_s) as env, \
             StopSignal(env.is_main) as stop:
         configure(cfg.run.threads, env.device)
-        if cfg.data.verify:  # each rank re-hashes a 1/W share of the shards
-            dist.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
+        if cfg.data.verify:  # headers and sizes were checked at open; hashes once per file
+            verify_data(env, dataset)
         cfg, start, env = elastic.claim(run_dir, cfg, env, dataset)
         scorer = dist.together(env, lambda: Scorer(  # each rank's share of the tasks, rendered once
             tasks, load_tokenizer(dataset.path, dataset.tokenizer), cfg.model.block_size, env)
@@ -255,6 +256,17 @@ def settle(trainer, saver: Saver, run_dir: RunDir) -> None:
         with saved(trainer, saver, run_dir):
             saver.settle()
         trainer.doing = doing
+
+
+def verify_data(env: dist.DistEnv, dataset: TokenDataset) -> None:
+    """data.verify: the sha256 of the shards that verified.json does not vouch for, 1/W of the
+    shards per rank (data/verify.py); every rank's new entries recorded by each node's first."""
+    mine = dist.together(env, lambda: verify.hash_share(dataset, env.rank, env.world_size))
+    entries = {}
+    for text in dist.all_gather_text(env, json.dumps(mine)):
+        entries.update(json.loads(text))
+    if env.local_rank == 0:
+        verify.record(dataset.path, entries, quiet=not env.is_main)
 
 
 def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset, step: int) -> None:

@@ -8,9 +8,9 @@ prepare skips once done: small enough that a kill loses little, large enough tha
 nothing. `pieces(unit)` reads a unit's documents, in pieces of at most `sources.PIECE_CHARS`.
 
 Parquet is read with pyarrow one record batch at a time (never a whole file, never a whole row
-group's Python strings); `.zst` with zstandard's stream reader. llm.c / modded-nanogpt shards are
-recognised by their header (256 int32: magic 20240520, version 1, token count; then uint16 GPT-2
-tokens) and taken as tokens. A compressed file cut short is an error naming it (compressed.py).
+group's Python strings); `.zst` with zstandard, every frame, a file cut short an error naming it
+(compressed.py). llm.c / modded-nanogpt shards are recognised by their header (256 int32: magic
+20240520, version 1, token count; then uint16 GPT-2 tokens) and taken as tokens.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ from ddpgpt.data.output import CleanExit, Lock, check_out, make_partial, partial
 from ddpgpt.data.shards import META_FORMAT_VERSION, ShardInfo, TokenDataset, dtype_for_vocab
 from ddpgpt.data.sources import resolve_sources
 from ddpgpt.data.tokenizer import BPETokenizer, TokenizerSpec, fingerprint, load_tokenizer
+from ddpgpt.data.verify import check_all, record_shards
 from ddpgpt.errors import UserError
 
 ORDER = "sources in the order given, files sorted by path, rows in file order"
@@ -279,6 +280,7 @@ def _finish_dataset(cfg: PrepareConfig, job: dict, tok, dtype: str, tmp: Path, b
     if not llmc and asm.documents["train"] == 0:
         build.restart_assembly()  # the split by position rewrites the shards
     shards, note = asm.finish(None if llmc else tok.decode_bytes)
+    record_shards(tmp, shards)  # hashed as written: a training start need not hash them again
     for split in ("train", "val"):
         if not shards[split] or not sum(i.tokens for i in shards[split]):
             raise UserError(_empty_split(split, llmc, job))
@@ -361,9 +363,8 @@ def make_meta(tok, dtype: str, shards: dict[str, list[ShardInfo]], source: dict,
 
 
 def verify(path: Path) -> None:
-    ds = TokenDataset(path)
-    n = ds.verify()
-    print(f"{path}: ok ({n} shards, {ds.num_tokens('train'):,} train + {ds.num_tokens('val'):,} "
+    ds = TokenDataset(path)  # then every shard re-hashed, whatever verified.json says
+    print(f"{path}: ok ({check_all(ds)} shards, {ds.num_tokens('train'):,} train + {ds.num_tokens('val'):,} "
           f"val tokens, {ds.tokenizer} vocab {ds.vocab_size})")
 
 
