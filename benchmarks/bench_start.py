@@ -169,11 +169,12 @@ def main() -> None:
     ap.add_argument("--starts", type=int, default=3, help="train starts per dataset")
     a = ap.parse_args()
     root = Path(a.root)
-    for tokens in a.tokens:
-        data = fake_dataset(root, int(tokens))
-        for what in ("loader", "train"):
-            (data / "verified.json").unlink(missing_ok=True)  # the first start hashes
-            for i in range(a.starts):
+    datasets = {tokens: fake_dataset(root, int(tokens)) for tokens in a.tokens}
+    for i in range(a.starts):  # the sizes interleaved, so that a busy machine's drift is shared
+        for tokens, data in datasets.items():
+            for what in ("loader", "train"):
+                if i == 0:
+                    (data / "verified.json").unlink(missing_ok=True)  # the first start hashes
                 row = loader_start(data, a.nproc) if what == "loader" else \
                     train_start(data, root / f"run-{tokens:.0e}", a.nproc)
                 print(f"{tokens:.0e} tokens: {what} start {i + 1}:", json.dumps(row), flush=True)
