@@ -103,6 +103,12 @@ class Trainer:
         self.val = EvalLoader(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,
                               world_size=env.world_size, rank=env.rank,
                               max_windows=data.eval_windows, device=dev)
+        # train_eval_loss: a sample of training windows drawn by data.seed, the same at any W.
+        sample = len(self.val.windows) if data.train_eval_windows < 0 else data.train_eval_windows
+        self.train_sample = EvalLoader(
+            dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch, world_size=env.world_size,
+            rank=env.rank, max_windows=sample, split="train", device=dev,
+            sample_seed=data.seed) if sample else None
         self.step = 0                 # optimizer steps completed
         self.batch = 0                # the global batch the newest step read
         self.doing = "step 1"         # what the loop is at, for a failure's message
@@ -272,13 +278,16 @@ class Trainer:
         return loss_sum / self.accum, norm
 
     def evaluate(self, tasks: Scorer | None = None) -> dict:
-        """An eval row: val_loss and val_bpb, the tasks' scores, the run's seconds (times()).
-        Collective: every rank calls it."""
+        """An eval row: val_loss and val_bpb, train_eval_loss (data.train_eval_windows), the
+        tasks' scores, the run's seconds (times()). Collective: every rank calls it."""
         with self.timed("eval"):
             val_loss = evaluate(self.raw, self.val, self.env, self.autocast)
+            row = {"val_loss": val_loss, "val_bpb": self.dataset.bits_per_byte(val_loss)}
+            if self.train_sample is not None:
+                row["train_eval_loss"] = evaluate(self.raw, self.train_sample, self.env,
+                                                  self.autocast)
             scores = tasks.score(self.raw, self.autocast) if tasks else {}
-        return {"val_loss": val_loss, "val_bpb": self.dataset.bits_per_byte(val_loss), **scores,
-                **self.times()}
+        return {**row, **scores, **self.times()}
 
     def probe(self, batch: int) -> float:
         """The global mean loss of the weights as they are on global batch `batch` (no update,

@@ -46,6 +46,11 @@ class DataConfig:
     """Visit windows in a seeded random order each epoch (else in file order)."""
     eval_windows: int = 256
     """Validation windows per evaluation, evenly spaced over the val split; 0 uses all."""
+    train_eval_windows: int = -1
+    """Training windows scored at each evaluation beside the val loss (train_eval_loss: the
+    fit of the data trained on, to tell overfitting from a data problem): a fixed sample drawn
+    by data.seed, the same windows at any W and after a resume. -1: as many as the val loss
+    scores (data.eval_windows; the val split's count when that is 0); 0: off."""
     verify: bool = True
     """Re-hash every shard against meta.json at startup (the ranks share the work); turn off to
     start faster on very large datasets."""
@@ -60,6 +65,8 @@ class DataConfig:
         _require(self.seq_len >= 0,
                  f"data.seq_len = {self.seq_len} must be >= 0 (0: model.block_size)")
         _require(self.eval_windows >= 0, f"data.eval_windows = {self.eval_windows} must be >= 0")
+        _require(self.train_eval_windows >= -1, f"data.train_eval_windows = "
+                 f"{self.train_eval_windows} must be >= -1 (-1: as many as val, 0: off)")
 
 
 @dataclass

@@ -3,7 +3,8 @@
 metrics.jsonl holds one JSON object per logged step,
     {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s"}
 one per evaluation, {"step", "val_loss", "val_bpb"} (bits per byte of the val text; absent for
-datasets prepared without byte counts) with each task's scores {NAME_<metric> for its kind's
+datasets prepared without byte counts), "train_eval_loss" (a fixed sample of training windows,
+data.train_eval_windows; absent when off), with each task's scores {NAME_<metric> for its kind's
 metrics (evals/kinds.py; multiple choice: acc_norm, acc, acc_char), NAME_n, NAME_s}
 (run.eval_tasks) and the run's seconds so far {elapsed_s, train_s, eval_s,
 checkpoint_s} (train_s: without evaluations and checkpoints), and one per event a reader of the
@@ -159,8 +160,10 @@ class Metrics:
             self._write({**row, **fields})
             tasks = "".join(f", {name} {fields[key]:.4f}"
                             for name, key in headlines(fields).items())
+            train = fields.get("train_eval_loss")
             self.bar.write(f"step {step}: val_loss {val_loss:.4f}"
-                           + ("" if val_bpb is None else f", val_bpb {val_bpb:.4f}") + tasks)
+                           + ("" if val_bpb is None else f", val_bpb {val_bpb:.4f}")
+                           + ("" if train is None else f", train_eval_loss {train:.4f}") + tasks)
 
     def log_target(self, step: int, row: dict, target: float) -> None:
         """Time to target: the event row of the first evaluation at run.target_val_loss, and
