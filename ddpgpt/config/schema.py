@@ -33,9 +33,7 @@ class DataConfig:
     """Where the tokens come from and how they are batched."""
 
     dir: str = field(default="data/stdlib", metadata={"alias": "--data"})
-    """Dataset directory made by `ddpgpt prepare`; or a mixture of several, DIR:WEIGHT,...
-    (a:0.7,b:0.3: token proportions, normalized; a,b: equal shares), which must share a
-    tokenizer (in a TOML file: [[data.sources]] tables of dir and weight; docs/data.md)."""
+    """Dataset directory made by `ddpgpt prepare`, or a mixture: a:0.7,b:0.3 (docs/usage.md)."""
     seq_len: int = 0
     """Training sequence length T in tokens; 0 uses model.block_size."""
     micro_batch: int = 8

@@ -36,7 +36,13 @@ import numpy as np
 import torch
 
 from ddpgpt.data import order as orders
-from ddpgpt.data.loader import TokenStream, _new_buffer, _to_device, require_windows
+from ddpgpt.data.loader import (
+    TokenStream,
+    TrainLoader,
+    _new_buffer,
+    _to_device,
+    require_windows,
+)
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import DataError
 
@@ -203,6 +209,10 @@ class MixtureLoader:
         now = counts(np.array([(index - stretch["start"]) * self.global_batch]), stretch["parts"])
         return [int(b + c) for b, c in zip(stretch["base"], now[:, 0])]
 
+    def taken_now(self) -> dict[str, int]:
+        """{source name: rows it gave to the global batches read so far}."""
+        return dict(zip(self.names, self.taken(self.batch_index)))
+
     def next_step(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Advances by one step (G rows) and returns this rank's A micro-batches (x, y)."""
         self.batch_index += 1
@@ -269,3 +279,12 @@ class MixtureLoader:
                                    "base": self.taken(self.batch_index)})
             self.changed = {"old": dict(zip(self.names, [p / RESOLUTION for p in old])),
                             "new": dict(zip(self.names, [p / RESOLUTION for p in parts]))}
+
+
+def train_loader(data: TokenDataset | MixedDataset, **kwargs) -> TrainLoader | MixtureLoader:
+    """The training loader of one dataset (TrainLoader) or of a mixture (MixtureLoader), with
+    the same arguments (seq_len, micro_batch, world_size, rank, accum_steps, seed, shuffle,
+    device)."""
+    if isinstance(data, MixedDataset):
+        return MixtureLoader(data, **kwargs)
+    return TrainLoader(data, **kwargs)
