@@ -71,7 +71,7 @@ def report(cfg: EvalConfig, dataset: TokenDataset | MixedDataset, row: dict, sco
     bits = "" if bpb is None else f", val_bpb {bpb:.4f}"
     each = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in row.items()
                      if k.startswith("val_loss/"))
-    print(f"val_loss {loss:.4f}{bits}{each and f' ({each})'} (step {step}, {windows} windows of "
+    print(f"val_loss {loss:.4f}{each and f' ({each})'}{bits} (step {step}, {windows} windows of "
           f"{seq_len} tokens, {world_size} process{'es' if world_size > 1 else ''})")
     for task in tasks:
         name = task.name
