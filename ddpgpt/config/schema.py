@@ -75,8 +75,9 @@ class DataConfig:
         """data.dir as [(directory, share)]: one dataset at share 1, or a mixture's, the shares
         normalized to sum to 1 in the order given."""
         parts = self.dir.split(",")
-        if len(parts) == 1:
-            return [(self.dir, 1.0)]
+        if len(parts) == 1:  # one dataset; DIR:WEIGHT of a mixture of one is DIR
+            path, _, weight = self.dir.rpartition(":")
+            return [(path if path and _number(weight) else self.dir, 1.0)]
         out = []
         for part in parts:
             path, _, weight = part.rpartition(":") if ":" in part else (part, "", "")
@@ -99,6 +100,13 @@ class DataConfig:
                  "dataset once, with its whole weight")
         total = sum(share or 1.0 for _, share in out)
         return [(path, (share or 1.0) / total) for path, share in out]
+
+
+def _number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 @dataclass

@@ -582,3 +582,10 @@ def test_bad_mixtures_are_one_line(spec, message):
 def test_a_mixture_without_weights_takes_equal_shares():
     assert resolve(None, None, {"data": {"dir": "a,b,c"}}).data.sources() == \
         [("a", 1 / 3), ("b", 1 / 3), ("c", 1 / 3)]
+
+
+def test_one_dataset_with_a_weight_is_that_dataset():
+    from ddpgpt.config.schema import DataConfig
+
+    assert DataConfig(dir="data/a:1").sources() == [("data/a", 1.0)]
+    assert DataConfig(dir="data/a:b").sources() == [("data/a:b", 1.0)]
