@@ -115,10 +115,9 @@ class MixedDataset:
 
     @property
     def fingerprint(self) -> str:
-        """The datasets' identity, not their weights (a resume may change those): sha256 over
-        their names and fingerprints."""
-        text = "\n".join(sorted(f"{n} {ds.fingerprint}" for n, ds in zip(self.names,
-                                                                          self.datasets)))
+        """The datasets' identity, not their weights (a resume may change those) nor where
+        they are: sha256 over their fingerprints."""
+        text = "\n".join(sorted(ds.fingerprint for ds in self.datasets))
         return hashlib.sha256(f"mixture\n{text}".encode()).hexdigest()
 
     @property
@@ -158,6 +157,7 @@ class MixtureLoader:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.names = data.names
+        self.fingerprints = [ds.fingerprint for ds in data.datasets]
         self.streams = [TokenStream(ds, "train", seq_len) for ds in data.datasets]
         for stream in self.streams:
             require_windows(stream, 1)
@@ -241,7 +241,8 @@ class MixtureLoader:
         return [{"start": start, "end": self.batch_index}] if batches else []
 
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "mixture": self.names, "batch": self.batch_index,
+        return {"version": STATE_VERSION, "mixture": self.names,
+                "fingerprints": self.fingerprints, "batch": self.batch_index,
                 "stretches": [dict(s) for s in self.stretches], "seed": self.seed,
                 "seq_len": self.seq_len, "shuffle": self.shuffle,
                 "num_windows": [s.num_windows for s in self.streams]}
@@ -260,13 +261,11 @@ class MixtureLoader:
                                 f"{state[key]}, this run has {getattr(self, key)}: resume with "
                                 f"--data.{key.replace('_', '-')} {str(state[key]).lower()}, or "
                                 "start a new --run-dir")
-        if state["mixture"] != self.names or \
+        if state["fingerprints"] != self.fingerprints or \
                 state["num_windows"] != [s.num_windows for s in self.streams]:
-            raise DataError(f"loader state holds the mixture {', '.join(state['mixture'])} of "
-                            f"{state['num_windows']} windows, this run "
-                            f"{', '.join(self.names)} of "
-                            f"{[s.num_windows for s in self.streams]}: resume on the same "
-                            "datasets, in the same order")
+            raise DataError(f"loader state holds the mixture {', '.join(state['mixture'])}, "
+                            f"this run {', '.join(self.names)}, not the same datasets in the "
+                            "same order: resume on the same datasets, in the same order")
         if int(state["version"]) > STATE_VERSION:
             raise DataError(f"the checkpoint's mixture state is version {state['version']}, "
                             "newer than this ddpgpt reads; upgrade ddpgpt")
