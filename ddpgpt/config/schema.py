@@ -33,7 +33,9 @@ class DataConfig:
     """Where the tokens come from and how they are batched."""
 
     dir: str = field(default="data/stdlib", metadata={"alias": "--data"})
-    """Dataset directory made by `ddpgpt prepare`, or a mixture: a:0.7,b:0.3 (docs/usage.md)."""
+    """Dataset directory made by `ddpgpt prepare`."""
+    # Or a mixture of several, DIR:WEIGHT,... (sources(); the train command's examples show one,
+    # docs/usage.md says the rest).
     seq_len: int = 0
     """Training sequence length T in tokens; 0 uses model.block_size."""
     micro_batch: int = 8
