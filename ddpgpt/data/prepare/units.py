@@ -12,6 +12,8 @@ its own single-threaded tokenizer: tokenizing, JSON and parquet decoding all hol
 own pool, and processes scale where threads would not. A worker ignores SIGINT (the terminal
 sends it to the whole group; the parent decides) and dies with its parent: it is asked to by the
 kernel (PR_SET_PDEATHSIG on Linux), and its pipe to the parent reaches EOF in any case.
+Each worker is handed the parent's table of formats (formats/table.py), so that a format the
+parent registered is read there too.
 """
 
 from __future__ import annotations
