@@ -4,6 +4,9 @@ each prepares to exactly its documents, in the recorded order; bad input is one 
 import gzip
 import json
 import math
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -285,6 +288,33 @@ def test_tokenizer_from_a_dataset_or_a_run_reuses_its_tokenizer(tmp_path, capsys
         run([tmp_path / "b"], tmp_path / "x", tokenizer_from=str(tmp_path / "b"))
     assert str(e.value) == (f"--tokenizer-from {tmp_path}/b: neither a prepared dataset "
                             "(meta.json) nor a run directory (data_meta.json); give one of them")
+
+
+def test_a_copy_of_tokenizer_from_cut_short_is_never_taken_for_the_tokenizer(tmp_path):
+    """A prepare whose copy of --tokenizer-from's tokenizer.json fails midway (here: the file
+    size limit, EFBIG, at half its size) in a partial left by an earlier run (a kill after the
+    partial was made) leaves no tokenizer.json there: the same command then continues with the
+    whole one, never a torn one."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "one.txt").write_text("the first corpus, its own words\n" * 50)
+    first = run([tmp_path / "a"], tmp_path / "first", vocab_size=300, val_fraction=0.5)
+    whole = (first.path / "tokenizer.json").read_bytes()
+    (tmp_path / "b.txt").write_text("new words for the old model\n" * 30)
+    out, partial = tmp_path / "out", tmp_path / ".out.partial"
+    partial.mkdir()  # an earlier run's: kept whatever happens now
+    limit = len(whole) // 2
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    cut = subprocess.run([sys.executable, "-m", "ddpgpt", "prepare", tmp_path / "b.txt",
+                          "--out", out, "--tokenizer-from", first.path, "--workers", "1"],
+                         preexec_fn=small_files, capture_output=True, text=True, timeout=120)
+    assert cut.returncode != 0 and "File too large" in cut.stderr, cut.stderr
+    assert (partial / "settings.json").is_file()  # the earlier partial, kept
+    assert sorted(p.name for p in partial.iterdir()) == ["lock", "settings.json"]
+    ds = run([tmp_path / "b.txt"], out, tokenizer_from=str(first.path))
+    assert (ds.path / "tokenizer.json").read_bytes() == whole
 
 
 @pytest.mark.skipif(not TIKTOKEN_GPT2.is_dir(), reason="GPT-2's files are not in ../shared")
