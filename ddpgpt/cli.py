@@ -1,5 +1,5 @@
 """The `ddpgpt` command line: each subcommand parses into a config and calls `<module>.run(cfg)`
-(COMMANDS: one row per command, each run(cfg) in commands/ but prepare's, in data/prepare.py;
+(COMMANDS: one row per command, each run(cfg) in commands/ but prepare's, in data/prepare/main.py;
 train has its own flags, built from the config's sections, and `--nproc` goes to run/launch.py).
 
     ddpgpt prepare [SOURCE ...] --out DIR          corpus -> token shards

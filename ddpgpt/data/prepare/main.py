@@ -170,7 +170,7 @@ def tokenizer_from(path: Path) -> tuple[str, Path]:
 
 def _merge_job(cfg: PrepareConfig) -> tuple[PrepareConfig, dict]:
     """Part directories -> the plan they share, checked to be all N parts of one prepare; the
-    merge's settings with the parts' split and shard size applied (data/settings.py)."""
+    merge's settings with the parts' split and shard size applied (prepare/settings.py)."""
     settings_of.check_merge(cfg)
     dirs = sorted({Path(m) for spec in cfg.sources
                    for m in (sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec])})
