@@ -96,7 +96,7 @@ class Build:
         """Encodes the units still to do and assembles them in order."""
         start = self.asm.units if self.asm else 0
         todo = [(i, u) for i, u in enumerate(self.plan.units) if i in self.owned and i >= start
-                and not FORMATS[u.kind].tokens and i not in self.sources
+                and i not in self.sources and not FORMATS[u.kind].tokens
                 and not unitfiles.is_done(self.work, i)]
         workers = max(1, min(self.workers, len(todo)))
         bar = progress.bar(total=len(self.owned), initial=self.done, unit="unit", desc="prepare")
