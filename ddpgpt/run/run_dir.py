@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from ddpgpt.errors import UserError, warn
-from ddpgpt.files import WriteError, describe, replace_text
+from ddpgpt.files import WriteError, describe, move, replace_text
 
 
 class RunDirBusy(UserError):
@@ -263,7 +263,7 @@ class RunDir:
             for path in paths:
                 target = aside / path.relative_to(self.path)
                 target.parent.mkdir(parents=True, exist_ok=True)
-                os.rename(path, target)
+                move(path, target)
         except OSError as e:
             raise WriteError(f"cannot move {path} into {aside}: {describe(e)}") from None
         return aside
