@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # The quick start: prepare the standard-library corpus (once), train the tiny preset on $(NPROC)
 # CPU processes, then print the validation loss and a sample, and draw its curves ($(RUN).png).

@@ -1,5 +1,5 @@
 """The `ddpgpt` command line: each subcommand parses into a config and calls `<module>.run(cfg)`
-(COMMANDS: one row per command, each run(cfg) in commands/ but prepare's, in data/prepare.py;
+(COMMANDS: one row per command, each run(cfg) in commands/ but prepare's, in data/prepare/main.py;
 train has its own flags, built from the config's sections, and `--nproc` goes to run/launch.py).
 
     ddpgpt prepare [SOURCE ...] --out DIR          corpus -> token shards
@@ -105,7 +105,7 @@ def closest_flag(parser: argparse.ArgumentParser, flag: str) -> str:
 # Every command but train: its settings (config/commands.py), where its run(cfg) lives (imported
 # only when it runs, so that a bad flag is one line before torch loads), and its one line of help.
 COMMANDS = {
-    "prepare": (PrepareConfig, "ddpgpt.data.prepare:run",
+    "prepare": (PrepareConfig, "ddpgpt.data.prepare.main:run",
                 "turn a corpus into token shards (docs/usage.md: Data)",
                 "ddpgpt prepare 'books/*.txt' --tokenizer bpe --out data/books"),
     "sample": (SampleConfig, "ddpgpt.commands.sample:run",

@@ -1,6 +1,7 @@
-"""Durable files: fsync, sha256, the one atomic write (`atomic_write`) and the one publication of
-a whole directory (`publish_dir`), write errors a person can act on, and the one message for an
-optional package that is not installed (`require`).
+"""Durable files: fsync, sha256, the one atomic write (`atomic_write`; `replace_text` and
+`copy_file` through it), the one publication of a whole directory (`publish_dir`), the one rename
+of a path (`move`), write errors a person can act on, and the one message for an optional
+package that is not installed (`require`). No other module renames a path.
 
 A write that fails for a reason outside the program (a full disk, a read-only or vanished
 directory, a quota) becomes a `WriteError`: one line naming the path and the OS's reason.
@@ -96,6 +97,21 @@ def replace_text(path: Path, text: str) -> None:
             f.write(text.encode())
     except OSError as e:
         raise WriteError(f"cannot write {path}: {describe(e)}") from None
+
+
+def copy_file(source: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Copies `source` to `path` through atomic_write: `path` is the whole copy or absent (or as
+    it was), never a torn one. OSError on failure."""
+    with open(source, "rb") as src, atomic_write(path) as f:
+        shutil.copyfileobj(src, f)
+
+
+def move(source: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """Renames `source` to `target` on the same filesystem (os.rename: a file or a directory,
+    whole, in one step; a file at `target` is replaced). Returns `target`. OSError on
+    failure."""
+    os.rename(source, target)
+    return Path(target)
 
 
 def as_created(path: str | os.PathLike) -> None:

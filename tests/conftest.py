@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ddpgpt.config.commands import PrepareConfig
-from ddpgpt.data import prepare
+from ddpgpt.data.prepare import main as prepare
 from tests.helpers import TIKTOKEN_GPT2
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

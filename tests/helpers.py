@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.data.prepare import SplitWriter, make_meta
+from ddpgpt.data.prepare.assemble import SplitWriter
+from ddpgpt.data.prepare.finish import make_meta
 from ddpgpt.data.shards import dtype_for_vocab
 
 REPO = Path(__file__).resolve().parent.parent

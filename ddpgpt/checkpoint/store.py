@@ -47,6 +47,7 @@ from ddpgpt.files import (
     atomic_write,
     describe,
     fsync,
+    move,
     os_error_in,
     publish_dir,
     sha256,
@@ -244,7 +245,7 @@ def prune(root: Path, keep: int, protect: int | None = None) -> None:
             continue
         doomed = path.with_name(f".del-{path.name}-{os.getpid()}")
         try:
-            os.rename(path, doomed)
+            move(path, doomed)
             shutil.rmtree(doomed)
         except OSError as e:
             warn(f"could not delete old checkpoint {path} ({e.strerror}); training goes on")

@@ -30,7 +30,7 @@ from pathlib import Path
 from ddpgpt.checkpoint.read import run_checkpoint
 from ddpgpt.config.commands import ExportConfig
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.data.output import check_out, publish
+from ddpgpt.data.prepare.output import check_out, publish
 from ddpgpt.data.tokenizer import EOT_TEXT, fingerprint
 from ddpgpt.errors import UserError
 from ddpgpt.files import as_created, require

@@ -1,6 +1,6 @@
 """What a document's text may be: a parquet text column's type (checked when the corpus is
 planned, before any work) and a row's value (a null row is counted as one, a value that is not
-text is one line naming where). jsonl rows check themselves (formats._jsonl_texts)."""
+text is one line naming where). jsonl rows check themselves (formats/jsonl.py)."""
 
 from __future__ import annotations
 

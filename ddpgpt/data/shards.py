@@ -9,7 +9,7 @@ A shard is a fixed 1024-byte header followed by the tokens, little-endian:
     16      8     token count (u64)
     24      1000  zero padding
 
-A dataset directory holds `meta.json` (written last, see `prepare.py`), the shards
+A dataset directory holds `meta.json` (written last, see `prepare/finish.py`), the shards
 `train_NNNNNN.bin` / `val_NNNNNN.bin`, and `tokenizer.json` for the bpe tokenizer. Readers
 memory-map the token payload, so opening a dataset costs nothing however large it is, and a
 reader touches only the pages it slices.

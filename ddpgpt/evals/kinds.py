@@ -38,8 +38,8 @@ class Kind:
 DEFAULT = "multiple_choice"
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
-    # llm.c's HellaSwag rule (evals/multiple_choice.py); its lines are read by evals/tasks.py
-    Kind("multiple_choice", "ddpgpt.evals.tasks:example",
+    # llm.c's HellaSwag rule and its lines' parser (evals/multiple_choice.py)
+    Kind("multiple_choice", "ddpgpt.evals.multiple_choice:example",
          "ddpgpt.evals.multiple_choice:TaskScorer", metrics=("acc_norm", "acc", "acc_char"),
          headline="acc_norm", label="acc_norm (llm.c's HellaSwag rule)",
          row='{"ctx": ..., "endings": [...], "label": ...}'),

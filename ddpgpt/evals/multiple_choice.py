@@ -1,5 +1,6 @@
 """Multiple-choice accuracy, as llm.c's dev/data/hellaswag.py defines it for HellaSwag: the
-default kind of eval task (kinds.py; its files' lines are read by tasks.example).
+default kind of eval task (kinds.py), and its task files' lines (`example`: one line as an
+`Example`, or one line of error naming FILE:LINE).
 
 For each ending, the context's tokens then the tokens of " " + ending (no end-of-text token
 first) go through the model; the ending's tokens are scored by their cross-entropy given
@@ -20,6 +21,7 @@ without counting it), so a sharded model whose forward gathers parameters (fsdp2
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from dataclasses import dataclass
 
@@ -29,7 +31,51 @@ import torch.nn.functional as F
 from ddpgpt import progress
 from ddpgpt.distributed import collectives
 from ddpgpt.distributed.group import DistEnv
-from ddpgpt.evals.tasks import Example, Task
+from ddpgpt.errors import DataError
+from ddpgpt.evals.tasks import Task
+
+
+@dataclass(frozen=True)
+class Example:
+    """One question: the context, its candidate endings and the index of the right one."""
+    ctx: str
+    endings: tuple[str, ...]
+    label: int
+
+
+def example(line: str, where: str) -> Example:
+    """One line as an Example, or one line of error naming FILE:LINE."""
+    def bad(what: str) -> DataError:
+        return DataError(f"{where}: {what}; each line must be "
+                         '{"ctx": "...", "endings": ["...", ...], "label": INDEX}')
+    try:
+        row = json.loads(line)
+    except ValueError as e:
+        raise bad(f"not JSON ({e})") from None
+    if not isinstance(row, dict):
+        raise bad(f"a JSON {type(row).__name__}, not an object")
+    missing = [k for k in ("ctx", "endings", "label") if k not in row]
+    if missing:
+        raise bad(f"missing field {', '.join(missing)}")
+    ctx, endings, label = row["ctx"], row["endings"], row["label"]
+    if not isinstance(ctx, str):
+        raise bad(f"ctx is a {type(ctx).__name__}, not a string")
+    if not ctx.strip():
+        raise bad("ctx is empty (the endings are scored given it)")
+    if not isinstance(endings, list) or len(endings) < 2 or \
+            not all(isinstance(e, str) for e in endings):
+        raise bad("endings must be a list of at least 2 strings")
+    empty = [i for i, e in enumerate(endings) if not e.strip()]
+    if empty:
+        raise bad(f"ending {empty[0]} is empty")
+    # bool is an int in Python; a label of true is a mistake, not index 1. HellaSwag's own
+    # files hold the label as an int; a string of digits is accepted as the same index.
+    if isinstance(label, str) and label.isascii() and label.isdigit():  # not "²": no index
+        label = int(label)
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
+        raise bad(f"label {label!r} is not an index into the {len(endings)} endings "
+                  f"(0 to {len(endings) - 1})")
+    return Example(ctx, tuple(endings), label)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Task files: a jsonl with one example per line, read by its kind's line parser (kinds.py). A
 multiple-choice file (the default kind) holds `{"ctx": str, "endings": [str, ...], "label": int}`
-on each line (HellaSwag's shape; PIQA, ARC or a user's own set converted to it); `example` below
-reads one.
+on each line (HellaSwag's shape; PIQA, ARC or a user's own set converted to it);
+multiple_choice.example reads one.
 
 HellaSwag's validation set is downloaded once into a cache (DDPGPT_CACHE_DIR, else
 ~/.cache/ddpgpt) from the HellaSwag repository at a fixed commit and checked against its content
@@ -16,7 +16,6 @@ A bad file is one line naming FILE:LINE and what is wrong there; nothing is scor
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import urllib.error
@@ -35,14 +34,6 @@ HELLASWAG_URL = ("https://raw.githubusercontent.com/rowanz/hellaswag/"
                  f"{HELLASWAG_COMMIT}/data/hellaswag_val.jsonl")
 HELLASWAG_BLOB = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"  # git ls-tree of that commit
 NAME = re.compile(r"[a-z][a-z0-9_]*")
-
-
-@dataclass(frozen=True)
-class Example:
-    """One question: the context, its candidate endings and the index of the right one."""
-    ctx: str
-    endings: tuple[str, ...]
-    label: int
 
 
 @dataclass(frozen=True)
@@ -107,7 +98,7 @@ def for_run(run) -> list[Task]:
 
 def read(path: Path, limit: int = 0, kind: str = DEFAULT) -> list:
     """Every example of a jsonl file, checked line by line by its kind's parser (multiple
-    choice: `example`)."""
+    choice: multiple_choice.example)."""
     parse, row = kinds.load(KINDS[kind].parse), KINDS[kind].row
     try:
         lines = Path(path).read_bytes().splitlines()
@@ -130,41 +121,6 @@ def read(path: Path, limit: int = 0, kind: str = DEFAULT) -> list:
     if not out:
         raise DataError(f"{path}: no examples; give a jsonl with one {row} per line")
     return out
-
-
-def example(line: str, where: str) -> Example:
-    """One line as an Example, or one line of error naming FILE:LINE."""
-    def bad(what: str) -> DataError:
-        return DataError(f"{where}: {what}; each line must be "
-                         '{"ctx": "...", "endings": ["...", ...], "label": INDEX}')
-    try:
-        row = json.loads(line)
-    except ValueError as e:
-        raise bad(f"not JSON ({e})") from None
-    if not isinstance(row, dict):
-        raise bad(f"a JSON {type(row).__name__}, not an object")
-    missing = [k for k in ("ctx", "endings", "label") if k not in row]
-    if missing:
-        raise bad(f"missing field {', '.join(missing)}")
-    ctx, endings, label = row["ctx"], row["endings"], row["label"]
-    if not isinstance(ctx, str):
-        raise bad(f"ctx is a {type(ctx).__name__}, not a string")
-    if not ctx.strip():
-        raise bad("ctx is empty (the endings are scored given it)")
-    if not isinstance(endings, list) or len(endings) < 2 or \
-            not all(isinstance(e, str) for e in endings):
-        raise bad("endings must be a list of at least 2 strings")
-    empty = [i for i, e in enumerate(endings) if not e.strip()]
-    if empty:
-        raise bad(f"ending {empty[0]} is empty")
-    # bool is an int in Python; a label of true is a mistake, not index 1. HellaSwag's own
-    # files hold the label as an int; a string of digits is accepted as the same index.
-    if isinstance(label, str) and label.isascii() and label.isdigit():  # not "²": no index
-        label = int(label)
-    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
-        raise bad(f"label {label!r} is not an index into the {len(endings)} endings "
-                  f"(0 to {len(endings) - 1})")
-    return Example(ctx, tuple(endings), label)
 
 
 # ---- HellaSwag's validation set, downloaded once -----------------------------------------------

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from ddpgpt.errors import UserError, warn
-from ddpgpt.files import WriteError, describe, replace_text
+from ddpgpt.files import WriteError, describe, move, replace_text
 
 
 class RunDirBusy(UserError):
@@ -101,18 +101,29 @@ class RunDir:
                 f"--prompt TEXT | ddpgpt plot {self} | ddpgpt export --run-dir {self} --out DIR")
 
     def check_creatable(self) -> None:
-        """Bad paths as one line, before anything is written: a file where the directory or one
-        of its parents should be. (What mkdir itself refuses, `create` reports.)"""
+        """Bad paths as one line, before anything is read or written (the data's hashes, the
+        cache that remembers them): a file where the directory or one of its parents should be,
+        or a place where mkdir fails — tried on the first missing directory, which is removed
+        again, so that a refused run dir leaves nothing behind."""
         if self.path.exists():
             if not self.path.is_dir():
                 raise UserError(f"run dir {self.path} is a file; give a directory (--run-dir)")
             return
-        parent = self.path.parent
+        first, parent = self.path, self.path.parent
         while not parent.exists():
-            parent = parent.parent
+            first, parent = parent, parent.parent
         if not parent.is_dir():
             raise UserError(f"run dir {self.path}: {parent} is a file, not a directory; "
                             "give another --run-dir")
+        try:
+            first.mkdir()
+        except FileExistsError:  # made meanwhile (another rank): create() will see
+            return
+        except OSError as e:
+            raise UserError(f"run dir {self.path}: cannot create it: {describe(e)}; give a "
+                            "writable --run-dir") from None
+        with contextlib.suppress(OSError):  # another rank may have filled it meanwhile
+            first.rmdir()
 
     def create(self) -> None:
         self.check_creatable()
@@ -258,7 +269,7 @@ class RunDir:
             for path in paths:
                 target = aside / path.relative_to(self.path)
                 target.parent.mkdir(parents=True, exist_ok=True)
-                os.rename(path, target)
+                move(path, target)
         except OSError as e:
             raise WriteError(f"cannot move {path} into {aside}: {describe(e)}") from None
         return aside

@@ -4,10 +4,14 @@ all-gather), zero1 and fsdp2 train the same model, step for step, at W=2 and W=4
 Tolerances: the modes differ only in the order float sums are taken (DDP divides each rank's
 gradient by W before summing, ours sums, then divides once; and gloo's all-reduce adds up each
 element in an order that depends on how the buffers are cut, which the bucket layouts change).
-Measured on a 2-core x86 CPU, fp32, 10 AdamW steps at lr 1e-2: at W=2 every mode is bitwise equal
-to ddp; at W=4 losses within 9.3e-8 relative, parameters within 3.1e-6 absolute (AdamW divides
-by sqrt(v), so a rounding difference in a tiny gradient moves its update by a visible amount).
-We allow 1e-6 and 2e-5.
+Measured fp32, 10 AdamW steps at lr 1e-2, the same figures on a 2-core Intel Xeon and a 2-core
+AMD EPYC: at W=2 (gpt2) ddp, allreduce and rs-ag are bitwise equal, zero1 and fsdp2 within 1e-7
+relative in the losses and 3.5e-6 in the parameters; at W=4 (the modern arch, zero-initialized
+projections) losses within 2.3e-7 relative, parameters within 2.3e-5 (fsdp2: 3.7e-5) absolute.
+AdamW divides by sqrt(v): where a gradient is tiny (a zero-initialized projection's first
+steps), a rounding difference in it moves its update by a visible fraction of the lr. We allow
+1e-6 in the losses, the real check, and 1e-4 in the parameters: 1% of one step's lr, ~3× the
+largest difference measured.
 """
 
 import json
@@ -24,7 +28,7 @@ MODES = list(modes.MODES)
 COMPRESSED = [m for m in MODES if modes.MODES[m].compression]
 RESUMES = [["zero1", "ddp"], ["ddp", "zero1"], ["rs-ag", "allreduce"], ["fsdp2", "zero1"],
            ["ddp", "fsdp2"]]
-LOSS_TOL, PARAM_TOL = 1e-6, 2e-5
+LOSS_TOL, PARAM_TOL = 1e-6, 1e-4
 
 
 def train_modes(tmp_path, tiny_data, W, model):

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from ddpgpt.config.commands import PrepareConfig
-from ddpgpt.data import prepare
+from ddpgpt.data.prepare import main as prepare
 from tests.conftest import CORPUS, STDLIB
 from tests.helpers import read_metrics, run_cli, tiny_train_args
 

@@ -26,7 +26,7 @@ from ddpgpt import cli
 from ddpgpt.checkpoint import read
 from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.config.io import build, from_dict
-from ddpgpt.data import prepare
+from ddpgpt.data.prepare import main as prepare
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import EOT_TEXT, load_tokenizer
 from ddpgpt.hf.init_from import apply_shape, check_tokenizer, read_state

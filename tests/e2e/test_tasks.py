@@ -21,7 +21,7 @@ from ddpgpt.checkpoint import read
 from ddpgpt.config.io import from_dict
 from ddpgpt.data.tokenizer import ByteTokenizer
 from ddpgpt.evals import tasks
-from ddpgpt.evals.multiple_choice import ending_losses, render
+from ddpgpt.evals.multiple_choice import Example, ending_losses, render
 from ddpgpt.model.gpt import GPT
 from ddpgpt.optim.schedule import lr_at
 from tests import hellaswag_oracle as oracle
@@ -179,7 +179,7 @@ def test_an_export_scores_the_same_in_transformers_and_lm_eval(runs):
     got = lm.loglikelihood([Instance("loglikelihood", {}, (c, " " + e), i)
                             for i, (c, e) in enumerate(pairs)])
     for (ctx, end), (loglik, _) in zip(pairs, got):
-        ours, _ = ending_losses(model, render(tasks.Example(ctx, (end, end), 0), tok, 32),
+        ours, _ = ending_losses(model, render(Example(ctx, (end, end), 0), tok, 32),
                                 torch.device("cpu"))
         assert loglik == pytest.approx(-ours[0].item(), abs=1e-4)
 

@@ -15,7 +15,7 @@ from ddpgpt.data.tokenizer import BPETokenizer, ByteTokenizer, GPT2Tokenizer
 from ddpgpt.distributed.group import DistEnv
 from ddpgpt.errors import DataError, UserError
 from ddpgpt.evals import tasks
-from ddpgpt.evals.multiple_choice import ending_losses, render
+from ddpgpt.evals.multiple_choice import Example, ending_losses, render
 from ddpgpt.evals.scorer import Scorer
 from ddpgpt.model.gpt import GPT
 from tests import hellaswag_oracle as oracle
@@ -75,10 +75,10 @@ def test_an_ending_longer_than_the_block_scores_its_last_tokens():
     """Context and ending of 30 bytes, block 8: the row keeps its last 8 tokens, all of the
     ending's, and the 7 that have a token before them are scored."""
     tok, block = ByteTokenizer(), 8
-    r = render(tasks.Example("x" * 30, ("y" * 29, "z" * 29), 0), tok, block)
+    r = render(Example("x" * 30, ("y" * 29, "z" * 29), 0), tok, block)
     assert r.inputs.shape == (2, 7) and (r.targets >= 0).sum(1).tolist() == [7, 7]
     assert r.inputs[0].tolist() == [ord("y")] * 7 and r.targets[0].tolist() == [ord("y")] * 7
-    short = render(tasks.Example("ab", ("c", "de"), 1), tok, block)
+    short = render(Example("ab", ("c", "de"), 1), tok, block)
     # " c" after "ab": 4 tokens, 3 inputs, 2 scored; " de": 5 tokens, 3 scored; padded with -1
     assert short.targets.tolist() == [[-1, ord(" "), ord("c"), -1],
                                       [-1, ord(" "), ord("d"), ord("e")]]

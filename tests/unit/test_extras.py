@@ -37,12 +37,12 @@ def test_the_gpt2_tokenizer_asks_for_tiktoken_alone(monkeypatch):
 
 
 def test_parquet_asks_for_pyarrow(monkeypatch):
-    from ddpgpt.data import formats
+    from ddpgpt.data.formats import parquet
 
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(UserError) as e:
-        formats._pyarrow()
+        parquet._pyarrow()
     assert "pyarrow" in packages(named_extra(str(e.value)))
 
 

@@ -127,6 +127,57 @@ def test_files_are_replaced_only_through_files_py():
     assert calls == {Path("ddpgpt/files.py")}
 
 
+# Modules allowed to rename a path outside files.py, each with the reason (none needed today).
+RENAMES_ALLOWED: dict[str, str] = {}
+
+
+def _renames(source: str) -> list[int]:
+    """The lines of `source` that rename a path or make a temporary file by hand: os.rename,
+    os.replace, shutil.move, any `.rename(...)`, a `.replace(target)` of one argument (Path's;
+    str.replace takes two, dataclasses.replace keywords), and the tempfile module."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names]
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            if "tempfile" in names or module == "tempfile" or \
+                    (module in ("os", "shutil") and {"rename", "replace", "move"} & set(names)):
+                found.append(node.lineno)
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        name, owner = node.func.attr, node.func.value
+        module = owner.id if isinstance(owner, ast.Name) else None
+        if (module == "os" and name in ("rename", "replace", "renames")) or \
+                (module == "shutil" and name == "move") or \
+                (name == "rename" and module != "os") or \
+                (name == "replace" and module != "os" and len(node.args) == 1
+                 and not node.keywords):
+            found.append(node.lineno)
+    return sorted(set(found))
+
+
+def test_paths_are_renamed_only_through_files_py():
+    """A temporary file and a rename by hand are written once, in files.py (atomic_write,
+    copy_file, publish_dir, move): no other module renames a path or makes a temporary file."""
+    found = {str(p.relative_to(REPO)): lines for p in (REPO / "ddpgpt").rglob("*.py")
+             if (lines := _renames(p.read_text()))}
+    found.pop("ddpgpt/files.py", None)
+    assert {p: lines for p, lines in found.items() if p not in RENAMES_ALLOWED} == {}
+
+
+def test_the_rename_finder_finds_a_rename():
+    """The oracle for the test above: every way of renaming is found, str's and dataclasses'
+    replace are not."""
+    renames = ["os.rename(a, b)", "os.replace(a, b)", "shutil.move(a, b)", "path.rename(b)",
+               "Path(a).replace(b)", "tmp.with_suffix('.x').rename(b)", "import tempfile",
+               "from os import replace", "from tempfile import mkstemp"]
+    for line in renames:
+        assert _renames(line) == [1], line
+    others = ["name.replace('_', '-')", "dataclasses.replace(cfg, model=m)",
+              "dataclasses.replace(cfg, **values)", "text.replace('a', 'b', 1)", "os.remove(a)"]
+    assert [line for line in others if _renames(line)] == []
+
+
 def test_a_package_init_imports_nothing():
     """Callers import from the defining module: a package's __init__ is its docstring (the root's
     also holds __version__), so importing any module of it runs nothing else first."""

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from ddpgpt.config.commands import PrepareConfig
-from ddpgpt.data import prepare
+from ddpgpt.data.prepare import main as prepare
+from ddpgpt.data.prepare.assemble import is_val
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import ByteTokenizer, load_tokenizer
 from ddpgpt.errors import UserError
@@ -60,7 +61,7 @@ def test_byte_tokenizer_stream_is_exact(corpus, tmp_path, capsys):
     # tokens are the files' bytes exactly (the Latin-1 file's too).
     expected = {"train": [], "val": []}
     for i, data in enumerate(expected_documents(corpus, raw=True)):
-        split = "val" if prepare.is_val(i, 300_000) else "train"
+        split = "val" if is_val(i, 300_000) else "train"
         expected[split] += [256] + list(data)
     for split in ("train", "val"):
         np.testing.assert_array_equal(np.concatenate(ds.tokens(split)), expected[split])
@@ -75,7 +76,7 @@ def test_bits_per_byte_of_a_bpe_split(corpus, tmp_path, capsys):
     dataset without the counts gives None and one line of advice."""
     ds = run(corpus, tmp_path / "out", vocab_size=300, val_fraction=0.3)
     docs = expected_documents(corpus)
-    val_bytes = sum(len(d.encode()) for i, d in enumerate(docs) if prepare.is_val(i, 300_000))
+    val_bytes = sum(len(d.encode()) for i, d in enumerate(docs) if is_val(i, 300_000))
     assert ds.split_bytes["val"] == val_bytes
     tokens = ds.num_tokens("val")
     assert tokens < val_bytes  # merges: fewer tokens than bytes
@@ -116,7 +117,7 @@ def test_byte_decode_round_trip():
 def test_val_rule_counts():
     for n in (2, 7, 100, 1001):
         for ppm in (10_000, 250_000, 500_000):
-            val = [i for i in range(n) if prepare.is_val(i, ppm)]
+            val = [i for i in range(n) if is_val(i, ppm)]
             assert len(val) == -(-n * ppm // 1_000_000) and val[0] == 0
 
 

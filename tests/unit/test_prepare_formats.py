@@ -4,14 +4,19 @@ each prepares to exactly its documents, in the recorded order; bad input is one 
 import gzip
 import json
 import math
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ddpgpt.config.commands import PrepareConfig
-from ddpgpt.data import formats, prepare
+from ddpgpt.data.formats import base, jsonl, llmc
 from ddpgpt.data.loader import TokenStream
+from ddpgpt.data.prepare import main as prepare
+from ddpgpt.data.prepare.assemble import is_val
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.errors import UserError
@@ -49,7 +54,7 @@ def byte_oracle(docs, fraction):
     out = {"train": [], "val": []}
     for i, doc in enumerate(docs):
         data = doc if isinstance(doc, bytes) else doc.encode()
-        out["val" if prepare.is_val(i, round(fraction * 1e6)) else "train"] += [256, *data]
+        out["val" if is_val(i, round(fraction * 1e6)) else "train"] += [256, *data]
     return out
 
 
@@ -100,7 +105,7 @@ def test_plain_jsonl_in_blocks_is_the_same_stream(tmp_path, monkeypatch, capsys)
     docs = docs_named("line", 40)
     (tmp_path / "a.jsonl").write_bytes(jsonl_bytes(docs))
     for unit_bytes in (97, 1000, 1 << 20):
-        monkeypatch.setattr(formats, "UNIT_BYTES", unit_bytes)
+        monkeypatch.setattr(base, "UNIT_BYTES", unit_bytes)
         ds = run([tmp_path / "a.jsonl"], tmp_path / f"out{unit_bytes}", tokenizer="byte",
                  val_fraction=0.1)
         assert_stream(ds, byte_oracle(docs, 0.1))
@@ -133,13 +138,13 @@ def test_missing_text_field_names_the_fields(tmp_path):
     (tmp_path / "b.jsonl").write_bytes(jsonl_bytes(["x"]) + b'{"id": 7, "body": "y"}\n')
     assert refused([tmp_path / "b.jsonl"], tmp_path) == (
         f"{tmp_path}/b.jsonl:2: no field 'text' (fields: id, body); name the text field with "
-        f"--text-field, {formats.SKIP_HINT}")
+        f"--text-field, {jsonl.SKIP_HINT}")
 
 
 def test_a_malformed_line_names_file_and_line_or_is_counted_and_skipped(tmp_path, monkeypatch,
                                                                         capsys):
     """The bad line sits in the third block of the file: its number counts the lines before."""
-    monkeypatch.setattr(formats, "UNIT_BYTES", 200)
+    monkeypatch.setattr(base, "UNIT_BYTES", 200)
     docs = docs_named("line", 12)
     lines = jsonl_bytes(docs).splitlines(keepends=True)
     bad = b'{"text": "unterminated\n'
@@ -149,7 +154,7 @@ def test_a_malformed_line_names_file_and_line_or_is_counted_and_skipped(tmp_path
     with pytest.raises(UserError) as e:
         run([tmp_path / "a.jsonl"], tmp_path / "o", tokenizer="byte")
     assert str(e.value) == (f"{tmp_path}/a.jsonl:9: not a JSON object "
-                            f"({json_error(bad.decode())}); fix the line, {formats.SKIP_HINT}")
+                            f"({json_error(bad.decode())}); fix the line, {jsonl.SKIP_HINT}")
     assert not (tmp_path / "o").exists()
     ds = run([tmp_path / "a.jsonl"], tmp_path / "o2", tokenizer="byte", val_fraction=0.25,
              skip_bad_rows=True)
@@ -170,7 +175,7 @@ def test_a_corrupt_parquet_names_the_file(tmp_path):
 # --- llm.c shards ------------------------------------------------------------------------------
 
 
-def write_llmc(path, tokens, magic=formats.LLMC_MAGIC, version=1, count=None, cut=0):
+def write_llmc(path, tokens, magic=llmc.MAGIC, version=1, count=None, cut=0):
     header = np.zeros(256, dtype="<i4")
     header[:3] = magic, version, len(tokens) if count is None else count
     data = header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes()
@@ -285,6 +290,33 @@ def test_tokenizer_from_a_dataset_or_a_run_reuses_its_tokenizer(tmp_path, capsys
                             "(meta.json) nor a run directory (data_meta.json); give one of them")
 
 
+def test_a_copy_of_tokenizer_from_cut_short_is_never_taken_for_the_tokenizer(tmp_path):
+    """A prepare whose copy of --tokenizer-from's tokenizer.json fails midway (here: the file
+    size limit, EFBIG, at half its size) in a partial left by an earlier run (a kill after the
+    partial was made) leaves no tokenizer.json there: the same command then continues with the
+    whole one, never a torn one."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "one.txt").write_text("the first corpus, its own words\n" * 50)
+    first = run([tmp_path / "a"], tmp_path / "first", vocab_size=300, val_fraction=0.5)
+    whole = (first.path / "tokenizer.json").read_bytes()
+    (tmp_path / "b.txt").write_text("new words for the old model\n" * 30)
+    out, partial = tmp_path / "out", tmp_path / ".out.partial"
+    partial.mkdir()  # an earlier run's: kept whatever happens now
+    limit = len(whole) // 2
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    cut = subprocess.run([sys.executable, "-m", "ddpgpt", "prepare", tmp_path / "b.txt",
+                          "--out", out, "--tokenizer-from", first.path, "--workers", "1"],
+                         preexec_fn=small_files, capture_output=True, text=True, timeout=120)
+    assert cut.returncode != 0 and "File too large" in cut.stderr, cut.stderr
+    assert (partial / "settings.json").is_file()  # the earlier partial, kept
+    assert sorted(p.name for p in partial.iterdir()) == ["lock", "settings.json"]
+    ds = run([tmp_path / "b.txt"], out, tokenizer_from=str(first.path))
+    assert (ds.path / "tokenizer.json").read_bytes() == whole
+
+
 @pytest.mark.skipif(not TIKTOKEN_GPT2.is_dir(), reason="GPT-2's files are not in ../shared")
 def test_gpt2_on_parquet_is_tiktokens_encoding(tmp_path, capsys):
     import tiktoken  # TIKTOKEN_CACHE_DIR: tests/conftest.py
@@ -295,9 +327,9 @@ def test_gpt2_on_parquet_is_tiktokens_encoding(tmp_path, capsys):
     enc = tiktoken.get_encoding("gpt2")
     expected = {"train": [], "val": []}
     for i, doc in enumerate(docs):
-        split = "val" if prepare.is_val(i, 250_000) else "train"
+        split = "val" if is_val(i, 250_000) else "train"
         expected[split] += [50256, *enc.encode_ordinary(doc)]
     assert_stream(ds, expected)
     assert ds.split_bytes["val"] == sum(len(d.encode()) for i, d in enumerate(docs)
-                                        if prepare.is_val(i, 250_000))
+                                        if is_val(i, 250_000))
 

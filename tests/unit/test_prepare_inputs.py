@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from ddpgpt.config.commands import PrepareConfig
-from ddpgpt.data import formats, prepare
+from ddpgpt.data.formats import llmc
+from ddpgpt.data.prepare import main as prepare
 from tests.helpers import run_cli
 from tests.unit.test_prepare_formats import (
     assert_stream,
@@ -92,8 +93,8 @@ def test_llmc_val_shards_are_named_by_the_word_val(tmp_path):
                                   shards["interval_train_000001.bin"])
     np.testing.assert_array_equal(np.concatenate(ds.tokens("val")), np.concatenate(
         [shards["TinyStories-val.bin"], shards["val_000000.bin"]]))
-    assert formats.llmc.split_of("fineweb_val_000000.bin") == "val"
-    assert formats.llmc.split_of("evaluation_train_1.bin") == "train"
+    assert llmc.split_of("fineweb_val_000000.bin") == "val"
+    assert llmc.split_of("evaluation_train_1.bin") == "train"
 
 
 def test_llmc_ids_past_gpt2s_vocabulary_are_refused_naming_file_and_offset(tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ddpgpt.config.commands import PrepareConfig
-from ddpgpt.data import prepare
+from ddpgpt.data.prepare import main as prepare
 from ddpgpt.errors import UserError
 from tests.helpers import run_cli
 

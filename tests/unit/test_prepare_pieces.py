@@ -10,8 +10,13 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ddpgpt.config.commands import PrepareConfig
-from ddpgpt.data import prepare, sources, tokenizer, units
-from ddpgpt.data.formats import UnitStats
+from ddpgpt.data import tokenizer
+from ddpgpt.data.formats import base
+from ddpgpt.data.formats import text as text_format
+from ddpgpt.data.formats.base import UnitStats
+from ddpgpt.data.prepare import main as prepare
+from ddpgpt.data.prepare import units
+from ddpgpt.data.prepare.assemble import is_val
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import EOT_TEXT, BPETokenizer, load_tokenizer
 
@@ -20,7 +25,7 @@ CODE = "def f(x):\n    return x  # \u2713 caf\xe9\n\n\tclass A:  pass\r\n" * 40
 
 def small_pieces(monkeypatch, piece_chars, batch_bytes=None):
     # raising=False: the same test runs (and fails) on a prepare without pieces
-    monkeypatch.setattr(sources, "PIECE_CHARS", piece_chars)
+    monkeypatch.setattr(base, "PIECE_CHARS", piece_chars)
     monkeypatch.setattr(units, "BATCH_BYTES", batch_bytes or 4 * piece_chars)
 
 
@@ -33,7 +38,7 @@ def oracle_split(docs, fraction, encode, eot):
     """The documented stream: EOT then the document's tokens, whole documents to each split."""
     out = {"train": [], "val": []}
     for i, doc in enumerate(docs):
-        out["val" if prepare.is_val(i, round(fraction * 1e6)) else "train"] += [eot, *encode(doc)]
+        out["val" if is_val(i, round(fraction * 1e6)) else "train"] += [eot, *encode(doc)]
     return out
 
 
@@ -76,17 +81,17 @@ def test_byte_stream_is_the_files_bytes_whatever_the_pieces(tmp_path, monkeypatc
 def test_read_decodes_in_chunks_exactly_like_whole(tmp_path, monkeypatch):
     """Invalid UTF-8 and characters cut by a chunk boundary decode as in one piece, and the
     replacements counted are those of the whole (a real U+FFFD in the file is not one)."""
-    monkeypatch.setattr(sources, "PIECE_CHARS", 7)
+    monkeypatch.setattr(base, "PIECE_CHARS", 7)
     rng = random.Random(1)
     for trial in range(50):
         data = random_bytes(rng, UTF8_SOUP + [b"\xef\xbf\xbd"], rng.randrange(1, 100))
         path = tmp_path / f"{trial}.txt"
         path.write_bytes(data)
         stats = UnitStats()
-        text = "".join(sources.read_bytes_or_text(path, False, stats))
+        text = "".join(text_format.read_bytes_or_text(path, False, stats))
         assert text == data.decode("utf-8", "replace")
         assert stats.replaced == text.count("\ufffd") - data.count(b"\xef\xbf\xbd")
-        assert b"".join(sources.read_bytes_or_text(path, True, stats)) == data
+        assert b"".join(text_format.read_bytes_or_text(path, True, stats)) == data
 
 
 WORDS = ["ab", " ", "\n", "  ", "\t", "x'", "'s", "9", "\u2713", "!!", "\r\n", "\u00a0", "\u2003",
@@ -101,7 +106,7 @@ def test_pieces_cut_before_a_word_keep_the_pre_tokens():
     for _ in range(200):
         text = "".join(rng.choice(WORDS) for _ in range(rng.randrange(1, 300)))
         size = rng.randrange(4, 60)
-        pieces = list(sources._cut([text[:37], text[37:]], size))
+        pieces = list(base.cut([text[:37], text[37:]], size))
         assert "".join(pieces) == text and all(0 < len(p) <= size for p in pieces)
         forced = [p for p in pieces[:-1] if len(p) == size]
         if not forced:

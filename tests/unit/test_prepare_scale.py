@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 from ddpgpt.config.commands import PrepareConfig
-from ddpgpt.data import build, output, prepare, verify
-from ddpgpt.data.assemble import Assembler
+from ddpgpt.data import verify
+from ddpgpt.data.prepare import build, output
+from ddpgpt.data.prepare import main as prepare
+from ddpgpt.data.prepare.assemble import Assembler, is_val
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
 from tests.helpers import kill_tree
@@ -103,7 +105,7 @@ def test_max_tokens_is_a_prefix_of_the_stream(corpus, tmp_path, capsys):
               for s in streams}
     expected, pos, left = {"train": [], "val": []}, {"train": 0, "val": 0}, limit
     for i in range(whole.meta["source"]["stats"]["documents"]):
-        split = "val" if prepare.is_val(i, 200_000) else "train"
+        split = "val" if is_val(i, 200_000) else "train"
         k = pos[split]
         doc = streams[split][starts[split][k]:starts[split][k + 1]]
         expected[split].append(doc[:left])

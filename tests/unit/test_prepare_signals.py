@@ -11,7 +11,8 @@ import time
 import pytest
 
 from ddpgpt.config.commands import PrepareConfig
-from ddpgpt.data import output, prepare
+from ddpgpt.data.prepare import main as prepare
+from ddpgpt.data.prepare import output
 from ddpgpt.data.shards import TokenDataset
 from tests.helpers import kill_tree
 

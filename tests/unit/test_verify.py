@@ -7,7 +7,8 @@ import os
 import pytest
 
 from ddpgpt.config.commands import PrepareConfig
-from ddpgpt.data import prepare, verify
+from ddpgpt.data import verify
+from ddpgpt.data.prepare import main as prepare
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import DataError
 from ddpgpt.files import WriteError

@@ -142,7 +142,7 @@ def prepare_out(out: Path) -> Path:
 def prepare_data(path: Path) -> str:
     """A small byte-level dataset from the standard library, prepared once."""
     if not (path / "meta.json").exists():
-        from ddpgpt.data import prepare
+        from ddpgpt.data.prepare import main as prepare
 
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         prepare.run(PrepareConfig(sources=[str(stdlib / f) for f in CORPUS], out=str(path),

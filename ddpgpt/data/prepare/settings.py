@@ -5,8 +5,9 @@ never silently ignored. A setting counts as given when it differs from its defau
   and the encoding's workers were the parts' (refused here), and `--val-fraction` /
   `--shard-tokens`, which only the assembly uses, are the parts' unless the merge gives its own
   (a merge and parts that both give one, differently, are refused).
-- llm.c shards are GPT-2 tokens already, split by their names: no tokenizer, vocabulary, text
-  field or val fraction applies to them.
+- A format declares the settings that do not apply to it (its row's `refuses`, formats/):
+  sources all of that format refuse them. llm.c shards are GPT-2 tokens already, split by their
+  names: no tokenizer, vocabulary, text field or val fraction applies to them.
 - `--vocab-size` and `--bpe-train-mb` shape the bpe tokenizer that prepare trains; with `byte`,
   `gpt2` or `--tokenizer-from` nothing is trained.
 """
@@ -16,14 +17,13 @@ from __future__ import annotations
 import dataclasses
 
 from ddpgpt.config.commands import PrepareConfig
+from ddpgpt.data.formats.base import Format
 from ddpgpt.errors import UserError
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(PrepareConfig)
             if f.default is not dataclasses.MISSING}
 PARTS_ONLY = ("tokenizer", "tokenizer_from", "text_field", "skip_bad_rows", "vocab_size",
               "bpe_train_mb", "workers")
-NOT_FOR_LLMC = ("tokenizer_from", "text_field", "skip_bad_rows", "vocab_size", "bpe_train_mb",
-                "val_fraction")
 BPE_ONLY = ("vocab_size", "bpe_train_mb")
 
 
@@ -61,18 +61,22 @@ def merged(cfg: PrepareConfig, parts: dict) -> PrepareConfig:
     return dataclasses.replace(cfg, **values)
 
 
-def check_sources(cfg: PrepareConfig, llmc: bool) -> None:
-    """Settings the sources' kind would ignore: llm.c shards take none of the tokenizer's or the
-    split's; only a bpe trained here takes a vocabulary size and a training budget."""
-    if llmc:
-        extra = given(cfg, NOT_FOR_LLMC)
-        if cfg.tokenizer not in (DEFAULTS["tokenizer"], "gpt2"):
-            extra.insert(0, _flag("tokenizer", cfg.tokenizer))
-        if extra:
-            raise UserError(f"the sources are llm.c shards, GPT-2 tokens already and split by "
-                            f"their names (*_val_*): {', '.join(extra)} "
-                            f"{'does' if len(extra) == 1 else 'do'} not apply to them; drop "
-                            f"{'it' if len(extra) == 1 else 'them'}")
+def check_sources(cfg: PrepareConfig, rows: list[Format]) -> None:
+    """Settings the sources' formats (`rows`, each once) would ignore: those that every one of
+    them refuses (llm.c shards take none of the tokenizer's or the split's, nor a --tokenizer
+    but the one their tokens are of); only a bpe trained here takes a vocabulary size and a
+    training budget."""
+    refused = [n for n in (rows[0].refuses if rows else ()) if all(n in r.refuses for r in rows)]
+    extra = given(cfg, refused)
+    tokens = rows[0] if len(rows) == 1 and rows[0].tokens else None
+    if tokens is not None and cfg.tokenizer not in (DEFAULTS["tokenizer"], tokens.tokenizer):
+        extra.insert(0, _flag("tokenizer", cfg.tokenizer))
+    if extra:
+        what = " and ".join(row.described for row in rows)
+        raise UserError(f"the sources are {what}: {', '.join(extra)} "
+                        f"{'does' if len(extra) == 1 else 'do'} not apply to them; drop "
+                        f"{'it' if len(extra) == 1 else 'them'}")
+    if tokens is not None:
         return
     if cfg.tokenizer_from is not None and cfg.tokenizer != DEFAULTS["tokenizer"]:
         raise UserError(f"--tokenizer {cfg.tokenizer} and --tokenizer-from {cfg.tokenizer_from} "

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ddpgpt.data.formats import UnitStats
+from ddpgpt.data.formats.base import UnitStats
 from ddpgpt.data.shards import ShardInfo, ShardWriter
+from ddpgpt.files import move
 
 COPY_TOKENS = 1 << 20  # tokens copied at a time: memory stays bounded by this, not a document
 
@@ -148,7 +149,7 @@ class Assembler:
         moved = []
         for info in infos:  # out of the way of the new val shards
             path = self.out / info.file
-            moved.append(path.rename(path.with_name("old_" + info.file)))
+            moved.append(move(path, path.with_name("old_" + info.file)))
         self.writers = {s: SplitWriter(self.out, s, self.dtype, self.writers["val"].shard_tokens)
                         for s in ("train", "val")}
         stream = [np.memmap(p, dtype=self.dtype, mode="r", offset=1024) for p in moved]

@@ -41,7 +41,7 @@ def needed_bytes(build) -> int | None:
         return None
     itemsize = 2 if asm.dtype == "uint16" else 4
     units, tokens = asm.whole
-    if plan.llmc:
+    if plan.tokens:  # tokens already: each file records its count
         total = sum(f["tokens"] for f in plan.files)
     elif units:
         total = tokens * len(plan.units) // units

@@ -5,7 +5,7 @@ their sizes and times, tokenizer, every setting that changes a byte), `units/` (
 not yet in the shards, see units.py) and `progress.json` (the assembler's state, saved every
 `COMMIT_SECONDS` after the shards it counts are on the disk). A run that finds them continues:
 units already in the shards are skipped, finished ones are not encoded again, and the shards are
-cut back to the length progress.json records. The unit of progress is one unit (`formats.py`:
+cut back to the length progress.json records. The unit of progress is one unit (formats/:
 at most ~8 MB of text files or jsonl, one parquet row group, one compressed jsonl file).
 """
 
@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 
 from ddpgpt import progress
-from ddpgpt.data import llmc
-from ddpgpt.data import units as unitfiles
-from ddpgpt.data.assemble import Assembler
-from ddpgpt.data.formats import Plan, llmc_array
+from ddpgpt.data.formats.table import FORMATS, Plan
+from ddpgpt.data.prepare import units as unitfiles
+from ddpgpt.data.prepare.assemble import Assembler
 from ddpgpt.errors import UserError
 from ddpgpt.files import atomic_write
 
@@ -97,7 +96,7 @@ class Build:
         """Encodes the units still to do and assembles them in order."""
         start = self.asm.units if self.asm else 0
         todo = [(i, u) for i, u in enumerate(self.plan.units) if i in self.owned and i >= start
-                and u.kind != "llmc" and i not in self.sources
+                and i not in self.sources and not FORMATS[u.kind].tokens
                 and not unitfiles.is_done(self.work, i)]
         workers = max(1, min(self.workers, len(todo)))
         bar = progress.bar(total=len(self.owned), initial=self.done, unit="unit", desc="prepare")
@@ -126,10 +125,9 @@ class Build:
         while self.asm.units < len(units) and not self.asm.full:
             index = self.asm.units
             unit = units[index]
-            if unit.kind == "llmc":
-                tokens = llmc_array(unit.paths[0])
-                llmc.check_ids(unit.paths[0], tokens)  # before any of its tokens is written
-                self.asm.add(tokens, {"split": unit.split})
+            row = FORMATS[unit.kind]
+            if row.tokens:  # tokens already (llm.c shards), checked before any is written
+                self.asm.add(row.array(unit), {"split": unit.split})
             else:
                 work = self.sources.get(index, self.work)
                 if not unitfiles.is_done(work, index):  # waiting for the workers: a good

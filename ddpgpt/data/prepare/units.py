@@ -12,6 +12,8 @@ its own single-threaded tokenizer: tokenizing, JSON and parquet decoding all hol
 own pool, and processes scale where threads would not. A worker ignores SIGINT (the terminal
 sends it to the whole group; the parent decides) and dies with its parent: it is asked to by the
 kernel (PR_SET_PDEATHSIG on Linux), and its pipe to the parent reaches EOF in any case.
+Each worker is handed the parent's table of formats (formats/table.py), so that a format the
+parent registered is read there too.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ddpgpt.data import formats
-from ddpgpt.data.formats import Unit, UnitStats
-from ddpgpt.data.space import FULL
+from ddpgpt.data.formats import table
+from ddpgpt.data.formats.base import Unit, UnitStats
+from ddpgpt.data.prepare.space import FULL
 from ddpgpt.errors import UserError
 from ddpgpt.files import atomic_write
 
@@ -78,7 +80,7 @@ def _encode_into(tok_path: Path, unit: Unit, tok, dtype: str, text_field: str, s
                  stats: UnitStats, docs: list, raw: bool) -> None:
     eot = np.array([tok.eot_id], dtype=dtype)
     with open(tok_path, "wb") as f:
-        for batch in _batches(formats.pieces(unit, stats, text_field, skip_bad, raw)):
+        for batch in _batches(table.pieces(unit, stats, text_field, skip_bad, raw)):
             encoded = tok.encode_batch([piece for _, piece in batch])
             arrays = []
             for (first, piece), ids in zip(batch, encoded, strict=True):
@@ -121,7 +123,8 @@ class Encoder:
             ctx = multiprocessing.get_context("spawn")
             for _ in range(workers):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_serve, args=(child, make_tok, self.args), daemon=True)
+                proc = ctx.Process(target=_serve, daemon=True,
+                                   args=(child, make_tok, self.args, dict(table.FORMATS)))
                 proc.start()
                 child.close()  # the parent's copy: the worker's recv sees EOF when we are gone
                 self.procs.append(proc)
@@ -201,12 +204,14 @@ def _die_with_parent() -> None:
             pass
 
 
-def _serve(conn, make_tok, args) -> None:
+def _serve(conn, make_tok, args, formats: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_parent()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
     dtype, work, text_field, skip_bad = args
+    table.FORMATS.clear()  # the parent's table: a format registered there is known here
+    table.FORMATS.update(formats)
     tok = make_tok()
     while True:
         try:
