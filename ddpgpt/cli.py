@@ -142,6 +142,7 @@ TRAIN_LISTED = {"data.dir", "run.dir", "run.steps", "run.device", "run.resume", 
                 "data.global_batch", "data.micro_batch", "model.init_from"}
 TRAIN_EXAMPLES = """examples:
   ddpgpt train --data data/stdlib --preset tiny --nproc 2
+  ddpgpt train --data data/a:0.7,data/b:0.3 ...   # a mixture (docs/usage.md, Mixtures)
   torchrun --nproc_per_node 8 -m ddpgpt train --data data/fineweb --preset gpt2-124m
   ddpgpt train --preset tiny --print-config      # the whole config, every value resolved"""
 

@@ -16,11 +16,11 @@ import torch
 from ddpgpt.checkpoint import read, sharded, store
 from ddpgpt.config.choices import Optimizer
 from ddpgpt.config.schema import TrainConfig
-from ddpgpt.data.loader import EvalLoader, TrainLoader
+from ddpgpt.data.mixture import MixedDataset, train_loader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.distributed import collectives
 from ddpgpt.distributed.group import DistEnv, collective
-from ddpgpt.evals.loss import evaluate
+from ddpgpt.evals.loss import eval_sets, evaluate, evaluate_sets
 from ddpgpt.evals.scorer import Scorer
 from ddpgpt.guard.health import Guard
 from ddpgpt.model.gpt import GPT
@@ -61,8 +61,8 @@ class Trainer:
     count of skipped steps and its spike detector, the progress (step, elapsed time) and every
     rank's RNG."""
 
-    def __init__(self, cfg: TrainConfig, env: DistEnv, dataset: TokenDataset, guard: Guard,
-                 local: bool = False, init: dict | None = None, digest: bool = True):
+    def __init__(self, cfg: TrainConfig, env: DistEnv, dataset: TokenDataset | MixedDataset,
+                 guard: Guard, local: bool = False, init: dict | None = None, digest: bool = True):
         """Built in one direction: the model, the sync mode around it, the optimizer over the
         parameters as the mode left them; a checkpoint is loaded into those (load_state_dict).
         `local`: no collective at all, each rank on its own micro-batches (bench's baseline).
@@ -97,12 +97,15 @@ class Trainer:
         self.model = compiled(self.sync.model) if run.compile else self.sync.model
         self.autocast = self.precision.autocast
         # 4. This rank's share of the data; the order is the loader's, not a per-rank seed's.
-        self.loader = TrainLoader(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,
-                                  world_size=env.world_size, rank=env.rank, accum_steps=self.accum,
-                                  seed=data.seed, shuffle=data.shuffle, device=dev)
-        self.val = EvalLoader(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,
-                              world_size=env.world_size, rank=env.rank,
-                              max_windows=data.eval_windows, device=dev)
+        self.loader = train_loader(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,
+                                   world_size=env.world_size, rank=env.rank,
+                                   accum_steps=self.accum, seed=data.seed, shuffle=data.shuffle,
+                                   device=dev)
+        # Each evaluation's windows: val, and a training sample drawn by data.seed (each source's).
+        self.evals = eval_sets(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,
+                               world_size=env.world_size, rank=env.rank,
+                               eval_windows=data.eval_windows,
+                               train_windows=data.train_eval_windows, seed=data.seed, device=dev)
         self.step = 0                 # optimizer steps completed
         self.batch = 0                # the global batch the newest step read
         self.doing = "step 1"         # what the loop is at, for a failure's message
@@ -272,13 +275,13 @@ class Trainer:
         return loss_sum / self.accum, norm
 
     def evaluate(self, tasks: Scorer | None = None) -> dict:
-        """An eval row: val_loss and val_bpb, the tasks' scores, the run's seconds (times()).
-        Collective: every rank calls it."""
+        """An eval row: val_loss and val_bpb, train_eval_loss (data.train_eval_windows; a
+        mixture's each source's too: evals/loss.py), the tasks' scores, the run's seconds
+        (times()). Collective: every rank calls it."""
         with self.timed("eval"):
-            val_loss = evaluate(self.raw, self.val, self.env, self.autocast)
+            row = evaluate_sets(self.raw, self.evals, self.env, self.autocast)
             scores = tasks.score(self.raw, self.autocast) if tasks else {}
-        return {"val_loss": val_loss, "val_bpb": self.dataset.bits_per_byte(val_loss), **scores,
-                **self.times()}
+        return {**row, **scores, **self.times()}
 
     def probe(self, batch: int) -> float:
         """The global mean loss of the weights as they are on global batch `batch` (no update,

@@ -15,13 +15,13 @@ import json
 
 from ddpgpt.checkpoint.read import model_of, run_checkpoint
 from ddpgpt.config.commands import EvalConfig
-from ddpgpt.data.loader import EvalLoader
+from ddpgpt.data.mixture import MixedDataset, open_data
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.distributed.group import session
 from ddpgpt.errors import warn
 from ddpgpt.evals.kinds import KINDS
-from ddpgpt.evals.loss import evaluate
+from ddpgpt.evals.loss import eval_sets, evaluate_sets
 from ddpgpt.evals.scorer import Scorer
 from ddpgpt.evals.tasks import load_all
 from ddpgpt.run.precision import Precision, flush_denormals
@@ -32,7 +32,7 @@ def run(cfg: EvalConfig) -> None:
     run_dir = RunDir(cfg.run_dir)
     found = run_checkpoint(run_dir)
     train_cfg = found.config
-    dataset = TokenDataset(train_cfg.data.dir)
+    dataset = open_data(train_cfg.data.sources())
     # Bad task files and the download fail here, on every rank, before the group exists.
     tasks = load_all(cfg.task, cfg.task_data, cfg.limit, "--task", "--task-data")
     tokenizer = run_tokenizer(run_dir) if tasks else None
@@ -41,33 +41,38 @@ def run(cfg: EvalConfig) -> None:
         if env.device.type == "cpu":
             flush_denormals()  # as in training: the same figures, at full speed
         windows = train_cfg.data.eval_windows if cfg.windows < 0 else cfg.windows
-        loader = EvalLoader(dataset, seq_len=train_cfg.seq_len,
-                            micro_batch=train_cfg.data.micro_batch, world_size=env.world_size,
-                            rank=env.rank, max_windows=windows, device=env.device)
+        # a mixture: each source's val split, and their share-weighted sum (evals/loss.py)
+        sets = eval_sets(dataset, seq_len=train_cfg.seq_len,
+                         micro_batch=train_cfg.data.micro_batch, world_size=env.world_size,
+                         rank=env.rank, eval_windows=windows, train_windows=0,
+                         seed=train_cfg.data.seed, device=env.device)
         precision = Precision.for_inference(train_cfg.run, env.device)
-        loss = evaluate(model, loader, env, precision.autocast, progress=True)
+        row = evaluate_sets(model, sets, env, precision.autocast, progress=True)
         scores = {}
         if tasks:
             scorer = Scorer(tasks, tokenizer, train_cfg.model.block_size, env)
             scores = scorer.score(model, precision.autocast, progress=True)
         if env.is_main:
-            report(cfg, dataset, loss, scores, tasks, found.step, len(loader.windows),
-                   train_cfg.seq_len, env.world_size)
+            report(cfg, dataset, row, scores, tasks, found.step,
+                   sum(len(s.val.windows) for s in sets), train_cfg.seq_len, env.world_size)
 
 
-def report(cfg: EvalConfig, dataset: TokenDataset, loss: float, scores: dict, tasks: list,
-           step: int, windows: int, seq_len: int, world_size: int) -> None:
-    """One line per result, or with --json one object."""
-    bpb = dataset.bits_per_byte(loss)
+def report(cfg: EvalConfig, dataset: TokenDataset | MixedDataset, row: dict, scores: dict,
+           tasks: list, step: int, windows: int, seq_len: int, world_size: int) -> None:
+    """One line per result, or with --json one object. `row`: evaluate_sets' (val_loss,
+    val_bpb; a mixture's each source's too)."""
+    loss, bpb = row["val_loss"], row["val_bpb"]
     if bpb is None:
         warn(dataset.bytes_advice())
     if cfg.json:
-        print(json.dumps({"step": step, "val_loss": loss, "val_bpb": bpb,
+        print(json.dumps({"step": step, **row,
                           **{k: v for k, v in scores.items() if not k.endswith("_s")}}))
         return
     bits = "" if bpb is None else f", val_bpb {bpb:.4f}"
-    print(f"val_loss {loss:.4f}{bits} (step {step}, {windows} windows of {seq_len} tokens, "
-          f"{world_size} process{'es' if world_size > 1 else ''})")
+    each = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in row.items()
+                     if k.startswith("val_loss/"))
+    print(f"val_loss {loss:.4f}{each and f' ({each})'}{bits} (step {step}, {windows} windows of "
+          f"{seq_len} tokens, {world_size} process{'es' if world_size > 1 else ''})")
     for task in tasks:
         name = task.name
         figures = ", ".join(f"{metric} {scores[f'{name}_{metric}']:.4f}"

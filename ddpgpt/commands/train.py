@@ -31,6 +31,7 @@ from ddpgpt.checkpoint.saver import SaveFailed, Saver
 from ddpgpt.checkpoint.saver import token as saver_token
 from ddpgpt.config.schema import RunConfig, TrainConfig
 from ddpgpt.data import verify
+from ddpgpt.data.mixture import MixedDataset, MixtureLoader, datasets
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.distributed import collectives
@@ -92,7 +93,8 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
         trainer.step += 1
         if _due(trainer.step, cfg.run.log_every, total):
             metrics.log_step(trainer.step, None if health.bad else health.loss, rates.lr,
-                             None if health.bad else norm.item(), trainer.elapsed_s)
+                             None if health.bad else norm.item(), trainer.elapsed_s,
+                             taken_now(trainer.loader))
         reached = False
         with metrics.paused():
             if _due(trainer.step, cfg.run.eval_every, total):
@@ -273,24 +275,33 @@ def settle(trainer, saver: Saver, run_dir: RunDir) -> None:
         trainer.doing = doing
 
 
-def verify_data(env: DistEnv, dataset: TokenDataset) -> None:
+def taken_now(loader) -> dict[str, int] | None:
+    """A mixture's rows so far per source (metrics' mix/NAME); None for one dataset."""
+    return loader.taken_now() if isinstance(loader, MixtureLoader) else None
+
+
+def verify_data(env: DistEnv, data: TokenDataset | MixedDataset) -> None:
     """data.verify: the sha256 of the shards that verified.json does not vouch for, 1/W of the
-    shards per rank (data/verify.py); every rank's new entries recorded by each node's first."""
-    mine = collectives.together(env, lambda: verify.hash_share(dataset, env.rank,
-                                                               env.world_size))
-    entries = {}
-    for text in collectives.all_gather_text(env, json.dumps(mine)):
-        entries.update(json.loads(text))
-    if env.local_rank == 0:
-        verify.record(dataset.path, entries, quiet=not env.is_main)
+    shards per rank (data/verify.py); every rank's new entries recorded by each node's first.
+    A mixture: each dataset in turn."""
+    for dataset in datasets(data):
+        mine = collectives.together(env, lambda ds=dataset: verify.hash_share(ds, env.rank,
+                                                                              env.world_size))
+        entries = {}
+        for text in collectives.all_gather_text(env, json.dumps(mine)):
+            entries.update(json.loads(text))
+        if env.local_rank == 0:
+            verify.record(dataset.path, entries, quiet=not env.is_main)
 
 
-def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset, step: int,
-                    world_size: int) -> None:
+def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset | MixedDataset,
+                    step: int, world_size: int) -> None:
     """config.json (and configs.jsonl), and the dataset's meta.json and tokenizer (so `sample`
-    needs only the run dir)."""
+    needs only the run dir); a mixture's: its first dataset's (they share the tokenizer) and
+    data_sources.json, each source's dir, weight and fingerprint."""
     run_dir.write_config(cfg.to_dict(), step, world_size)
-    run_dir.write_data_files(dataset.path, dataset.meta_bytes)
+    run_dir.write_data_files(dataset.path, dataset.meta_bytes,
+                             dataset.sources() if isinstance(dataset, MixedDataset) else None)
 
 
 def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metrics:
@@ -326,6 +337,14 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         metrics.log_event(trainer.step, "data_switch", checkpoint=str(start.path),
                           old=start.meta["data_fingerprint"], new=trainer.dataset.fingerprint,
                           data_dir=cfg.data.dir)
+    metrics.taken_mark = taken_now(trainer.loader)
+    mix = getattr(trainer.loader, "changed", None)
+    if mix:  # resumed with other weights: the rows from here follow them (data/mixture.py)
+        metrics.log_event(trainer.step, "mixture_change", checkpoint=str(start.path), **mix)
+        if env.is_main:
+            print(f"ddpgpt: the mixture changed on resume (applied from step {trainer.step}): "
+                  + ", ".join(f"{n} {mix['old'][n]:g} -> {mix['new'][n]:g}" for n in mix["new"]),
+                  file=sys.stderr)
     changed = resume.changes(start.meta["config"], cfg) if start.meta else {}
     if changed:  # applied, not ignored: say so where the curves are read, and once here
         metrics.log_event(trainer.step, "config_change", checkpoint=str(start.path),

@@ -148,6 +148,29 @@ def load_toml(path: str | Path) -> dict:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
 
 
+def sources_table(data: dict, path) -> dict:
+    """A TOML file's [[data.sources]] tables ({dir = "...", weight = 0.7} each) as data.dir's
+    mixture text (DIR:WEIGHT,...): one form for the flag, the file and config.json."""
+    tables, data = data["sources"], {k: v for k, v in data.items() if k != "sources"}
+    fix = 'write [[data.sources]] tables, each with dir = "DIR" and weight = NUMBER'
+    if "dir" in data:
+        raise ConfigError(f"{path}: data.dir and [[data.sources]] both name the data; keep one")
+    if not isinstance(tables, list) or not tables:
+        raise ConfigError(f"{path}: data.sources must be a list of tables; {fix}")
+    parts = []
+    for i, table in enumerate(tables):
+        ok = isinstance(table, dict) and isinstance(table.get("dir"), str) and \
+            set(table) <= {"dir", "weight"}
+        weight = table.get("weight", 1.0) if ok else None
+        if not ok or isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ConfigError(f"{path}: data.sources[{i}] = {table!r}; {fix}")
+        if "," in table["dir"]:
+            raise ConfigError(f"{path}: data.sources[{i}].dir = {table['dir']!r} holds a comma, "
+                              "which a mixture cannot name; rename the directory")
+        parts.append(f"{table['dir']}:{weight!r}")
+    return {**data, "dir": ",".join(parts)}
+
+
 # What configs written by earlier versions hold that this one names otherwise: a retired key is
 # dropped (None), a retired value becomes its successor. Only for saved configs, never for input.
 RETIRED = {("run", "rollback_lr_steps"): None,  # rollbacks now lower the lr for good
@@ -211,6 +234,8 @@ def build(preset: str | None, config_file: str | None, flags: dict,
     from ddpgpt.config.presets import get_preset
 
     file_values = load_toml(config_file) if config_file else {}
+    if isinstance(file_values.get("data"), dict) and "sources" in file_values["data"]:
+        file_values["data"] = sources_table(file_values["data"], config_file)
     file_preset = file_values.pop("preset", None)
     preset = preset or file_preset
     if base is not None:

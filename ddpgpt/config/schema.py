@@ -9,6 +9,7 @@ exists; a bad one is a `ConfigError`: one line naming the field, the source and 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from ddpgpt.config import choices
@@ -33,6 +34,8 @@ class DataConfig:
 
     dir: str = field(default="data/stdlib", metadata={"alias": "--data"})
     """Dataset directory made by `ddpgpt prepare`."""
+    # Or a mixture of several, DIR:WEIGHT,... (sources(); the train command's examples show one,
+    # docs/usage.md says the rest).
     seq_len: int = 0
     """Training sequence length T in tokens; 0 uses model.block_size."""
     micro_batch: int = 8
@@ -46,6 +49,11 @@ class DataConfig:
     """Visit windows in a seeded random order each epoch (else in file order)."""
     eval_windows: int = 256
     """Validation windows per evaluation, evenly spaced over the val split; 0 uses all."""
+    train_eval_windows: int = -1
+    """Training windows scored at each evaluation beside the val loss (train_eval_loss: the
+    fit of the data trained on, to tell overfitting from a data problem): a fixed sample drawn
+    by data.seed, the same windows at any W and after a resume. -1: as many as the val loss
+    scores (data.eval_windows; the val split's count when that is 0); 0: off."""
     verify: bool = True
     """Re-hash every shard against meta.json at startup (the ranks share the work); turn off to
     start faster on very large datasets."""
@@ -60,6 +68,47 @@ class DataConfig:
         _require(self.seq_len >= 0,
                  f"data.seq_len = {self.seq_len} must be >= 0 (0: model.block_size)")
         _require(self.eval_windows >= 0, f"data.eval_windows = {self.eval_windows} must be >= 0")
+        self.sources()  # a mixture's syntax and weights
+        _require(self.train_eval_windows >= -1, f"data.train_eval_windows = "
+                 f"{self.train_eval_windows} must be >= -1 (-1: as many as val, 0: off)")
+
+
+    def sources(self) -> list[tuple[str, float]]:
+        """data.dir as [(directory, share)]: one dataset at share 1, or a mixture's, the shares
+        normalized to sum to 1 in the order given."""
+        parts = self.dir.split(",")
+        if len(parts) == 1:  # one dataset; DIR:WEIGHT of a mixture of one is DIR
+            path, _, weight = self.dir.rpartition(":")
+            return [(path if path and _number(weight) else self.dir, 1.0)]
+        out = []
+        for part in parts:
+            path, _, weight = part.rpartition(":") if ":" in part else (part, "", "")
+            _require(bool(path.strip()), f"data.dir = {self.dir!r}: an empty dataset name in "
+                     "the mixture; write DIR:WEIGHT,DIR:WEIGHT (a:0.7,b:0.3)")
+            try:
+                share = float(weight) if weight else None
+            except ValueError:
+                share = -1.0
+            _require(share is None or (math.isfinite(share) and share > 0),
+                     f"data.dir = {self.dir!r}: the weight of {path} must be a number > 0, got "
+                     f"{weight!r}; write DIR:WEIGHT,DIR:WEIGHT (a:0.7,b:0.3)")
+            out.append((path.strip(), share))
+        weighted = [share is not None for _, share in out]
+        _require(all(weighted) or not any(weighted), f"data.dir = {self.dir!r}: give every "
+                 "dataset of the mixture a weight (a:0.7,b:0.3), or none for equal shares")
+        dirs = [path for path, _ in out]
+        twice = next((d for d in dirs if dirs.count(d) > 1), None)
+        _require(twice is None, f"data.dir = {self.dir!r}: {twice} is listed twice; give each "
+                 "dataset once, with its whole weight")
+        total = sum(share or 1.0 for _, share in out)
+        return [(path, (share or 1.0) / total) for path, share in out]
+
+
+def _number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 @dataclass

@@ -227,10 +227,23 @@ class TrainLoader:
         self.order_version, self._order = version, None
 
 
-class EvalLoader:
-    """A fixed, deterministic list of validation windows, split across ranks.
+SAMPLE_EPOCH = 2**31 - 1  # the training sample's order: an epoch no run reaches
 
-    Windows: all of the split's, or `max_windows` of them evenly spaced. Rank r takes windows
+
+def sample_windows(num_windows: int, count: int, seed: int) -> np.ndarray:
+    """`count` of a split's windows drawn by `seed` (all of them if it has no more), sorted: the
+    first `count` positions of the order of epoch SAMPLE_EPOCH, the same at any W and resume."""
+    if count >= num_windows:
+        return np.arange(num_windows)
+    return np.sort(orders.epoch_order(num_windows, seed, SAMPLE_EPOCH).items(0, count))
+
+
+class EvalLoader:
+    """A fixed, deterministic list of windows (validation; a sample of training), split across
+    ranks.
+
+    Windows: all of the split's, or `max_windows` of them evenly spaced, or with `sample_seed`
+    `max_windows` drawn by that seed (sample_windows: train_eval_loss). Rank r takes windows
     r, r+W, r+2W, ...; every rank yields the same number of batches (the last rows of a short
     rank are padding whose targets are -1, which the loss ignores), so a collective inside the
     model's forward could never wait on a rank that ran out. Summing (loss · tokens, tokens)
@@ -239,15 +252,18 @@ class EvalLoader:
 
     def __init__(self, dataset: TokenDataset, *, seq_len: int, micro_batch: int,
                  world_size: int = 1, rank: int = 0, max_windows: int = 0, split: str = "val",
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", sample_seed: int | None = None):
         self.stream = TokenStream(dataset, split, seq_len)
         n = self.stream.num_windows
         if n == 0:
             raise DataError(f"dataset {dataset.path}: the {split} split has fewer than "
                             f"{seq_len + 1} tokens; re-run ddpgpt prepare with a larger "
                             "--val-fraction or use a smaller data.seq_len")
-        self.windows = np.arange(n) if not max_windows or max_windows >= n else \
-            np.linspace(0, n - 1, max_windows).round().astype(np.int64)
+        if sample_seed is not None:
+            self.windows = sample_windows(n, max_windows or n, sample_seed)
+        else:
+            self.windows = np.arange(n) if not max_windows or max_windows >= n else \
+                np.linspace(0, n - 1, max_windows).round().astype(np.int64)
         self.micro_batch, self.seq_len = micro_batch, seq_len
         self.device = torch.device(device)
         self.mine = self.windows[rank::world_size]

@@ -1,14 +1,19 @@
 """Validation loss: token-weighted over the loader's fixed windows, all-reduced across ranks (the
 same figure at any number of processes). `ddpgpt eval` and the Trainer's evaluations both call
-`evaluate`; bits per byte of text comes from it (TokenDataset.bits_per_byte)."""
+`evaluate`; bits per byte of text comes from it (TokenDataset.bits_per_byte). A run's
+evaluation (`EvalSet`, `evaluate_sets`) scores the val split and a fixed sample of training
+windows (train_eval_loss) of its dataset, or of each dataset of a mixture."""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
 from ddpgpt.data.loader import EvalLoader
+from ddpgpt.data.mixture import MixedDataset
+from ddpgpt.data.shards import TokenDataset
 from ddpgpt.distributed import collectives
 from ddpgpt.distributed.group import DistEnv
 from ddpgpt.progress import bar as progress_bar
@@ -38,3 +43,58 @@ def evaluate(model: torch.nn.Module, loader: EvalLoader, env: DistEnv,
     collectives.all_reduce(env, totals)
     model.train(was_training)
     return (totals[0] / totals[1]).item()
+
+
+@dataclass
+class EvalSet:
+    """One dataset's windows an evaluation scores."""
+
+    name: str | None       # a mixture's source (keys val_loss/NAME); None: the run's one dataset
+    share: float           # its weight in the mixture's totals
+    dataset: TokenDataset
+    val: EvalLoader
+    train: EvalLoader | None  # the training sample (data.train_eval_windows); None: off
+
+
+def eval_sets(data: TokenDataset | MixedDataset, *, seq_len: int, micro_batch: int,
+              world_size: int, rank: int, eval_windows: int, train_windows: int, seed: int,
+              device) -> list[EvalSet]:
+    """The val windows (eval_windows, evenly spaced) and the training sample (train_windows
+    drawn by `seed`; -1: as many as val; 0: none) of each dataset."""
+    parts = list(zip(data.names, data.weights, data.datasets)) \
+        if isinstance(data, MixedDataset) else [(None, 1.0, data)]
+    out = []
+    for name, share, ds in parts:
+        common = dict(seq_len=seq_len, micro_batch=micro_batch, world_size=world_size,
+                      rank=rank, device=device)
+        val = EvalLoader(ds, max_windows=eval_windows, **common)
+        count = len(val.windows) if train_windows < 0 else train_windows
+        train = EvalLoader(ds, max_windows=count, split="train", sample_seed=seed,
+                           **common) if count else None
+        out.append(EvalSet(name, share, ds, val, train))
+    return out
+
+
+def evaluate_sets(model: torch.nn.Module, sets: list[EvalSet], env: DistEnv,
+                  autocast=contextlib.nullcontext, progress: bool = False) -> dict:
+    """An eval row's losses: val_loss, val_bpb (absent without byte counts), train_eval_loss.
+    A mixture's: each source's under KEY/NAME and, under KEY, their share-weighted sum (bpb:
+    the weighted sum of the sources' bpb, when each has one). Collective."""
+    row: dict = {}
+    for s in sets:
+        suffix = f"/{s.name}" if s.name is not None else ""
+        val = evaluate(model, s.val, env, autocast, progress)
+        row[f"val_loss{suffix}"] = val
+        bpb = s.dataset.bits_per_byte(val)
+        if bpb is not None or s.name is None:
+            row[f"val_bpb{suffix}"] = bpb
+        if s.train is not None:
+            row[f"train_eval_loss{suffix}"] = evaluate(model, s.train, env, autocast)
+    if sets[0].name is None:
+        return row
+    for key in ("val_loss", "val_bpb", "train_eval_loss"):
+        parts = [(s.share, row.get(f"{key}/{s.name}")) for s in sets]
+        if all(v is not None for _, v in parts):
+            row[key] = sum(w * v for w, v in parts)
+    row.setdefault("val_bpb", None)
+    return {"val_loss": row.pop("val_loss"), "val_bpb": row.pop("val_bpb"), **row}

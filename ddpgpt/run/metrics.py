@@ -3,17 +3,20 @@
 metrics.jsonl holds one JSON object per logged step,
     {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s"}
 one per evaluation, {"step", "val_loss", "val_bpb"} (bits per byte of the val text; absent for
-datasets prepared without byte counts) with each task's scores {NAME_<metric> for its kind's
-metrics (evals/kinds.py; multiple choice: acc_norm, acc, acc_char), NAME_n, NAME_s}
-(run.eval_tasks) and the run's seconds so far {elapsed_s, train_s, eval_s,
-checkpoint_s} (train_s: without evaluations and checkpoints), and one per event a reader of the
-curves must know about, {"step", "event", ...} (a deliberate switch of dataset on resume, a
-settings change, a rollback past a loss spike: guard/spike.py; the first evaluation at
-run.target_val_loss: "target", with val_loss, elapsed_s, train_s and tokens). `step` counts
+datasets prepared without byte counts), "train_eval_loss" (a fixed sample of training windows,
+data.train_eval_windows; absent when off); of a mixture each source's too, as val_loss/NAME,
+val_bpb/NAME, train_eval_loss/NAME, with the share-weighted sums as val_loss etc.; with each
+task's scores {NAME_<metric> for its kind's metrics (evals/kinds.py; multiple choice: acc_norm,
+acc, acc_char), NAME_n, NAME_s} (run.eval_tasks) and the run's seconds so far {elapsed_s,
+train_s, eval_s, checkpoint_s} (train_s: without evaluations and checkpoints), and one per event
+a reader of the curves must know about, {"step", "event", ...} (a deliberate switch of dataset
+on resume, a settings change, a rollback past a loss spike: guard/spike.py; the first evaluation
+at run.target_val_loss: "target", with val_loss, elapsed_s, train_s and tokens). `step` counts
 optimizer steps completed (the row after the first step says 1); `tokens` is the global count so
-far; `tokens_per_s` is global, over the steps since the previous row; `mfu` is the model FLOPs per
-second per process divided by one device's peak. On resume the file is cut back to the
-checkpoint's step, so it never holds a step twice or skips one.
+far; `tokens_per_s` is global, over the steps since the previous row (a mixture's rows also hold
+mix/NAME, each source's share of the rows since the previous row: the realized proportions);
+`mfu` is the model FLOPs per second per process divided by one device's peak. On resume the file
+is cut back to the checkpoint's step, so it never holds a step twice or skips one.
 
 The peak. A GPU's is its data sheet's. A CPU has none we can trust (turbo, SMT, a VM's share), so
 its peak is measured: the best of several matmul windows at startup, the best over the ranks.
@@ -102,6 +105,7 @@ class Metrics:
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak, self.world_size = peak, world_size  # one device's, raised by what runs faster
         self.mark, self.mark_step = time.perf_counter(), start_step
+        self.taken_mark: dict[str, int] | None = None  # a mixture's rows per source at the mark
         if not enabled:
             return
         self.path = Path(path)
@@ -121,8 +125,10 @@ class Metrics:
             self.tracker.log(row["step"], row)
 
     def log_step(self, step: int, loss: float | None, lr: float, grad_norm: float | None,
-                 elapsed_s: float) -> dict:
-        """A training row; loss and grad_norm are null for a step skipped as non-finite."""
+                 elapsed_s: float, taken: dict[str, int] | None = None) -> dict:
+        """A training row; loss and grad_norm are null for a step skipped as non-finite.
+        `taken`: a mixture's rows so far from each source (MixtureLoader.taken_now): the row
+        then holds mix/NAME, each source's share of the rows since the previous row."""
         now = time.perf_counter()
         tps = (step - self.mark_step) * self.tokens_per_step / max(now - self.mark, 1e-9)
         self.mark, self.mark_step = now, step
@@ -130,13 +136,25 @@ class Metrics:
         self.peak = max(self.peak, per_device)
         row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                "tokens": step * self.tokens_per_step, "tokens_per_s": tps,
-               "mfu": per_device / self.peak, "elapsed_s": elapsed_s}
+               "mfu": per_device / self.peak, "elapsed_s": elapsed_s, **self._mix(taken)}
         if self.enabled:
             self._write(row)
             self.bar.set_postfix(loss="skipped" if loss is None else f"{loss:.4f}",
                                  tok_s=f"{tps:,.0f}", refresh=False)
             self.bar.update(step - self.bar.n)
         return row
+
+    def _mix(self, taken: dict[str, int] | None) -> dict:
+        """{mix/NAME: share of the rows since the previous mark}; {} without a mixture, on the
+        first row, or after a rollback moved the counts back."""
+        if taken is None:
+            return {}
+        before, self.taken_mark = self.taken_mark, taken
+        delta = {n: c - (before or {}).get(n, 0) for n, c in taken.items()}
+        total = sum(delta.values())
+        if before is None or total <= 0 or min(delta.values()) < 0:
+            return {}
+        return {f"mix/{n}": d / total for n, d in delta.items()}
 
     @contextlib.contextmanager
     def paused(self):
@@ -159,8 +177,12 @@ class Metrics:
             self._write({**row, **fields})
             tasks = "".join(f", {name} {fields[key]:.4f}"
                             for name, key in headlines(fields).items())
-            self.bar.write(f"step {step}: val_loss {val_loss:.4f}"
-                           + ("" if val_bpb is None else f", val_bpb {val_bpb:.4f}") + tasks)
+            train = fields.get("train_eval_loss")
+            each = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in fields.items()
+                             if k.startswith("val_loss/"))
+            self.bar.write(f"step {step}: val_loss {val_loss:.4f}" + (each and f" ({each})")
+                           + ("" if val_bpb is None else f", val_bpb {val_bpb:.4f}")
+                           + ("" if train is None else f", train_eval_loss {train:.4f}") + tasks)
 
     def log_target(self, step: int, row: dict, target: float) -> None:
         """Time to target: the event row of the first evaluation at run.target_val_loss, and

@@ -20,6 +20,7 @@ import torch
 from ddpgpt.config.checks import ConfigError
 from ddpgpt.config.schema import TrainConfig, padded_vocab
 from ddpgpt.data.loader import TokenStream, require_windows
+from ddpgpt.data.mixture import MixedDataset, open_data
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.distributed.group import default_backend
 from ddpgpt.run import trackers
@@ -101,22 +102,29 @@ def check_mode(cfg: TrainConfig, precision: str) -> None:
         refuse("compression", f"run.grad_compress = {cfg.run.grad_compress}", "use none")
 
 
-def check_windows(cfg: TrainConfig, dataset: TokenDataset) -> None:
-    """Enough windows for one global batch (train) and one evaluation (val)."""
+def check_windows(cfg: TrainConfig, dataset: TokenDataset | MixedDataset) -> None:
+    """Enough windows for one global batch (train) and one evaluation (val); a mixture's
+    sources, one window each of both (each goes round its epochs as often as it must)."""
+    if isinstance(dataset, MixedDataset):
+        for ds in dataset.datasets:
+            require_windows(TokenStream(ds, "train", cfg.seq_len), 1)
+            require_windows(TokenStream(ds, "val", cfg.seq_len), 1)
+        return
     require_windows(TokenStream(dataset, "train", cfg.seq_len), cfg.data.global_batch,
                     "one global batch of ")
     require_windows(TokenStream(dataset, "val", cfg.seq_len), 1)
 
 
 def preflight(cfg: TrainConfig, world_size: int, local_world_size: int,
-              nodes: tuple[int, int] | None = None) -> tuple[TrainConfig, TokenDataset]:
+              nodes: tuple[int, int] | None = None
+              ) -> tuple[TrainConfig, TokenDataset | MixedDataset]:
     """Batch arithmetic (for every W of an elastic job's `nodes` range too), the dataset and its
     fit to the model and the batch; the resolved config."""
     accum_steps(cfg, world_size)
     if nodes is not None and nodes[1] > nodes[0]:
         check_world_sizes(cfg, nodes, local_world_size)
     trackers.check(cfg.run.tracker)
-    dataset = TokenDataset(cfg.data.dir)
+    dataset = open_data(cfg.data.sources())
     if cfg.model.init_from:
         from ddpgpt.hf.init_from import check_tokenizer, locate
 

@@ -9,7 +9,8 @@
       configs.jsonl      each start's config and world size that differed from the one before,
                          with its step
       data_meta.json     the dataset's meta.json, and tokenizer.json (bpe): `sample` needs only
-                         this dir
+                         this dir; a mixture's first dataset's, and data_sources.json (each
+                         source's name, dir, weight and fingerprint)
       metrics.jsonl      one row per logged step and per evaluation (see metrics.py)
       checkpoints/       step_NNNNNNN/ (see checkpoint/store.py)
       tensorboard/, wandb/, tracker.json    run.tracker's files (see trackers.py)
@@ -243,9 +244,14 @@ class RunDir:
             except OSError as e:
                 raise WriteError(f"cannot write {history}: {describe(e)}") from None
 
-    def write_data_files(self, dataset_dir: Path, meta_bytes: bytes) -> None:
-        """The dataset's meta.json and tokenizer, so that `sample` needs only the run dir."""
+    def write_data_files(self, dataset_dir: Path, meta_bytes: bytes,
+                         sources: list[dict] | None = None) -> None:
+        """The dataset's meta.json and tokenizer, so that `sample` needs only the run dir; a
+        mixture's (`sources`: each one's name, dir, weight, fingerprint) in data_sources.json
+        beside its first dataset's meta.json (they share the tokenizer)."""
         replace_text(self.data_meta, meta_bytes.decode())
+        if sources is not None:
+            replace_text(self.path / "data_sources.json", json.dumps(sources, indent=1) + "\n")
         if (dataset_dir / "tokenizer.json").is_file():
             replace_text(self.tokenizer, (dataset_dir / "tokenizer.json").read_text())
 

@@ -4,8 +4,9 @@
     ddpgpt train ... --run.tracker wandb         # W&B; WANDB_MODE=offline keeps it on this disk
 
 Each logs the scalars of every metrics.jsonl row under the same names (loss, lr, grad_norm,
-tokens, tokens_per_s, mfu, elapsed_s; val_loss, val_bpb) against the optimizer step, and the
-resolved config as hyperparameters. metrics.jsonl stays the record; a tracker only mirrors it.
+tokens, tokens_per_s, mfu, elapsed_s; val_loss, val_bpb, train_eval_loss, a mixture's
+val_loss/NAME) against the optimizer step, and the resolved config as hyperparameters.
+metrics.jsonl stays the record; a tracker only mirrors it.
 
 A resumed run continues the same tracker run, and after a resume or a rollback each tracker shows
 what metrics.jsonl keeps. TensorBoard: the same directory, and the new writer's purge step hides

@@ -123,6 +123,25 @@ def missing_dataset(ctx: Ctx) -> Case:
     return Case(ctx.tmp, ctx.tmp / "missing", ctx.tmp / "run")
 
 
+def mixture_with_a_missing_dataset(ctx: Ctx) -> Case:
+    """--data a:0.7,b:0.3 where b was never prepared (the mixture used to be read as one
+    directory named "a:0.7,b:0.3", and the advice was to prepare that)."""
+    c = copied(ctx)
+    c.facts["missing"] = missing = ctx.tmp / "elsewhere" / "prose"
+    return dataclasses.replace(c, data=Path(f"{c.data}:0.7,{missing}:0.3"))
+
+
+def mixture_of_two_tokenizers(ctx: Ctx) -> Case:
+    """A mixture of the byte-level dataset and one under another tokenizer."""
+    c = copied(ctx)
+    other = ctx.tmp / "gpt2"
+    shutil.copytree(ctx.tiny_data, other)
+    meta = json.loads((other / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps({**meta, "tokenizer": "gpt2"}))
+    c.facts["other"] = other
+    return dataclasses.replace(c, data=Path(f"{c.data}:0.5,{other}:0.5"))
+
+
 def empty_dataset(ctx: Ctx) -> Case:
     (ctx.tmp / "empty").mkdir()
     return Case(ctx.tmp, ctx.tmp / "empty", ctx.tmp / "run")
@@ -261,6 +280,13 @@ CASES = [
     row("missing-dataset", missing_dataset, train,
         lambda c: f"{E}dataset {c.data} does not exist; create it with: "
                   f"ddpgpt prepare --out {c.data}"),
+    row("mixture-missing-dataset", mixture_with_a_missing_dataset, train,
+        lambda c: f"{E}dataset {c.facts['missing']} does not exist; create it with: "
+                  f"ddpgpt prepare --out {c.facts['missing']}"),
+    row("mixture-two-tokenizers", mixture_of_two_tokenizers, train,
+        lambda c: f"{E}data.dir: {c.tmp / 'data'} and {c.facts['other']} have different "
+                  f"tokenizers (byte, gpt2): a mixture's ids must mean the same text; prepare "
+                  f"{c.facts['other']} again with --tokenizer-from {c.tmp / 'data'}"),
     row("empty-dataset", empty_dataset, train,
         lambda c: f"{E}dataset {c.data} has no meta.json (not prepared, or prepare did not "
                   f"finish); {REPREPARE} --out {c.data}"),

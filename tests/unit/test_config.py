@@ -538,3 +538,54 @@ def test_a_choice_is_checked_against_its_literal_and_nothing_else(section, cls, 
         cls(**{name: "zzzzzzzz"})
     assert str(e.value).endswith(f"{section}.{name} = 'zzzzzzzz'; choose one of "
                                  f"{', '.join(choices)}")
+
+
+# ---- mixtures: data.dir DIR:WEIGHT,... and [[data.sources]] -----------------------------------
+
+def test_a_mixture_in_toml_is_data_dir_as_the_flag_writes_it(tmp_path):
+    path = _toml(tmp_path, '[[data.sources]]\ndir = "data/a"\nweight = 7\n\n'
+                           '[[data.sources]]\ndir = "data/b"\nweight = 3\n')
+    cfg = resolve(None, path, {})
+    assert cfg.data.dir == "data/a:7,data/b:3"
+    assert cfg.data.sources() == [("data/a", 0.7), ("data/b", 0.3)]
+    assert resolve(None, None, {"data": {"dir": "data/a:7,data/b:3"}}).data == cfg.data
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[data]\ndir = "x"\n[[data.sources]]\ndir = "a"\n',
+     "data.dir and [[data.sources]] both name the data; keep one"),
+    ('[[data.sources]]\npath = "a"\n',
+     "data.sources[0] = {'path': 'a'}; write [[data.sources]] tables, each with dir = \"DIR\" "
+     "and weight = NUMBER"),
+    ('[[data.sources]]\ndir = "a"\nweight = "0.5"\n',
+     "data.sources[0] = {'dir': 'a', 'weight': '0.5'}; write [[data.sources]] tables, each "
+     "with dir = \"DIR\" and weight = NUMBER"),
+])
+def test_bad_sources_tables(tmp_path, text, message):
+    path = _toml(tmp_path, text)
+    assert _error(resolve, None, path, {}) == f"{path}: {message}"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("a:0.7,b", "give every dataset of the mixture a weight (a:0.7,b:0.3), or none for equal "
+                "shares"),
+    ("a:0.7,b:-1", "the weight of b must be a number > 0, got '-1'; write DIR:WEIGHT,DIR:WEIGHT "
+                   "(a:0.7,b:0.3)"),
+    ("a:1,a:2", "a is listed twice; give each dataset once, with its whole weight"),
+])
+def test_bad_mixtures_are_one_line(spec, message):
+    with pytest.raises(ConfigError) as e:
+        resolve(None, None, {"data": {"dir": spec}})
+    assert str(e.value) == f"invalid config: data.dir = {spec!r}: {message}"
+
+
+def test_a_mixture_without_weights_takes_equal_shares():
+    assert resolve(None, None, {"data": {"dir": "a,b,c"}}).data.sources() == \
+        [("a", 1 / 3), ("b", 1 / 3), ("c", 1 / 3)]
+
+
+def test_one_dataset_with_a_weight_is_that_dataset():
+    from ddpgpt.config.schema import DataConfig
+
+    assert DataConfig(dir="data/a:1").sources() == [("data/a", 1.0)]
+    assert DataConfig(dir="data/a:b").sources() == [("data/a:b", 1.0)]

@@ -31,3 +31,43 @@ def test_mfu_against_a_peak_the_run_does_not_reach(tmp_path, monkeypatch):
     metrics = Metrics(False, tmp_path / "metrics.jsonl", 0, 1, 1000, 6.0, peak=12000.0,
                       world_size=1)
     assert metrics.log_step(1, 1.0, 1e-3, 1.0, 1.0)["mfu"] == 0.5
+
+
+class Tracker:
+    def __init__(self):
+        self.rows = []
+
+    def log(self, step, row):
+        self.rows.append((step, row))
+
+    def close(self):
+        pass
+
+
+def test_eval_rows_and_line_hold_train_eval_loss_and_each_source(tmp_path, capsys):
+    """What an evaluation of a mixture writes: every figure in metrics.jsonl and the tracker,
+    the total and each source's val loss and the train sample's loss on the line."""
+    tracker = Tracker()
+    metrics = Metrics(True, tmp_path / "metrics.jsonl", 0, 10, 1000, 6.0, peak=1e9,
+                      world_size=1, tracker=tracker)
+    row = {"val_loss": 2.5, "val_bpb": None, "val_loss/a": 2.0, "train_eval_loss/a": 1.9,
+           "val_loss/b": 3.0, "train_eval_loss/b": 2.9, "train_eval_loss": 2.4}
+    metrics.log_eval(5, **row)
+    metrics.close()
+    written = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert written == {"step": 5, **{k: v for k, v in row.items() if v is not None}}
+    assert tracker.rows == [(5, written)]
+    assert ("step 5: val_loss 2.5000 (a 2.0000, b 3.0000), train_eval_loss 2.4000"
+            in capsys.readouterr().out)
+
+
+def test_step_rows_hold_the_realized_proportions_since_the_previous_row(tmp_path):
+    metrics = Metrics(False, tmp_path / "metrics.jsonl", 0, 10, 1000, 6.0, peak=1e9,
+                      world_size=1)
+    metrics.taken_mark = {"a": 0, "b": 0}
+    first = metrics.log_step(1, 1.0, 1e-3, 1.0, 1.0, {"a": 7, "b": 3})
+    second = metrics.log_step(3, 1.0, 1e-3, 1.0, 1.0, {"a": 12, "b": 8})
+    assert (first["mix/a"], first["mix/b"]) == (0.7, 0.3)
+    assert (second["mix/a"], second["mix/b"]) == (0.5, 0.5)
+    rewound = metrics.log_step(2, 1.0, 1e-3, 1.0, 1.0, {"a": 9, "b": 5})  # after a rollback
+    assert "mix/a" not in rewound and metrics.taken_mark == {"a": 9, "b": 5}
