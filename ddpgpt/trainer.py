@@ -99,10 +99,11 @@ class Trainer:
         # 4. This rank's share of the data; the order is the loader's, not a per-rank seed's.
         self.loader = TrainLoader(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,
                                   world_size=env.world_size, rank=env.rank, accum_steps=self.accum,
-                                  seed=data.seed, shuffle=data.shuffle, device=dev)
+                                  seed=data.seed, shuffle=data.shuffle, device=dev,
+                                  align=data.align)
         self.val = EvalLoader(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,
                               world_size=env.world_size, rank=env.rank,
-                              max_windows=data.eval_windows, device=dev)
+                              max_windows=data.eval_windows, device=dev, align=data.align)
         self.step = 0                 # optimizer steps completed
         self.batch = 0                # the global batch the newest step read
         self.doing = "step 1"         # what the loop is at, for a failure's message

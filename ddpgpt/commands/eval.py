@@ -43,7 +43,8 @@ def run(cfg: EvalConfig) -> None:
         windows = train_cfg.data.eval_windows if cfg.windows < 0 else cfg.windows
         loader = EvalLoader(dataset, seq_len=train_cfg.seq_len,
                             micro_batch=train_cfg.data.micro_batch, world_size=env.world_size,
-                            rank=env.rank, max_windows=windows, device=env.device)
+                            rank=env.rank, max_windows=windows, device=env.device,
+                            align=train_cfg.data.align)
         precision = Precision.for_inference(train_cfg.run, env.device)
         loss = evaluate(model, loader, env, precision.autocast, progress=True)
         scores = {}

@@ -44,6 +44,12 @@ class DataConfig:
     """Seed of the data order (the per-epoch permutation of windows)."""
     shuffle: bool = True
     """Visit windows in a seeded random order each epoch (else in file order)."""
+    align: choices.Align = "stream"
+    """Where a training or validation row of seq_len + 1 tokens starts. stream: anywhere in the
+    concatenated documents (windows seq_len apart). bos: at a document start; documents are
+    packed best-fit into rows, and what does not fit is carried into the next row, not cropped
+    (data/packing.py; the packing is cached beside the shards). With bos, model.doc_mask is on
+    unless set."""
     eval_windows: int = 256
     """Validation windows per evaluation, evenly spaced over the val split; 0 uses all."""
     verify: bool = True
@@ -60,6 +66,7 @@ class DataConfig:
         _require(self.seq_len >= 0,
                  f"data.seq_len = {self.seq_len} must be >= 0 (0: model.block_size)")
         _require(self.eval_windows >= 0, f"data.eval_windows = {self.eval_windows} must be >= 0")
+        _choice("data", "align", self.align, choices.Align)
 
 
 @dataclass

@@ -59,6 +59,16 @@ def band(T: int, window: int, device) -> torch.Tensor:
     return (j <= i) & (i - j < window)
 
 
+def documents(idx: torch.Tensor, bos_id: int) -> torch.Tensor:
+    """(B, 1, T, T) bool, True where query i may attend key j of its row: j <= i and no document
+    starts (a bos_id token) in (j, i]. The segment of a token is the count of bos_id tokens up to
+    it, so tokens before a row's first bos_id (a continuation) are a document of their own."""
+    segment = torch.cumsum(idx == bos_id, dim=1)  # (B, T)
+    T = idx.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+    return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
+
+
 class CausalSelfAttention(nn.Module):
     """One fused projection to queries, keys and values ([q | k | v] rows: GPT-2's c_attn
     layout, and Llama's q_proj, k_proj, v_proj stacked), n_head query heads sharing n_kv_head
@@ -82,7 +92,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: KVCache | None = None, layer: int = 0,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`mask`: a (T, T) band (`band`) instead of the causal mask."""
+        """`mask`: a (T, T) band (`band`) or a (B, 1, T, T) document mask (`documents`), True
+        where attention is allowed, instead of the causal mask."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.sizes, dim=2)
         q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)

@@ -19,7 +19,7 @@ import torch
 
 from ddpgpt.config.checks import ConfigError
 from ddpgpt.config.schema import TrainConfig, padded_vocab
-from ddpgpt.data.loader import TokenStream, require_windows
+from ddpgpt.data.loader import require_windows, row_source
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.distributed.group import default_backend
 from ddpgpt.run import trackers
@@ -79,7 +79,10 @@ def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> T
     ns_dtype = cfg.optim.muon_ns_dtype
     if ns_dtype == "auto":
         ns_dtype = "fp32" if precision == "fp32" else "bf16"
-    model = dataclasses.replace(cfg.model.resolved(), vocab_size=vocab)  # the arch's pieces set
+    doc_mask = cfg.data.align == "bos" if cfg.model.doc_mask is None else cfg.model.doc_mask
+    model = dataclasses.replace(cfg.model.resolved(), vocab_size=vocab,  # the arch's pieces set
+                                doc_mask=doc_mask,
+                                bos_id=dataset.eot_id if cfg.model.bos_id < 0 else cfg.model.bos_id)
     return dataclasses.replace(cfg, model=model,
                                data=dataclasses.replace(cfg.data, seq_len=cfg.seq_len), run=run,
                                optim=dataclasses.replace(cfg.optim, muon_ns_dtype=ns_dtype))
@@ -103,9 +106,10 @@ def check_mode(cfg: TrainConfig, precision: str) -> None:
 
 def check_windows(cfg: TrainConfig, dataset: TokenDataset) -> None:
     """Enough windows for one global batch (train) and one evaluation (val)."""
-    require_windows(TokenStream(dataset, "train", cfg.seq_len), cfg.data.global_batch,
+    align = cfg.data.align
+    require_windows(row_source(dataset, "train", cfg.seq_len, align), cfg.data.global_batch,
                     "one global batch of ")
-    require_windows(TokenStream(dataset, "val", cfg.seq_len), 1)
+    require_windows(row_source(dataset, "val", cfg.seq_len, align), 1)
 
 
 def preflight(cfg: TrainConfig, world_size: int, local_world_size: int,
