@@ -59,14 +59,22 @@ def band(T: int, window: int, device) -> torch.Tensor:
     return (j <= i) & (i - j < window)
 
 
-def documents(idx: torch.Tensor, bos_id: int) -> torch.Tensor:
-    """(B, 1, T, T) bool, True where query i may attend key j of its row: j <= i and no document
-    starts (a bos_id token) in (j, i]. The segment of a token is the count of bos_id tokens up to
-    it, so tokens before a row's first bos_id (a continuation) are a document of their own."""
+def documents(idx: torch.Tensor, bos_id: int, within: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """(B, 1, T, T): where query i may attend key j of its row: j <= i, no document starts (a
+    bos_id token) in (j, i], and `within` (a (T, T) band) allows it. The segment of a token is the
+    count of bos_id tokens up to it, so tokens before a row's first bos_id (a continuation) are a
+    document of their own. Bool on CUDA; on a CPU additive (0 or -inf, fp32), which SDPA's CPU
+    kernel takes at the cost of a causal mask, where a bool one costs ~10% more."""
     segment = torch.cumsum(idx == bos_id, dim=1)  # (B, T)
     T = idx.size(1)
-    causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
-    return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
+    allowed = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+    if within is not None:
+        allowed = allowed & within
+    allowed = ((segment[:, :, None] == segment[:, None, :]) & allowed)[:, None]
+    if idx.device.type == "cuda":
+        return allowed
+    return torch.zeros(allowed.shape, device=idx.device).masked_fill_(~allowed, float("-inf"))
 
 
 class CausalSelfAttention(nn.Module):
@@ -109,6 +117,8 @@ class CausalSelfAttention(nn.Module):
             held = cache.append(layer, k, v)  # (B, H_kv, held, D)
             if T == 1:
                 k, v = held
+        if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)  # an additive mask in the queries' dtype (autocast: bf16)
         masks = {"attn_mask": mask} if mask is not None else {"is_causal": T > 1}
         gqa = {"enable_gqa": True} if self.n_kv != self.n_head else {}
         y = F.scaled_dot_product_attention(q, k, v, **masks, **gqa,  # (B, H, T, D)

@@ -92,9 +92,9 @@ class GPT(nn.Module):
         no cache) a token attends only to its own document's tokens of the row."""
         B, T = idx.shape
         mask = band(T, window, idx.device) if window and T > window else None
-        if self.cfg.doc_mask and cache is None and T > 1:  # a cache's tokens see every one held
-            docs = documents(idx, self.cfg.bos_id)  # (B, 1, T, T)
-            mask = docs if mask is None else docs & mask
+        if self.cfg.doc_mask and cache is None and T > 1 and (  # a cache's tokens see all held
+                idx.is_cuda or bool((idx[:, 1:] == self.cfg.bos_id).any())):  # else: causal
+            mask = documents(idx, self.cfg.bos_id, mask)  # (B, 1, T, T)
         past = cache.length if cache is not None else 0
         pos = torch.arange(past, past + T, device=idx.device)
         x, angles = self.wte(idx), None  # (B, T, C)
