@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import zipfile
 from array import array
 from bisect import bisect_right, insort
 
@@ -157,7 +158,7 @@ def _index(dataset: TokenDataset, stream: TokenStream) -> tuple[np.ndarray, ...]
     span = stream.seq_len + 1
     path = dataset.path / f"packing-{stream.split}-{span}.npz"
     key = f"{VERSION} {dataset.fingerprint} {span}"
-    with contextlib.suppress(OSError, ValueError, KeyError):
+    with contextlib.suppress(OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
         with np.load(path) as saved:
             if str(saved["key"]) == key:
                 return saved["piece_start"], saved["piece_len"], saved["row_ptr"]

@@ -105,6 +105,13 @@ def test_a_stale_cache_is_packed_again(ds, tmp_path, monkeypatch):
     PackedRows(ds, "val", T)  # the rewritten cache is read
 
 
+@pytest.mark.parametrize("damage", [b"", b"not a zip", b"PK\x03\x04 cut short"])
+def test_a_damaged_cache_is_packed_again(ds, damage):
+    rows = PackedRows(ds, "val", T)
+    (ds.path / f"packing-val-{T + 1}.npz").write_bytes(damage)
+    assert np.array_equal(PackedRows(ds, "val", T).row_ptr, rows.row_ptr)
+
+
 def make(ds, W, A, b, r=0, **kw):
     return TrainLoader(ds, seq_len=T, micro_batch=b, world_size=W, rank=r, accum_steps=A,
                        seed=SEED, align="bos", **kw)
