@@ -17,6 +17,10 @@ micro-step m takes positions (m·W + r)·b ... (m·W + r)·b + b. Hence:
   global batches (a rollback past the data of a loss spike) moves that cursor, so it too is the
   same at every W.
 
+With data.align = bos the "windows" are packed rows that start at document starts (packing.py:
+a fixed packing of the split, the same interface as the stream's windows), visited the same way,
+so all of the above holds for them; the state records which.
+
 Everything is passed in; the loader reads no environment variables and calls no collectives, so a
 single-process test can play rank 3 of 4. Reading is one pread per window (per shard it crosses)
 from the shard files: a rank reads only its own windows' bytes, and its memory does not grow with
