@@ -117,8 +117,6 @@ class CausalSelfAttention(nn.Module):
             held = cache.append(layer, k, v)  # (B, H_kv, held, D)
             if T == 1:
                 k, v = held
-        if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
-            mask = mask.to(q.dtype)  # an additive mask in the queries' dtype (autocast: bf16)
         masks = {"attn_mask": mask} if mask is not None else {"is_causal": T > 1}
         gqa = {"enable_gqa": True} if self.n_kv != self.n_head else {}
         y = F.scaled_dot_product_attention(q, k, v, **masks, **gqa,  # (B, H, T, D)

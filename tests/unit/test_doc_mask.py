@@ -100,3 +100,15 @@ def test_doc_mask_follows_align_unless_set(tmp_path, align, flag, want):
     cfg = cli.train_config({k: v for k, v in vars(ns).items() if k not in ("command", "debug")})[0]
     model = resolve(cfg, TokenDataset(path), 1).model
     assert model.doc_mask is want and model.bos_id == 7
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mask_under_bf16_autocast(arch):
+    """The CPU's additive (fp32) mask under bf16 autocast."""
+    row, model = _row(0), _model(arch, True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(row)[0]
+    with torch.no_grad():
+        want = model(row)[0]
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), want, rtol=0.1, atol=0.3)
