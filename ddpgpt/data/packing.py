@@ -26,7 +26,7 @@ T, G, k), at any W, and the loader's state is the same cursor as the stream's.
 
 Memory: three int64 arrays (each piece's start and length, each row's first piece), about
 (documents + rows) · 16 bytes, built once per (split, T) and kept beside the shards as
-`packing-SPLIT-T.npz` (keyed by the dataset's fingerprint; written atomically; a dataset
+`packing-SPLIT-{T+1}.npz` (keyed by the dataset's fingerprint; written atomically; a dataset
 directory that cannot be written is packed again at each start). No Python object per document
 is held: the scan for document starts reads the shards in blocks, and the pool holds LOOKAHEAD
 documents.
