@@ -45,7 +45,8 @@ def run(cfg: EvalConfig) -> None:
         sets = eval_sets(dataset, seq_len=train_cfg.seq_len,
                          micro_batch=train_cfg.data.micro_batch, world_size=env.world_size,
                          rank=env.rank, eval_windows=windows, train_windows=0,
-                         seed=train_cfg.data.seed, device=env.device)
+                         seed=train_cfg.data.seed, device=env.device,
+                         align=train_cfg.data.align)
         precision = Precision.for_inference(train_cfg.run, env.device)
         row = evaluate_sets(model, sets, env, precision.autocast, progress=True)
         scores = {}

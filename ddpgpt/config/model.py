@@ -100,6 +100,13 @@ class ModelConfig:
     rope_theta^(-2i / head_dim) radians."""
     norm_eps: float = 1e-5
     """The epsilon added to the variance (layernorm) or mean square (rmsnorm)."""
+    doc_mask: bool | None = None
+    """Attention stays inside each document of a row: a token attends to the earlier tokens of
+    its own document only (documents begin at model.bos_id). Unset: on with data.align bos, off
+    otherwise."""
+    bos_id: int = -1
+    """The token that begins a document, for model.doc_mask; -1: the dataset's end-of-text id
+    (prepare places it before every document)."""
     dropout: float = 0.0
     """Dropout probability on attention, residual and embedding outputs (0 for pretraining)."""
     gelu: Gelu = "tanh"
@@ -140,6 +147,8 @@ class ModelConfig:
                  f"model.logit_softcap = {self.logit_softcap:g} must be >= 0 (0: off)")
         _require(self.rope_theta > 0, f"model.rope_theta = {self.rope_theta:g} must be > 0")
         _require(self.norm_eps > 0, f"model.norm_eps = {self.norm_eps:g} must be > 0")
+        _require(self.bos_id >= -1,
+                 f"model.bos_id = {self.bos_id} must be >= 0, or -1 (the dataset's end-of-text)")
         _require(self.vocab_limit >= 0 and (not self.vocab_size
                                             or self.vocab_limit <= self.vocab_size),
                  f"model.vocab_limit = {self.vocab_limit} must be in [0, model.vocab_size = "

@@ -47,6 +47,12 @@ class DataConfig:
     """Seed of the data order (the per-epoch permutation of windows)."""
     shuffle: bool = True
     """Visit windows in a seeded random order each epoch (else in file order)."""
+    align: choices.Align = "stream"
+    """Where a training or validation row of seq_len + 1 tokens starts. stream: anywhere in the
+    concatenated documents (windows seq_len apart). bos: at a document start; documents are
+    packed best-fit into rows, and what does not fit is carried into the next row, not cropped
+    (data/packing.py; the packing is cached beside the shards). With bos, model.doc_mask is on
+    unless set."""
     eval_windows: int = 256
     """Validation windows per evaluation, evenly spaced over the val split; 0 uses all."""
     train_eval_windows: int = -1
@@ -71,6 +77,7 @@ class DataConfig:
         self.sources()  # a mixture's syntax and weights
         _require(self.train_eval_windows >= -1, f"data.train_eval_windows = "
                  f"{self.train_eval_windows} must be >= -1 (-1: as many as val, 0: off)")
+        _choice("data", "align", self.align, choices.Align)
 
 
     def sources(self) -> list[tuple[str, float]]:

@@ -17,6 +17,10 @@ micro-step m takes positions (m·W + r)·b ... (m·W + r)·b + b. Hence:
   global batches (a rollback past the data of a loss spike) moves that cursor, so it too is the
   same at every W.
 
+With data.align = bos the "windows" are packed rows that start at document starts (packing.py:
+a fixed packing of the split, the same interface as the stream's windows), visited the same way,
+so all of the above holds for them; the state records which.
+
 Everything is passed in; the loader reads no environment variables and calls no collectives, so a
 single-process test can play rank 3 of 4. Reading is one pread per window (per shard it crosses)
 from the shard files: a rank reads only its own windows' bytes, and its memory does not grow with
@@ -25,77 +29,25 @@ the data it samples.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from bisect import bisect_right
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from ddpgpt.data import order as orders
-from ddpgpt.data.shards import REPREPARE, TokenDataset
+from ddpgpt.data import packing
+from ddpgpt.data.shards import TokenDataset
+from ddpgpt.data.stream import TokenStream
 from ddpgpt.errors import DataError
 
-OPEN_FILES = 256  # shard files a stream keeps open at most (2e10 tokens: 200 shards)
-STATE_VERSION = 2  # 2: records the order's version (absent: 1, the permutation built whole)
+STATE_VERSION = 3  # 2: records the order's version (absent: 1, the permutation built whole);
+# 3: records data.align (absent: stream)
 
 
-class TokenStream:
-    """A split's shards as one indexable token stream, cut into windows of T+1 tokens.
-
-    A window is read with pread(2) from its shard's file, not sliced out of the memory map: the
-    rank then holds the bytes it asked for and nothing else. A map would also leave resident, and
-    counted in the rank's memory, every page-cache page around each window that the kernel maps
-    with it (with large page-cache folios, ~0.75 MB per window on the 2-core VM): memory that grows
-    with the span of data a run samples (docs/performance.md, "A start at any size")."""
-
-    def __init__(self, dataset: TokenDataset, split: str, seq_len: int):
-        self.dataset_path, self.split = dataset.path, split
-        self.shards = [s for s in dataset.tokens(split) if len(s)]  # memory maps: lengths, files
-        self.starts = np.cumsum([0] + [len(s) for s in self.shards])  # token offset of each shard
-        self.num_tokens = int(self.starts[-1])
-        self.seq_len = seq_len
-        self.num_windows = max(0, (self.num_tokens - 1) // seq_len)
-        self._files: dict[int, int] = {}  # shard -> open descriptor, the most recent last
-
-    def read(self, windows: np.ndarray, out: np.ndarray) -> None:
-        """Copies windows into `out`, shape (len(windows), T+1), converting to out's dtype."""
-        span = self.seq_len + 1
-        buf = np.empty((len(windows), span), dtype=self.shards[0].dtype if self.shards else
-                       np.uint16)  # (rows, T+1) in the shards' dtype, read into directly
-        for row, w in zip(buf, windows):
-            pos, filled = int(w) * self.seq_len, 0
-            k = bisect_right(self.starts, pos) - 1
-            while filled < span:  # a window crosses a shard boundary at most a few times
-                local = pos + filled - int(self.starts[k])
-                n = min(span - filled, len(self.shards[k]) - local)
-                self._pread(k, local, row[filled:filled + n])
-                filled += n
-                k += 1
-        out[:len(buf)] = buf
-
-    def _pread(self, k: int, start: int, into: np.ndarray) -> None:
-        """Tokens start.. of shard k into `into` (a contiguous row: filled in place)."""
-        shard = self.shards[k]
-        got = os.preadv(self._fd(k), [into], shard.offset + start * shard.dtype.itemsize)
-        if got != into.nbytes:  # checked when the dataset opened: cut since
-            raise DataError(f"{shard.filename}: shorter than its header says (read {got} of "
-                            f"{into.nbytes} bytes at token {start}); {REPREPARE}")
-
-    def _fd(self, k: int) -> int:
-        fd = self._files.pop(k, None)
-        if fd is None:
-            fd = os.open(self.shards[k].filename, os.O_RDONLY)
-            while len(self._files) >= OPEN_FILES:  # a bounded number of descriptors
-                os.close(self._files.pop(next(iter(self._files))))
-        self._files[k] = fd
-        return fd
-
-    def __del__(self) -> None:
-        for fd in getattr(self, "_files", {}).values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
+def row_source(dataset: TokenDataset, split: str, seq_len: int, align: str = "stream"):
+    """data.align's rows of a split: this module's windows (stream) or packed rows that start at
+    document starts (bos: packing.py, which reads through a TokenStream)."""
+    return packing.row_source(dataset, split, seq_len, align)
 
 
 def _to_device(buf: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,10 +76,12 @@ class TrainLoader:
 
     def __init__(self, dataset: TokenDataset, *, seq_len: int, micro_batch: int,
                  world_size: int = 1, rank: int = 0, accum_steps: int = 1, seed: int = 0,
-                 shuffle: bool = True, split: str = "train", device: str | torch.device = "cpu"):
+                 shuffle: bool = True, split: str = "train", device: str | torch.device = "cpu",
+                 align: str = "stream"):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
-        self.stream = TokenStream(dataset, split, seq_len)
+        self.stream = row_source(dataset, split, seq_len, align)
+        self.align = align
         self.seq_len, self.micro_batch = seq_len, micro_batch
         self.world_size, self.rank, self.accum_steps = world_size, rank, accum_steps
         self.global_batch = world_size * accum_steps * micro_batch
@@ -203,11 +157,13 @@ class TrainLoader:
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "epoch": self.epoch, "consumed": self.consumed,
                 "seed": self.seed, "seq_len": self.seq_len, "shuffle": self.shuffle,
-                "num_windows": self.stream.num_windows, "order": self.order_version}
+                "num_windows": self.stream.num_windows, "order": self.order_version,
+                "align": self.align}
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from a saved cursor; W and A may differ from the saving run's."""
-        for key in ("seed", "seq_len", "shuffle"):  # data.seed, data.seq_len, data.shuffle
+        state = {"align": "stream", **state}  # saved before data.align existed: the stream's
+        for key in ("seed", "seq_len", "shuffle", "align"):  # data.seed, .seq_len, .shuffle, .align
             if state[key] != getattr(self, key):
                 flag = f"--data.{key.replace('_', '-')}"
                 value = f"{flag} {str(state[key]).lower()}"
@@ -242,8 +198,9 @@ class EvalLoader:
     """A fixed, deterministic list of windows (validation; a sample of training), split across
     ranks.
 
-    Windows: all of the split's, or `max_windows` of them evenly spaced, or with `sample_seed`
-    `max_windows` drawn by that seed (sample_windows: train_eval_loss). Rank r takes windows
+    Windows (data.align's rows: of the stream, or packed from documents): all of the split's, or
+    `max_windows` of them evenly spaced, or with `sample_seed` `max_windows` drawn by that seed
+    (sample_windows: train_eval_loss). Rank r takes windows
     r, r+W, r+2W, ...; every rank yields the same number of batches (the last rows of a short
     rank are padding whose targets are -1, which the loss ignores), so a collective inside the
     model's forward could never wait on a rank that ran out. Summing (loss · tokens, tokens)
@@ -252,8 +209,9 @@ class EvalLoader:
 
     def __init__(self, dataset: TokenDataset, *, seq_len: int, micro_batch: int,
                  world_size: int = 1, rank: int = 0, max_windows: int = 0, split: str = "val",
-                 device: str | torch.device = "cpu", sample_seed: int | None = None):
-        self.stream = TokenStream(dataset, split, seq_len)
+                 device: str | torch.device = "cpu", sample_seed: int | None = None,
+                 align: str = "stream"):
+        self.stream = row_source(dataset, split, seq_len, align)
         n = self.stream.num_windows
         if n == 0:
             raise DataError(f"dataset {dataset.path}: the {split} split has fewer than "

@@ -37,11 +37,11 @@ import torch
 
 from ddpgpt.data import order as orders
 from ddpgpt.data.loader import (
-    TokenStream,
     TrainLoader,
     _new_buffer,
     _to_device,
     require_windows,
+    row_source,
 )
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import DataError
@@ -153,18 +153,19 @@ class MixtureLoader:
 
     def __init__(self, data: MixedDataset, *, seq_len: int, micro_batch: int,
                  world_size: int = 1, rank: int = 0, accum_steps: int = 1, seed: int = 0,
-                 shuffle: bool = True, device: str | torch.device = "cpu"):
+                 shuffle: bool = True, device: str | torch.device = "cpu",
+                 align: str = "stream"):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.names = data.names
         self.fingerprints = [ds.fingerprint for ds in data.datasets]
-        self.streams = [TokenStream(ds, "train", seq_len) for ds in data.datasets]
+        self.streams = [row_source(ds, "train", seq_len, align) for ds in data.datasets]
         for stream in self.streams:
             require_windows(stream, 1)
         self.seq_len, self.micro_batch = seq_len, micro_batch
         self.world_size, self.rank, self.accum_steps = world_size, rank, accum_steps
         self.global_batch = world_size * accum_steps * micro_batch
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.align = seed, shuffle, align
         self.device = torch.device(device)
         self.batch_index = 0  # global batches read (or skipped)
         self.stretches = [{"start": 0, "parts": shares(data.weights),
@@ -244,7 +245,7 @@ class MixtureLoader:
         return {"version": STATE_VERSION, "mixture": self.names,
                 "fingerprints": self.fingerprints, "batch": self.batch_index,
                 "stretches": [dict(s) for s in self.stretches], "seed": self.seed,
-                "seq_len": self.seq_len, "shuffle": self.shuffle,
+                "seq_len": self.seq_len, "shuffle": self.shuffle, "align": self.align,
                 "num_windows": [s.num_windows for s in self.streams]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -255,7 +256,8 @@ class MixtureLoader:
             raise DataError("the checkpoint was trained on one dataset, this run on a mixture: "
                             "resume with its --data, or --data.allow-switch to go on with the "
                             "mixture")
-        for key in ("seed", "seq_len", "shuffle"):
+        state = {"align": "stream", **state}  # saved before data.align existed: the stream's
+        for key in ("seed", "seq_len", "shuffle", "align"):
             if state[key] != getattr(self, key):
                 raise DataError(f"the checkpoint's data order was read with data.{key} = "
                                 f"{state[key]}, this run has {getattr(self, key)}: resume with "
@@ -283,7 +285,7 @@ class MixtureLoader:
 def train_loader(data: TokenDataset | MixedDataset, **kwargs) -> TrainLoader | MixtureLoader:
     """The training loader of one dataset (TrainLoader) or of a mixture (MixtureLoader), with
     the same arguments (seq_len, micro_batch, world_size, rank, accum_steps, seed, shuffle,
-    device)."""
+    device, align)."""
     if isinstance(data, MixedDataset):
         return MixtureLoader(data, **kwargs)
     return TrainLoader(data, **kwargs)

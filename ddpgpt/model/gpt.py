@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.model.attention import CausalSelfAttention, KVCache, band
+from ddpgpt.model.attention import CausalSelfAttention, KVCache, band, documents
 from ddpgpt.model.generate import generate
 from ddpgpt.model.layers import MLPS, NORMS, norm, rotary
 
@@ -49,6 +49,9 @@ class GPT(nn.Module):
             raise ValueError("GPT needs a resolved vocab_size (the dataset's, see "
                              "preflight.resolve)")
         cfg = self.cfg = cfg.resolved()
+        if cfg.doc_mask and cfg.bos_id < 0:
+            raise ValueError("model.doc_mask needs a resolved bos_id (the dataset's end-of-text, "
+                             "see preflight.resolve)")
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = None if cfg.rope else nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -85,9 +88,13 @@ class GPT(nn.Module):
         (`reduction` mean or sum; targets of -1 are ignored). With a `cache`, idx continues the
         tokens it holds (positions from cache.length on), and their keys and values join it.
         `window` (rotary only): each token attends to its last `window` tokens at every layer,
-        as with a sliding cache, and idx may be longer than block_size."""
+        as with a sliding cache, and idx may be longer than block_size. With model.doc_mask (and
+        no cache) a token attends only to its own document's tokens of the row."""
         B, T = idx.shape
         mask = band(T, window, idx.device) if window and T > window else None
+        if self.cfg.doc_mask and cache is None and T > 1 and (  # a cache's tokens see all held
+                idx.is_cuda or bool((idx[:, 1:] == self.cfg.bos_id).any())):  # else: causal
+            mask = documents(idx, self.cfg.bos_id, mask)  # (B, 1, T, T)
         past = cache.length if cache is not None else 0
         pos = torch.arange(past, past + T, device=idx.device)
         x, angles = self.wte(idx), None  # (B, T, C)

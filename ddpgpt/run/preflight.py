@@ -19,7 +19,7 @@ import torch
 
 from ddpgpt.config.checks import ConfigError
 from ddpgpt.config.schema import TrainConfig, padded_vocab
-from ddpgpt.data.loader import TokenStream, require_windows
+from ddpgpt.data.loader import require_windows, row_source
 from ddpgpt.data.mixture import MixedDataset, open_data
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.distributed.group import default_backend
@@ -80,7 +80,10 @@ def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> T
     ns_dtype = cfg.optim.muon_ns_dtype
     if ns_dtype == "auto":
         ns_dtype = "fp32" if precision == "fp32" else "bf16"
-    model = dataclasses.replace(cfg.model.resolved(), vocab_size=vocab)  # the arch's pieces set
+    doc_mask = cfg.data.align == "bos" if cfg.model.doc_mask is None else cfg.model.doc_mask
+    model = dataclasses.replace(cfg.model.resolved(), vocab_size=vocab,  # the arch's pieces set
+                                doc_mask=doc_mask,
+                                bos_id=dataset.eot_id if cfg.model.bos_id < 0 else cfg.model.bos_id)
     return dataclasses.replace(cfg, model=model,
                                data=dataclasses.replace(cfg.data, seq_len=cfg.seq_len), run=run,
                                optim=dataclasses.replace(cfg.optim, muon_ns_dtype=ns_dtype))
@@ -105,14 +108,15 @@ def check_mode(cfg: TrainConfig, precision: str) -> None:
 def check_windows(cfg: TrainConfig, dataset: TokenDataset | MixedDataset) -> None:
     """Enough windows for one global batch (train) and one evaluation (val); a mixture's
     sources, one window each of both (each goes round its epochs as often as it must)."""
+    align = cfg.data.align
     if isinstance(dataset, MixedDataset):
         for ds in dataset.datasets:
-            require_windows(TokenStream(ds, "train", cfg.seq_len), 1)
-            require_windows(TokenStream(ds, "val", cfg.seq_len), 1)
+            require_windows(row_source(ds, "train", cfg.seq_len, align), 1)
+            require_windows(row_source(ds, "val", cfg.seq_len, align), 1)
         return
-    require_windows(TokenStream(dataset, "train", cfg.seq_len), cfg.data.global_batch,
+    require_windows(row_source(dataset, "train", cfg.seq_len, align), cfg.data.global_batch,
                     "one global batch of ")
-    require_windows(TokenStream(dataset, "val", cfg.seq_len), 1)
+    require_windows(row_source(dataset, "val", cfg.seq_len, align), 1)
 
 
 def preflight(cfg: TrainConfig, world_size: int, local_world_size: int,

@@ -32,7 +32,8 @@ else:  # pragma: no cover
 
 MODEL_KEYS = ("n_layer, n_head, n_embd, block_size, vocab_size, arch, rope, norm, qk_norm, mlp, "
               "mlp_hidden, bias, tie_embeddings, zero_init_proj, logit_softcap, n_kv_head, "
-              "head_dim, rope_theta, norm_eps, dropout, gelu, vocab_limit, init_from")
+              "head_dim, rope_theta, norm_eps, doc_mask, bos_id, dropout, gelu, vocab_limit, "
+              "init_from")
 
 
 def _toml(tmp_path, text: str, name: str = "run.toml") -> str:
@@ -320,7 +321,8 @@ def test_resolve_takes_the_datasets_vocab_and_the_block_size(dataset):
     assert cfg.model.vocab_size == 100  # 128 would add 28% to the output layer
     assert cfg.data.seq_len == 16  # 0 -> block_size
     assert (cfg.model, cfg.data, cfg.optim) == (
-        dataclasses.replace(_model().model.resolved(), vocab_size=100),  # the pieces: gpt2
+        dataclasses.replace(_model().model.resolved(), vocab_size=100,  # the pieces: gpt2
+                            doc_mask=False, bos_id=0),  # align stream: no mask; the eot id
         dataclasses.replace(_model().data, seq_len=16),
         dataclasses.replace(_model().optim, muon_ns_dtype="fp32"))  # auto: fp32 under fp32
 

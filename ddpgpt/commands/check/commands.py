@@ -208,7 +208,8 @@ def eval_row(run_dir: Path, device: str) -> Row:
     got = float(found.group(1))
     model, cfg = load(run_dir)
     loader = EvalLoader(TokenDataset(cfg.data.dir), seq_len=cfg.seq_len,
-                        micro_batch=cfg.data.micro_batch, max_windows=cfg.data.eval_windows)
+                        micro_batch=cfg.data.micro_batch, max_windows=cfg.data.eval_windows,
+                        align=cfg.data.align)
     want = evaluate(model, loader, DistEnv())
     # eval prints 4 decimals: half a unit of the last one is rounding, not error
     tol = VS_FP32_CPU[device, default_precision(device)] + 5e-5 / want
