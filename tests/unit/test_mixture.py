@@ -200,3 +200,41 @@ def test_shares_sum_exactly():
         got = shares([w / sum(weights) for w in weights])
         assert sum(got) == 10**6 and min(got) >= 1
         assert max(abs(g / 10**6 - w / sum(weights)) for g, w in zip(got, weights)) <= 1e-6
+
+
+def test_a_mixture_of_packed_sources_reads_their_packed_rows_at_any_world_size(tmp_path):
+    """data.align = bos in a mixture: every row of a step is a row of its source's packing (rows
+    that start at documents), the same rows at W=1 and W=2; a state of the stream's rows is
+    refused on resume."""
+    from ddpgpt.data.packing import PackedRows
+    rng = np.random.default_rng(1)
+    dirs = []
+    for k, name in enumerate("pq"):
+        lengths = rng.integers(2, 3 * T, 120)
+        stream = rng.integers(1 + 50 * k, 51 + 50 * k, int(lengths.sum()))
+        stream[np.concatenate([[0], np.cumsum(lengths)[:-1]])] = 0  # each document's start
+        dirs.append(write_dataset(tmp_path / name, stream, stream[:4 * T], 256, eot_id=0))
+    data = open_data(DataConfig(dir=f"{dirs[0]}:0.7,{dirs[1]}:0.3").sources())
+    packed = []
+    for ds in data.datasets:
+        rows = PackedRows(ds, "train", T)
+        out = np.empty((rows.num_windows, T + 1), dtype=np.int64)
+        rows.read(np.arange(rows.num_windows), out)
+        packed.append({tuple(r) for r in out})
+
+    def make(W, r):
+        return MixtureLoader(data, seq_len=T, micro_batch=2, world_size=W, rank=r,
+                             accum_steps=G // (W * 2), seed=5, align="bos")
+    one, two = [make(1, 0)], [make(2, r) for r in range(2)]
+    for _ in range(6):
+        rows = step_rows(one)
+        np.testing.assert_array_equal(rows, step_rows(two))
+        for row in rows:
+            source = 0 if row[row > 0].max() <= 50 else 1
+            assert tuple(row) in packed[source]
+    state = one[0].state_dict()
+    assert state["align"] == "bos"
+    stream = MixtureLoader(data, seq_len=T, micro_batch=2, world_size=1, rank=0,
+                           accum_steps=G // 2, seed=5)
+    with pytest.raises(DataError, match="data.align = bos"):
+        stream.load_state_dict(state)
