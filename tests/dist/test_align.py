@@ -1,7 +1,7 @@
 """Training on rows that start at document starts, with the document mask (--data.align bos):
-the same losses at W=1 and W=2, and exact resume at the same W and at another.
+the same losses at W=1, 2 and 4, and exact resume at the same W and at another.
 
-One set of runs serves every assertion: 6 steps at W=2 (checkpoints at 3 and 6) and at W=1, then
+One set of runs serves every assertion: 6 steps at W=2 (checkpoints at 3 and 6), W=1 and W=4, then
 the W=2 run resumed from step 3 (its step-6 checkpoint removed, as after a crash) at W=2 and at
 W=1. The data: short documents of standard-library text (5 to 60 bytes each), so that most rows
 of 33 tokens hold several documents and the mask matters.
@@ -39,7 +39,7 @@ def docs_data(tmp_path_factory):
 def runs(docs_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("align")
     out = {}
-    for name, W in (("w2", 2), ("w1", 1)):
+    for name, W in (("w2", 2), ("w1", 1), ("w4", 4)):
         run_dir = root / name / "run"
         run_ranks([tiny_train_args(docs_data, run_dir, STEPS, data__align="bos")] * W,
                   run_dir.parent / "logs")
@@ -71,8 +71,10 @@ def test_the_run_masks_documents(runs):
     assert saved["model"]["doc_mask"] is True and saved["model"]["bos_id"] == EOT
 
 
-def test_losses_equal_at_w1_and_w2(runs):
-    np.testing.assert_allclose(losses(runs["w1"]), losses(runs["w2"]), rtol=1e-6, atol=0)
+def test_losses_equal_at_w1_w2_and_w4(runs):
+    for W in ("w1", "w4"):
+        np.testing.assert_allclose(losses(runs[W]), losses(runs["w2"]), rtol=1e-6, atol=0,
+                                   err_msg=W)
 
 
 def test_resume_same_world_size_is_bitwise(runs):
