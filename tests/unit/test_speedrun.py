@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import speedrun
+from benchmarks import nanogpt, speedrun
 from ddpgpt.config.model import ModelConfig
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
@@ -66,7 +66,7 @@ def test_a_nanogpt_checkpoint_scores_as_the_same_weights_in_ddpgpt(tmp_path):
     (tmp_path / "ng" / "model.py").write_text(FAKE_MODEL)
     state = {f"_orig_mod.inner.{k}": v for k, v in ours.state_dict().items()}  # as compiled
     torch.save({"model": state, "model_args": args}, tmp_path / "ckpt.pt")
-    scored = speedrun.score_nanogpt(tmp_path / "ng", tmp_path / "ckpt.pt", data, threads=1)
+    scored = nanogpt.score(tmp_path / "ng", tmp_path / "ckpt.pt", data, threads=1)
     loader = EvalLoader(TokenDataset(data), seq_len=16, micro_batch=16)
     assert len(loader.windows) == 21
     assert scored == pytest.approx(evaluate(ours, loader, DistEnv()), abs=1e-6)
@@ -76,12 +76,12 @@ def test_nanogpts_step_times_and_time_to_target():
     log = "\n".join(["tokens per iteration will be: 4,096", "step 0: train loss 5.5, val loss 5.5",
                      *[f"iter {i}: loss 2.0, time {100 + i}.50ms, mfu -100.00%" for i in range(3)],
                      "step 3: train loss 2.0, val loss 2.0", "iter 3: loss 2.0, time 900.00ms"])
-    assert speedrun.step_seconds(log, 3) == [0.1005, 0.1015, 0.1025]
+    assert nanogpt.step_seconds(log, 3) == [0.1005, 0.1015, 0.1025]
     with pytest.raises(SystemExit, match="no time for step 4"):
-        speedrun.step_seconds(log, 5)
+        nanogpt.step_seconds(log, 5)
     evals = [(25, 2.5, 10.0), (50, 1.99, 20.0), (75, 1.9, 30.0)]
     assert speedrun.to_target(evals, 2.0) == (50, 20.0)
     assert speedrun.to_target(evals, 1.99) == (50, 20.0)  # at or below
     assert speedrun.to_target(evals, 1.5) is None
-    assert speedrun.spread([3.0, 1.0, 2.0], ".1f") == "2.0 (1.0–3.0)"
+    assert speedrun.spread([3.0, 1.0, 5.0], ".1f") == "3.0 (1.0–5.0)"  # the mean, the range
     assert speedrun.spread([3.0], ".1f") == "3.0"
