@@ -5,7 +5,9 @@
 
 Each config is a short CPU run on a byte-level corpus that spikes for a real reason: a tiny AdamW
 model that heals by itself, a learning rate 10× too high, fp16 past its range, Muon at an extreme
-lr, a garbage batch (fault injection: random tokens, so its loss and its gradient are real). Each
+lr, a garbage batch (fault injection: random tokens, so its loss and its gradient are real), a
+domain shift (unshuffled data whose last quarter is the same English with its letters mapped to
+others: no batch is bad, the data changed). Each
 runs once per policy (`run.on_spike`) and seed, in OUT/CONFIG/POLICY-sSEED (a finished run is not
 trained again, so the table can be printed again). The table gives the outcome (exit code, the
 actions taken: skipped steps, rollbacks, let-through spikes), the highest training loss after
@@ -47,6 +49,10 @@ CONFIGS = {
     "fp16": ("stdlib", TINY2 + ["--run.precision", "fp16", "--optim.lr", "1",
                                 "--optim.min-lr", "0.1", "--optim.warmup-steps", "200",
                                 "--run.checkpoint-every", "10"], 120, None),
+    # 57 English documents then 19 of them with their letters mapped (rot13), in that order:
+    # the data changes at step ~80 for good; checkpoints every 5, keep_checkpoints 3
+    "shift": ("shift", TINY2 + ["--data.shuffle", "false", "--run.checkpoint-every", "5"], 150,
+              None),
     # Muon at 500× its lr: slow, but it does not spike
     "muon-high": ("stdlib", TINY2 + ["--optim.name", "muon", "--optim.muon-lr", "10",
                                      "--optim.warmup-steps", "50", "--run.checkpoint-every", "10"],
@@ -54,10 +60,34 @@ CONFIGS = {
 }
 
 
+def shift_corpus(root: Path) -> Path:
+    """57 English documents of ~2.8 KB (Debian's license texts cut at paragraphs), then the first
+    19 of them again with every letter mapped to a Greek one (other bytes, as another script or
+    language would be): en-NN.txt sort before xx-NN.txt."""
+    out = root / "corpus-shift"
+    out.mkdir(parents=True, exist_ok=True)
+    greek = "αβγδεζηθικλμνξοπρστυφχψωϊϋ"
+    mapping = str.maketrans("abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+                            greek + greek.upper())
+    docs, doc = [], ""
+    for path in sorted(LICENSES.iterdir()):
+        for paragraph in path.read_text().split("\n\n"):
+            doc += paragraph + "\n\n"
+            if len(doc) >= 2800:
+                docs.append(doc)
+                doc = ""
+    for i, doc in enumerate(docs[:57]):
+        (out / f"en-{i:02d}.txt").write_text(doc)
+    for i, doc in enumerate(docs[:19]):
+        (out / f"xx-{i:02d}.txt").write_text(doc.translate(mapping))
+    return out
+
+
 def prepare(corpus: str, root: Path) -> Path:
     out = root / f"data-{corpus}"
     if not (out / "meta.json").is_file():
-        sources = [str(LICENSES)] if corpus == "licenses" else []
+        sources = [str(LICENSES)] if corpus == "licenses" else \
+            [str(shift_corpus(root))] if corpus == "shift" else []
         subprocess.run([sys.executable, "-m", "ddpgpt", "prepare", *sources, "--tokenizer",
                         "byte", "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
     return out
@@ -97,7 +127,15 @@ def run_one(config: str, policy: str, seed: int, root: Path, threads: int) -> di
     losses = [r["loss"] for r in metrics if "loss" in r]
     warm = [x for x in losses[20:] if x is not None]
     evals = [r for r in metrics if "val_loss" in r]
+    # what the run computed: its steps, and those a rollback undid (cut from metrics.jsonl)
+    undone = sum(int(m[1]) - int(m[2]) for m in re.finditer(
+        r"warning: step (\d+): .*rolling back to step (\d+)", proc.stderr))
+    said = {kind: len(re.findall(pattern, proc.stderr)) for kind, pattern in (
+        ("rollback", "rolling back to step"), ("skip", "update is skipped"),
+        ("shift", "the data itself has changed"))}
     outcome = {"config": config, "policy": policy, "seed": seed, "exit": proc.returncode,
+               "computed": steps + undone, "said": said, "to_zero": proc.stderr.count(
+                   "rolling back to step 0 "),
                "steps": max((r["step"] for r in metrics if "loss" in r), default=0),
                "max_loss": max(warm, default=math.nan) if warm else math.nan,
                "events": [r for r in metrics if "event" in r], "last_line": lines[-1:]}

@@ -139,13 +139,17 @@ def save_format_2(root: Path, step: int, state: dict, meta: dict) -> Path:
     return final
 
 
-def reference_step(stream: np.ndarray, seed: int, seq_len: int, G: int, k: int) -> np.ndarray:
-    """Step k's G windows, shape (G, T+1), straight from the documented ordering rule."""
+def reference_step(stream: np.ndarray, seed: int, seq_len: int, G: int, k: int,
+                   version: int = 2) -> np.ndarray:
+    """Step k's G windows, shape (G, T+1), straight from the documented ordering rule: the
+    epoch's order (data/order.py, itself tested against a scalar oracle in test_order.py), the
+    next G positions of it, no window twice."""
+    from ddpgpt.data.order import epoch_order
+
     n = (len(stream) - 1) // seq_len
     epoch, pos = divmod(k, n // G)
-    order = np.random.default_rng([seed, epoch]).permutation(n)
-    return np.stack([stream[w * seq_len:w * seq_len + seq_len + 1]
-                     for w in order[pos * G:(pos + 1) * G]])
+    windows = epoch_order(n, seed, epoch, version=version)(np.arange(pos * G, (pos + 1) * G))
+    return np.stack([stream[w * seq_len:w * seq_len + seq_len + 1] for w in windows])
 
 
 class Ranks:

@@ -241,7 +241,7 @@ class Saver:
         except BaseException as e:  # whatever it is, every rank must hear of it (the broadcast)
             return reason(e, 0)
         try:
-            store.prune(self.root, self.keep)
+            store.prune(self.root, self.keep, meta.get("healthy_checkpoint"))
         except Exception as e:  # the checkpoint is published; an old one stays
             warn(f"could not prune old checkpoints in {self.root} ({e}); training goes on")
         return None

@@ -19,8 +19,11 @@ trainer.pt and, last, meta.json with every file's sha256, fsyncs the directory a
 and raises one line naming the reason. Loading checks every file's sha256 first; when the newest
 checkpoint is partial or corrupt, `find_latest` falls back to the previous complete one with a
 warning that names what was wrong. Deleting renames a checkpoint away first, so a reader never
-sees one half deleted. Formats 1 and 2 (model.safetensors + trainer.pt, written whole by rank 0)
-still load.
+sees one half deleted; keep-last-k also keeps the one checkpoint the caller names as the newest
+known healthy (a loss spike's rollback target). A rollback after a loss spike supersedes the
+checkpoints written after its target in one durable write (`record_rollback`, below), so that no
+restart can go on from the history it abandoned. Formats 1 and 2 (model.safetensors +
+trainer.pt, written whole by rank 0) still load.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from ddpgpt.checkpoint import sharded
 from ddpgpt.errors import UserError, warn
 from ddpgpt.files import (
     WriteError,
+    atomic_write,
     describe,
     fsync,
     os_error_in,
@@ -52,6 +56,7 @@ from ddpgpt.files import (
 FORMAT_VERSION = 3
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 TEMPORARY = (".tmp-step_*", ".old-step_*", ".del-step_*")
+ROLLBACK = "rollback.json"  # a rollback decided, until a checkpoint of the history it goes on with
 
 
 class CheckpointError(UserError):
@@ -72,13 +77,89 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every `step_NNNNNNN` directory in `root`, oldest first; complete or not."""
+    """(step, path) of every `step_NNNNNNN` directory in `root`, oldest first; complete or not;
+    never one that a pending rollback has superseded (see record_rollback)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return sorted(found)
+    found = sorted((int(m.group(1)), p) for p in root.iterdir()
+                   if (m := STEP_DIR.match(p.name)) and p.is_dir())
+    record = pending_rollback(root, found)
+    return found if record is None else [(s, p) for s, p in found if not _abandoned(s, p, record)]
+
+
+# ---- a rollback's decision ---------------------------------------------------------------------
+
+def record_rollback(root: Path, record: dict) -> None:
+    """Rank 0, when a run rolls back after a loss spike, before anything else changes: `record`
+    ({"to": the target's step, "rollbacks": the run's count of rollbacks with this one, and what
+    applying it again needs: run/resume.py}) written atomically and durably. From the moment it is
+    on the disk, the checkpoints after "to" that the abandoned history wrote (their meta.json
+    counts fewer rollbacks) are superseded: `step_dirs` and `find_latest` no longer list them, and
+    a restart goes on from the target with the rollback applied. The first checkpoint of the new
+    history spends the record (commit removes it)."""
+    root = Path(root)
+    path = root / ROLLBACK
+    try:
+        root.mkdir(parents=True, exist_ok=True)  # a rollback to the initial state: maybe none yet
+        with atomic_write(path) as f:
+            f.write((json.dumps(record, indent=1) + "\n").encode())
+    except OSError as e:
+        raise WriteError(f"cannot record the rollback in {path}: {describe(e)}; the run stops "
+                         "before going on from a history a restart would not continue") from None
+
+
+def pending_rollback(root: Path, found: list | None = None) -> dict | None:
+    """The rollback recorded in `root` that no checkpoint of its new history has spent yet, or
+    None. `found`: the step directories, when the caller has listed them."""
+    path = Path(root) / ROLLBACK
+    try:
+        record = json.loads(path.read_text())
+        record["to"], record["rollbacks"] = int(record["to"]), int(record["rollbacks"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e}); it records a "
+                              "rollback after a loss spike: move it away to resume from the "
+                              "newest checkpoint instead") from None
+    if found is None:
+        found = sorted((int(m.group(1)), p) for p in Path(root).iterdir()
+                       if (m := STEP_DIR.match(p.name)) and p.is_dir())
+    spent = any(_rollbacks_in(p) >= record["rollbacks"] for _, p in found)
+    return None if spent else record
+
+
+def superseded(root: Path) -> list[Path]:
+    """The checkpoints a pending rollback has superseded (to be moved out of the way)."""
+    root = Path(root)
+    record = pending_rollback(root) if root.is_dir() else None
+    if record is None:
+        return []
+    return [p for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()
+            and _abandoned(int(m.group(1)), p, record)]
+
+
+def _abandoned(step: int, path: Path, record: dict) -> bool:
+    return step > record["to"] and _rollbacks_in(path) < record["rollbacks"]
+
+
+def _rollbacks_in(path: Path) -> int:
+    """The rollbacks a checkpoint's history had had (its meta.json; 0 when it does not say)."""
+    try:
+        return int(json.loads((path / "meta.json").read_text()).get("rollbacks", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
+def spend_rollback(root: Path, rollbacks: int) -> None:
+    """A checkpoint whose history has had `rollbacks` rollbacks is published: the recorded
+    rollback it descends from is applied in it, and its record goes."""
+    path = Path(root) / ROLLBACK
+    try:
+        if path.is_file() and int(json.loads(path.read_text())["rollbacks"]) <= rollbacks:
+            path.unlink()
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # pending_rollback sees it spent all the same
 
 
 # ---- save ------------------------------------------------------------------------------------
@@ -89,7 +170,8 @@ def temporary(root: Path, step: int, token: str) -> Path:
     return Path(root) / f".tmp-{step_dir(root, step).name}-{token}"
 
 
-def save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
+def save(root: Path, step: int, state: dict, meta: dict, keep: int,
+         protect: int | None = None) -> Path:
     """One process: writes checkpoint `step` of `state` ({"model": weights, ...rest}) atomically
     and prunes to the newest `keep`. `meta` (JSON) describes it: what resuming needs to decide
     before loading. (A training saves through saver.Saver: every rank its share.)"""
@@ -109,7 +191,7 @@ def save(root: Path, step: int, state: dict, meta: dict, keep: int) -> Path:
             raise
         raise WriteError(f"cannot write checkpoint {final}: {describe(cause)}; its temporary files "
                          "were removed") from None
-    prune(root, keep)
+    prune(root, keep, protect)
     return final
 
 
@@ -131,6 +213,7 @@ def commit(tmp: Path, final: Path, files: dict[str, str], rest: dict, meta: dict
     write_bytes(tmp / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())  # last: complete
     fsync(tmp)
     _publish(tmp, final)
+    spend_rollback(final.parent, int(meta.get("rollbacks", 0)))
     try:
         fsync(final.parent)
     except OSError as e:  # published all the same: the rename is what counts
@@ -150,12 +233,15 @@ def _publish(tmp: Path, final: Path) -> None:
     publish_dir(tmp, final, aside=final.with_name(f".old-{final.name}-{os.getpid()}"))
 
 
-def prune(root: Path, keep: int) -> None:
+def prune(root: Path, keep: int, protect: int | None = None) -> None:
     """Deletes all but the newest `keep` complete checkpoints (never the newest, which `save` has
-    just written). Each is renamed away before it is deleted. A failed delete is a warning,
+    just written) and the one of step `protect` (the newest known healthy: a loss spike's
+    rollback target). Each is renamed away before it is deleted. A failed delete is a warning,
     never a stop."""
-    complete = [p for _, p in step_dirs(root) if (p / "meta.json").is_file()]
-    for path in complete[:-keep]:
+    complete = [(s, p) for s, p in step_dirs(root) if (p / "meta.json").is_file()]
+    for step, path in complete[:-keep]:
+        if step == protect:
+            continue
         doomed = path.with_name(f".del-{path.name}-{os.getpid()}")
         try:
             os.rename(path, doomed)

@@ -19,7 +19,6 @@ requests; see guard/health.py) -> the update -> log, evaluate, save.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import sys
@@ -31,6 +30,7 @@ from ddpgpt.checkpoint import store
 from ddpgpt.checkpoint.saver import SaveFailed, Saver
 from ddpgpt.checkpoint.saver import token as saver_token
 from ddpgpt.config.schema import RunConfig, TrainConfig
+from ddpgpt.data import verify
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.distributed import collectives
@@ -47,11 +47,12 @@ from ddpgpt.errors import UserError, warn
 from ddpgpt.evals.scorer import Scorer
 from ddpgpt.evals.tasks import for_run
 from ddpgpt.guard.health import Guard, StopSignal, collective_failed, preempted, resume_hint
-from ddpgpt.guard.spike import Verdict, json_number, target
+from ddpgpt.guard.spike import Verdict
 from ddpgpt.run import elastic, resume, trackers
 from ddpgpt.run.metrics import Metrics, peak_flops, summary
 from ddpgpt.run.precision import configure
 from ddpgpt.run.preflight import preflight, shared
+from ddpgpt.run.rollback import apply_rollback, roll_back, spike_fields
 from ddpgpt.run.run_dir import RunDir
 from ddpgpt.trainer import Trainer
 
@@ -65,6 +66,7 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
     """Trains to run.steps, or to the first evaluation at run.target_val_loss; returns early with
     the rollback verdict of a spike, if one comes."""
     cfg, env, total, guard = trainer.cfg, trainer.env, trainer.cfg.run.steps, trainer.guard
+    saved_at = trainer.last_checkpoint  # the newest checkpoint taken: resumed from, or saved
     while trainer.step < total:
         trainer.doing = f"step {trainer.step + 1}"
         rates = trainer.schedule.at(trainer.step)
@@ -77,8 +79,10 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
         if verdict.action == "rollback":
             settle(trainer, saver, run_dir)  # a rollback reads the newest complete checkpoint
             return verdict
+        if verdict.spike is None and saved_at == trainer.step:  # healthy after a checkpoint
+            guard.spikes.confirm(saved_at)
         if verdict.event:
-            metrics.log_event(trainer.step + 1, verdict.event, **_spike_fields(verdict),
+            metrics.log_event(trainer.step + 1, verdict.event, **spike_fields(verdict),
                               **verdict.fields)
             metrics.write(f"ddpgpt: warning: {verdict.line}")
         if verdict.action == "skip":
@@ -102,6 +106,7 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
                 with trainer.timed("checkpoint"):
                     save(trainer, saver, run_dir, "stop" if health.stop else "scheduled",
                          wait=health.stop or reached or trainer.step == total)
+                saved_at = trainer.step
         if reached:  # time to target: its checkpoint is published; the run ends here
             metrics.log_target(trainer.step, row, cfg.run.target_val_loss)
             return None
@@ -136,6 +141,12 @@ def setup(cfg: TrainConfig, env: DistEnv, dataset: TokenDataset, start: resume.S
     if start.path is not None and env.is_main and announce:
         print(f"resuming from {start.path} (step {trainer.step}, saved at world size "
               f"{start.meta['world_size']})", file=sys.stderr)
+    if start.rollback is not None:  # a rollback decided, and stopped before a checkpoint had it
+        batches, _ = apply_rollback(trainer, start.rollback)
+        if env.is_main:
+            print(f"ddpgpt: going on with the rollback after step {start.rollback['spike_step']} "
+                  f"to step {trainer.step}: skipping the {batches} global batches read after it, "
+                  f"the lr × {guard.spikes.lr_factor:g} from now on", file=sys.stderr)
     # From scratch: what each rank built; resumed: the weights loaded (whole: fsdp2 gathers).
     weights = (trainer.init_digest if start.path is None
                else collectives.state_digest(trainer.sync.model_state()))
@@ -180,8 +191,8 @@ def run(cfg: TrainConfig) -> None:
     with session(cfg.run.device, cfg.run.backend, cfg.run.dist_timeout_s) as env, \
             StopSignal(env.is_main) as stop:
         configure(cfg.run.threads, env.device)
-        if cfg.data.verify:  # each rank re-hashes a 1/W share of the shards
-            collectives.together(env, lambda: dataset.verify(part=env.rank, parts=env.world_size))
+        if cfg.data.verify:  # headers and sizes were checked at open; hashes once per file
+            verify_data(env, dataset)
         cfg, start, env = elastic.claim(run_dir, cfg, env, dataset, planned)
         # Each rank's share of the tasks, rendered once.
         scorer = collectives.together(env, lambda: Scorer(
@@ -222,83 +233,18 @@ def run(cfg: TrainConfig) -> None:
             print(run_dir.next_commands(), file=sys.stderr)
 
 
-def roll_back(trainer: Trainer, verdict: Verdict, run_dir: RunDir, origin: resume.Start,
-              metrics: Metrics, build) -> Trainer:
-    """The trainer that goes on after a spike the weights did not heal from: rebuilt by
-    `build(start)` (setup: the same path as a restart) from the newest healthy checkpoint
-    (spike.target), the loader moved past the batches read since, the lr lowered for the rest of
-    the run. Collective: every rank decides the same and calls it."""
-    cfg, guard, env, spike = trainer.cfg.run, trainer.guard, trainer.env, verdict.spike
-    spikes = guard.spikes
-    found = _healthy_start(run_dir, verdict.first, origin, spikes.rollbacks)
-    read = trainer.loader.batch_index  # past the spike's batch: the cursor to skip to
-    memory = spikes.rollbacks, spikes.lr_factor  # the run's, not the checkpoint's
-    trainer.doing = f"the rollback after step {spike.step}"
-    trainer.close()  # the old model and optimizer go before the new ones are built
-    gc.collect()
-    guard.load_state_dict(None)  # a start from scratch loads nothing into it
-    new = build(found)
-    spikes.rollbacks, spikes.lr_factor = memory
-    # The batches from the checkpoint's cursor to the spike's: those of steps c+1..s, and any an
-    # earlier rollback to the same checkpoint skipped on the way.
-    batches = read - new.loader.batch_index
-    skipped = new.loader.skip(batches)
-    spikes.rolled_back(spike.step, found.step, batches)
-    name = found.path.name if found.path else "the initial state"
-    steps = f" (steps {found.step + 1}-{spike.step})" * (batches == spike.step - found.step)
-    what = spike.describe(cfg.spike_ratio, len(spikes.losses))
-    since = "" if verdict.first == spike.step else f" (the spike began at step {verdict.first})"
-    metrics.write(f"ddpgpt: warning: step {spike.step}: {what}{since}; rolling back to step "
-                  f"{found.step} ({name}), skipping the {batches} global batch"
-                  f"{'es' if batches > 1 else ''} read after it{steps}, the lr × "
-                  f"{spikes.lr_factor:g} from now on (rollback {spikes.recent(spike.step)} of at "
-                  f"most {cfg.max_rollbacks} within {cfg.rollback_window} steps)")
-    metrics.rewind(new.step)
-    metrics.log_event(new.step, "rollback", **_spike_fields(verdict),
-                      checkpoint=str(found.path) if found.path else None,
-                      checkpoint_step=found.step, skipped_batches=batches,
-                      skipped_windows=skipped, lr_factor=spikes.lr_factor,
-                      rollbacks=len(spikes.rollbacks))
-    collectives.barrier(env)  # every rank has rolled back before any trains on
-    return new
-
-
-def _healthy_start(run_dir: RunDir, first: int, origin: resume.Start,
-                   rollbacks: list[dict]) -> resume.Start:
-    """The checkpoint to roll back to (spike.target) as a Start; `origin` (where this process
-    started) when no checkpoint of this run qualifies. The starting checkpoint itself is
-    `origin`, which knows a data switch."""
-    dirs = dict(store.step_dirs(run_dir.checkpoints))
-    while (step := target(sorted(dirs), first, origin.step, rollbacks)) is not None:
-        if step == origin.step and origin.path:
-            return origin
-        try:
-            meta = store.read_meta(dirs[step])
-        except store.CheckpointError as e:
-            warn(f"rollback: skipping checkpoint {dirs[step].name}: {e}")
-            del dirs[step]
-            continue
-        return resume.Start(dirs[step], meta, origin=meta.get("origin"))
-    return origin
-
-
-def _spike_fields(verdict: Verdict) -> dict:
-    spike = verdict.spike
-    if spike is None:
-        return {}
-    return {"spike_step": spike.step, "spike_loss": json_number(spike.loss),
-            "median": json_number(spike.median), "nonfinite_ranks": spike.ranks,
-            **({"first_step": verdict.first} if verdict.first else {})}
-
-
 def save(trainer, saver: Saver, run_dir: RunDir, reason: str, wait: bool) -> None:
     """A checkpoint of every rank's state, each rank writing its own share (checkpoint/saver.py);
     in the background unless `wait` (or run.checkpoint_async is off). Every rank calls it at
     once."""
     cfg, ds = trainer.cfg, trainer.dataset
     held, replicated, rest = trainer.shard_state()
+    spikes = trainer.guard.spikes
+    # rollbacks: which recorded rollback this checkpoint has applied (checkpoint.record_rollback);
+    # healthy_checkpoint: the rollback target keep-last-k must not delete.
     meta = {"config": cfg.to_dict(), "reason": reason, "data_fingerprint": ds.fingerprint,
-            "tokenizer_fingerprint": ds.tokenizer_fingerprint, "origin": trainer.origin}
+            "tokenizer_fingerprint": ds.tokenizer_fingerprint, "origin": trainer.origin,
+            "rollbacks": len(spikes.rollbacks), "healthy_checkpoint": spikes.newest_healthy}
     with saved(trainer, saver, run_dir):
         saver.save(trainer.step, held, replicated, rest, meta, wait)
 
@@ -325,6 +271,18 @@ def settle(trainer, saver: Saver, run_dir: RunDir) -> None:
         with saved(trainer, saver, run_dir):
             saver.settle()
         trainer.doing = doing
+
+
+def verify_data(env: DistEnv, dataset: TokenDataset) -> None:
+    """data.verify: the sha256 of the shards that verified.json does not vouch for, 1/W of the
+    shards per rank (data/verify.py); every rank's new entries recorded by each node's first."""
+    mine = collectives.together(env, lambda: verify.hash_share(dataset, env.rank,
+                                                               env.world_size))
+    entries = {}
+    for text in collectives.all_gather_text(env, json.dumps(mine)):
+        entries.update(json.loads(text))
+    if env.local_rank == 0:
+        verify.record(dataset.path, entries, quiet=not env.is_main)
 
 
 def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset, step: int,

@@ -238,7 +238,8 @@ class RunConfig:
     are this many (a rollback restores the checkpoint's)."""
     spike_patience: int = 10
     """Steps a spike caused by the weights may last while the model trains through it, before
-    a rollback (on_spike = recover)."""
+    a rollback; and batches skipped in a row as bad data before the next is taken for a new
+    domain and trained on (on_spike = recover)."""
     rollback_lr_factor: float = 0.5
     """Each rollback multiplies the learning rate of the rest of the run by this."""
     max_rollbacks: int = 3

@@ -95,6 +95,7 @@ class Assembler:
         self.stats = UnitStats()
         self.split = "train"  # of the document being written (continued by a next unit)
         self.full = False  # --max-tokens reached
+        self.whole = (0, 0)  # (units, tokens) after the last unit added whole: the rate so far
 
     @property
     def tokens(self) -> int:
@@ -107,9 +108,8 @@ class Assembler:
         self.stats.add(record.get("stats", {}))
         if record.get("split"):  # llm.c tokens: no documents of ours, bytes unknown
             self._write(record["split"], tokens)
-            return
         start = 0
-        for n_tokens, n_bytes in record["docs"]:
+        for n_tokens, n_bytes in record.get("docs", ()):
             if self.full:
                 break
             self.split = "val" if is_val(sum(self.documents.values()), self.ppm) else "train"
@@ -117,6 +117,7 @@ class Assembler:
             self.bytes[self.split] += n_bytes
             self._write(self.split, tokens[start:start + n_tokens])
             start += n_tokens
+        self.whole = (self.units, self.tokens)
 
     def _write(self, split: str, tokens: np.ndarray) -> None:
         if self.max_tokens:
@@ -181,3 +182,4 @@ class Assembler:
         self.stats = UnitStats(**state["stats"])
         for s, w in self.writers.items():
             w.load_state_dict(state["writers"][s])
+        self.whole = (self.units, self.tokens)

@@ -17,8 +17,8 @@ import shutil
 import time
 from pathlib import Path
 
-
 from ddpgpt import progress
+from ddpgpt.data import llmc
 from ddpgpt.data import units as unitfiles
 from ddpgpt.data.assemble import Assembler
 from ddpgpt.data.formats import Plan, llmc_array
@@ -127,7 +127,9 @@ class Build:
             index = self.asm.units
             unit = units[index]
             if unit.kind == "llmc":
-                self.asm.add(llmc_array(unit.paths[0]), {"split": unit.split})
+                tokens = llmc_array(unit.paths[0])
+                llmc.check_ids(unit.paths[0], tokens)  # before any of its tokens is written
+                self.asm.add(tokens, {"split": unit.split})
             else:
                 work = self.sources.get(index, self.work)
                 if not unitfiles.is_done(work, index):  # waiting for the workers: a good

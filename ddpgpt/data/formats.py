@@ -8,15 +8,14 @@ prepare skips once done: small enough that a kill loses little, large enough tha
 nothing. `pieces(unit)` reads a unit's documents, in pieces of at most `sources.PIECE_CHARS`.
 
 Parquet is read with pyarrow one record batch at a time (never a whole file, never a whole row
-group's Python strings); `.zst` with zstandard's stream reader. llm.c / modded-nanogpt shards are
-recognised by their header (256 int32: magic 20240520, version 1, token count; then uint16 GPT-2
-tokens) and taken as tokens.
+group's Python strings); `.zst` with zstandard, every frame, a file cut short an error naming it
+(compressed.py). llm.c / modded-nanogpt shards are recognised by their header (256 int32: magic
+20240520, version 1, token count; then uint16 GPT-2 tokens) and taken as tokens.
 """
 
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import re
 from collections.abc import Iterator
@@ -25,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ddpgpt.data import sources
+from ddpgpt.data import columns, llmc, sources
+from ddpgpt.data.compressed import open_zstd
 from ddpgpt.errors import UserError
 from ddpgpt.files import require
 
@@ -61,6 +61,7 @@ class UnitStats:
     skipped_binary: int = 0
     skipped_empty: int = 0
     bad_rows: int = 0
+    null_rows: int = 0  # rows whose text is null (parquet, hf)
     replaced: int = 0  # invalid UTF-8 sequences (or lone surrogates) replaced by U+FFFD
     text_bytes: int = 0
 
@@ -139,7 +140,7 @@ def plan(corpus: sources.Corpus, text_field: str) -> Plan:
             elif kind == "jsonl":
                 out.units += _jsonl_units(path, size)
             else:
-                split = "val" if "val" in path.name else "train"
+                split = llmc.split_of(path.name)  # the word val, not the letters
                 record["tokens"] = llmc_tokens(path, size)
                 record["split"] = split
                 out.units.append(Unit("llmc", (str(path),), split=split))
@@ -209,6 +210,7 @@ def _parquet_row_groups(path: Path, text_field: str) -> int:
     if text_field not in names:
         raise UserError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}); "
                         "name the text column with --text-field")
+    columns.check_parquet_column(path, text_field, meta.schema_arrow.field(text_field).type)
     return meta.num_row_groups
 
 
@@ -241,6 +243,10 @@ def pieces(unit: Unit, stats: UnitStats, text_field: str, skip_bad: bool,
     else:
         raise ValueError(f"unit kind {unit.kind} has no text")
     for text in texts:
+        if not isinstance(text, str):
+            columns.check_value(f"hf:{unit.paths[0]}", text_field, text)
+            stats.null_rows += 1  # a null in a text column: no document, counted
+            continue
         if not text:
             stats.skipped_empty += 1
             continue
@@ -378,10 +384,7 @@ def _open_jsonl(path: str):
     if name.endswith(".gz"):
         return gzip.open(path, "rb")
     if name.endswith(".zst"):
-        zstandard = require("zstandard", "data", f"{path}: a .zst source")
-        raw = open(path, "rb")
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
-        return io.BufferedReader(reader, 1 << 20)
+        return open_zstd(path)  # every frame; a file cut short is an EOFError, as gzip's
     return open(path, "rb")
 
 

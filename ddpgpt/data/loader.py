@@ -2,60 +2,100 @@
 
 Ordering guarantee. The split's shards form one token stream. It is cut into windows that start
 T tokens apart and read T+1 tokens (x = the first T, y = the same shifted by one), so there are
-(N - 1) // T windows. Each epoch visits them in a permutation seeded by (seed, epoch) (file order
-with shuffle off). Optimizer step k takes the next G = W·A·b windows of that order; within the
-step, rank r at micro-step m takes positions (m·W + r)·b ... (m·W + r)·b + b. Hence:
+(N - 1) // T windows. Each epoch visits them in an order seeded by (seed, epoch) (order.py: a
+bijection computed position by position, O(1) memory whatever N; file order with shuffle off).
+Optimizer step k takes the next G = W·A·b windows of that order; within the step, rank r at
+micro-step m takes positions (m·W + r)·b ... (m·W + r)·b + b. Hence:
 
 - the windows of step k depend only on (dataset, seed, T, G, k), not on W or A;
 - ranks never share a window within a step, and every window is used once per epoch;
 - the last (windows mod G) windows of each epoch's order are dropped, not wrapped: an epoch has
   windows // G steps (the dropped ones differ from epoch to epoch since the order does);
-- the state is one global cursor (epoch, windows consumed in it), so a run saved at W=4 resumes
-  at W=2 (same G) with exactly the next windows; skipping global batches (a rollback past the
-  data of a loss spike) moves that cursor, so it too is the same at every W.
+- the state is one global cursor (epoch, windows consumed in it) and the order's version, so a
+  run saved at W=4 resumes at W=2 (same G) with exactly the next windows, and a run saved with
+  the order of earlier versions (a permutation built whole) resumes on that order; skipping
+  global batches (a rollback past the data of a loss spike) moves that cursor, so it too is the
+  same at every W.
 
 Everything is passed in; the loader reads no environment variables and calls no collectives, so a
-single-process test can play rank 3 of 4. Reading is a slice per window out of memory-mapped
-shards: a rank touches only its own windows' pages.
+single-process test can play rank 3 of 4. Reading is one pread per window (per shard it crosses)
+from the shard files: a rank reads only its own windows' bytes, and its memory does not grow with
+the data it samples.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from bisect import bisect_right
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
-from ddpgpt.data.shards import TokenDataset
+from ddpgpt.data import order as orders
+from ddpgpt.data.shards import REPREPARE, TokenDataset
 from ddpgpt.errors import DataError
 
-STATE_VERSION = 1
+OPEN_FILES = 256  # shard files a stream keeps open at most (2e10 tokens: 200 shards)
+STATE_VERSION = 2  # 2: records the order's version (absent: 1, the permutation built whole)
 
 
 class TokenStream:
-    """A split's shards as one indexable token stream, cut into windows of T+1 tokens."""
+    """A split's shards as one indexable token stream, cut into windows of T+1 tokens.
+
+    A window is read with pread(2) from its shard's file, not sliced out of the memory map: the
+    rank then holds the bytes it asked for and nothing else. A map would also leave resident, and
+    counted in the rank's memory, every page-cache page around each window that the kernel maps
+    with it (with large page-cache folios, ~0.75 MB per window on the 2-core VM): memory that grows
+    with the span of data a run samples (docs/performance.md, "A start at any size")."""
 
     def __init__(self, dataset: TokenDataset, split: str, seq_len: int):
         self.dataset_path, self.split = dataset.path, split
-        self.shards = [s for s in dataset.tokens(split) if len(s)]
+        self.shards = [s for s in dataset.tokens(split) if len(s)]  # memory maps: lengths, files
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])  # token offset of each shard
         self.num_tokens = int(self.starts[-1])
         self.seq_len = seq_len
         self.num_windows = max(0, (self.num_tokens - 1) // seq_len)
+        self._files: dict[int, int] = {}  # shard -> open descriptor, the most recent last
 
     def read(self, windows: np.ndarray, out: np.ndarray) -> None:
         """Copies windows into `out`, shape (len(windows), T+1), converting to out's dtype."""
         span = self.seq_len + 1
-        for row, w in zip(out, windows):
+        buf = np.empty((len(windows), span), dtype=self.shards[0].dtype if self.shards else
+                       np.uint16)  # (rows, T+1) in the shards' dtype, read into directly
+        for row, w in zip(buf, windows):
             pos, filled = int(w) * self.seq_len, 0
             k = bisect_right(self.starts, pos) - 1
             while filled < span:  # a window crosses a shard boundary at most a few times
                 local = pos + filled - int(self.starts[k])
-                piece = self.shards[k][local:local + span - filled]
-                row[filled:filled + len(piece)] = piece
-                filled += len(piece)
+                n = min(span - filled, len(self.shards[k]) - local)
+                self._pread(k, local, row[filled:filled + n])
+                filled += n
                 k += 1
+        out[:len(buf)] = buf
+
+    def _pread(self, k: int, start: int, into: np.ndarray) -> None:
+        """Tokens start.. of shard k into `into` (a contiguous row: filled in place)."""
+        shard = self.shards[k]
+        got = os.preadv(self._fd(k), [into], shard.offset + start * shard.dtype.itemsize)
+        if got != into.nbytes:  # checked when the dataset opened: cut since
+            raise DataError(f"{shard.filename}: shorter than its header says (read {got} of "
+                            f"{into.nbytes} bytes at token {start}); {REPREPARE}")
+
+    def _fd(self, k: int) -> int:
+        fd = self._files.pop(k, None)
+        if fd is None:
+            fd = os.open(self.shards[k].filename, os.O_RDONLY)
+            while len(self._files) >= OPEN_FILES:  # a bounded number of descriptors
+                os.close(self._files.pop(next(iter(self._files))))
+        self._files[k] = fd
+        return fd
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "_files", {}).values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def _to_device(buf: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,20 +135,19 @@ class TrainLoader:
         self.device = torch.device(device)
         require_windows(self.stream, self.global_batch, "one global batch of ")
         self.epoch, self.consumed = 0, 0
-        self._order_epoch, self._order = -1, None
+        self.order_version = orders.VERSION
+        self._order: orders.Order | None = None
+        self._order_epoch = -1
 
     @property
     def steps_per_epoch(self) -> int:
         return self.stream.num_windows // self.global_batch
 
-    def order(self, epoch: int) -> np.ndarray:
-        """The window ids of `epoch` in visiting order (cached for the current epoch)."""
-        if epoch != self._order_epoch:
-            n = self.stream.num_windows
-            if self.shuffle:
-                self._order = np.random.default_rng([self.seed, epoch]).permutation(n)
-            else:
-                self._order = np.arange(n)
+    def order(self, epoch: int) -> orders.Order:
+        """The visiting order of `epoch`'s windows (kept for the epoch: version 1 builds it)."""
+        if self._order is None or self._order_epoch != epoch:
+            self._order = orders.epoch_order(self.stream.num_windows, self.seed, epoch,
+                                             self.shuffle, self.order_version)
             self._order_epoch = epoch
         return self._order
 
@@ -130,14 +169,14 @@ class TrainLoader:
         """Advances the cursor by one step (G windows) and returns this rank's A micro-batches,
         read lazily: an iterator of (x, y), int64, each of shape (b, T)."""
         start = self._advance()
-        return self._micro_batches(self.order(self.epoch)[start:start + self.global_batch])
+        return self._micro_batches(self.order(self.epoch).items(start, start + self.global_batch))
 
     def batch(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of global batch `index` (as batch_index counts), without
         moving the cursor: the same windows at any W (a loss spike's probe reads them again)."""
         epoch, k = divmod(index, self.steps_per_epoch)
         start = k * self.global_batch
-        return self._micro_batches(self.order(epoch)[start:start + self.global_batch])
+        return self._micro_batches(self.order(epoch).items(start, start + self.global_batch))
 
     def skip(self, batches: int) -> list[dict]:
         """Moves the cursor past `batches` global batches without reading them (a rollback
@@ -164,22 +203,28 @@ class TrainLoader:
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "epoch": self.epoch, "consumed": self.consumed,
                 "seed": self.seed, "seq_len": self.seq_len, "shuffle": self.shuffle,
-                "num_windows": self.stream.num_windows}
+                "num_windows": self.stream.num_windows, "order": self.order_version}
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from a saved cursor; W and A may differ from the saving run's."""
         for key in ("seed", "seq_len", "shuffle"):  # data.seed, data.seq_len, data.shuffle
             if state[key] != getattr(self, key):
-                saved = str(state[key]).lower()  # a bool as the flag takes it
-                raise DataError(f"the checkpoint's data order has data.{key} = {saved} but this "
-                                f"run has {str(getattr(self, key)).lower()}; resume with "
-                                f"--data.{key.replace('_', '-')} {saved}, or --reset to start "
-                                "over")
+                flag = f"--data.{key.replace('_', '-')}"
+                value = f"{flag} {str(state[key]).lower()}"
+                raise DataError(f"the checkpoint's data order was read with data.{key} = "
+                                f"{state[key]}, this run has {getattr(self, key)}: resume with "
+                                f"{value} (the order cannot change mid-run), or start a new "
+                                "--run-dir")
         if state["num_windows"] != self.stream.num_windows:
             raise DataError(f"loader state counts {state['num_windows']} windows but the dataset "
                             f"has {self.stream.num_windows}: the data changed; resume on the same "
                             "dataset")
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        version = int(state.get("order", 1))  # saved before it was recorded: 1
+        if version not in orders.VERSIONS:
+            raise DataError(f"the checkpoint's data order is version {version}, newer than this "
+                            "ddpgpt reads; upgrade ddpgpt (pip install -U ddpgpt)")
+        self.order_version, self._order = version, None
 
 
 class EvalLoader:

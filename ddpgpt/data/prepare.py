@@ -40,13 +40,15 @@ from types import SimpleNamespace
 
 from ddpgpt import __version__
 from ddpgpt.config.commands import PrepareConfig
-from ddpgpt.data import formats
+from ddpgpt.data import formats, space
+from ddpgpt.data import settings as settings_of
 from ddpgpt.data.assemble import Assembler, SplitWriter, is_val  # noqa: F401 (re-exported)
 from ddpgpt.data.build import Build, check_settings, part_range
 from ddpgpt.data.output import CleanExit, Lock, check_out, make_partial, partial_of, publish
 from ddpgpt.data.shards import META_FORMAT_VERSION, ShardInfo, TokenDataset, dtype_for_vocab
 from ddpgpt.data.sources import resolve_sources
 from ddpgpt.data.tokenizer import BPETokenizer, TokenizerSpec, fingerprint, load_tokenizer
+from ddpgpt.data.verify import check_all, record_shards
 from ddpgpt.errors import UserError
 
 ORDER = "sources in the order given, files sorted by path, rows in file order"
@@ -61,7 +63,7 @@ def run(cfg: PrepareConfig) -> None:
     out = Path(cfg.out)
     check_out(out, cfg.force)
     tmp = partial_of(out)
-    job = _merge_job(cfg) if cfg.merge else _source_job(cfg, out, tmp)
+    cfg, job = _merge_job(cfg) if cfg.merge else (cfg, _source_job(cfg, out, tmp))
     start = time.perf_counter()
     made: list[Path] = []
     job["earlier"] = tmp.is_dir()  # a partial of an earlier run: never removed here
@@ -71,7 +73,8 @@ def run(cfg: PrepareConfig) -> None:
             make_partial(out, tmp, made)
             stack.enter_context(Lock(tmp, out))
             locked = True
-            summary = _build(cfg, job, tmp, out)
+            with space.reported(tmp, lambda: job.get("build")):
+                summary = _build(cfg, job, tmp, out)
             finished = True
             check_out(out, cfg.force)
             signals.hold()  # from here the dataset is published whatever comes: a signal
@@ -110,7 +113,10 @@ def _stopped(tmp: Path, out: Path, job: dict) -> str:
 def _source_job(cfg: PrepareConfig, out: Path, tmp: Path) -> dict:
     """Sources -> plan, tokenizer and the settings that identify the prepare."""
     corpus = resolve_sources(cfg.sources or ["stdlib"], exclude=[out.resolve(), tmp.resolve()])
+    if corpus.repeated:
+        print(corpus.repeated_note(), file=sys.stderr)
     plan = formats.plan(corpus, cfg.text_field)
+    settings_of.check_sources(cfg, plan.llmc)
     tok = _tokenizer_choice(cfg, plan)
     if cfg.part_of is not None:
         if tok["kind"] == "bpe" and not cfg.tokenizer_from:
@@ -160,8 +166,10 @@ def tokenizer_from(path: Path) -> tuple[str, Path]:
                     "directory (data_meta.json); give one of them")
 
 
-def _merge_job(cfg: PrepareConfig) -> dict:
-    """Part directories -> the plan they share, checked to be all N parts of one prepare."""
+def _merge_job(cfg: PrepareConfig) -> tuple[PrepareConfig, dict]:
+    """Part directories -> the plan they share, checked to be all N parts of one prepare; the
+    merge's settings with the parts' split and shard size applied (data/settings.py)."""
+    settings_of.check_merge(cfg)
     dirs = sorted({Path(m) for spec in cfg.sources
                    for m in (sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec])})
     if not dirs:
@@ -187,6 +195,7 @@ def _merge_job(cfg: PrepareConfig) -> dict:
         what = (f"parts {missing} of {n} are missing" if missing
                 else f"a part is given twice ({have})")
         raise UserError(f"--merge: {what}; give each part directory once")
+    cfg = settings_of.merged(cfg, first["settings"])
     units = [formats.Unit(**{**u, "paths": tuple(u["paths"])}) for u in first["plan_units"]]
     plan = formats.Plan(units, first["files"], first["text_bytes"])
     tok = {"kind": first["tokenizer"], "dir": dirs[0], "identity": first["identity"]}
@@ -194,8 +203,8 @@ def _merge_job(cfg: PrepareConfig) -> dict:
               for i in part_range(len(plan.units), tuple(p["part"]))}
     settings = {"merge": [str(d.resolve()) for d in dirs], "val_fraction": cfg.val_fraction,
                 "shard_tokens": cfg.shard_tokens, "max_tokens": cfg.max_tokens}
-    return {"plan": plan, "tok": tok, "settings": settings, "specs": first["specs"],
-            "owners": owners, "text_field": first["settings"]["text_field"]}
+    return cfg, {"plan": plan, "tok": tok, "settings": settings, "specs": first["specs"],
+                 "owners": owners, "text_field": first["settings"]["text_field"]}
 
 
 # --- the build -----------------------------------------------------------------------------
@@ -267,6 +276,7 @@ def _finish_dataset(cfg: PrepareConfig, job: dict, tok, dtype: str, tmp: Path, b
     if not llmc and asm.documents["train"] == 0:
         build.restart_assembly()  # the split by position rewrites the shards
     shards, note = asm.finish(None if llmc else tok.decode_bytes)
+    record_shards(tmp, shards)  # hashed as written: a training start need not hash them again
     for split in ("train", "val"):
         if not shards[split] or not sum(i.tokens for i in shards[split]):
             raise UserError(_empty_split(split, llmc, job))
@@ -301,10 +311,10 @@ def _check_documents(cfg: PrepareConfig, job: dict, asm: Assembler) -> None:
 
 def _empty_split(split: str, llmc: bool, job: dict) -> str:
     if llmc:
-        has = "val" if split == "val" else "no 'val'"
-        return (f"the {split} split is empty: no llm.c shard of {' '.join(job['specs'])} has "
-                f"{has} in its name; give train and val shards (llm.c names them *_train_* and "
-                "*_val_*)")
+        has = "is named as a val shard" if split == "val" else "is named as a train shard"
+        return (f"the {split} split is empty: no llm.c shard of {' '.join(job['specs'])} {has} "
+                "(val: the word val in its name, as llm.c's *_val_*.bin); give train and val "
+                "shards")
     return (f"the {split} split is empty (--max-tokens or --val-fraction too small for this "
             "corpus); give more data or change them")
 
@@ -349,9 +359,8 @@ def make_meta(tok, dtype: str, shards: dict[str, list[ShardInfo]], source: dict,
 
 
 def verify(path: Path) -> None:
-    ds = TokenDataset(path)
-    n = ds.verify()
-    print(f"{path}: ok ({n} shards, {ds.num_tokens('train'):,} train + {ds.num_tokens('val'):,} "
+    ds = TokenDataset(path)  # then every shard re-hashed, whatever verified.json says
+    print(f"{path}: ok ({check_all(ds)} shards, {ds.num_tokens('train'):,} train + {ds.num_tokens('val'):,} "
           f"val tokens, {ds.tokenizer} vocab {ds.vocab_size})")
 
 
@@ -367,6 +376,8 @@ def _summary(meta: dict, asm: Assembler, tok, note: str | None):
     extra = []
     if s.bad_rows:
         extra.append(f"skipped {s.bad_rows:,} bad rows (--skip-bad-rows)")
+    if s.null_rows:
+        extra.append(f"skipped {s.null_rows:,} null rows (no text)")
     if s.replaced:
         extra.append(f"replaced {s.replaced:,} invalid UTF-8 sequences by U+FFFD")
     if note:

@@ -17,6 +17,7 @@ reader touches only the pages it slices.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -79,22 +80,34 @@ class ShardWriter:
         return self
 
     def write(self, tokens: np.ndarray) -> None:
-        self._f.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        with self._named():
+            self._f.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
         self.count += len(tokens)
 
     def sync(self) -> None:
         """Everything written so far is on the disk (before progress says it is)."""
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        with self._named():
+            self._f.flush()
+            os.fsync(self._f.fileno())
 
     def close(self) -> ShardInfo:
         header = _HEADER.pack(MAGIC, FORMAT_VERSION, DTYPE_NAMES[self.dtype.name], self.count)
-        self._f.seek(0)
-        self._f.write(header)
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        with self._named():
+            self._f.seek(0)
+            self._f.write(header)
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
         return ShardInfo(self.path.name, self.count, sha256(self.path))
+
+    @contextlib.contextmanager
+    def _named(self):
+        """A failed write (a full disk) names this shard: the OS's error names no file."""
+        try:
+            yield
+        except OSError as e:
+            e.filename = e.filename or str(self.path)
+            raise
 
 
 def read_header(path: Path) -> tuple[np.dtype, int]:

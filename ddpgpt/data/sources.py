@@ -30,10 +30,40 @@ _WORD_AFTER_SPACE = re.compile(r"\S[\t\n\v\f\r ]")
 
 @dataclass
 class Corpus:
-    """The resolved sources: local files (listed up front) and streamed HF datasets, in order."""
+    """The resolved sources: local files (listed up front) and streamed HF datasets, in order.
+    A file that two sources name (the same real path: `a.parquet` and its directory, a link and
+    its target) is read once, where it is first named; `repeated` lists the later namings."""
 
     parts: list = field(default_factory=list)  # each a list[Path] or an (name, config, split) tuple
     specs: list[str] = field(default_factory=list)
+    repeated: list[Path] = field(default_factory=list)
+
+    def dedupe(self) -> None:
+        seen: set = set()
+        for i, part in enumerate(self.parts):
+            if isinstance(part, tuple):  # an hf: dataset named twice is streamed twice no more
+                self.parts[i] = None if part in seen else part
+                seen.add(part)
+                continue
+            kept = []
+            for path in part:
+                real = os.path.realpath(path)
+                if real in seen:
+                    self.repeated.append(path)
+                else:
+                    seen.add(real)
+                    kept.append(path)
+            self.parts[i] = kept
+        self.parts = [p for p in self.parts if p is not None]
+
+    def repeated_note(self) -> str | None:
+        """One line on the files read once though named more than once, or None."""
+        if not self.repeated:
+            return None
+        n = len(self.repeated)
+        return (f"ddpgpt: note: {n} file{'s are' if n > 1 else ' is'} named by more than one "
+                f"source ({self.repeated[0]}{', ...' if n > 1 else ''}): each file is prepared "
+                "once, where it is first named")
 
 
 def read_bytes_or_text(path: Path, raw: bool, stats) -> Iterable[str | bytes] | None:
@@ -177,6 +207,7 @@ def resolve_sources(specs: list[str], exclude: list[Path]) -> Corpus:
                 raise UserError(f"source {spec!r} does not exist; give a file, a directory, "
                                 "a glob, stdlib or hf:NAME")
             corpus.parts.append(_walk(path, exclude) if path.is_dir() else [path])
+    corpus.dedupe()
     return corpus
 
 

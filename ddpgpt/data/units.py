@@ -32,6 +32,7 @@ import numpy as np
 
 from ddpgpt.data import formats
 from ddpgpt.data.formats import Unit, UnitStats
+from ddpgpt.data.space import FULL
 from ddpgpt.errors import UserError
 from ddpgpt.files import atomic_write
 
@@ -61,8 +62,21 @@ def encode_unit(unit: Unit, tok, dtype: str, work: Path, index: int, text_field:
     """Reads, encodes and writes one unit (see the module docstring); memory: a batch."""
     tok_path, rec_path = unit_paths(work, index)
     stats, docs = UnitStats(), []
-    eot = np.array([tok.eot_id], dtype=dtype)
     raw = tok.kind == "byte"
+    try:
+        _encode_into(tok_path, unit, tok, dtype, text_field, skip_bad, stats, docs, raw)
+    except OSError as e:
+        if e.errno in FULL and not e.filename:  # a write's error names no file: this one
+            e.filename = str(tok_path)
+        raise
+    record = {"dtype": dtype, "docs": docs, "stats": asdict(stats)}
+    with atomic_write(rec_path) as f:
+        f.write(json.dumps(record, separators=(",", ":")).encode())
+
+
+def _encode_into(tok_path: Path, unit: Unit, tok, dtype: str, text_field: str, skip_bad: bool,
+                 stats: UnitStats, docs: list, raw: bool) -> None:
+    eot = np.array([tok.eot_id], dtype=dtype)
     with open(tok_path, "wb") as f:
         for batch in _batches(formats.pieces(unit, stats, text_field, skip_bad, raw)):
             encoded = tok.encode_batch([piece for _, piece in batch])
@@ -77,9 +91,6 @@ def encode_unit(unit: Unit, tok, dtype: str, work: Path, index: int, text_field:
                 stats.text_bytes += size
                 arrays.append(ids.astype(dtype, copy=False))
             f.write(np.concatenate(arrays).tobytes())
-    record = {"dtype": dtype, "docs": docs, "stats": asdict(stats)}
-    with atomic_write(rec_path) as f:
-        f.write(json.dumps(record, separators=(",", ":")).encode())
 
 
 def _batches(pieces: Iterator[tuple[bool, str | bytes]]) -> Iterator[list]:
@@ -175,6 +186,9 @@ def _check_reply(conn, index: int, proc) -> None:
                         "again to continue, with fewer --workers") from None
     if kind == "error":
         raise UserError(message)
+    if kind == "full":
+        code, path = message
+        raise OSError(code, os.strerror(code), path)
     if kind == "crash":
         raise RuntimeError(f"a prepare worker failed on unit {index}:\n{message}")
 
@@ -207,6 +221,11 @@ def _serve(conn, make_tok, args) -> None:
             reply = ("ok", "")
         except UserError as e:
             reply = ("error", str(e))
+        except OSError as e:
+            if e.errno not in FULL:
+                reply = ("crash", traceback.format_exc())
+            else:  # the parent says it, with the space the dataset needs (space.py)
+                reply = ("full", (e.errno, e.filename or str(unit_paths(Path(work), index)[0])))
         except Exception:
             reply = ("crash", traceback.format_exc())
         try:

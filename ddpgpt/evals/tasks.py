@@ -110,14 +110,19 @@ def read(path: Path, limit: int = 0, kind: str = DEFAULT) -> list:
     choice: `example`)."""
     parse, row = kinds.load(KINDS[kind].parse), KINDS[kind].row
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_bytes().splitlines()
     except FileNotFoundError:
         raise DataError(f"{path}: no such task file; give a jsonl with one {row} per "
                         "line") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
     out = []
-    for number, line in enumerate(lines, 1):
+    for number, raw in enumerate(lines, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{number}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                            f"{e.start + 1}); save the file as UTF-8") from None
         if line.strip():
             out.append(parse(line, f"{path}:{number}"))
             if limit and len(out) == limit:
@@ -154,7 +159,7 @@ def example(line: str, where: str) -> Example:
         raise bad(f"ending {empty[0]} is empty")
     # bool is an int in Python; a label of true is a mistake, not index 1. HellaSwag's own
     # files hold the label as an int; a string of digits is accepted as the same index.
-    if isinstance(label, str) and label.isdigit():
+    if isinstance(label, str) and label.isascii() and label.isdigit():  # not "²": no index
         label = int(label)
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
         raise bad(f"label {label!r} is not an index into the {len(endings)} endings "

@@ -26,6 +26,10 @@ job's first start only (never after an elastic restart, so a restarted job can f
                  back (then the fault is spent)
     weights-always   the same every time the run is at step STEP+1 or later, rollbacks or not
 
+An action written `rolled:ACTION` (e.g. `rolled:kill@3`) is due only once the run has rolled back
+after a loss spike: at step STEP of the history the rollback goes on with (a kill or a stop right
+after "rolling back to step 3" is `rolled:kill@3` or `rolled:term@4`).
+
 The actions above wait for the checkpoint this rank may be writing in the background (a crash
 between checkpoints). These happen around the checkpoint of step STEP (checkpoint/saver.py):
 
@@ -62,9 +66,10 @@ HOLD_S = 300  # the longest a hold waits (a test that never releases it fails, n
 
 
 def parse(spec: str, rank: int) -> tuple[str, int] | None:
-    """(action, step) for this rank, or None."""
+    """(action, step) for this rank, or None. A `rolled:` prefix stays on the action."""
     action, step, *who = spec.split("@")
-    if action not in ACTIONS and not action.startswith("parent:"):
+    bare = action.removeprefix("rolled:")
+    if bare not in ACTIONS and not bare.startswith("parent:"):
         raise ValueError(f"DDPGPT_FAULT: unknown action {action!r}; one of "
                          f"{', '.join(ACTIONS)}, parent:SIG")
     return (action, int(step)) if int(who[0] if who else 0) == rank else None
@@ -116,9 +121,12 @@ def install(trainer, saver) -> None:
 
 def _around_step(action: str, at: int, trainer, saver) -> None:
     step = trainer.train_step
+    rolled = action.startswith("rolled:")  # due only after a rollback
+    action = action.removeprefix("rolled:")
 
     def faulty_step():
-        due = (trainer.loader.batch_index if action == "spike" else trainer.step) == at
+        due = (trainer.loader.batch_index if action == "spike" else trainer.step) == at \
+            and (not rolled or bool(trainer.guard.spikes.rollbacks))
         if due and saver.pending:  # between checkpoints: the one in flight is written first
             futures.wait([saver.pending[1]])
         if due and action == "hold":
@@ -165,7 +173,23 @@ def _broken_weights(action: str, at: int, trainer) -> None:
         return (loss * 1000, norm) if broken() else (loss, norm)
 
     def broken_probe(batch: int) -> float:
-        return probe(batch) * (1000 if broken() else 1)
+        """This rank's share of the probe's loss is scaled before the probe's all-reduce, as in
+        the step: every rank then sees the same global value (scaling the reduced value on one
+        rank alone would make the ranks disagree on the verdict)."""
+        if not broken():
+            return probe(batch)
+        model = trainer.raw
+        forward = model.forward
+
+        def scaled(*args, **kwargs):
+            logits, loss = forward(*args, **kwargs)
+            return logits, loss * 1000
+
+        model.forward = scaled
+        try:
+            return probe(batch)
+        finally:
+            del model.forward  # the class's forward again
 
     trainer.train_step, trainer.probe = broken_step, broken_probe
 

@@ -9,13 +9,17 @@ It is found in the health exchange, before the optimizer step. `run.on_spike` sa
              The data: the weights still do as well on the last healthy global batch as before
              (a probe: one forward over it, each rank its share, all-reduced: the same windows at
              any W). The step's update, whose gradient comes from the bad batch, is skipped, and
-             the run goes on with the next batch.
+             the run goes on with the next batch. When `run.spike_patience` batches in a row
+             have spiked so and the next one does too, the data itself has changed (a new
+             domain: unshuffled data, a data switch): the run trains on it from there, and the
+             window of healthy losses starts over at the new level (an event `shift`).
              The weights: the probe spikes too, so the update before the spike did the damage. The
              model trains on through it, exactly as with `none`: a transient heals within a few
              steps (an event says so). If it has not healed after `run.spike_patience` steps, or
-             a value is not finite, every rank rolls back to the newest healthy checkpoint (one
-             whose next step was not a spike: the checkpoint written just before the spike holds
-             the update that caused it), skips the global batches read since, and trains on at
+             a value is not finite, every rank rolls back to the newest checkpoint known healthy
+             (one whose next step was healthy, so never the one written just before the spike,
+             which holds the update that caused it; keep-last-k never deletes the newest of
+             them), skips the global batches read since, and trains on at
              `run.rollback_lr_factor` × the learning rate for the rest of the run (compounding
              with earlier rollbacks). A rollback to the checkpoint the previous one went to goes
              one further back. Once `run.max_rollbacks` rollbacks within `run.rollback_window`
@@ -80,6 +84,7 @@ class Verdict:
 
 
 UPDATE = Verdict("update")
+HEALTHY_KEPT = 8  # the known-healthy checkpoints remembered (a rollback goes back one or two)
 
 
 class SpikePolicy:
@@ -93,6 +98,9 @@ class SpikePolicy:
         self.skips = 0          # steps skipped in a row as bad data
         self.lr_factor = 1.0    # on every later step's lr: rollback_lr_factor per rollback
         self.rollbacks: list[dict] = []  # {"step": spike's, "to": checkpoint's, "batches": n}
+        # The checkpoints known healthy (their next step was healthy), newest last; None: a
+        # checkpoint from before they were tracked, where any written 2 steps before a spike is.
+        self.healthy_checkpoints: list[int] | None = []
 
     # ---- detection ------------------------------------------------------------------------------
 
@@ -104,6 +112,17 @@ class SpikePolicy:
         """Above the ratio × the median of a full window (never before it is full)."""
         return len(self.losses) == self.losses.maxlen and not loss <= self.cfg.spike_ratio * \
             self.median
+
+    def confirm(self, checkpoint_step: int) -> None:
+        """The step after checkpoint `checkpoint_step` was healthy: it is a rollback target."""
+        known = self.healthy_checkpoints or []
+        if checkpoint_step not in known:
+            self.healthy_checkpoints = [*known, checkpoint_step][-HEALTHY_KEPT:]
+
+    @property
+    def newest_healthy(self) -> int | None:
+        """The newest checkpoint known healthy (kept from pruning), if any."""
+        return self.healthy_checkpoints[-1] if self.healthy_checkpoints else None
 
     def healthy(self, step: int, loss: float, batch: int) -> Verdict:
         """A step that is no spike: its loss joins the window; a spike trained through ends."""
@@ -133,6 +152,8 @@ class SpikePolicy:
                                f"step {step}: {what}; the weights still give {probed:.4g} on the "
                                "last healthy batch, so the data is the cause: this step's update "
                                "is skipped")
+            if data and not spike.ranks:
+                return self._shift(spike, probed, what)
             # A spike on every batch for spike_patience steps is no longer the data's doing,
             # whatever the probe's one batch says: it is handled as the weights' from the first.
             self.through = step - self.skips if data else step
@@ -160,6 +181,22 @@ class SpikePolicy:
                            f"step {step}: {what}; {why}: training on through it", first=first)
         return Verdict("update", spike)
 
+    def _shift(self, spike: Spike, probed: float, what: str) -> Verdict:
+        """spike_patience batches in a row, and this one, spiked while the weights stayed fine
+        on the last healthy batch: no single batch is bad, the data has changed. Skipping more
+        would skip the new data for good, and rolling back would meet it again: the run trains
+        on it, and the median starts over from this step's loss."""
+        skipped, step = self.skips, spike.step
+        self.skips = 0
+        self.losses.clear()
+        self.losses.append(spike.loss)
+        return Verdict("update", spike, "shift", {"cause": "data", "probe_loss": probed,
+                                                  "skipped": skipped},
+                       f"step {step}: {what}; {skipped + 1} global batches in a row spiked while "
+                       f"the weights still give {probed:.4g} on the last healthy batch: the data "
+                       f"itself has changed, so the run trains on it from here (the {skipped} "
+                       "skipped before it stay skipped) and the median starts over")
+
     def rolled_back(self, spike_step: int, to: int, batches: int) -> None:
         self.rollbacks.append({"step": spike_step, "to": to, "batches": batches})
         self.lr_factor *= self.cfg.rollback_lr_factor
@@ -173,7 +210,8 @@ class SpikePolicy:
     def state_dict(self) -> dict:
         return {"losses": list(self.losses), "through": self.through, "skips": self.skips,
                 "probe_batch": self.probe_batch, "lr_factor": self.lr_factor,
-                "rollbacks": [dict(r) for r in self.rollbacks]}
+                "rollbacks": [dict(r) for r in self.rollbacks],
+                "healthy_checkpoints": self.healthy_checkpoints}
 
     def load_state_dict(self, state: dict | None) -> None:
         """`None`: a fresh start, or a checkpoint from before spikes were tracked. A checkpoint
@@ -186,15 +224,20 @@ class SpikePolicy:
         self.probe_batch = int(state.get("probe_batch", -1))
         self.lr_factor = float(state.get("lr_factor", 1.0))
         self.rollbacks = [dict(r) for r in state.get("rollbacks", [])]
+        known = state.get("healthy_checkpoints", [] if not state else None)  # absent: older
+        self.healthy_checkpoints = None if known is None else [int(s) for s in known]
 
 
-def target(steps: list[int], first: int, origin: int, rollbacks: list[dict]) -> int | None:
+def target(steps: list[int], first: int, origin: int, rollbacks: list[dict],
+           known: list[int] | None = None) -> int | None:
     """The checkpoint step to roll back to for a spike whose first step is `first`, among the
     run's complete checkpoints `steps` (ascending) and its starting point `origin` (None: from
-    this process's start, which is itself no checkpoint of this run). Healthy: written at most at
-    step first - 2, since the one of step first - 1 holds the update that caused the spike. One
-    further back when the previous rollback went to the same one and it spiked again."""
-    healthy = [s for s in steps if origin <= s <= first - 2]
+    this process's start, which is itself no checkpoint of this run). Healthy: known so (`known`:
+    their next step was healthy; None, for a run resumed from a checkpoint that did not track
+    them: any), and written at most at step first - 2, since the one of step first - 1 holds the
+    update that caused the spike. One further back when the previous rollback went to the same
+    one and it spiked again."""
+    healthy = [s for s in steps if origin <= s <= first - 2 and (known is None or s in known)]
     if rollbacks and healthy and healthy[-1] == rollbacks[-1]["to"] and len(healthy) > 1:
         return healthy[-2]
     return healthy[-1] if healthy else None

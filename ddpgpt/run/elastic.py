@@ -70,8 +70,10 @@ def claim(run_dir: RunDir, cfg: TrainConfig, env: DistEnv, dataset: TokenDataset
         run_dir.lock(allow_parent=True, wait_s=0 if first else cfg.run.dist_timeout_s / 2)
         if first and cfg.run.resume == "reset":
             run_dir.reset()
-        elif start.set_aside:
-            run_dir.rewind(start.set_aside, start.step)
+        else:
+            if start.set_aside:
+                run_dir.rewind(start.set_aside, start.step)
+            resume.set_abandoned_aside(run_dir, start)  # a rollback a kill interrupted
         store.remove_temporaries(run_dir.checkpoints)
         if launchers:  # after the rules: a start that dies before this applies them again
             run_dir.record_job(launchers, first)

@@ -11,6 +11,11 @@ elastic restarts, `--max-restarts`) continues from the run dir's newest complete
             Every checkpoint that descends from PATH names it as its `origin`, so a restart or a
             rerun of the same command continues from the newest of those, not from PATH again.
 
+A rollback after a loss spike that no checkpoint has recorded yet (checkpoint/store.py:
+record_rollback) is part of where a run starts: the checkpoints it abandoned are skipped, and the
+start from its target carries it (`Start.rollback`), so that the rollback is applied again (its
+data skip, its lower lr) exactly as the run that decided it applied it (train.py: apply_rollback).
+
 Choosing reads files only, so it runs before any process group exists (`verify=False`: meta.json
 only, for fast one-line errors) and again under the run's lock (`verify=True`: every file's hash).
 """
@@ -49,6 +54,7 @@ class Start:
                                   # descends from
     set_aside: list[Path] = field(default_factory=list)  # later checkpoints a rewind moves away
     data_switch: bool = False     # resumed on another dataset, with data.allow_switch
+    rollback: dict | None = None  # a recorded rollback to apply on this start (its target's)
 
     @property
     def step(self) -> int:
@@ -83,9 +89,35 @@ def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: st
         start = Start(*found, origin=found[1].get("origin")) if found else Start()
     else:
         start = _explicit(run_dir, Path(mode), first_start, verify)
+    start.rollback = _pending(run_dir, start)
     if start.path is not None:
         _check_fit(cfg, start, run_dir, mode, fingerprint, tokenizer)
     return start
+
+
+def _pending(run_dir: RunDir, start: Start) -> dict | None:
+    """The recorded rollback that `start` goes on with: the one whose target it is (its
+    checkpoint, or from scratch for a rollback to the initial state). Any other start leaves it
+    behind (the caller clears it: elastic.claim)."""
+    record = store.pending_rollback(run_dir.checkpoints) \
+        if run_dir.checkpoints.is_dir() else None
+    if record is None:
+        return None
+    target = record.get("checkpoint")  # a name in checkpoints/, or a path outside the run dir
+    same = start.path is None if target is None else start.path is not None and \
+        (run_dir.checkpoints / target).resolve() == start.path.resolve()
+    return record if same else None
+
+
+def set_abandoned_aside(run_dir: RunDir, start: Start | None = None) -> Path | None:
+    """Rank 0, under the run's lock: the checkpoints a recorded rollback superseded go into
+    rollback-<time>/ (nothing is deleted; a kill may have come between the record and this).
+    `start`: this start, which leaves behind a record it does not go on with (an explicit
+    --resume elsewhere). Returns where they went, if anywhere."""
+    aside = run_dir.set_aside("rollback", store.superseded(run_dir.checkpoints))
+    if start is not None and start.rollback is None:
+        (run_dir.checkpoints / store.ROLLBACK).unlink(missing_ok=True)
+    return aside
 
 
 def _latest(root: Path, verify: bool, quiet: bool) -> tuple[Path, dict] | None:

@@ -229,8 +229,9 @@ def test_an_error_every_rank_hits_is_printed_once(straight, tiny_data, tmp_path)
     r = run_cli(*train_args(tiny_data, run_dir, data__seed=7, run__steps=10)[3:], timeout=120)
     assert r.returncode == 2, r.stderr
     assert [line for line in r.stderr.splitlines() if "error" in line] == [
-        "ddpgpt: error: the checkpoint's data order has data.seed = 1337 but this run has 7; "
-        "resume with --data.seed 1337, or --reset to start over"]
+        "ddpgpt: error: the checkpoint's data order was read with data.seed = 1337, this run "
+        "has 7: resume with --data.seed 1337 (the order cannot change mid-run), or start a new "
+        "--run-dir"]
 
 
 # ---- 8: a full disk ------------------------------------------------------------------------------

@@ -105,7 +105,8 @@ def test_broken_weights_are_trained_through_then_rolled_back_to_a_healthy_checkp
         f"ddpgpt: warning: step 8: loss spike: {rollback['spike_loss']:.4g} is above 2 × the "
         f"median {rollback['median']:.4g} of the last 3 steps (the spike began at step 6); "
         "rolling back to step 3 (step_0000003), skipping the 5 global batches read after it "
-        "(steps 4-8), the lr × 0.5 from now on (rollback 1 of at most 3 within 100 steps)")
+        "(steps 4-8), the lr × 0.5 from now on (rollback 1 of at most 3 within 100 steps); the "
+        f"later checkpoints are in {next(run_dir.glob('rollback-*'))}")
     # the run finished: every step once, on the batches and lr the oracle was given
     rows = read_metrics(run_dir)[0]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -187,6 +188,9 @@ def test_tensorboard_shows_each_step_once_after_a_rollback_to_the_initial_state(
     # 10 steps: a rollback to the start loses little, so the start says nothing of it (a run
     # longer than the default checkpoint period does: tests/e2e/test_output.py)
     assert "can only roll back to the start" not in result.stderr
+    # the median the spike was judged by: the window's 3 steps, not the rebuilt guard's 0
+    assert "of the last 3 steps (the spike began at step 4); rolling back to step 0 (the " \
+        "initial state)" in result.stderr
     (rollback,) = events(run_dir, "rollback")
     assert (rollback["step"], rollback["checkpoint"], rollback["spike_step"]) == (0, None, 6)
     rows = read_metrics(run_dir)[0]
@@ -195,3 +199,56 @@ def test_tensorboard_shows_each_step_once_after_a_rollback_to_the_initial_state(
     got = [(e.step, e.value) for e in tb.Scalars("loss")]
     assert [s for s, _ in got] == [r["step"] for r in rows] == list(range(1, STEPS + 1))
     np.testing.assert_allclose([v for _, v in got], [r["loss"] for r in rows], rtol=1e-6)
+
+
+def test_broken_weights_on_one_rank_alone_roll_back_as_on_every_rank(runs, tiny_data, tmp_path):
+    """The fault on rank 0 only: its share of the probe is scaled before the probe's all-reduce,
+    so both ranks see the same verdicts (scaling the reduced value on one rank made them
+    disagree, and gloo abort on a size mismatch)."""
+    run_dir = tmp_path / "run"
+    spike_run(tiny_data, run_dir, 2, "weights@5@0")
+    reference, _ = runs["weights", 1]
+    assert [(e["event"], e["checkpoint_step"], e["skipped_batches"]) for e in events(run_dir)] \
+        == [("rollback", 3, 5)]
+    rows, ref = read_metrics(run_dir)[0], read_metrics(reference)[0]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([r["loss"] for r in rows[3:]], [r["loss"] for r in ref[3:]],
+                               rtol=LOSS_TOL, atol=0)  # after the rollback: the same history
+
+
+@pytest.mark.parametrize("fault, code, W", [("rolled:term@4", EXIT_PREEMPTED, 1),
+                                            ("rolled:kill@3", -9, 1),
+                                            ("rolled:kill@3", -9, 2)])
+def test_a_restart_right_after_a_rollback_goes_on_with_the_rolled_back_history(
+        runs, tiny_data, tmp_path, fault, code, W):
+    """Stopped (SIGTERM after the rolled-back step 4) or killed (before the rolled-back step 4)
+    right after "rolling back to step 3", while the abandoned history's checkpoint 6 was on the
+    disk: the same command resumes from the rolled-back state, not from checkpoint 6: the
+    rollback's data skip and its lr × 0.5, every step once. Bitwise as the uninterrupted run at
+    the same W; at W=2 after a kill at W=1, within the float tolerance of another W."""
+    run_dir = tmp_path / "run"
+    stopped = spike_run(tiny_data, run_dir, 1, f"weights@5,{fault}", check=False)
+    assert codes(stopped)[0] == [code], codes(stopped)[1]
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert kept == (["step_0000003", "step_0000005"] if code == EXIT_PREEMPTED
+                    else ["rollback.json", "step_0000003"])
+    (aside,) = run_dir.glob("rollback-*")  # the abandoned history, set aside, not deleted
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_0000006"]
+    (again,) = spike_run(tiny_data, run_dir, W, "") if W == 1 else \
+        (spike_run(tiny_data, run_dir, W, "")[0],)
+    if code != EXIT_PREEMPTED:
+        assert "ddpgpt: going on with the rollback after step 8 to step 3: skipping the 5 " \
+            "global batches read after it, the lr × 0.5 from now on" in again.stderr
+    reference, _ = runs["weights", 1]
+    rows, ref = read_metrics(run_dir)[0], read_metrics(reference)[0]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["lr"] for r in rows] == [r["lr"] for r in ref]
+    if W == 1:
+        assert [r["loss"] for r in rows] == [r["loss"] for r in ref]
+        final = f"checkpoints/step_{STEPS:07d}"
+        weights, ref_weights = saved_weights(run_dir / final), saved_weights(reference / final)
+        assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    else:
+        np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in ref],
+                                   rtol=LOSS_TOL, atol=0)
+    assert not (run_dir / "checkpoints" / "rollback.json").exists()  # spent by checkpoint 6

@@ -100,6 +100,7 @@ BAD = [
     ('{"ctx": "a", "endings": ["b", "c"], "label": -1}', "label -1 is not an index"),
     ('{"ctx": "a", "endings": ["b", "c"], "label": true}', "label True is not an index"),
     ('{"ctx": "a", "endings": ["b", "c"], "label": "x"}', "label 'x' is not an index"),
+    ('{"ctx": "a", "endings": ["b", "c"], "label": "\u00b2"}', "label '\u00b2' is not an index"),
 ]
 
 
@@ -114,6 +115,17 @@ def test_each_bad_line_is_named_by_file_and_line(tmp_path, line, what):
     assert message.startswith(f"{path}:3: {what}") and "\n" not in message
     assert message.endswith('each line must be {"ctx": "...", "endings": ["...", ...], '
                             '"label": INDEX}')
+
+
+def test_a_line_that_is_not_utf8_is_named_by_its_number(tmp_path):
+    path = tmp_path / "task.jsonl"
+    good = b'{"ctx": "a", "endings": ["b", "c"], "label": 1}'
+    path.write_bytes(good + b"\n" + good + b"\n" + b'{"ctx": "caf\xe9", "endings": ["b", "c"], '
+                     b'"label": 0}\n')
+    with pytest.raises(DataError) as e:
+        tasks.read(path)
+    assert str(e.value) == (f"{path}:3: not UTF-8 (byte 0xe9 at column 13); save the file as "
+                            "UTF-8")
 
 
 def test_a_missing_or_empty_file_and_bad_task_lists(tmp_path):

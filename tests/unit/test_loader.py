@@ -126,8 +126,20 @@ def test_load_state_rejects_other_seed(ds):
     other = TrainLoader(ds, seq_len=T, micro_batch=4, seed=SEED + 1)
     with pytest.raises(DataError) as e:
         other.load_state_dict(state)
-    assert str(e.value) == ("the checkpoint's data order has data.seed = 7 but this run has 8; "
-                            "resume with --data.seed 7, or --reset to start over")
+    assert str(e.value) == ("the checkpoint's data order was read with data.seed = 7, this run "
+                            "has 8: resume with --data.seed 7 (the order cannot change mid-run), "
+                            "or start a new --run-dir")
+
+
+def test_load_state_names_the_flag_of_another_seq_len(ds):
+    """`train --run-dir R` on a run trained at another T: the flag that resumes it."""
+    state = make(ds, 1, 1, 4).state_dict()
+    other = TrainLoader(ds, seq_len=T // 2, micro_batch=4, seed=SEED)
+    with pytest.raises(DataError) as e:
+        other.load_state_dict(state)
+    assert str(e.value) == (f"the checkpoint's data order was read with data.seq_len = {T}, this "
+                            f"run has {T // 2}: resume with --data.seq-len {T} (the order cannot "
+                            "change mid-run), or start a new --run-dir")
 
 
 def test_dataset_smaller_than_global_batch(ds):

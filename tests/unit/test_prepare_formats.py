@@ -221,7 +221,8 @@ def test_bad_llmc_shards_are_one_line_each(tmp_path):
     assert refused([good, tmp_path / "notes.txt"], tmp_path) == (
         f"the sources mix llm.c shards ({good}) with text ({tmp_path}/notes.txt); the shards are "
         "tokens already: prepare them apart from the text")
-    assert refused([good], tmp_path).startswith("the train split is empty: no llm.c shard of ")
+    assert refused([good], tmp_path, "--tokenizer", "gpt2").startswith(
+        "the train split is empty: no llm.c shard of ")
 
 
 # --- one file, tokenizers ----------------------------------------------------------------------

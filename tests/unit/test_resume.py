@@ -26,9 +26,10 @@ def config(resume_mode: str = "auto", allow_switch: bool = False) -> TrainConfig
 
 
 def save(run: RunDir, step: int, origin: dict | None = None, fingerprint: str = FP,
-         tokenizer: str | None = None):
+         tokenizer: str | None = None, rollbacks: int = 0):
     meta = {"config": config().to_dict(), "world_size": 1, "data_fingerprint": fingerprint,
-            "origin": origin, **({"tokenizer_fingerprint": tokenizer} if tokenizer else {})}
+            "origin": origin, "rollbacks": rollbacks,
+            **({"tokenizer_fingerprint": tokenizer} if tokenizer else {})}
     return store.save(run.checkpoints, step, {"model": GPT(SMALL).state_dict()}, meta,
                       keep=100)
 
@@ -257,3 +258,55 @@ def test_where_a_run_starts_is_decided_once_per_process(tiny_data, tmp_path, mon
     assert calls == [{"verify": True}] * 2
     assert [p.name for _, p in store.step_dirs(tmp_path / "run" / "checkpoints")][-1] == \
         "step_0000003"
+
+
+def rollback_record(to: int | None, rollbacks: int = 1) -> dict:
+    """What train's roll_back records (run/rollback.py), for a spike at step 9."""
+    return {"to": to or 0, "checkpoint": None if to is None else f"step_{to:07d}",
+            "rollbacks": rollbacks, "spike_step": 9, "first_step": 7, "read": 9, "before": [],
+            "lr_factor": 1.0}
+
+
+def test_a_recorded_rollback_supersedes_the_later_checkpoints_until_the_new_history_saves(run):
+    """The rollback to step 3 is recorded while checkpoints 6 and 9 of the abandoned history are
+    still there (a kill between the record and their move): a restart goes on from 3 with the
+    rollback, and once the new history's checkpoint 4 is published the record is spent."""
+    for step in (3, 6, 9):
+        save(run, step)
+    store.record_rollback(run.checkpoints, rollback_record(3))
+    assert [s for s, _ in store.step_dirs(run.checkpoints)] == [3]
+    assert store.find_latest(run.checkpoints)[0].name == "step_0000003"
+    for first in (True, False):
+        start = choose(run, first=first)
+        assert (start.path.name, start.rollback) == ("step_0000003", rollback_record(3))
+    assert sorted(p.name for p in store.superseded(run.checkpoints)) == \
+        ["step_0000006", "step_0000009"]
+    aside = resume.set_abandoned_aside(run, start)
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == \
+        ["step_0000006", "step_0000009"]
+    save(run, 4, rollbacks=1)  # the new history: applied in it, the record is spent
+    assert not (run.checkpoints / store.ROLLBACK).exists()
+    start = choose(run)
+    assert (start.path.name, start.rollback) == ("step_0000004", None)
+
+
+def test_a_rollback_to_the_initial_state_restarts_from_scratch_with_it(run):
+    save(run, 6)
+    store.record_rollback(run.checkpoints, rollback_record(None))
+    start = choose(run)
+    assert (start.path, start.rollback) == (None, rollback_record(None))
+
+
+def test_an_explicit_resume_elsewhere_leaves_a_recorded_rollback_behind(run):
+    """--resume step 2 while a rollback to 3 is recorded: the user's checkpoint, without the
+    rollback, and the record goes (else it would hide the new history's checkpoints)."""
+    for step in (2, 3, 6):
+        save(run, step)
+    store.record_rollback(run.checkpoints, rollback_record(3))
+    path = run.checkpoints / "step_0000002"
+    start = choose(run, str(path))
+    assert (start.path, start.rollback) == (path, None)
+    resume.set_abandoned_aside(run, start)
+    assert not (run.checkpoints / store.ROLLBACK).exists()
+    save(run, 5, origin=start.origin)
+    assert [s for s, _ in store.step_dirs(run.checkpoints)] == [2, 3, 5]

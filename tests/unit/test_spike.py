@@ -44,13 +44,17 @@ def test_the_policy_state_round_trips_and_old_checkpoints_keep_their_window():
     policy.rollbacks = [{"step": 6, "to": 3, "batches": 3}]
     again = SpikePolicy(cfg)
     again.load_state_dict(policy.state_dict())
+    policy.confirm(0)
+    again.load_state_dict(policy.state_dict())
     assert again.state_dict() == {"losses": [3.0], "through": 4, "skips": 0, "probe_batch": 0,
                                   "lr_factor": 0.25,
-                                  "rollbacks": [{"step": 6, "to": 3, "batches": 3}]}
+                                  "rollbacks": [{"step": 6, "to": 3, "batches": 3}],
+                                  "healthy_checkpoints": [0]}
     # a checkpoint of the earlier policy (a temporary lr cut) keeps its window and rollbacks
     again.load_state_dict({"losses": [2.0], "rollbacks": [], "lr_until": 9})
     assert again.state_dict() == {"losses": [2.0], "through": 0, "skips": 0, "probe_batch": -1,
-                                  "lr_factor": 1.0, "rollbacks": []}
+                                  "lr_factor": 1.0, "rollbacks": [],
+                                  "healthy_checkpoints": None}  # any checkpoint may be healthy
     again.load_state_dict(None)
     assert again.state_dict() == SpikePolicy(cfg).state_dict()
 
@@ -120,18 +124,38 @@ def test_weights_that_do_not_heal_roll_back_then_train_on_once_rollbacks_do_not_
     assert g.judge(9, SPIKE, 8, probe) == Verdict("update", g.judge(9, SPIKE, 8, probe).spike)
 
 
-def test_bad_data_on_every_batch_for_the_patience_is_the_weights_after_all():
-    """The probe's one batch may be the only one the weights still get right (fp16 overflowing
-    on every other batch): skips in a row are capped by run.spike_patience, then it rolls back
-    from the first of them."""
+def test_bad_data_on_every_batch_for_the_patience_is_a_new_domain_trained_on():
+    """spike_patience finite spikes in a row on weights that stay fine on the last healthy batch,
+    and one more: the data itself has changed (unshuffled data reaching a new domain). The run
+    trains on it, the window starts over from that loss, and no spike is looked for until it is
+    full again; a healthy step in between ends a streak."""
     g, probe = guard(spike_patience=3), Probe(4.0)
     assert [g.judge(s, SPIKE, s - 1, probe).action for s in (3, 4, 5)] == ["skip"] * 3
-    rollback = g.judge(6, SPIKE, 5, probe)
-    assert (rollback.action, rollback.first) == ("rollback", 3)
+    shift = g.judge(6, SPIKE, 5, probe)
+    assert (shift.action, shift.event, shift.fields) == ("update", "shift", {
+        "cause": "data", "probe_loss": 4.0, "skipped": 3})
+    assert shift.line == ("step 6: loss spike: 9 is above 2 × the median 4 of the last 2 steps; "
+                          "4 global batches in a row spiked while the weights still give 4 on the "
+                          "last healthy batch: the data itself has changed, so the run trains on "
+                          "it from here (the 3 skipped before it stay skipped) and the median "
+                          "starts over")
+    assert list(g.spikes.losses) == [9.0] and g.spikes.skips == 0
+    assert g.judge(7, Health(30.0, [], False), 6, probe) == UPDATE  # the window is not full
+    assert g.spikes.median == 19.5 and probe.asked == [1] * 4
     g = guard(spike_patience=3)
     assert g.judge(3, SPIKE, 2, probe).action == "skip"
     assert g.judge(4, Health(4.0, [], False), 3, probe) == UPDATE  # a healthy step ends the run
     assert [g.judge(s, SPIKE, s - 1, probe).action for s in (5, 6, 7)] == ["skip"] * 3
+
+
+def test_non_finite_steps_on_every_batch_for_the_patience_are_the_weights_after_all():
+    """The probe's one batch may be the only one the weights still get right (fp16 overflowing
+    on every other batch): non-finite skips in a row are capped by run.spike_patience, then it
+    rolls back from the first of them."""
+    g, probe = guard(spike_patience=3), Probe(4.0)
+    assert [g.judge(s, NAN, s - 1, probe).action for s in (3, 4, 5)] == ["skip"] * 3
+    rollback = g.judge(6, NAN, 5, probe)
+    assert (rollback.action, rollback.first) == ("rollback", 3)
 
 
 def test_a_non_finite_step_the_weights_caused_rolls_back_at_once():
@@ -192,6 +216,27 @@ def test_the_rollback_target_is_the_newest_healthy_checkpoint_and_goes_further_b
     assert target(steps, first=16, origin=0, rollbacks=[{"step": 14, "to": 10}]) == 5
     assert target(steps, first=6, origin=0, rollbacks=[]) is None  # the initial state
     assert target(steps, first=16, origin=12, rollbacks=[]) is None  # before this process
+    # known healthy only: 10 was followed by a skipped (spiking) step, so 5 is the target
+    assert target(steps, first=16, origin=0, rollbacks=[], known=[5]) == 5
+    assert target(steps, first=16, origin=0, rollbacks=[], known=[]) is None
+
+
+def test_a_checkpoint_is_known_healthy_once_its_next_step_is_and_the_newest_is_never_pruned(
+        tmp_path):
+    """The domain shift that reset a run to step 0: checkpoints every 5, keep 3, a streak of
+    skips from step 80 on. The checkpoints of the streak (80, 85, 90) are not known healthy; the
+    one of step 75 is, and keep-last-k keeps it beside the newest 3."""
+    policy = SpikePolicy(RunConfig())
+    for step in (70, 75):
+        policy.confirm(step)
+    policy.confirm(75)
+    assert (policy.healthy_checkpoints, policy.newest_healthy) == ([70, 75], 75)
+    for step in range(20, 100, 5):
+        store.save(tmp_path, step, {"model": {}}, {}, keep=3,
+             protect=policy.newest_healthy)
+    assert [s for s, _ in store.step_dirs(tmp_path)] == [75, 85, 90, 95]
+    assert target([75, 85, 90, 95], first=96, origin=0, rollbacks=[],
+                  known=policy.healthy_checkpoints) == 75
 
 
 def test_skipping_batches_moves_the_global_cursor_as_reading_them_would(tmp_path):

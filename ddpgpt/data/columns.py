@@ -1,0 +1,30 @@
+"""What a document's text may be: a parquet text column's type (checked when the corpus is
+planned, before any work) and a row's value (a null row is counted as one, a value that is not
+text is one line naming where). jsonl rows check themselves (formats._jsonl_texts)."""
+
+from __future__ import annotations
+
+from ddpgpt.errors import UserError
+
+FIX = "name the text column with --text-field"
+
+
+def is_text_type(arrow_type) -> bool:
+    """A parquet column whose values are str in Python (or all null)."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(arrow_type):
+        arrow_type = arrow_type.value_type
+    return (pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
+            or pa.types.is_string_view(arrow_type) or pa.types.is_null(arrow_type))
+
+
+def check_parquet_column(path, name: str, arrow_type) -> None:
+    if not is_text_type(arrow_type):
+        raise UserError(f"{path}: column {name!r} holds {arrow_type} values, not text; {FIX}")
+
+
+def check_value(where: str, name: str, value) -> None:
+    """A row's text from a source whose values are not typed up front (hf: datasets)."""
+    if value is not None and not isinstance(value, str):
+        raise UserError(f"{where}: a row's {name!r} is {type(value).__name__}, not text; {FIX}")
