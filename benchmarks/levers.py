@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 from pathlib import Path
 
 from benchmarks import speedrun
@@ -58,26 +57,17 @@ LEVERS = {
     "wsd-0.6": ["--optim.schedule", "wsd", "--optim.decay-fraction", "0.6"],
     "min-lr-0": ["--optim.min-lr", "0"],
     "steps-150": ["--run.steps", "150"],
+    "steps-175": ["--run.steps", "175"],
     "steps-250": ["--run.steps", "250"],
     "warmup-0": ["--optim.warmup-steps", "0"],
 }
 
 
 def run_lever(name: str, data: Path, run: Path, seed: int, args) -> dict:
-    """One lever's run for one seed, trained or, when `run` finished the same resolved config
-    (`ddpgpt train --print-config`), read."""
-    recipe = [*BASE, *LEVERS[name]]
-    cmd = speedrun.train_command(recipe, data, run, args.threads, 1, args.eval_every, seed)
-    config = subprocess.run([*cmd, "--print-config"], capture_output=True, text=True, check=True)
-    stamp = run / "resolved.toml"
-    if stamp.is_file() and stamp.read_text() == config.stdout:
-        try:
-            return speedrun.read_run(run)
-        except (OSError, IndexError, KeyError, ValueError):
-            pass  # unfinished: train it again
-    out = speedrun.ddpgpt(recipe, data, run, args.threads, 1, args.eval_every, seed)
-    stamp.write_text(config.stdout)
-    return out
+    """One lever's run for one seed, trained or, when `run` finished the same resolved config,
+    read (benchmarks/speedrun.py's ddpgpt)."""
+    return speedrun.ddpgpt([*BASE, *LEVERS[name]], data, run, args.threads, 1, args.eval_every,
+                           seed)
 
 
 def loss_at(out: dict, step: int) -> float | None:

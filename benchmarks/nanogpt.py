@@ -10,7 +10,9 @@ add k. Seed 0 passes no file: nanoGPT's own run.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import pickle
 import re
@@ -44,9 +46,11 @@ def check(snapshot: Path) -> None:
                          f"{', '.join(FILES)}); clone github.com/karpathy/nanoGPT")
 
 
-def train(snapshot: Path, data: Path, run: Path, threads: int, seed: int = 0) -> dict:
-    """nanoGPT's train.py on the prepared tokens, seeded `seed` (module docstring); its training
-    seconds and checkpoint."""
+def train(snapshot: Path, data: Path, run: Path, threads: int, seed: int = 0,
+          steps: int = STEPS) -> dict:
+    """nanoGPT's train.py on the prepared tokens, seeded `seed` (module docstring), for `steps`
+    steps (fewer than STEPS: a run to time its steps, with the schedule and checkpoint of STEPS);
+    its training seconds, each step's seconds and its checkpoint."""
     from ddpgpt.data.shards import TokenDataset, open_shard
     if run.exists():
         shutil.rmtree(run)
@@ -71,16 +75,25 @@ def train(snapshot: Path, data: Path, run: Path, threads: int, seed: int = 0) ->
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     print(f"$ (cd {run} && python train.py --dataset=corpus {' '.join(seeded)} ...)", flush=True)
     log = subprocess.run([sys.executable, "train.py", *seeded, "--dataset=corpus",
-                          "--out_dir=out", *FLAGS], cwd=run, env=env, capture_output=True,
-                         text=True)
+                          "--out_dir=out", *FLAGS, f"--max_iters={steps}"], cwd=run, env=env,
+                         capture_output=True, text=True)
     (run / "train.log").write_text(log.stdout + log.stderr)
     if log.returncode != 0:
         raise SystemExit(f"speedrun: nanoGPT failed (exit {log.returncode}); its output is in "
                          f"{run / 'train.log'}")
-    steps = step_seconds(log.stdout, STEPS)
-    train_s = sum(steps)
-    return {"seed": seed, "train_s": train_s, "step_s": statistics.median(steps),
-            "tokens_per_s": STEPS * 16 * 256 / train_s, "checkpoint": run / "out" / "ckpt.pt"}
+    times = step_seconds(log.stdout, steps)
+    train_s = sum(times)
+    return {"seed": seed, "train_s": train_s, "step_s": statistics.median(times), "times": times,
+            "tokens_per_s": steps * 16 * 256 / train_s, "checkpoint": run / "out" / "ckpt.pt"}
+
+
+def stamp(snapshot: Path, data: Path, threads: int, seed: int) -> str:
+    """What a finished run's figures depend on: nanoGPT's files, the flags, the seed, the threads
+    and the prepared tokens (their meta.json, which holds every shard's sha256)."""
+    files = {f: hashlib.sha256((snapshot / f).read_bytes()).hexdigest() for f in FILES}
+    return json.dumps({"files": files, "flags": FLAGS, "steps": STEPS, "seed": seed,
+                       "threads": threads, "data": (data / "meta.json").read_text()},
+                      sort_keys=True)
 
 
 def step_seconds(log: str, steps: int) -> list[float]:

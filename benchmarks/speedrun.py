@@ -61,6 +61,7 @@ RECIPES = {
     "speedrun-500": ["--preset", "speedrun", "--run.steps", "500"],
 }
 DEFAULT_RECIPES = "adamw,muon,speedrun"
+PACE_STEPS, PACE_SKIP = 30, 5
 BUILTIN = {"bytes": ("stdlib", "byte"), "bpe": ("stdlib", "bpe"), "prose": (None, "bpe")}
 
 
@@ -114,16 +115,33 @@ def train_command(recipe: list[str], data: Path, run: Path, threads: int, nproc:
 
 def ddpgpt(recipe: list[str], data: Path, run: Path, threads: int, nproc: int,
            eval_every: int, seed: int = 0) -> dict:
-    """One ddpgpt recipe trained to its end (train_command); its evaluations and totals."""
+    """One ddpgpt recipe trained to its end (train_command); its evaluations and totals. Where
+    `run` already finished the same resolved config (`ddpgpt train --print-config`), it is
+    read, not trained again."""
+    cmd = train_command(recipe, data, run, threads, nproc, eval_every, seed)
+    config = subprocess.run([*cmd, "--print-config"], capture_output=True, text=True, check=True)
+    stamp = run / "resolved.toml"
+    if stamp.is_file() and stamp.read_text() == config.stdout:
+        try:
+            return read_run(run)
+        except (OSError, IndexError, KeyError, ValueError):
+            pass  # unfinished: train it again
     if run.exists():
         shutil.rmtree(run)
-    cmd = train_command(recipe, data, run, threads, nproc, eval_every, seed)
     print("$", " ".join(cmd[1:]), flush=True)
+    before = load()
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"speedrun: ddpgpt train failed (exit {done.returncode}):\n"
                          f"{done.stderr[-2000:]}")
+    (run / "load.json").write_text(json.dumps([before, load()]))
+    stamp.write_text(config.stdout)
     return read_run(run)
+
+
+def load() -> float:
+    """The machine's 1-minute load average (`uptime`'s first figure)."""
+    return os.getloadavg()[0]
 
 
 def read_run(run: Path) -> dict:
@@ -131,7 +149,8 @@ def read_run(run: Path) -> dict:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "val_loss" in r and "event" not in r]
     last = evals[-1]
-    return {"evals": [(r["step"], r["val_loss"], r["train_s"]) for r in evals],
+    loads = json.loads(_read(run / "load.json") or "[]")
+    return {"evals": [(r["step"], r["val_loss"], r["train_s"]) for r in evals], "load": loads,
             "steps": last["step"], "final_val": last["val_loss"], "train_s": last["train_s"],
             "step_s": last["train_s"] / last["step"],
             "tokens_per_s": last["step"] * _tokens_per_step(run) / last["train_s"]}
@@ -140,6 +159,57 @@ def read_run(run: Path) -> dict:
 def _tokens_per_step(run: Path) -> int:
     cfg = json.loads((run / "config.json").read_text())
     return cfg["data"]["global_batch"] * cfg["data"]["seq_len"]
+
+
+def nanogpt_run(snapshot: Path, data: Path, run: Path, threads: int, seed: int) -> dict:
+    """nanoGPT's run (benchmarks/nanogpt.py) scored by ddpgpt's evaluator: its training seconds,
+    final val loss and the load at its start and end; read, not trained again, where `run` holds
+    a finished run of the same stamp (nanoGPT's files, flags, seed, threads and tokens)."""
+    stamp, result = nanogpt.stamp(snapshot, data, threads, seed), run / "result.json"
+    if _read(run / "stamp.json") == stamp and result.is_file():
+        return json.loads(result.read_text())
+    before = load()
+    out = nanogpt.train(snapshot, data, run, threads, seed)
+    out["load"] = [before, load()]
+    out["final_val"] = nanogpt.score(snapshot, out.pop("checkpoint"), data, threads)
+    del out["times"]
+    result.write_text(json.dumps(out))
+    (run / "stamp.json").write_text(stamp)
+    return out
+
+
+def pace(snapshot: Path | None, recipes: list[str], data: Path, work: Path, args) -> dict:
+    """Seconds per step measured apart from the full runs: `args.pace` rounds, each a
+    PACE_STEPS-step run of nanoGPT and then of every recipe, taking turns so that both see the
+    same load. A run's figure is the median of its steps after the first PACE_SKIP (warmup and
+    nanoGPT's evaluation at step 0), with the load at its start and end."""
+    out = {name: [] for name in (["nanogpt"] if snapshot is not None else []) + recipes}
+    for _ in range(args.pace):
+        if snapshot is not None:
+            before = load()
+            run = nanogpt.train(snapshot, data, work / "pace" / "nanogpt", args.threads,
+                                steps=PACE_STEPS)
+            out["nanogpt"].append({"step_s": statistics.median(run["times"][PACE_SKIP:]),
+                                   "load": [before, load()]})
+        for name in recipes:
+            run = work / "pace" / name
+            if run.exists():
+                shutil.rmtree(run)
+            cmd = [*train_command([*RECIPES[name], "--run.steps", str(PACE_STEPS)], data, run,
+                                  args.threads, args.nproc, 0), "--data.eval-windows", "1"]
+            before = load()
+            subprocess.run(cmd, capture_output=True, text=True, check=True)
+            out[name].append({"step_s": statistics.median(step_seconds(run)[PACE_SKIP:]),
+                              "load": [before, load()]})
+    return out
+
+
+def step_seconds(run: Path) -> list[float]:
+    """Each training step's seconds, from metrics.jsonl's per-step tokens/s."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    per_step = _tokens_per_step(run)
+    return [per_step / r["tokens_per_s"] for r in rows
+            if "tokens_per_s" in r and "val_loss" not in r and "event" not in r]
 
 
 def to_target(evals: list[tuple[int, float, float]], target: float) -> tuple[int, float] | None:
@@ -157,34 +227,55 @@ def spread(values: list[float], fmt: str) -> str:
     return f"{mean} ({format(min(values), fmt)}–{format(max(values), fmt)})"
 
 
+def _load(runs: list[dict]) -> str:
+    """The load over runs: each run's mean of its start and end, then spread; – if unrecorded."""
+    return spread([statistics.fmean(r["load"]) for r in runs if r.get("load")], ".1f")
+
+
 def table(corpus: str, args, target: float | None, ng_runs: list[dict],
-          results: dict[str, list[dict]]) -> tuple[list[str], dict]:
-    """The Markdown table of the runs and the summary written beside it."""
+          results: dict[str, list[dict]], paced: dict) -> tuple[list[str], dict]:
+    """The Markdown table of the runs and the summary written beside it. `× nanoGPT's time`
+    pairs each seed's time to target with the nanoGPT run it took turns with; the paced one is
+    steps to target × the recipe's s/step over 500 × nanoGPT's, both s/step from `paced` (the
+    median over its rounds of the recipe's s/step over nanoGPT's in the same round)."""
     lines = [f"\ncorpus {corpus}, {args.threads} threads, ddpgpt on {args.nproc} process(es), "
-             f"{args.seeds} seed(s), mean (min–max); target val loss "
-             + (f"{target:.4f}" if target is not None else "none"),
-             "| run | steps to target | training s to target | × nanoGPT's time | s/step | "
-             "tokens/s | final val loss (step) |", "|---|---:|---:|---:|---:|---:|---:|"]
+             f"{len(ng_runs) or len(next(iter(results.values()), []))} seed(s), mean (min–max); "
+             "target val loss " + (f"{target:.4f}" if target is not None else "none"),
+             "| run | steps to target | s/step | training s to target | × nanoGPT's time | "
+             "load | paced s/step | × nanoGPT's time, paced | final val loss (step) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    ng_pace = [r["step_s"] for r in paced.get("nanogpt", [])]
     if ng_runs:
         lines.append(f"| nanoGPT | {nanogpt.STEPS} | "
-                     f"{spread([r['train_s'] for r in ng_runs], '.1f')} | 1 | "
                      f"{spread([r['train_s'] / nanogpt.STEPS for r in ng_runs], '.3f')} | "
-                     f"{spread([r['tokens_per_s'] for r in ng_runs], ',.0f')} | "
+                     f"{spread([r['train_s'] for r in ng_runs], '.1f')} | 1 | {_load(ng_runs)} | "
+                     f"{spread(ng_pace, '.3f')} | 1 | "
                      f"{spread([r['final_val'] for r in ng_runs], '.4f')} ({nanogpt.STEPS}) |")
-    summary = {"corpus": corpus, "target": target, "nanogpt": ng_runs, "recipes": {}}
+    summary = {"corpus": corpus, "target": target, "nanogpt": ng_runs, "paced": paced,
+               "recipes": {}}
     for name, outs in results.items():
         hits = [to_target(o["evals"], target) for o in outs] if target is not None else []
         hit = [h for h in hits if h is not None]
         # each seed against the nanoGPT run it took turns with (the machine's load reaches both)
         ratio = [h[1] / ng["train_s"] for h, ng in zip(hits, ng_runs) if h is not None]
+        own = [r["step_s"] for r in paced.get(name, [])]
+        per_step = (statistics.median(a / b for a, b in zip(own, ng_pace))
+                    if own and ng_pace else None)
+        paced_ratio = ([step * per_step / nanogpt.STEPS for step, _ in hit]
+                       if per_step is not None else [])
         reached = (spread([float(step) for step, _ in hit], '.0f') if hit else "not reached")
         if hit and len(hit) < len(hits):
             reached += f" ({len(hits) - len(hit)} of {len(hits)} seeds not)"
-        lines.append(f"| ddpgpt {name} | {reached} | {spread([s for _, s in hit], '.1f')} | "
-                     f"{spread(ratio, '.2f')} | {spread([o['step_s'] for o in outs], '.3f')} | "
-                     f"{spread([o['tokens_per_s'] for o in outs], ',.0f')} | "
+        lines.append(f"| ddpgpt {name} | {reached} | "
+                     f"{spread([o['step_s'] for o in outs], '.3f')} | "
+                     f"{spread([s for _, s in hit], '.1f')} | {spread(ratio, '.2f')} | "
+                     f"{_load(outs)} | {spread(own, '.3f')} | {spread(paced_ratio, '.2f')} | "
                      f"{spread([o['final_val'] for o in outs], '.4f')} ({outs[0]['steps']}) |")
-        summary["recipes"][name] = {"runs": outs, "to_target": hits, "ratio": ratio}
+        summary["recipes"][name] = {"runs": outs, "to_target": hits, "ratio": ratio,
+                                    "paced_ratio": paced_ratio}
+    if paced:
+        lines.append(f"\npaced: {args.pace} round(s) of {PACE_STEPS} steps each side, taking "
+                     f"turns, load {_load([r for rs in paced.values() for r in rs])}")
     return lines, summary
 
 
@@ -204,6 +295,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="threads in all, for each side")
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--seeds", type=int, default=1, help="seeds 0 .. N-1, each a full round")
+    parser.add_argument("--pace", type=int, default=0,
+                        help=f"rounds of {PACE_STEPS}-step runs timing each side's s/step, "
+                        "taking turns, after the full runs (0: none)")
     parser.add_argument("--work", default="bench/speedrun")
     args = parser.parse_args()
     recipes = [r for r in args.recipes.split(",") if r]
@@ -225,8 +319,7 @@ def main() -> None:
     for seed in range(args.seeds):
         base = work / corpus / str(seed)
         if snapshot is not None:
-            run = nanogpt.train(snapshot, data, base / "nanogpt", args.threads, seed)
-            run["final_val"] = nanogpt.score(snapshot, run.pop("checkpoint"), data, args.threads)
+            run = nanogpt_run(snapshot, data, base / "nanogpt", args.threads, seed)
             ng_runs.append(run)
             print(f"nanoGPT seed {seed}: val {run['final_val']:.4f} after {run['train_s']:.1f} s",
                   flush=True)
@@ -237,7 +330,8 @@ def main() -> None:
             print(f"{name} seed {seed}: val {out['final_val']:.4f} at step {out['steps']} after "
                   f"{out['train_s']:.1f} s", flush=True)
     target = statistics.fmean(r["final_val"] for r in ng_runs) if ng_runs else args.target
-    lines, summary = table(corpus, args, target, ng_runs, results)
+    paced = pace(snapshot, recipes, data, work / corpus, args)
+    lines, summary = table(corpus, args, target, ng_runs, results, paced)
     print("\n".join(lines))
     path = work / f"{corpus}.json"
     path.write_text(json.dumps(summary, indent=1, default=str))

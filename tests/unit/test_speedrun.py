@@ -85,3 +85,35 @@ def test_nanogpts_step_times_and_time_to_target():
     assert speedrun.to_target(evals, 1.5) is None
     assert speedrun.spread([3.0, 1.0, 5.0], ".1f") == "3.0 (1.0–5.0)"  # the mean, the range
     assert speedrun.spread([3.0], ".1f") == "3.0"
+
+
+def test_the_paced_ratio_is_steps_times_the_per_step_ratio_of_the_same_rounds(tmp_path):
+    """× nanoGPT's time, paced: each seed's steps to target × (the median over rounds of the
+    recipe's s/step over nanoGPT's in the same round) / 500; the taking-turns ratio beside it is
+    the seed's training seconds over its own nanoGPT run's."""
+    from types import SimpleNamespace
+    ng = [{"train_s": 200.0, "final_val": 2.0, "load": [1.0, 3.0]},
+          {"train_s": 250.0, "final_val": 2.2, "load": [2.0, 2.0]}]
+    outs = [{"evals": [(100, 2.2, 60.0), (125, 2.05, 75.0)], "steps": 200, "final_val": 1.9,
+             "step_s": 0.6, "load": []},
+            {"evals": [(100, 2.09, 50.0)], "steps": 200, "final_val": 1.8, "step_s": 0.5}]
+    paced = {"nanogpt": [{"step_s": 0.5}, {"step_s": 1.0}, {"step_s": 0.4}],
+             "speedrun": [{"step_s": 0.6}, {"step_s": 1.0}, {"step_s": 0.6}]}  # 1.2, 1.0, 1.5
+    args = SimpleNamespace(threads=2, nproc=1, pace=3)
+    lines, summary = speedrun.table("c", args, 2.1, ng, {"speedrun": outs}, paced)
+    row = summary["recipes"]["speedrun"]
+    assert row["to_target"] == [(125, 75.0), (100, 50.0)]
+    assert row["ratio"] == pytest.approx([75.0 / 200.0, 50.0 / 250.0])
+    assert row["paced_ratio"] == pytest.approx([125 * 1.2 / 500, 100 * 1.2 / 500])
+    assert "| nanoGPT | 500 | 0.450 (0.400–0.500) | 225.0 (200.0–250.0) | 1 | 2.0 (2.0–2.0) |" in lines[3]
+    assert lines[4].startswith("| ddpgpt speedrun | 112 (100–125) | 0.550 (0.500–0.600) |")
+    assert "| 0.27 (0.24–0.30) | 1.8500 (1.8000–1.9000) (200) |" in lines[4]
+
+
+def test_a_runs_step_seconds_come_from_its_per_step_rows(tmp_path):
+    (tmp_path / "config.json").write_text('{"data": {"global_batch": 16, "seq_len": 256}}')
+    rows = ['{"step": 1, "tokens_per_s": 4096.0}', '{"step": 2, "tokens_per_s": 8192.0}',
+            '{"step": 2, "val_loss": 3.0, "train_s": 1.5, "tokens_per_s": 1.0}',
+            '{"event": "x", "tokens_per_s": 1.0}']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    assert speedrun.step_seconds(tmp_path) == [1.0, 0.5]
