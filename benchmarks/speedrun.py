@@ -1,7 +1,7 @@
 """Time to a validation loss, side by side with nanoGPT: the speedrun measure on this machine.
 
     python -m benchmarks.speedrun --nanogpt ~/src/nanoGPT                  # the stdlib's bytes
-    python -m benchmarks.speedrun --nanogpt ~/src/nanoGPT --corpus bpe --seeds 3
+    python -m benchmarks.speedrun --nanogpt ~/src/nanoGPT --corpus bpe --seeds 3 --pace 2
     python -m benchmarks.speedrun --nanogpt ~/src/nanoGPT --corpus prose   # Vim's help, bpe
     python -m benchmarks.speedrun --corpus data/mytext --target 3.9        # no nanoGPT
 
@@ -26,10 +26,22 @@ both see the same load. Seed k is nanoGPT's torch seed 1337 + k (benchmarks/nano
 its files untouched) and ddpgpt's `--run.seed` and `--data.seed` 1337 + k (the init and the data
 order). Every figure is the mean over the seeds and, for several, its range (min–max); `×
 nanoGPT's time` divides each seed's time to target by the time of the nanoGPT run it took turns
-with. Without a snapshot (no `--nanogpt`, no $NANOGPT) nanoGPT is skipped with one line, and
-`--target` stands in for its loss. Runs go into WORK/<corpus>/<seed>/; the table is printed as
-Markdown and written with every figure to WORK/<corpus>.json. docs/performance.md ("Time to a
-loss") holds the results.
+with. Each run records the 1-minute load average (`uptime`) at its start and end; the table's
+load is their mean. A finished run is read back rather than trained again when its config is the
+same (ddpgpt: `ddpgpt train --print-config`; nanoGPT: its files, flags, seed, threads and
+tokens), so seeds and recipes can be added by later calls, or trained by calls side by side (and
+then their times are not comparable: see --pace).
+
+`--pace R`: after the full runs, R rounds of 30-step runs, nanoGPT and then each recipe, taking
+turns; each run's s/step is the median of its steps after the 5th. `× nanoGPT's time, paced` is
+(a seed's steps to target × the median over the rounds of the recipe's s/step over nanoGPT's in
+the same round) / 500: the time ratio from figures that do not depend on the load (steps) and a
+per-step ratio measured under one load, for a machine whose load moves during the full runs.
+
+Without a snapshot (no `--nanogpt`, no $NANOGPT) nanoGPT is skipped with one line, and `--target`
+stands in for its loss. Runs go into WORK/<corpus>/<seed>/ (the paced ones into
+WORK/<corpus>/pace/); the table is printed as Markdown and written with every figure to
+WORK/<corpus>.json. docs/performance.md ("Time to a loss") holds the results.
 """
 
 from __future__ import annotations
