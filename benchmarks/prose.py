@@ -12,7 +12,8 @@ a section is cut at blank lines into pieces of at most 4,096 characters (a longe
 stays whole), and blank pieces are dropped. The files are read in sorted order as UTF-8 (a
 byte that is not, replaced), so the same vim-runtime gives the same corpus byte for byte:
 `DIR/vimhelp.jsonl` (one {"text": ...} per piece) and `DIR/SOURCES.txt` (the package version
-where dpkg knows it, and each file's size and sha256).
+where dpkg knows it, and each file's size and sha256); a file whose bytes would not change is
+left untouched.
 """
 
 from __future__ import annotations
@@ -61,11 +62,21 @@ def build(out: Path, pattern: str = FILES) -> Path:
             for part in sections(raw.decode("utf-8", errors="replace")):
                 f.write(json.dumps({"text": part}, ensure_ascii=False) + "\n")
                 count += 1
-    corpus.with_suffix(".partial").replace(corpus)
-    (out / "SOURCES.txt").write_text(
-        f"{count} pieces of {len(files)} files ({pattern}); {_package_version()}\n"
-        + "\n".join(listing) + "\n")
+    _replace_if_changed(corpus.with_suffix(".partial"), corpus)
+    sources = out / "SOURCES.partial"
+    sources.write_text(f"{count} pieces of {len(files)} files ({pattern}); "
+                       f"{_package_version()}\n" + "\n".join(listing) + "\n")
+    _replace_if_changed(sources, out / "SOURCES.txt")
     return corpus
+
+
+def _replace_if_changed(new: Path, path: Path) -> None:
+    """`new` onto `path`, unless `path` holds the same bytes already: then it is left as it was
+    (its mtime too, which tells benchmarks/speedrun.py whether to prepare the corpus again)."""
+    if path.is_file() and path.read_bytes() == new.read_bytes():
+        new.unlink()
+    else:
+        new.replace(path)
 
 
 def _package_version() -> str:

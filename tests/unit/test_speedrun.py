@@ -117,3 +117,25 @@ def test_a_runs_step_seconds_come_from_its_per_step_rows(tmp_path):
             '{"event": "x", "tokens_per_s": 1.0}']
     (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
     assert speedrun.step_seconds(tmp_path) == [1.0, 0.5]
+
+
+def test_the_prose_corpus_is_cut_at_separators_and_left_untouched_when_unchanged(tmp_path):
+    """Sections end at a line of 70 `=`, pieces hold whole paragraphs of at most 4 KB; building
+    again from the same files leaves the jsonl as it was, mtime included (no new prepare)."""
+    import json
+    import os
+
+    from benchmarks import prose
+    sep = "=" * 78 + "\n"
+    (tmp_path / "a.txt").write_text("intro\n\n" + sep + "one\n\ntwo\n\n" + sep + "\n")
+    (tmp_path / "b.txt").write_text("x" * 5000 + "\n\nshort\n")
+    out = prose.build(tmp_path / "out", str(tmp_path / "*.txt"))
+    texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    assert texts == ["intro\n\n", "one\n\ntwo\n\n", "x" * 5000 + "\n\n", "short\n"]
+    os.utime(out, ns=(1, 1))
+    prose.build(tmp_path / "out", str(tmp_path / "*.txt"))
+    assert out.stat().st_mtime_ns == 1
+    (tmp_path / "b.txt").write_text("changed\n")
+    prose.build(tmp_path / "out", str(tmp_path / "*.txt"))
+    assert out.stat().st_mtime_ns != 1 and "changed" in out.read_text()
+    assert sorted(os.listdir(tmp_path / "out")) == ["SOURCES.txt", "vimhelp.jsonl"]
