@@ -47,6 +47,7 @@ LEVERS = {
     "softcap-30": ["--model.logit-softcap", "30"],
     # the lr split: AdamW's lr (embedding, head, gains) against Muon's
     "adamw-lr-1e-3": ["--optim.lr", "1e-3", "--optim.min-lr", "1e-4"],
+    "adamw-lr-2e-3": ["--optim.lr", "2e-3", "--optim.min-lr", "2e-4"],
     "adamw-lr-4e-3": ["--optim.lr", "4e-3", "--optim.min-lr", "4e-4"],
     "adamw-lr-8e-3": ["--optim.lr", "8e-3", "--optim.min-lr", "8e-4"],
     "muon-lr-0.03": ["--optim.muon-lr", "0.03"],
