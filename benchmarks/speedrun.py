@@ -194,7 +194,12 @@ def pace(snapshot: Path | None, recipes: list[str], data: Path, work: Path, args
     """Seconds per step measured apart from the full runs: `args.pace` rounds, each a
     PACE_STEPS-step run of nanoGPT and then of every recipe, taking turns so that both see the
     same load. A run's figure is the median of its steps after the first PACE_SKIP (warmup and
-    nanoGPT's evaluation at step 0), with the load at its start and end."""
+    nanoGPT's evaluation at step 0), with the load at its start and end. Recorded in
+    WORK/pace.json; with `args.pace` 0, the figures recorded there at the same thread count."""
+    record = work / "pace.json"
+    if not args.pace:
+        saved = json.loads(_read(record) or "{}")
+        return saved.get("rounds", {}) if saved.get("threads") == args.threads else {}
     out = {name: [] for name in (["nanogpt"] if snapshot is not None else []) + recipes}
     for _ in range(args.pace):
         if snapshot is not None:
@@ -213,6 +218,8 @@ def pace(snapshot: Path | None, recipes: list[str], data: Path, work: Path, args
             subprocess.run(cmd, capture_output=True, text=True, check=True)
             out[name].append({"step_s": statistics.median(step_seconds(run)[PACE_SKIP:]),
                               "load": [before, load()]})
+    work.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"threads": args.threads, "rounds": out}, indent=1))
     return out
 
 
@@ -266,6 +273,8 @@ def table(corpus: str, args, target: float | None, ng_runs: list[dict],
     summary = {"corpus": corpus, "target": target, "nanogpt": ng_runs, "paced": paced,
                "recipes": {}}
     for name, outs in results.items():
+        if not outs:
+            continue
         hits = [to_target(o["evals"], target) for o in outs] if target is not None else []
         hit = [h for h in hits if h is not None]
         # each seed against the nanoGPT run it took turns with (the machine's load reaches both)
@@ -286,7 +295,8 @@ def table(corpus: str, args, target: float | None, ng_runs: list[dict],
         summary["recipes"][name] = {"runs": outs, "to_target": hits, "ratio": ratio,
                                     "paced_ratio": paced_ratio}
     if paced:
-        lines.append(f"\npaced: {args.pace} round(s) of {PACE_STEPS} steps each side, taking "
+        rounds = max(len(r) for r in paced.values())
+        lines.append(f"\npaced: {rounds} round(s) of {PACE_STEPS} steps each side, taking "
                      f"turns, load {_load([r for rs in paced.values() for r in rs])}")
     return lines, summary
 
@@ -306,10 +316,11 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1, help="ddpgpt's processes")
     parser.add_argument("--threads", type=int, default=2, help="threads in all, for each side")
     parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--seeds", type=int, default=1, help="seeds 0 .. N-1, each a full round")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="seeds 0 .. N-1, each a full round (0: none, --pace alone)")
     parser.add_argument("--pace", type=int, default=0,
                         help=f"rounds of {PACE_STEPS}-step runs timing each side's s/step, "
-                        "taking turns, after the full runs (0: none)")
+                        "taking turns, after the full runs (0: the last ones recorded)")
     parser.add_argument("--work", default="bench/speedrun")
     args = parser.parse_args()
     recipes = [r for r in args.recipes.split(",") if r]
@@ -317,8 +328,8 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"speedrun: unknown recipe {unknown[0]!r}; choose from "
                          f"{', '.join(RECIPES)}")
-    if args.seeds < 1:
-        raise SystemExit(f"speedrun: --seeds {args.seeds} must be at least 1")
+    if args.seeds < 0:
+        raise SystemExit(f"speedrun: --seeds {args.seeds} must be at least 0 (0: --pace alone)")
     snapshot = Path(args.nanogpt).expanduser() if args.nanogpt else None
     if snapshot is not None:
         nanogpt.check(snapshot)
