@@ -74,9 +74,11 @@ def train(snapshot: Path, data: Path, run: Path, threads: int, seed: int = 0,
         seeded = ["seed.py"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     print(f"$ (cd {run} && python train.py --dataset=corpus {' '.join(seeded)} ...)", flush=True)
+    # its own session, as ddpgpt's trainer has: Linux's autogroup scheduling shares the CPU between
+    # sessions, so both sides then get the same share of a busy machine
     log = subprocess.run([sys.executable, "train.py", *seeded, "--dataset=corpus",
                           "--out_dir=out", *FLAGS, f"--max_iters={steps}"], cwd=run, env=env,
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, start_new_session=True)
     (run / "train.log").write_text(log.stdout + log.stderr)
     if log.returncode != 0:
         raise SystemExit(f"speedrun: nanoGPT failed (exit {log.returncode}); its output is in "
