@@ -105,7 +105,8 @@ def test_the_paced_ratio_is_steps_times_the_per_step_ratio_of_the_same_rounds(tm
     assert row["to_target"] == [(125, 75.0), (100, 50.0)]
     assert row["ratio"] == pytest.approx([75.0 / 200.0, 50.0 / 250.0])
     assert row["paced_ratio"] == pytest.approx([125 * 1.2 / 500, 100 * 1.2 / 500])
-    assert "| nanoGPT | 500 | 0.450 (0.400–0.500) | 225.0 (200.0–250.0) | 1 | 2.0 (2.0–2.0) |" in lines[3]
+    assert lines[3].startswith("| nanoGPT | 500 | 0.450 (0.400–0.500) | 225.0 (200.0–250.0) | 1 | "
+                               "2.0 (2.0–2.0) |")
     assert lines[4].startswith("| ddpgpt speedrun | 112 (100–125) | 0.550 (0.500–0.600) |")
     assert "| 0.27 (0.24–0.30) | 1.8500 (1.8000–1.9000) (200) |" in lines[4]
 
