@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import speedrun
+from benchmarks import nanogpt, speedrun
 from ddpgpt.config.model import ModelConfig
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
@@ -66,7 +66,7 @@ def test_a_nanogpt_checkpoint_scores_as_the_same_weights_in_ddpgpt(tmp_path):
     (tmp_path / "ng" / "model.py").write_text(FAKE_MODEL)
     state = {f"_orig_mod.inner.{k}": v for k, v in ours.state_dict().items()}  # as compiled
     torch.save({"model": state, "model_args": args}, tmp_path / "ckpt.pt")
-    scored = speedrun.score_nanogpt(tmp_path / "ng", tmp_path / "ckpt.pt", data, threads=1)
+    scored = nanogpt.score(tmp_path / "ng", tmp_path / "ckpt.pt", data, threads=1)
     loader = EvalLoader(TokenDataset(data), seq_len=16, micro_batch=16)
     assert len(loader.windows) == 21
     assert scored == pytest.approx(evaluate(ours, loader, DistEnv()), abs=1e-6)
@@ -76,12 +76,67 @@ def test_nanogpts_step_times_and_time_to_target():
     log = "\n".join(["tokens per iteration will be: 4,096", "step 0: train loss 5.5, val loss 5.5",
                      *[f"iter {i}: loss 2.0, time {100 + i}.50ms, mfu -100.00%" for i in range(3)],
                      "step 3: train loss 2.0, val loss 2.0", "iter 3: loss 2.0, time 900.00ms"])
-    assert speedrun.step_seconds(log, 3) == [0.1005, 0.1015, 0.1025]
+    assert nanogpt.step_seconds(log, 3) == [0.1005, 0.1015, 0.1025]
     with pytest.raises(SystemExit, match="no time for step 4"):
-        speedrun.step_seconds(log, 5)
+        nanogpt.step_seconds(log, 5)
     evals = [(25, 2.5, 10.0), (50, 1.99, 20.0), (75, 1.9, 30.0)]
     assert speedrun.to_target(evals, 2.0) == (50, 20.0)
     assert speedrun.to_target(evals, 1.99) == (50, 20.0)  # at or below
     assert speedrun.to_target(evals, 1.5) is None
-    assert speedrun.spread([3.0, 1.0, 2.0], ".1f") == "2.0 (1.0–3.0)"
+    assert speedrun.spread([3.0, 1.0, 5.0], ".1f") == "3.0 (1.0–5.0)"  # the mean, the range
     assert speedrun.spread([3.0], ".1f") == "3.0"
+
+
+def test_the_paced_ratio_is_steps_times_the_per_step_ratio_of_the_same_rounds(tmp_path):
+    """× nanoGPT's time, paced: each seed's steps to target × (the median over rounds of the
+    recipe's s/step over nanoGPT's in the same round) / 500; the taking-turns ratio beside it is
+    the seed's training seconds over its own nanoGPT run's."""
+    from types import SimpleNamespace
+    ng = [{"train_s": 200.0, "final_val": 2.0, "load": [1.0, 3.0]},
+          {"train_s": 250.0, "final_val": 2.2, "load": [2.0, 2.0]}]
+    outs = [{"evals": [(100, 2.2, 60.0), (125, 2.05, 75.0)], "steps": 200, "final_val": 1.9,
+             "step_s": 0.6, "load": []},
+            {"evals": [(100, 2.09, 50.0)], "steps": 200, "final_val": 1.8, "step_s": 0.5}]
+    paced = {"nanogpt": [{"step_s": 0.5}, {"step_s": 1.0}, {"step_s": 0.4}],
+             "speedrun": [{"step_s": 0.6}, {"step_s": 1.0}, {"step_s": 0.6}]}  # 1.2, 1.0, 1.5
+    args = SimpleNamespace(threads=2, nproc=1, pace=3)
+    lines, summary = speedrun.table("c", args, 2.1, ng, {"speedrun": outs}, paced)
+    row = summary["recipes"]["speedrun"]
+    assert row["to_target"] == [(125, 75.0), (100, 50.0)]
+    assert row["ratio"] == pytest.approx([75.0 / 200.0, 50.0 / 250.0])
+    assert row["paced_ratio"] == pytest.approx([125 * 1.2 / 500, 100 * 1.2 / 500])
+    assert lines[3].startswith("| nanoGPT | 500 | 0.450 (0.400–0.500) | 225.0 (200.0–250.0) | 1 | "
+                               "2.0 (2.0–2.0) |")
+    assert lines[4].startswith("| ddpgpt speedrun | 112 (100–125) | 0.550 (0.500–0.600) |")
+    assert "| 0.27 (0.24–0.30) | 1.8500 (1.8000–1.9000) (200) |" in lines[4]
+
+
+def test_a_runs_step_seconds_come_from_its_per_step_rows(tmp_path):
+    (tmp_path / "config.json").write_text('{"data": {"global_batch": 16, "seq_len": 256}}')
+    rows = ['{"step": 1, "tokens_per_s": 4096.0}', '{"step": 2, "tokens_per_s": 8192.0}',
+            '{"step": 2, "val_loss": 3.0, "train_s": 1.5, "tokens_per_s": 1.0}',
+            '{"event": "x", "tokens_per_s": 1.0}']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    assert speedrun.step_seconds(tmp_path) == [1.0, 0.5]
+
+
+def test_the_prose_corpus_is_cut_at_separators_and_left_untouched_when_unchanged(tmp_path):
+    """Sections end at a line of 70 `=`, pieces hold whole paragraphs of at most 4 KB; building
+    again from the same files leaves the jsonl as it was, mtime included (no new prepare)."""
+    import json
+    import os
+
+    from benchmarks import prose
+    sep = "=" * 78 + "\n"
+    (tmp_path / "a.txt").write_text("intro\n\n" + sep + "one\n\ntwo\n\n" + sep + "\n")
+    (tmp_path / "b.txt").write_text("x" * 5000 + "\n\nshort\n")
+    out = prose.build(tmp_path / "out", str(tmp_path / "*.txt"))
+    texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    assert texts == ["intro\n\n", "one\n\ntwo\n\n", "x" * 5000 + "\n\n", "short\n"]
+    os.utime(out, ns=(1, 1))
+    prose.build(tmp_path / "out", str(tmp_path / "*.txt"))
+    assert out.stat().st_mtime_ns == 1
+    (tmp_path / "b.txt").write_text("changed\n")
+    prose.build(tmp_path / "out", str(tmp_path / "*.txt"))
+    assert out.stat().st_mtime_ns != 1 and "changed" in out.read_text()
+    assert sorted(os.listdir(tmp_path / "out")) == ["SOURCES.txt", "vimhelp.jsonl"]

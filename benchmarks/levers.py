@@ -1,0 +1,139 @@
+"""The speedrun recipe's levers, one at a time: each a change to one base recipe, trained on a
+corpus with several seeds, against the base at equal steps.
+
+    python -m benchmarks.levers --corpus bpe --seeds 2                    # every lever
+    python -m benchmarks.levers --corpus prose --levers base,no-rope,relu2 --target 4.25
+
+The figures depend neither on the machine's load nor on its speed (a config gives the same losses
+on every run at one thread count on one process): the val loss at every evaluation (all val
+windows, every --eval-every steps), the final one's difference from the base's of the same seed
+(mean and range over the seeds: a lever helps only where the whole range is below 0), and the
+steps to a target val loss (--target, or else the nanoGPT target in WORK/<corpus>.json that
+benchmarks/speedrun.py wrote). Time per step is measured apart (benchmarks/speedrun.py's s/step),
+since on a shared machine it moves with the load.
+
+Seeds and the corpus are as in benchmarks/speedrun.py. A run whose directory already holds a
+finished run of the same config (as `ddpgpt train --print-config` resolves it) is read, not
+trained again, so seeds and levers can be added
+later; runs go into WORK/levers/<corpus>/<lever>/<seed>/ and the table to WORK/levers-<corpus>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from benchmarks import speedrun
+
+# The base: the speedrun preset as it is (docs/performance.md's "Time to a loss").
+BASE = ["--preset", "speedrun"]
+LEVERS = {
+    "base": [],
+    # deliverable 4's reference: the tiny preset's Muon on GPT-2's model, as long as the base
+    "tiny-muon": ["--preset", "tiny", "--model.arch", "gpt2", "--optim.name", "muon"],
+    # the architecture, piece by piece
+    "gpt2": ["--model.arch", "gpt2", "--model.gelu", "exact"],
+    "no-rope": ["--model.rope", "false"],
+    "layernorm": ["--model.norm", "layernorm"],
+    "no-qk-norm": ["--model.qk-norm", "false"],
+    "swiglu": ["--model.mlp", "swiglu"],
+    "relu2": ["--model.mlp", "relu2"],
+    "gelu": ["--model.mlp", "gelu", "--model.gelu", "exact"],
+    "tied": ["--model.tie-embeddings", "true"],
+    "no-zero-init": ["--model.zero-init-proj", "false"],
+    "bias": ["--model.bias", "true"],
+    "softcap-15": ["--model.logit-softcap", "15"],
+    "softcap-30": ["--model.logit-softcap", "30"],
+    # the lr split: AdamW's lr (embedding, head, gains) against Muon's
+    "adamw-lr-1e-3": ["--optim.lr", "1e-3", "--optim.min-lr", "1e-4"],
+    "adamw-lr-2e-3": ["--optim.lr", "2e-3", "--optim.min-lr", "2e-4"],
+    "adamw-lr-4e-3": ["--optim.lr", "4e-3", "--optim.min-lr", "4e-4"],
+    "adamw-lr-8e-3": ["--optim.lr", "8e-3", "--optim.min-lr", "8e-4"],
+    "muon-lr-0.03": ["--optim.muon-lr", "0.03"],
+    "muon-lr-0.015": ["--optim.muon-lr", "0.015"],
+    # the schedule's shape and its length
+    "wsd-0.2": ["--optim.schedule", "wsd", "--optim.decay-fraction", "0.2"],
+    "wsd-0.4": ["--optim.schedule", "wsd", "--optim.decay-fraction", "0.4"],
+    "wsd-0.6": ["--optim.schedule", "wsd", "--optim.decay-fraction", "0.6"],
+    "min-lr-0": ["--optim.min-lr", "0"],
+    "steps-150": ["--run.steps", "150"],
+    "steps-175": ["--run.steps", "175"],
+    "steps-250": ["--run.steps", "250"],
+    "warmup-0": ["--optim.warmup-steps", "0"],
+}
+
+
+def run_lever(name: str, data: Path, run: Path, seed: int, args) -> dict:
+    """One lever's run for one seed, trained or, when `run` finished the same resolved config,
+    read (benchmarks/speedrun.py's ddpgpt)."""
+    return speedrun.ddpgpt([*BASE, *LEVERS[name]], data, run, args.threads, 1, args.eval_every,
+                           seed)
+
+
+def loss_at(out: dict, step: int) -> float | None:
+    return next((loss for s, loss, _ in out["evals"] if s == step), None)
+
+
+def table(corpus: str, target: float | None, runs: dict[str, list[dict]]) -> list[str]:
+    """Markdown: each lever's val loss at a quarter, half and all of the base's steps, its final
+    loss's difference from the base's (seed by seed), and its steps to the target."""
+    base = runs["base"]
+    end = base[0]["steps"]
+    marks = sorted({end // 4 // 25 * 25 or 25, end // 2 // 25 * 25 or 25, end})
+    lines = [f"\ncorpus {corpus}; {len(base)} seed(s): mean (min–max); target "
+             + (f"{target:.4f}" if target is not None else "none"),
+             "| lever | " + " | ".join(f"val at {m}" for m in marks)
+             + " | final val (step) | final − base's | steps to target |",
+             "|---|" + "---:|" * (len(marks) + 3)]
+    for name, outs in runs.items():
+        vals = [" " + speedrun.spread([v for o in outs if (v := loss_at(o, m)) is not None],
+                                      ".4f") for m in marks]
+        delta = [o["final_val"] - b["final_val"] for o, b in zip(outs, base)]
+        hits = [speedrun.to_target(o["evals"], target) for o in outs] if target else []
+        steps = [float(h[0]) for h in hits if h is not None]
+        reach = speedrun.spread(steps, ".0f") if steps else ("–" if not hits else "not reached")
+        if steps and len(steps) < len(hits):
+            reach += f" ({len(hits) - len(steps)} not)"
+        lines.append(f"| {name} |" + " |".join(vals)
+                     + f" | {speedrun.spread([o['final_val'] for o in outs], '.4f')} "
+                     f"({outs[0]['steps']}) | {speedrun.spread(delta, '+.4f')} | {reach} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--corpus", default="bytes",
+                        help="bytes, bpe, prose, a prepared dataset dir or a dir of text")
+    parser.add_argument("--tokenizer", default="bpe", choices=("bpe", "byte"))
+    parser.add_argument("--levers", default=",".join(LEVERS),
+                        help=f"comma-separated, of {', '.join(LEVERS)}")
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--target", type=float, default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--work", default="bench/speedrun")
+    args = parser.parse_args()
+    names = ["base"] + [n for n in args.levers.split(",") if n and n != "base"]
+    unknown = [n for n in names if n not in LEVERS]
+    if unknown:
+        raise SystemExit(f"levers: unknown lever {unknown[0]!r}; choose from {', '.join(LEVERS)}")
+    work = Path(args.work)
+    corpus, data = speedrun.prepare(args.corpus, work, args.tokenizer)
+    target = args.target
+    if target is None and (work / f"{corpus}.json").is_file():
+        target = json.loads((work / f"{corpus}.json").read_text()).get("target")
+    runs = {name: [] for name in names}
+    for seed in range(args.seeds):
+        for name in names:
+            out = run_lever(name, data, work / "levers" / corpus / name / str(seed), seed, args)
+            runs[name].append(out)
+            print(f"{name} seed {seed}: val {out['final_val']:.4f} at step {out['steps']}",
+                  flush=True)
+    lines = table(corpus, target, runs)
+    print("\n".join(lines))
+    (work / f"levers-{corpus}.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
