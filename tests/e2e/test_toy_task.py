@@ -58,7 +58,8 @@ def test_a_task_kind_added_from_outside_is_scored_like_a_built_in_one(tmp_path, 
     assert [r["step"] for r in rows] == [2, 4]
     for r in rows:
         assert r["mine_n"] == len(TEXTS) and r["mine_s"] > 0
-        line = f"step {r['step']}: val_loss {r['val_loss']:.4f}, val_bpb {r['val_bpb']:.4f}, "
+        line = (f"step {r['step']}: val_loss {r['val_loss']:.4f}, val_bpb {r['val_bpb']:.4f}, "
+                f"train_eval_loss {r['train_eval_loss']:.4f}, ")
         assert f"{line}mine {r['mine_nll']:.4f}\n" in trained.stdout, trained.stdout
     want = oracle(run_dir)
     assert rows[-1]["mine_nll"] == pytest.approx(want, rel=1e-6)
