@@ -24,12 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bench_start import SHARD_TOKENS, shard_header
 from ddpgpt.data import verify
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.files import sha256
 
-SHARD_TOKENS = 100_000_000
-HEADER = 1024
 EOT = 256
 LOADER = """
 import json, sys, time
@@ -76,10 +75,8 @@ def documents_dataset(root: Path, tokens: int) -> tuple[Path, int]:
             payload[mine] = EOT
             payload[0] = EOT  # a split's first token starts a document
             path = out / f"{split}_{i:06d}.bin"
-            header = b"DDPGPTTK" + (1).to_bytes(4, "little") + (1).to_bytes(4, "little") + \
-                len(payload).to_bytes(8, "little")
             with open(path, "wb") as f:
-                f.write(header.ljust(HEADER, b"\0"))
+                f.write(shard_header(len(payload)))
                 payload.tofile(f)
             shards[split].append({"file": path.name, "tokens": len(payload),
                                   "sha256": sha256(path)})

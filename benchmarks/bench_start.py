@@ -61,6 +61,12 @@ print(json.dumps({"seconds": done - imported, "added_mb": (peak - rss1) / 1e6,
 """
 
 
+def shard_header(count: int) -> bytes:
+    """The 1024-byte header of a uint16 shard of `count` tokens, as `prepare` writes it."""
+    return (b"DDPGPTTK" + (1).to_bytes(4, "little") + (1).to_bytes(4, "little") +
+            count.to_bytes(8, "little")).ljust(HEADER, b"\0")
+
+
 def fake_dataset(root: Path, tokens: int) -> Path:
     out = root / f"fake-{tokens:.0e}".replace("+", "")
     if (out / "meta.json").is_file():
@@ -72,10 +78,8 @@ def fake_dataset(root: Path, tokens: int) -> Path:
         for i, start in enumerate(range(0, n, SHARD_TOKENS)):
             count = min(SHARD_TOKENS, n - start)
             path = out / f"{split}_{i:06d}.bin"
-            header = b"DDPGPTTK" + (1).to_bytes(4, "little") + (1).to_bytes(4, "little") + \
-                count.to_bytes(8, "little")
             with open(path, "wb") as f:
-                f.write(header.ljust(HEADER, b"\0"))
+                f.write(shard_header(count))
                 f.truncate(HEADER + 2 * count)  # a hole: no disk
             if count not in digests:  # every full shard has the same bytes
                 digests[count] = _sha256(path)
