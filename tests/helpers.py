@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 # GPT-2's vocab.bpe and encoder.json in tiktoken's cache layout, beside the repository (a CI
 # clone has ../shared too); the gpt2 cases are skipped without it.
 TIKTOKEN_GPT2 = REPO.parent / "shared" / "data" / "tiktoken-gpt2"
-# unit tests' model
-SMALL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+# unit tests' model: GPT-2's architecture (the tests of the modern one replace arch)
+SMALL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, arch="gpt2")
 
 
 def write_dataset(path: Path, train: np.ndarray, val: np.ndarray, vocab_size: int,

@@ -189,6 +189,9 @@ def from_dict(values: dict, source: str = "config.json") -> TrainConfig:
             del fields[key]
         else:
             fields[key] = successor.get(fields[key], fields[key])
+    model = values.get("model")
+    if isinstance(model, dict) and "arch" not in model:
+        model["arch"] = "gpt2"  # saved before model.arch existed, when every model was GPT-2's
     return overlay(TrainConfig(), values, source)
 
 

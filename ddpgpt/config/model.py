@@ -53,10 +53,11 @@ class ModelConfig:
     vocab_size: int = 0
     """Output vocabulary; 0 takes the dataset's, rounded up to a multiple of 64 for fast matmuls
     where that adds no more than a hundredth (GPT-2's 50,257 -> 50,304)."""
-    arch: Arch = "gpt2"
+    arch: Arch = "modern"
     """The architecture, a named bundle of the pieces below (rope, norm, qk_norm, mlp, bias,
     tie_embeddings, zero_init_proj): each piece left unset takes the arch's value, and config.json
-    records them all. gpt2: GPT-2's (learned positions, LayerNorm, GELU, biases, the head tied to
+    records them all. modern is the default for new runs (docs/performance.md, "Time to a loss");
+    a config saved before model.arch existed is gpt2, as --init-from gpt2 is. gpt2: GPT-2's (learned positions, LayerNorm, GELU, biases, the head tied to
     the embedding). modern: rotary positions, RMSNorm, QK-norm, SwiGLU, no biases, an untied head,
     zero-initialized output projections (Qwen3's; ddpgpt export writes it as Qwen3ForCausalLM)."""
     rope: bool | None = None

@@ -61,7 +61,8 @@ def small() -> TrainConfig:
 def gpt2_124m() -> TrainConfig:
     """GPT-2 small: ~0.5M tokens per step (512 sequences of 1024 tokens)."""
     return TrainConfig(
-        model=ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
+        model=ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304,
+                          arch="gpt2"),
         data=DataConfig(micro_batch=16, global_batch=512, eval_windows=512),
         optim=OptimConfig(lr=6e-4, min_lr=6e-5, warmup_steps=700),
         run=RunConfig(steps=19000, log_every=10, eval_every=250, checkpoint_every=1000),
@@ -70,7 +71,8 @@ def gpt2_124m() -> TrainConfig:
 
 def gpt2_350m() -> TrainConfig:
     return TrainConfig(
-        model=ModelConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304),
+        model=ModelConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304,
+                          arch="gpt2"),
         data=DataConfig(micro_batch=8, global_batch=512, eval_windows=512),
         optim=OptimConfig(lr=3e-4, min_lr=3e-5, warmup_steps=700),
         run=RunConfig(steps=19000, log_every=10, eval_every=250, checkpoint_every=1000),

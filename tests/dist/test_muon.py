@@ -128,7 +128,8 @@ def test_a_muon_checkpoint_resumes_bitwise_through_the_command_line(tiny_data, t
 
     from tests.helpers import saved_state
 
-    muon = {"optim__name": "muon", "optim__muon_lr": 0.05, "run__sync": "zero1"}
+    muon = {"optim__name": "muon", "optim__muon_lr": 0.05, "run__sync": "zero1",
+            "model__arch": "gpt2"}  # MATRICES counts GPT-2's
     straight = tmp_path / "straight"
     run_ranks([tiny_train_args(tiny_data, straight, 6, **muon)] * 2, tmp_path / "logs")
     again = tmp_path / "again"

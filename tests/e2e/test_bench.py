@@ -12,7 +12,8 @@ from tests.helpers import run_cli
 pytestmark = [pytest.mark.e2e, pytest.mark.dist, pytest.mark.timeout(240)]
 
 
-SMALL = ("[model]\nn_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\n"
+# GPT-2's architecture: the byte counts below are its matrices'
+SMALL = ("[model]\narch = \"gpt2\"\nn_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\n"
          "[data]\nmicro_batch = 2\nglobal_batch = 8\n")
 
 

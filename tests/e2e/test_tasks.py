@@ -157,7 +157,8 @@ def test_an_export_scores_the_same_in_transformers_and_lm_eval(runs):
     transformers = pytest.importorskip("transformers")
     out = runs.root / "hf"
     _ok(run_cli("export", "--run-dir", runs.w1, "--out", out))
-    hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()  # the default arch: Qwen3
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
     model, tok = _model(runs.w1), ByteTokenizer()
     task = tasks.load("mine", str(runs.files["mine"]))
     for example in task.examples:

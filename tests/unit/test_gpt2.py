@@ -96,7 +96,7 @@ def test_exact_gelu_goes_out_and_back_as_transformers_gelu(tmp_path):
     """model.gelu exact is transformers' activation "gelu": the export says so, transformers
     computes our logits from it, and --init-from reads it back; tanh's logits are others."""
     cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=300,
-                      gelu="exact")
+                      gelu="exact", arch="gpt2")
     model = GPT(cfg, seed=3).eval()
     with torch.no_grad():  # large pre-activations and logits, where the two GELUs part
         model.wte.weight *= 100
@@ -124,7 +124,7 @@ def test_export_layout_round_trips_and_zero_biases_are_no_biases(tmp_path):
     and transformers computes the same logits from them."""
     for bias in (True, False):
         cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=320,
-                          bias=bias)
+                          bias=bias, arch="gpt2")
         model = GPT(cfg, seed=3).eval()
         exported = gpt2.to_gpt2(model.state_dict(), 300, bias)
         back = gpt2.from_gpt2(gpt2.strip_prefix(exported), 320, bias)
@@ -143,7 +143,7 @@ def test_export_layout_round_trips_and_zero_biases_are_no_biases(tmp_path):
                                                                           "bias": bias}
     with pytest.raises(UserError, match="non-zero biases"):
         gpt2.from_gpt2(gpt2.strip_prefix(gpt2.to_gpt2(GPT(ModelConfig(
-            n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64)).state_dict(), 64,
+            n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64, arch="gpt2")).state_dict(), 64,
             True) | {"transformer.ln_f.bias": torch.ones(32)}), 64, bias=False)
 
 

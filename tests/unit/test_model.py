@@ -51,7 +51,8 @@ def test_init_statistics():
     projections, zero biases, unit LayerNorm gains. With >= 36k samples per tensor the sample std
     is within 0.5 % of the true one (1 sigma); the tolerance is 3 %."""
     L = 3
-    m = GPT(ModelConfig(n_layer=L, n_head=4, n_embd=192, block_size=64, vocab_size=256), seed=0)
+    m = GPT(ModelConfig(n_layer=L, n_head=4, n_embd=192, block_size=64, vocab_size=256,
+                        arch="gpt2"), seed=0)
     residual = 0.02 / math.sqrt(2 * L)
     seen = {"residual": 0, "normal": 0, "bias": 0, "norm": 0}
     for name, p in m.named_parameters():

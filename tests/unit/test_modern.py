@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ddpgpt.config import io as config_io
 from ddpgpt.config.checks import ConfigError
 from ddpgpt.config.model import ModelConfig
+from ddpgpt.config.presets import get_preset
 from ddpgpt.model.gpt import GPT
 from tests.helpers import SMALL
 
@@ -153,7 +154,7 @@ def test_num_params_and_flops_with_an_untied_head_and_grouped_heads():
 # ---- the config ----------------------------------------------------------------------------------
 
 def test_the_arch_bundles_the_pieces_and_each_can_be_switched(tmp_path):
-    gpt2, modern = ModelConfig().resolved(), ModelConfig(arch="modern").resolved()
+    gpt2, modern = ModelConfig(arch="gpt2").resolved(), ModelConfig().resolved()
     assert (gpt2.rope, gpt2.norm, gpt2.qk_norm, gpt2.mlp, gpt2.bias, gpt2.tie_embeddings,
             gpt2.zero_init_proj) == (False, "layernorm", False, "gelu", True, True, False)
     assert (modern.rope, modern.norm, modern.qk_norm, modern.mlp, modern.bias,
@@ -165,8 +166,15 @@ def test_the_arch_bundles_the_pieces_and_each_can_be_switched(tmp_path):
     cfg = config_io.build("tiny", None, {"model": {"arch": "modern", "mlp": "relu2",
                                                    "tie_embeddings": "true"}}).model.resolved()
     assert (cfg.rope, cfg.mlp, cfg.tie_embeddings, cfg.mlp_hidden) == (True, "relu2", True, 1024)
-    one = config_io.build(None, None, {"model": {"rope": "true"}}).model.resolved()
+    one = config_io.build(None, None, {"model": {"rope": "false"}}).model.resolved()
+    assert (one.arch, one.rope, one.norm, one.mlp) == ("modern", False, "rmsnorm", "swiglu")
+    one = config_io.build(None, None, {"model": {"arch": "gpt2", "rope": "true"}}).model.resolved()
     assert (one.arch, one.rope, one.norm, one.mlp) == ("gpt2", True, "layernorm", "gelu")
+    # new runs are modern, the GPT-2 presets GPT-2's, a config saved before model.arch gpt2
+    assert [get_preset(name).model.arch for name in ("tiny", "speedrun", "small", "gpt2-124m",
+                                                     "gpt2-350m")] == ["modern"] * 3 + ["gpt2"] * 2
+    saved = config_io.from_dict({"model": {"n_layer": 2}})
+    assert (saved.model.arch, saved.model.resolved().rope) == ("gpt2", False)
     # unset pieces stay unset in a TOML file and read back the same
     cfg = config_io.build(None, None, {"model": {"arch": "modern", "qk_norm": "false"}})
     text = config_io.to_toml(cfg)

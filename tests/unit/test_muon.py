@@ -40,7 +40,7 @@ from ddpgpt.sync.base import Sync
 pytestmark = pytest.mark.usefixtures("one_thread")
 BAND = (0.68, 1.21)
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-MODEL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+MODEL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, arch="gpt2")
 CFG = OptimConfig(name="muon", lr=1e-2, muon_lr=0.05, weight_decay=0.1)
 
 
@@ -222,7 +222,7 @@ def test_rounds_merge_into_buckets_of_bucket_elems():
 def test_gpt2_124m_loads():
     """The README's figures: max/mean Newton-Schulz cost per rank for gpt2-124m's 48 matrices."""
     with torch.device("meta"):
-        model = GPT(ModelConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50304))
+        model = GPT(ModelConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, arch="gpt2"))
     shapes = [tuple(p.shape) for n, p in model.named_parameters() if optimizer.is_muon_param(n, p)]
     assert len(shapes) == 48
     balance = {w: plan(shapes, w).balance() for w in (2, 4, 8)}

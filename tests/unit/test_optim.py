@@ -46,7 +46,7 @@ def _decayed_by_module(model: nn.Module) -> set[int]:
 @pytest.mark.parametrize("bias", [True, False])
 def test_param_groups(bias):
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64,
-                            bias=bias))
+                            bias=bias, arch="gpt2"))
     decay, no_decay = param_groups(model, 0.25)
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.25, 0.0)
     assert {id(p) for p in decay["params"]} == _decayed_by_module(model)

@@ -140,14 +140,14 @@ def test_a_checkpoint_without_one_of_the_models_tensors_is_refused(tiny_data, tm
     meta = store.read_meta(path)
     real_open = read.open_sharded
 
-    def without_wpe(path, meta, rest=True):
+    def without_wte(path, meta, rest=True):
         index, rest_state = real_open(path, meta, rest)
-        del index.state_dict_metadata["model.wpe.weight"]
+        del index.state_dict_metadata["model.wte.weight"]
         return index, rest_state
 
-    monkeypatch.setattr(read, "open_sharded", without_wpe)
+    monkeypatch.setattr(read, "open_sharded", without_wte)
     with pytest.raises(store.CheckpointError) as e:
         make(tiny_data, tmp_path).restore(path, meta)
-    assert str(e.value) == (f"{path}: the checkpoint holds no model.wpe.weight; it was not "
+    assert str(e.value) == (f"{path}: the checkpoint holds no model.wte.weight; it was not "
                             "written by this model and optimizer: resume from another one, or "
                             "--reset")
