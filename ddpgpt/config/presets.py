@@ -1,13 +1,15 @@
 """Named training configs. Each is a function returning a fresh TrainConfig; flags and TOML files
 override any field of it.
 
-    tiny       4 layers, 256 wide, T=256 (~4M params): the CPU demo, minutes on 2 cores
+    tiny       4 layers, 256 wide, T=256 (~5M params): the CPU demo, minutes on 2 cores
     speedrun   tiny's shape and batch, the fastest recipe to a loss measured on a CPU: the modern
                architecture, Muon in fp32, AdamW at 4e-3 for the embedding and head, a 200-step
                cosine (docs/performance.md, "Time to a loss")
-    small      6 layers, 384 wide, T=512 (~12M params): a single small GPU, or patient CPUs
-    gpt2-124m  12 layers, 768 wide, T=1024, GPT-2's vocabulary: GPU runs
-    gpt2-350m  24 layers, 1024 wide, T=1024: GPU runs
+    small      6 layers, 384 wide, T=512 (~14M params): a single small GPU, or patient CPUs
+    gpt2-124m  12 layers, 768 wide, T=1024, GPT-2's vocabulary and architecture: GPU runs
+    gpt2-350m  24 layers, 1024 wide, T=1024, GPT-2's architecture: GPU runs
+
+Every preset but the gpt2 ones trains model.arch modern (the default).
 """
 
 from __future__ import annotations
