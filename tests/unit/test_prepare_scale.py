@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from ddpgpt.data.prepare import main as prepare
 from ddpgpt.data.prepare.assemble import Assembler, is_val
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
-from tests.helpers import kill_tree
+from tests.helpers import descendants, kill_tree
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -199,14 +200,26 @@ def feed(fifo, data):
     return thread
 
 
+def gone(pid: int) -> bool:
+    """The process has exited (absent, or a zombie: its files are closed either way)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.skip(reason="the resumed prepare sometimes waits forever on the FIFO source (1 of "
-                  "3 runs on a 2-core VM, 1 of 1 in a fresh clone's make test): a race between "
-                  "the killed run's worker and the pipe's feeder, not yet found")
+@pytest.mark.skip(reason="the continued prepare sometimes waited forever on the FIFO source (1 "
+                  "of 3 runs on a 2-core VM, 1 of 1 in a fresh clone's make test) before the "
+                  "killed run's processes were waited for; not reproduced since (20 of 20 "
+                  "runs at load 3 passed, with and without that wait): kept off until it is")
 def test_sigkill_then_the_same_command_continues_to_the_same_dataset(corpus, tmp_path):
     """The last source is a FIFO: the first prepare has saved every unit before it when it is
     killed (-9, workers and all); the second, fed the FIFO's text, continues and ends with the
-    bytes of a prepare that was never interrupted."""
+    bytes of a prepare that was never interrupted. The FIFO is fed only once every process of
+    the killed run has exited: a killed worker still in open() on the FIFO counts as its reader
+    until it runs again, and text written to it then is lost with it when it exits (the
+    continued prepare then waits forever for a writer, as any reader of a FIFO would)."""
     fifo = tmp_path / "zz-last.txt"
     os.mkfifo(fifo)
     text = b"the last document, from a pipe\n" * 50
@@ -217,8 +230,11 @@ def test_sigkill_then_the_same_command_continues_to_the_same_dataset(corpus, tmp
     progress = tmp_path / ".o.partial" / "progress.json"
     try:
         wait_for(lambda: progress.is_file() and json.loads(progress.read_text())["units"] == 14)
-        os.kill(proc.pid, signal.SIGKILL)
+        tree = [proc.pid, *descendants(proc.pid)]
+        for pid in tree:
+            os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=30)
+        wait_for(lambda: all(gone(pid) for pid in tree))
     finally:
         kill_tree(proc.pid)
     thread = feed(fifo, text)
