@@ -133,7 +133,7 @@ def ddpgpt(recipe: list[str], data: Path, run: Path, threads: int, nproc: int,
     cmd = train_command(recipe, data, run, threads, nproc, eval_every, seed)
     config = subprocess.run([*cmd, "--print-config"], capture_output=True, text=True, check=True)
     stamp = run / "resolved.toml"
-    if stamp.is_file() and stamp.read_text() == config.stdout:
+    if stamp.is_file() and _settings(stamp.read_text()) == _settings(config.stdout):
         try:
             return read_run(run)
         except (OSError, IndexError, KeyError, ValueError):
@@ -149,6 +149,12 @@ def ddpgpt(recipe: list[str], data: Path, run: Path, threads: int, nproc: int,
     (run / "load.json").write_text(json.dumps([before, load()]))
     stamp.write_text(config.stdout)
     return read_run(run)
+
+
+def _settings(toml: str) -> list[str]:
+    """A resolved config's settings: its lines but the comments (the header says whether the
+    run would start from scratch or resume, which a finished run's directory changes)."""
+    return [line for line in toml.splitlines() if not line.startswith("#")]
 
 
 def load() -> float:
