@@ -57,9 +57,10 @@ class ModelConfig:
     """The architecture, a named bundle of the pieces below (rope, norm, qk_norm, mlp, bias,
     tie_embeddings, zero_init_proj): each piece left unset takes the arch's value, and config.json
     records them all. modern is the default for new runs (docs/performance.md, "Time to a loss");
-    a config saved before model.arch existed is gpt2, as --init-from gpt2 is. gpt2: GPT-2's (learned positions, LayerNorm, GELU, biases, the head tied to
-    the embedding). modern: rotary positions, RMSNorm, QK-norm, SwiGLU, no biases, an untied head,
-    zero-initialized output projections (Qwen3's; ddpgpt export writes it as Qwen3ForCausalLM)."""
+    a config saved before model.arch existed is gpt2, as --init-from gpt2 is. gpt2: GPT-2's
+    (learned positions, LayerNorm, GELU, biases, the head tied to the embedding). modern: rotary
+    positions, RMSNorm, QK-norm, SwiGLU, no biases, an untied head, zero-initialized output
+    projections (Qwen3's; ddpgpt export writes it as Qwen3ForCausalLM)."""
     rope: bool | None = None
     """Rotary position embeddings (each query and key turned by an angle proportional to its
     position; nothing learned) instead of a learned embedding of block_size positions. Unset:

@@ -39,9 +39,10 @@ def speedrun() -> TrainConfig:
     embedding, head and gains (at 2e-3 bpe tokens needed 200 steps to nanoGPT's loss, at 4e-3
     150); the cosine over 200 steps after 20 of warmup; Newton-Schulz and the whole step in fp32
     (bf16 was 0.07-0.13 behind in val loss). Every val window is evaluated every 25 steps (apart
-    from the training seconds: metrics.jsonl's train_s). Measured (one seed, 1 thread, a busy
-    2-core VM): nanoGPT's loss at step 100 on bytes, 150 on bpe, 125 on prose, 0.30-0.37x its
-    time; at step 200 below the tiny preset's Muon on all three."""
+    from the training seconds: metrics.jsonl's train_s). Measured (three seeds a side, 1 thread,
+    a 2-core VM): nanoGPT's mean final loss at step 100 on bytes, 150-175 on bpe, 125-150 on
+    prose, under half its time on each; at step 200 below the tiny preset's Muon on GPT-2's
+    model on all three."""
     return TrainConfig(
         model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=256, arch="modern"),
         data=DataConfig(micro_batch=8, global_batch=16, eval_windows=0),

@@ -143,8 +143,9 @@ def test_export_layout_round_trips_and_zero_biases_are_no_biases(tmp_path):
                                                                           "bias": bias}
     with pytest.raises(UserError, match="non-zero biases"):
         gpt2.from_gpt2(gpt2.strip_prefix(gpt2.to_gpt2(GPT(ModelConfig(
-            n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64, arch="gpt2")).state_dict(), 64,
-            True) | {"transformer.ln_f.bias": torch.ones(32)}), 64, bias=False)
+            n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64,
+            arch="gpt2")).state_dict(), 64, True)
+            | {"transformer.ln_f.bias": torch.ones(32)}), 64, bias=False)
 
 
 def test_byte_tokenizer_export_is_ddpgpts_byte_tokenizer():
