@@ -321,12 +321,15 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def kill_tree(pid: int) -> None:
-    for p in [pid, *descendants(pid)]:
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL to `pid` and every process below it; returns the pids it signalled."""
+    tree = [pid, *descendants(pid)]
+    for p in tree:
         try:
             os.kill(p, signal.SIGKILL)
         except OSError:
             pass
+    return tree
 
 
 class Launch:

@@ -4,7 +4,6 @@ afterwards, or on interruptions (SIGKILL, a crash mid-unit) followed by the same
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ from ddpgpt.data.prepare import main as prepare
 from ddpgpt.data.prepare.assemble import Assembler, is_val
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
-from tests.helpers import descendants, kill_tree
+from tests.helpers import kill_tree
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -230,9 +229,7 @@ def test_sigkill_then_the_same_command_continues_to_the_same_dataset(corpus, tmp
     progress = tmp_path / ".o.partial" / "progress.json"
     try:
         wait_for(lambda: progress.is_file() and json.loads(progress.read_text())["units"] == 14)
-        tree = [proc.pid, *descendants(proc.pid)]
-        for pid in tree:
-            os.kill(pid, signal.SIGKILL)
+        tree = kill_tree(proc.pid)
         proc.wait(timeout=30)
         wait_for(lambda: all(gone(pid) for pid in tree))
     finally:
