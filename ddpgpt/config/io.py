@@ -199,7 +199,8 @@ def from_dict(values: dict, source: str = "config.json") -> TrainConfig:
 # first-start rule (a --reset applies once) and the CPU threads (each node's own).
 START_FIELDS = {"run": ("resume", "threads")}
 # What an `auto` resolved from run.device: resolved again when a start names another device.
-FROM_DEVICE = {"run": ("precision", "backend"), "optim": ("muon_ns_dtype",)}
+FROM_DEVICE = {"run": ("precision", "backend"), "optim": ("muon_ns_dtype",),
+               "model": ("attention",)}
 
 
 def continued(saved: dict, flags: dict, source: str) -> TrainConfig:
