@@ -19,6 +19,7 @@ with torch 2.13 (docs/performance.md, "Attention that skips what it masks"):
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 import warnings
@@ -134,6 +135,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -
               "every score: the same numbers, slower than model.attention sdpa", file=sys.stderr)
         return y
     return _eager(flex, q, k, v, kwargs)
+
+
+@contextlib.contextmanager
+def uncompiled(device_type: str):
+    """Inside, `attend` runs FlexAttention uncompiled on this device, as where the compiler
+    fails (the same numbers): for measuring it, and for tests that would compile every shape."""
+    before = _uncompiled.get(device_type)
+    _uncompiled[device_type] = "asked for"
+    try:
+        yield
+    finally:
+        if before is None:
+            del _uncompiled[device_type]
+        else:
+            _uncompiled[device_type] = before
 
 
 def _eager(flex, q, k, v, kwargs) -> torch.Tensor:

@@ -38,10 +38,11 @@ ARCHS = {"gpt2": dataclasses.replace(SMALL, bos_id=BOS, doc_mask=True),
 
 
 @pytest.fixture
-def uncompiled(monkeypatch):
+def uncompiled():
     """FlexAttention without torch.compile (the same numbers; a compile is ~5 s a shape on a
     CPU): as `attend` runs it where the compiler fails."""
-    monkeypatch.setitem(flex._uncompiled, "cpu", "not compiled in this test")
+    with flex.uncompiled("cpu"):
+        yield
 
 
 def rows(B: int, T: int, every: int, seed: int = 0) -> torch.Tensor:
