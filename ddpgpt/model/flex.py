@@ -27,19 +27,24 @@ import warnings
 import torch
 
 MODULE = "torch.nn.attention.flex_attention"
+_loaded = None                      # the module, once imported
 _compiled: dict[str, object] = {}   # device type -> torch.compile(flex_attention)
 _uncompiled: dict[str, str] = {}    # device type -> why its kernel could not be compiled
 
 
 def _module():
-    """torch's FlexAttention module, or ImportError (torch < 2.5)."""
-    return importlib.import_module(MODULE)
+    """torch's FlexAttention module, or ImportError (torch < 2.5). Imported once: an import
+    inside a compiled model's forward would split its graph."""
+    global _loaded
+    if _loaded is None:
+        _loaded = importlib.import_module(MODULE)
+    return _loaded
 
 
 def unavailable() -> str:
     """Why this torch cannot run FlexAttention at all ("" when it can)."""
     try:
-        _module()
+        importlib.import_module(MODULE)
     except ImportError:
         return (f"torch {torch.__version__} has no FlexAttention ({MODULE} came with torch 2.5); "
                 "upgrade torch")
@@ -118,6 +123,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -
     flex = _module()
     kwargs = {"block_mask": mask, "enable_gqa": gqa}
     if torch.compiler.is_compiling():
+        # Contiguous: torch 2.13's CPU kernel, handed a transposed view of a fused pointwise
+        # result (QK-norm, the rotary turn, on (B, T, H, D)), computes wrong numbers.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return flex.flex_attention(q, k, v, **kwargs)
     device = q.device.type
     if device not in _uncompiled:
