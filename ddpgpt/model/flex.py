@@ -33,8 +33,9 @@ _uncompiled: dict[str, str] = {}    # device type -> why its kernel could not be
 
 
 def _module():
-    """torch's FlexAttention module, or ImportError (torch < 2.5). Imported once: an import
-    inside a compiled model's forward would split its graph."""
+    """torch's FlexAttention module, or ImportError (torch < 2.5). Imported once, by
+    `unavailable` when the model is built: an import inside a compiled model's forward would
+    split its graph."""
     global _loaded
     if _loaded is None:
         _loaded = importlib.import_module(MODULE)
@@ -43,8 +44,9 @@ def _module():
 
 def unavailable() -> str:
     """Why this torch cannot run FlexAttention at all ("" when it can)."""
+    global _loaded
     try:
-        importlib.import_module(MODULE)
+        _loaded = importlib.import_module(MODULE)
     except ImportError:
         return (f"torch {torch.__version__} has no FlexAttention ({MODULE} came with torch 2.5); "
                 "upgrade torch")

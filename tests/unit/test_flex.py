@@ -337,3 +337,13 @@ def test_export_writes_the_same_files(tmp_path, arch):
         write_model(out, weights, dataclasses.replace(cfg, attention=attention), 60, BOS, "byte")
         files[attention] = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
     assert files["flex"] == files["sdpa"] and "model.safetensors" in files["flex"]
+
+
+def test_a_compiled_model_is_one_graph(monkeypatch):
+    """Nothing of flex's splits a compiled model's graph (an import in the forward would): the
+    band alone, as on CUDA (where no document test waits for the device)."""
+    monkeypatch.setattr(flex, "_loaded", None)  # as in a fresh process
+    model = GPT(dataclasses.replace(ARCHS["modern"], doc_mask=False, attention="flex")).eval()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(rows(2, 16, 4), window=8)
+    assert explained.graph_break_count == 0, explained.break_reasons
