@@ -6,15 +6,17 @@ computes every one of them.
     mask = block_mask(idx, bos_id, window=0)     # once per forward: (B, 1, T, T) in blocks
     y = attend(q, k, v, mask, gqa=True)           # in every layer
 
-What torch's FlexAttention (torch.nn.attention.flex_attention, torch >= 2.5) does where, found
-with torch 2.13 (docs/performance.md, "Attention that skips what it masks"):
-- CUDA: forward and backward, compiled by torch.compile into Triton kernels;
-- CPU: the forward only, compiled into a C++ kernel (inductor, the system's C compiler). torch
-  refuses its backward on a CPU, eager or compiled, so a CPU run cannot train with it:
-  `refusal` says so (preflight refuses model.attention flex there) and `choose` picks SDPA;
-- uncompiled, flex_attention materializes every score (10-20x the time of SDPA's dense mask on
-  a CPU). Where torch.compile cannot build the kernel (no C compiler, no Triton), `attend` says so
-  in one line and runs that: the same numbers, slowly.
+What torch's FlexAttention (torch.nn.attention.flex_attention, torch >= 2.5) does where
+(docs/performance.md, "Attention that skips what it masks"):
+- CUDA: forward and backward, compiled by torch.compile into Triton kernels (what torch
+  documents; `ddpgpt check` measures it where a GPU is lent);
+- CPU (torch 2.13, measured): the forward only, compiled into a C++ kernel (inductor, the
+  system's C compiler). torch refuses its backward on a CPU, eager or compiled, so a CPU run
+  cannot train with it: `refusal` says so (preflight refuses model.attention flex there) and
+  `choose` picks SDPA;
+- uncompiled, flex_attention materializes every score (on a CPU 2-5x the time of a causal
+  layer's forward and up to 20x its memory). Where torch.compile cannot build the kernel (no C
+  compiler, no Triton), `attend` says so in one line and runs that: the same numbers, slowly.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def unavailable() -> str:
 
 def trains_on(device_type: str) -> bool:
     """Whether torch runs FlexAttention's backward on this device, asked of torch: a 16-token
-    forward and backward, which torch 2.13 refuses on a CPU at once (NotImplementedError)."""
+    forward and backward, which torch 2.13 refuses on a CPU at once (NotImplementedError; an
+    older torch may refuse the device itself)."""
     if device_type == "cuda":
         return True
     q = torch.zeros(1, 1, 16, 16, device=device_type, requires_grad=True)
@@ -65,7 +68,7 @@ def trains_on(device_type: str) -> bool:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "called without torch.compile": it is a probe
             _module().flex_attention(q, q, q).sum().backward()
-    except NotImplementedError:
+    except Exception:  # noqa: BLE001 -- whatever torch raises, it does not train here
         return False
     return True
 
