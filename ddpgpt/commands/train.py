@@ -291,7 +291,7 @@ def verify_data(env: DistEnv, data: TokenDataset | MixedDataset) -> None:
         for text in collectives.all_gather_text(env, json.dumps(mine)):
             entries.update(json.loads(text))
         if env.local_rank == 0:
-            verify.record(dataset.path, entries, quiet=not env.is_main)
+            verify.record(dataset.files, entries, quiet=not env.is_main)
 
 
 def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset | MixedDataset,

@@ -140,7 +140,10 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int,
 
 
 def shared(cfg: TrainConfig) -> dict:
-    """The config every rank must agree on: all of it but the per-node CPU thread count."""
+    """The config every rank must agree on: all of it but what is each node's own: the CPU
+    thread count, the data cache, and, when checkpoints go to a URL, the local run dir."""
     values = cfg.to_dict()
-    del values["run"]["threads"]
+    del values["run"]["threads"], values["data"]["cache"]
+    if cfg.run.checkpoint_url:
+        del values["run"]["dir"]
     return values
