@@ -182,7 +182,7 @@ def run(cfg: TrainConfig) -> None:
     except UserError as e:  # every rank finds it: one line per node
         e.quiet = e.quiet or here.local_rank > 0
         raise
-    run_dir = RunDir(cfg.run.dir)
+    run_dir = RunDir(cfg.run.dir, cfg.run.checkpoint_url)
     run_dir.check_creatable()
     planned = None  # where the run starts: decided once, here for one process, else in claim
     if here.world_size == 1 and not under_launcher():  # one process: finished already?

@@ -61,7 +61,7 @@ def filesystem(url: str):
     package, extra = PACKAGES.get(scheme, (scheme, "cloud"))
     fsspec = require("fsspec", "cloud", url)
     try:
-        return fsspec.core.url_to_fs(url)
+        return fsspec.core.url_to_fs(url, use_listings_cache=False)
     except ImportError:
         raise UserError(missing(package, extra, url)) from None
     except ValueError as e:
@@ -257,7 +257,9 @@ class Objects:
 
 
 def open_dir(where: str | os.PathLike) -> Directory | Objects:
-    """A dataset directory: a local path, or a URL of object storage."""
+    """A dataset directory: a local path, or a URL of object storage (or what names one)."""
+    if not isinstance(where, (str, os.PathLike)):
+        where = str(where)  # a checkpoint.location.Remote: its URL
     return Objects(where) if is_url(where) else Directory(where)
 
 
