@@ -275,7 +275,7 @@ class Reader(FileSystemReader):
 @functools.cache
 def _remote_classes():
     """Writer and Reader on torch's fsspec storage (imported only when a URL is used)."""
-    from torch.distributed.checkpoint import FsspecReader, FsspecWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     class RemoteWriter(Writer, FsspecWriter):
         def prepare_global_plan(self, plans):

@@ -248,7 +248,8 @@ def settle(cfg: TrainConfig, start: Start) -> TrainConfig:
 
 
 # Settings that are not the training's: the first-start rule, and threads (may differ per node).
-NOT_TRAINING = {f"{section}.{name}" for section, names in START_FIELDS.items() for name in names}
+NOT_TRAINING = {f"{section}.{name}" for section, names in START_FIELDS.items() for name in names} \
+    | {"run.dir"}  # a run gone on in another directory (its checkpoints at a URL) trains the same
 
 
 def changes(saved: dict, cfg: TrainConfig) -> dict[str, list]:
