@@ -127,6 +127,7 @@ class Cut:
         self.port = self.listener.getsockname()[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.severed = threading.Event()
+        self.on_sever = None  # called once, as it severs (a test kills a client then)
         self._conns: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -149,6 +150,8 @@ class Cut:
         try:
             while data := src.recv(1 << 16):
                 if watch and self.when is not None and self.when in data:
+                    if self.on_sever is not None and not self.severed.is_set():
+                        self.on_sever()
                     self.sever()
                     return
                 dst.sendall(data)

@@ -278,12 +278,12 @@ def reason(error: BaseException, rank: int, where=None) -> str:
     (storage.explain: access denied, the server gone) and the rank that met it; anything else
     (a bug) by its type and message."""
     for failed, exc in sharded.failures(error):
-        cause = os_error_in(exc)
-        if cause is not None:
-            return f"{describe(cause)} on rank {rank if failed is None else failed}"
         line = _storage_reason(exc, where)
         if line is not None:
             return f"{line} (rank {rank if failed is None else failed})"
+        cause = os_error_in(exc)
+        if cause is not None:
+            return f"{describe(cause)} on rank {rank if failed is None else failed}"
     failed, exc = sharded.failures(error)[0]
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text} on rank {rank if failed is None else failed}"
