@@ -67,7 +67,8 @@ class S3Server:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     server.stop()
                     raise RuntimeError(f"the S3 server (moto) did not answer on port {port} "
-                                       f"within {START_S} s:\n{open(log).read()[-3000:]}")
+                                       f"within {START_S} s:\n{open(log).read()[-3000:]}"
+                                       ) from None
                 time.sleep(0.05)
         if auth:
             server.writer, server.reader = server._users()

@@ -67,8 +67,8 @@ def test_an_upload_without_meta_json_is_never_loaded_and_goes_at_the_next_start(
 def test_a_replaced_object_is_found_by_its_size(s3, root):
     path = save(root, 3)
     s3.fs().pipe_file(f"{root[5:]}/step_0000003/__0_0.distcp", b"short")
-    with pytest.raises(store.CheckpointError, match=rf"^{path}: __0_0.distcp has 5 bytes, "
-                                                     r"meta.json says \d+ \(replaced or corrupt\)$"):
+    with pytest.raises(store.CheckpointError, match=rf"^{path}: __0_0.distcp has 5 bytes, meta"
+                                                     r"\.json says \d+ \(replaced or corrupt\)$"):
         store.read_meta(path)
 
 
