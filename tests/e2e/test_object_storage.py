@@ -6,6 +6,7 @@ publishes a checkpoint and the same command resumes."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -152,3 +153,23 @@ def test_prepare_to_s3_uploads_the_local_bytes_meta_json_last_even_after_a_kill(
     assert modified["meta.json"] == max(modified.values())
     verified = run_cli("prepare", "--verify", url)
     assert verified.returncode == 0 and verified.stdout.startswith(f"{url}: ok ("), verified
+
+
+def test_parts_prepared_to_s3_merge_into_the_local_prepare(s3, tmp_path):
+    """Two --part I/2 prepares uploaded (part.json last), then --merge of the URLs' glob: the
+    dataset's objects are the one-machine prepare's files."""
+    local = tmp_path / "local"
+    assert run_cli(*prepare_args(local)).returncode == 0
+    base, env = s3.bucket("parts"), {"DDPGPT_CACHE_DIR": str(tmp_path / "cache")}
+    for i in (1, 2):
+        out = run_cli(*prepare_args(f"{base}/parts/{i}"), "--part", f"{i}/2", env=env)
+        assert out.returncode == 0, out.stderr
+    merged = run_cli("prepare", "--merge", f"{base}/parts/*", "--out", f"{base}/merged",
+                     env={"DDPGPT_CACHE_DIR": str(tmp_path / "elsewhere")})
+    assert merged.returncode == 0, merged.stderr
+    fs = s3.fs()
+    for path in local.iterdir():
+        if path.name not in ("verified.json", "meta.json"):
+            assert fs.cat_file(f"{base[5:]}/merged/{path.name}") == path.read_bytes(), path.name
+    meta = json.loads(fs.cat_file(f"{base[5:]}/merged/meta.json"))
+    assert meta["shards"] == json.loads((local / "meta.json").read_text())["shards"]
