@@ -33,10 +33,9 @@ class DataConfig:
     """Where the tokens come from and how they are batched."""
 
     dir: str = field(default="data/stdlib", metadata={"alias": "--data"})
-    """Dataset directory made by `ddpgpt prepare`, or its URL in object storage
-    (s3://BUCKET/PREFIX: each rank reads its windows with ranged reads; needs the cloud
-    extra)."""
-    # Or a mixture of several, DIR:WEIGHT,... (sources(); the train command's examples show one,
+    """Dataset directory made by `ddpgpt prepare`."""
+    # Or its URL in object storage (s3://BUCKET/PREFIX, the cloud extra: each rank reads its
+    # windows with ranged reads, data/storage.py); or a mixture of several, DIR:WEIGHT,... (sources(); the train command's examples show one,
     # docs/usage.md says the rest).
     seq_len: int = 0
     """Training sequence length T in tokens; 0 uses model.block_size."""
