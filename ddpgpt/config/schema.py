@@ -35,8 +35,8 @@ class DataConfig:
     dir: str = field(default="data/stdlib", metadata={"alias": "--data"})
     """Dataset directory made by `ddpgpt prepare`."""
     # Or its URL in object storage (s3://BUCKET/PREFIX, the cloud extra: each rank reads its
-    # windows with ranged reads, data/storage.py); or a mixture of several, DIR:WEIGHT,... (sources(); the train command's examples show one,
-    # docs/usage.md says the rest).
+    # windows with ranged reads, data/storage.py); or a mixture of several, DIR:WEIGHT,...
+    # (sources(); the train command's examples show one, docs/usage.md says the rest).
     seq_len: int = 0
     """Training sequence length T in tokens; 0 uses model.block_size."""
     micro_batch: int = 8
