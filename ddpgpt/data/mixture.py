@@ -187,7 +187,7 @@ class MixtureLoader:
         taken = counts(n, stretch["parts"])  # (sources, G+1)
         source = np.argmax(np.diff(taken, axis=1), axis=0)  # (G,): the one count that grew
         windows = np.empty(self.global_batch, dtype=np.int64)
-        for i, stream in enumerate(self.streams):
+        for i in range(len(self.streams)):
             mine = np.flatnonzero(source == i)
             if len(mine):
                 start = stretch["base"][i] + int(taken[i, 0])

@@ -17,11 +17,11 @@ Reading a window is a ranged GET of exactly its bytes (fetch.RemoteReader): a ra
 windows and nothing else. Ranged reads cost a round trip each, so the loader names the next
 step's windows ahead of time (`prefetch`) and a background thread fetches them in one
 concurrent batch while the step computes: a step waits on the network only if a fetch takes
-longer than a step. With a cache directory (data.cache, per node), what is read is kept there in
-blocks of fetch.CACHE_BLOCK bytes, each written whole (files.atomic_write), keyed by the object's URL
-and identity (size and ETag), so later epochs, restarts and the node's other ranks read it from
-the local disk; a block is fetched whole, so with the cache a rank reads the blocks around its
-windows, not only the windows.
+longer than a step. With a cache directory (data.cache, per node), what is read is kept there
+in blocks of fetch.CACHE_BLOCK bytes, each written whole (files.atomic_write), keyed by the
+object's URL and identity (size and ETag), so later epochs, restarts and the node's other ranks
+read it from the local disk; a block is fetched whole, so with the cache a rank reads the blocks
+around its windows, not only the windows.
 
 An object's identity is its size and ETag (or version id): an object rewritten gets a new one,
 as a local file rewritten gets a new (size, mtime, inode).

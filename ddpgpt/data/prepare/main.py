@@ -47,8 +47,7 @@ from ddpgpt.data.prepare import space, upload
 from ddpgpt.data.prepare.assemble import Assembler
 from ddpgpt.data.prepare.build import Build, check_settings, part_range
 from ddpgpt.data.prepare.finish import PART_FILE, finish_dataset, finish_part
-from ddpgpt.data.prepare.output import (CleanExit, Lock, check_out, make_partial, partial_of,
-                                        publish)
+from ddpgpt.data.prepare.output import CleanExit, Lock, check_out, make_partial, partial_of, publish
 from ddpgpt.data.prepare.sources import resolve_sources
 from ddpgpt.data.shards import TokenDataset, dtype_for_vocab
 from ddpgpt.data.tokenizer import BPETokenizer, TokenizerSpec, fingerprint, load_tokenizer
