@@ -55,12 +55,28 @@ def filesystem(url: str):
     scheme = url.split("://", 1)[0].lower()
     package, extra = PACKAGES.get(scheme, (scheme, "cloud"))
     fsspec = require("fsspec", "cloud", url)
+    from fsspec import asyn  # the loop that runs every request of fsspec's async filesystems
+
+    asyn.get_loop().set_exception_handler(_orphaned_requests)
     try:
         return fsspec.core.url_to_fs(url, use_listings_cache=False)
     except ImportError:
         raise UserError(missing(package, extra, url)) from None
     except ValueError as e:
         raise UserError(f"{url}: {e}; give an s3:// (or gs://) URL, or a local path") from None
+
+
+def _orphaned_requests(loop, context: dict) -> None:
+    """The IO loop's handler of errors no one awaited: a transfer cut by the network (the server
+    gone mid-upload) leaves the other requests of its batch failing unawaited, and asyncio would
+    print each with a traceback after the failure was already reported as one line. Those are
+    dropped; anything else goes to asyncio's default handler."""
+    error = context.get("exception")
+    orphan = context.get("message", "").startswith("Task exception was never retrieved")
+    network = isinstance(error, OSError) or type(error).__module__.split(".")[0] in (
+        "aiohttp", "botocore", "aiobotocore")
+    if not (orphan and network):
+        loop.default_exception_handler(context)
 
 
 def endpoint() -> str:

@@ -149,3 +149,24 @@ def test_a_prefix_without_meta_json_and_an_unknown_bucket_are_one_line(s3):
                                         r"no-such-bucket does not exist at http://127.0.0.1:\d+; "
                                         r"create it, or fix the URL \(or AWS_ENDPOINT_URL\)$"):
         TokenDataset("s3://no-such-bucket/x")
+
+
+def test_requests_orphaned_by_a_cut_transfer_are_not_printed_as_tracebacks(caplog):
+    """A transfer cut mid-batch leaves the batch's other requests failing unawaited; asyncio
+    printed each with a traceback after the one-line error (seen on an upload cut by the server
+    going away). Those are dropped on fsspec's loop; any other loop error still reaches asyncio's
+    log."""
+    import asyncio
+
+    storage.filesystem("s3://some-bucket/prefix")  # makes no request
+    import fsspec.asyn
+    loop = fsspec.asyn.get_loop()
+    handler = loop.get_exception_handler()
+    orphan = "Task exception was never retrieved"
+    with caplog.at_level("ERROR", logger="asyncio"):
+        handler(loop, {"message": orphan, "exception": ConnectionResetError("closing transport")})
+        assert caplog.records == []
+        handler(loop, {"message": orphan, "exception": ValueError("a bug")})
+        handler(loop, {"message": "something else", "exception": ConnectionResetError("x")})
+    assert [r.getMessage().split("\n")[0] for r in caplog.records] == [orphan, "something else"]
+    assert all(r.name == asyncio.log.logger.name for r in caplog.records)
