@@ -23,7 +23,7 @@ import torch
 from ddpgpt.config.model import ModelConfig
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.tokenizer import BPETokenizer, GPT2Tokenizer
-from ddpgpt.errors import UserError
+from ddpgpt.errors import UserError, warn
 from ddpgpt.hf import init_from
 from ddpgpt.model.gpt import GPT
 
@@ -72,7 +72,10 @@ def _tokenizer(spec: str, folder: Path):
         except Exception as e:  # tokenizers raises plain Exception for a bad file
             raise UserError(f"--init-from {spec}: cannot read {folder / 'tokenizer.json'} "
                             f"({e})") from None
-    if init_from.weights_tokenizer(spec)[0] == "gpt2":
+    kind, note = init_from.weights_tokenizer(spec)
+    if kind == "gpt2":
+        if note:
+            warn(f"--init-from {spec}: {note}")
         return GPT2Tokenizer()
     raise UserError(f"--init-from {spec}: no tokenizer.json beside the weights says what their "
                     "ids mean; save the tokenizer they were trained with there "
