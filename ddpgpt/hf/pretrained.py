@@ -58,8 +58,8 @@ def load(spec: str) -> Pretrained:
         raise UserError(f"--init-from {spec}: the tokenizer beside the weights has "
                         f"{tokenizer.vocab_size:,} ids, the weights {model.vocab_limit:,}; put "
                         "the tokenizer they were trained with there")
-    kind = config.get("architectures", [None])[0] or ("GPT2LMHeadModel" if model.arch == "gpt2"
-                                                      else "weights")
+    kind = (config.get("architectures") or [None])[0] or (
+        "GPT2LMHeadModel" if model.arch == "gpt2" else "weights")
     return Pretrained(spec, model, init_from.read_state(spec, model), tokenizer, kind)
 
 
