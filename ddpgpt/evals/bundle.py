@@ -82,6 +82,9 @@ def read(path: Path, limit: int = 0) -> tuple[Part, ...]:
     """Every task of the bundle at `path`, in core.yaml's order (see the module's docstring)."""
     path = Path(path)
     config = path / "core.yaml"
+    if path.is_file():
+        raise DataError(f"{path}: a file, not a directory; {GIVE} (a task file of another kind "
+                        "named core: --task KIND:core)")
     if not config.is_file():
         raise DataError(f"{path}: no core.yaml there; {GIVE}")
     tasks = _icl_tasks(config)

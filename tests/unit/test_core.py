@@ -233,6 +233,7 @@ def test_a_bad_line_is_named_by_its_file_and_line(small, file, line, what):
                                            " nanochat's: https://karpathy-public.s3.us-west-2."
                                            "amazonaws.com/eval_bundle.zip, unzipped)"),
     (lambda b: (b / "core.yaml").write_text("icl_tasks: [\n"), "{b}/core.yaml: not YAML ("),
+    (lambda b: None, "{b}/core.yaml: a file, not a directory; give the eval bundle's directory"),
     (lambda b: (b / "core.yaml").write_text("tasks: []\n"), "{b}/core.yaml: no icl_tasks list"),
     (lambda b: _yaml(b, "icl_task_type: schema", "icl_task_type: question_answering"),
      "{b}/core.yaml: icl_tasks entry 2: wino has icl_task_type 'question_answering'; CORE's "
@@ -247,8 +248,9 @@ def test_a_bad_line_is_named_by_its_file_and_line(small, file, line, what):
 ])
 def test_a_bad_bundle_is_one_line(small, change, what):
     change(small)
+    given = small / "core.yaml" if "a file, not" in what else small  # a file for the bundle
     with pytest.raises(DataError) as e:
-        tasks.load("core", str(small))
+        tasks.load("core", str(given))
     assert str(e.value).startswith(what.format(b=small)) and "\n" not in str(e.value)
 
 
