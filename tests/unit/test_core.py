@@ -257,3 +257,17 @@ def test_a_bad_bundle_is_one_line(small, change, what):
 def _yaml(b: Path, old: str, new: str) -> None:
     text = (b / "core.yaml").read_text()
     (b / "core.yaml").write_text(text.replace(old, new))
+
+
+def test_the_benchmarks_stand_in_has_cores_shape(tmp_path):
+    """benchmarks/bench_core.py's stand-in reads as a bundle of CORE's 22 tasks, each with its
+    type, shots, delimiter and choices, as many examples as the cap of 500 scores."""
+    from benchmarks.bench_core import CAP, STANDIN, standin
+
+    parts = bundle.read(standin(tmp_path), CAP)
+    assert [(p.label, p.type, p.shots, p.delimiter, len(p.examples)) for p in parts] == \
+        [(t[0], t[1], t[2], t[3], min(t[5], CAP)) for t in STANDIN]
+    assert len(parts) == 22 and sum(len(p.examples) for p in parts) == 9345
+    for part, t in zip(parts, STANDIN):
+        ex = part.examples[0]
+        assert len(getattr(ex, "choices", getattr(ex, "options", [None]))) == t[4]
