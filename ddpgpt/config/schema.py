@@ -233,14 +233,18 @@ class RunConfig:
     """Evaluate on the validation windows every this many steps (and at the end); 0: end only."""
     eval_tasks: str = ""
     """Multiple-choice tasks scored at every evaluation, comma-separated: hellaswag (downloaded
-    once) or NAME with eval_task_data (KIND:NAME: another kind of task). metrics.jsonl's eval
-    rows get NAME_acc_norm, NAME_acc, NAME_acc_char, NAME_n and NAME_s (the seconds it took); the
-    same at any number of processes."""
+    once) or NAME with eval_task_data (KIND:NAME: another kind of task; core: CORE's bundle).
+    metrics.jsonl's eval rows get NAME_acc_norm, NAME_acc, NAME_acc_char, NAME_n and NAME_s (the
+    seconds it took); core's core_metric and each task's core_LABEL_acc and _centered. The same
+    at any number of processes."""
     eval_task_data: str = ""
     """The eval_tasks' jsonl files (ctx, endings, label per line), comma-separated in their order;
-    empty for hellaswag's download."""
+    empty for hellaswag's download; core's: the eval bundle's directory."""
     eval_task_limit: int = 0
     """Score the first this many examples of each task at each evaluation; 0: all."""
+    eval_core_limit: int = 500
+    """Examples of each of a CORE bundle's tasks scored at each evaluation (nanochat's 500 in
+    training): shuffled with nanochat's seed, then the first this many; 0: all."""
     target_val_loss: float = 0.0
     """Stop at the first evaluation whose val loss is at most this (time to target): a
     checkpoint, a metrics.jsonl row {"event": "target", "val_loss", "elapsed_s", "train_s",
@@ -354,6 +358,8 @@ class RunConfig:
                  "seconds")
         _require(self.eval_task_limit >= 0,
                  f"run.eval_task_limit = {self.eval_task_limit} must be >= 0 (0: all)")
+        _require(self.eval_core_limit >= 0,
+                 f"run.eval_core_limit = {self.eval_core_limit} must be >= 0 (0: all)")
         _require(self.target_val_loss >= 0,
                  f"run.target_val_loss = {self.target_val_loss:g} must be >= 0 (0: off)")
         _require(bool(self.eval_tasks) or not self.eval_task_data,
