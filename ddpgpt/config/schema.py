@@ -108,6 +108,13 @@ class DataConfig:
         _require(twice is None, f"data.dir = {self.dir!r}: {twice} is listed twice; give each "
                  "dataset once, with its whole weight")
         total = sum(share or 1.0 for _, share in out)
+        _require(math.isfinite(total), f"data.dir = {self.dir!r}: the weights add up to more "
+                 "than a float holds (every share would be 0); give weights of a sensible size "
+                 "(a:0.7,b:0.3)")
+        small = next((path for path, share in out if share and not share / total), None)
+        _require(small is None, f"data.dir = {self.dir!r}: the weight of {small} is 0 beside "
+                 "the others' sum (too small for a float); give weights of a sensible size "
+                 "(a:0.7,b:0.3)")
         return [(path, (share or 1.0) / total) for path, share in out]
 
 
