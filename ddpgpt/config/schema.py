@@ -66,7 +66,8 @@ class DataConfig:
     allow_switch: bool = False
     """Resume a checkpoint on another dataset than it was trained on (its fingerprint differs):
     the loader starts the new data from its beginning and metrics.jsonl records the switch.
-    Without it such a resume is refused."""
+    Without it such a resume is refused. It applies to the start that gives it (and its
+    restarts), as --reset does: the run's next start does not inherit it."""
 
     def __post_init__(self):
         for name in ("micro_batch", "global_batch"):

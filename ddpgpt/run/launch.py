@@ -23,6 +23,7 @@ import time
 import torch
 
 from ddpgpt.checkpoint import store
+from ddpgpt.config.io import START_FIELDS
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.distributed.group import detect
 from ddpgpt.errors import UserError
@@ -58,7 +59,7 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
         run_dir.write_config(cfg.to_dict(), first.step, nproc)
         started = time.time()
         # What belongs to this start and not to the run (config.io.START_FIELDS) goes as flags.
-        own = ["--run.resume", cfg.run.resume, "--run.threads", str(cfg.run.threads)]
+        own = start_flags(cfg)
         code, stopped_by = start(nproc, ["train", "--resolved-config", str(run_dir.config), *own],
                                  max_restarts)
         if stopped_by is None:
@@ -71,6 +72,18 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
         print(f"ddpgpt: stopped by {stopped_by.name} before the workers could write a checkpoint; "
               f"{newest}: {hint}", file=sys.stderr)
         return 128 + stopped_by.value
+
+
+def start_flags(cfg: TrainConfig) -> list[str]:
+    """This start's own settings (config.io.START_FIELDS) as flags for its workers, which
+    read the rest from config.json (where they are set back to their defaults)."""
+    out = []
+    for section, names in START_FIELDS.items():
+        for name in names:
+            value = getattr(getattr(cfg, section), name)
+            out += [f"--{section}.{name.replace('_', '-')}",
+                    str(value).lower() if isinstance(value, bool) else str(value)]
+    return out
 
 
 def stop_checkpoint(run_dir: RunDir, since: float):
