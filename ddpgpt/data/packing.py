@@ -26,7 +26,8 @@ T, G, k), at any W, and the loader's state is the same cursor as the stream's.
 
 Memory: three int64 arrays (each piece's start and length, each row's first piece), about
 (documents + rows) · 16 bytes, built once per (split, T) and kept beside the shards as
-`packing-SPLIT-{T+1}.npz` (keyed by the dataset's fingerprint; written atomically; a dataset
+`packing-SPLIT-{T+1}.npz` (keyed by the dataset's fingerprint and its shards' identities,
+verify.identity, so a shard rewritten in place is packed again; written atomically; a dataset
 directory that cannot be written is packed again at each start). No Python object per document
 is held: the scan for document starts reads the shards in blocks, and the pool holds LOOKAHEAD
 documents.
@@ -44,6 +45,7 @@ import numpy as np
 
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.stream import TokenStream
+from ddpgpt.data.verify import identity
 from ddpgpt.files import atomic_write
 
 VERSION = 1  # of the packing: a cache file of another version is packed again
@@ -157,7 +159,8 @@ def _index(dataset: TokenDataset, stream: TokenStream) -> tuple[np.ndarray, ...]
     """The packing of `stream`, from its cache file if that is of this data, version and T."""
     span = stream.seq_len + 1
     path = dataset.path / f"packing-{stream.split}-{span}.npz"
-    key = f"{VERSION} {dataset.fingerprint} {span}"
+    files = [dataset.path / info.file for info in dataset.shards[stream.split]]
+    key = f"{VERSION} {dataset.fingerprint} {span} {[identity(f) for f in files]}"
     with contextlib.suppress(OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
         with np.load(path) as saved:
             if str(saved["key"]) == key:

@@ -3,16 +3,18 @@ grow with the dataset once its files are known.
 
 Every start, every rank: each shard's header and size against meta.json (shards.TokenDataset
 does it when it opens the dataset: a truncated, replaced or foreign file is one line). The
-sha256 of a shard's bytes is checked once per file identity — (size, mtime_ns, inode): a file
-rewritten or copied has a new one — and remembered in `verified.json` in the dataset directory:
+sha256 of a shard's bytes is checked once per file identity — (size, mtime_ns, ctime_ns,
+inode): a file rewritten or copied has a new one, and so has one rewritten in place whose
+modification time was set back (`touch -d`, `os.utime`), since the change time is the kernel's
+and no call sets it — and remembered in `verified.json` in the dataset directory:
 
-    {"version": 1, "files": {"train_000000.bin": {"identity": [size, mtime_ns, inode],
+    {"version": 2, "files": {"train_000000.bin": {"identity": [size, mtime_ns, ctime_ns, inode],
                                                   "sha256": "..."}, ...}}
 
 `prepare` writes it for the shards it has just written and hashed; a start that finds a shard
 with no entry, another identity or another sha256 than meta.json's hashes it (the ranks split the
-work), and the entries are added. What the cache cannot see is a change that keeps the size,
-time and inode (bit rot, an edit that restores the time): `ddpgpt prepare --verify DIR`
+work), and the entries are added. What the cache cannot see is a change that does not go
+through the filesystem's writes (bit rot on the disk): `ddpgpt prepare --verify DIR`
 re-hashes every shard whatever the cache says (and refreshes it); deleting verified.json makes
 the next start do the same. A dataset directory that cannot be written keeps no cache: its starts
 hash every shard, as before (a warning says so, once per start).
@@ -29,12 +31,14 @@ from ddpgpt.errors import DataError, warn
 from ddpgpt.files import WriteError, replace_text, sha256
 
 CACHE = "verified.json"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 1: identities without the change time, hashed again once
 
 
 def identity(path: Path) -> list[int]:
+    """What names one version of a file's bytes without reading them (see the module
+    docstring); a packing cached beside the shards is keyed by it too (data/packing.py)."""
     st = os.stat(path)
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
 def read_cache(directory: Path) -> dict[str, dict]:

@@ -105,6 +105,33 @@ def test_a_stale_cache_is_packed_again(ds, tmp_path, monkeypatch):
     PackedRows(ds, "val", T)  # the rewritten cache is read
 
 
+def test_a_shard_rewritten_in_place_with_its_time_set_back_is_packed_again(tmp_path):
+    """meta.json unchanged (with --data.verify false nothing hashes the shards): the cache is
+    keyed by the shards' identities too, whose change time no call sets back, so the rows are
+    those of the bytes on the disk, not the packing of the bytes before."""
+    import os
+
+    rng = np.random.default_rng(1)
+    train, _ = documents(rng, 60, 2 * (T + 1))
+    path = write_dataset(tmp_path / "d", train, train[:3 * (T + 1)], vocab_size=70_000,
+                         eot_id=EOT)
+    before = PackedRows(TokenDataset(path), "train", T)
+    shard = path / TokenDataset(path).shards["train"][0].file
+    stat = shard.stat()
+    raw = np.frombuffer(shard.read_bytes(), dtype=np.uint8).copy()
+    tokens = raw[1024:].view(np.uint32)  # past the header: one document in two is merged
+    tokens[np.flatnonzero(tokens == EOT)[1::2]] = 1
+    with open(shard, "r+b") as f:
+        f.write(raw.tobytes())
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    ds = TokenDataset(path)
+    after = PackedRows(ds, "train", T)
+    want = pack(np.flatnonzero(tokens == EOT), len(tokens), T + 1)
+    assert not np.array_equal(before.piece_start, want[0])
+    for got, ref in zip((after.piece_start, after.piece_len, after.row_ptr), want):
+        assert np.array_equal(got, ref)
+
+
 @pytest.mark.parametrize("damage", [b"", b"not a zip", b"PK\x03\x04 cut short"])
 def test_a_damaged_cache_is_packed_again(ds, damage):
     rows = PackedRows(ds, "val", T)
