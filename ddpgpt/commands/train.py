@@ -31,7 +31,7 @@ from ddpgpt.checkpoint.saver import SaveFailed, Saver
 from ddpgpt.checkpoint.saver import token as saver_token
 from ddpgpt.config.schema import RunConfig, TrainConfig
 from ddpgpt.data import verify
-from ddpgpt.data.mixture import MixedDataset, MixtureLoader, datasets
+from ddpgpt.data.mixture import MixedDataset, MixtureLoader, datasets, one_document_notes
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.distributed import collectives
@@ -313,6 +313,8 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         print(summary(trainer), file=sys.stderr)
         if trainer.dataset.split_bytes is None:
             warn(trainer.dataset.bytes_advice())
+        for note in one_document_notes(trainer.loader):  # data.align bos on one document
+            warn(note)
         if cfg.run.compile:  # or the bar sits at 0 with no word of why
             print("ddpgpt: compiling the model (run.compile): the first step waits for "
                   "torch.compile (tens of seconds; its kernels are cached for later runs)",

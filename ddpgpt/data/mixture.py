@@ -43,6 +43,7 @@ from ddpgpt.data.loader import (
     require_windows,
     row_source,
 )
+from ddpgpt.data.packing import one_document
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import DataError
 
@@ -296,6 +297,13 @@ class MixtureLoader:
                                    "base": self.taken(self.batch_index)})
             self.changed = {"old": dict(zip(self.names, [p / RESOLUTION for p in old])),
                             "new": dict(zip(self.names, [p / RESOLUTION for p in parts]))}
+
+
+def one_document_notes(loader: TrainLoader | MixtureLoader) -> list[str]:
+    """The warnings for training rows packed from a split of one document, each source's
+    (packing.one_document): said once, by the run's start."""
+    streams = loader.streams if isinstance(loader, MixtureLoader) else [loader.stream]
+    return [note for note in map(one_document, streams) if note]
 
 
 def train_loader(data: TokenDataset | MixedDataset, **kwargs) -> TrainLoader | MixtureLoader:
