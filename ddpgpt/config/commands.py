@@ -152,6 +152,10 @@ class EvalConfig:
     run_dir: str = field(default="runs/default", metadata={"alias": "--run"})
     """Run directory (its latest complete checkpoint is used). Under torchrun write --run-dir:
     torchrun's own parser takes --run for an abbreviation of its --run-path."""
+    data: str = ""
+    """Evaluate on this dataset (DIR, or a mixture DIR:WEIGHT,...) instead of the run's own: other
+    data on purpose, prepared with the run's tokenizer. Without it the run's data.dir must still
+    hold the data the checkpoint was trained on (its fingerprint), or eval refuses."""
     windows: int = -1
     """Validation windows to evaluate; -1 uses the run's data.eval_windows, 0 all of them."""
     task: str = ""

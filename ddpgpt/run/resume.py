@@ -23,17 +23,16 @@ only, for fast one-line errors) and again under the run's lock (`verify=True`: e
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpgpt.checkpoint import store
+from ddpgpt.checkpoint.read import trained_tokenizer
 from ddpgpt.checkpoint.store import CheckpointError
 from ddpgpt.config.io import START_FIELDS, from_dict
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.data.tokenizer import fingerprint as fingerprint_of
 from ddpgpt.errors import UserError
 from ddpgpt.optim.schedule import extends_flat
 from ddpgpt.run.run_dir import RunDir
@@ -189,7 +188,7 @@ def _check_fit(cfg: TrainConfig, start: Start, run_dir: RunDir, mode: str,
     if old is None or old == fingerprint:
         return
     where = f"--resume {mode}" if explicit else f"run dir {run_dir}: checkpoint {start.path.name}"
-    trained_with = saved_tokenizer(start.path, start.meta)
+    trained_with = trained_tokenizer(start.path, start.meta)
     if tokenizer is not None and trained_with is not None and trained_with != tokenizer:
         own = saved["data"]["dir"]
         back = (f"To continue it on its own data, pass --data {own} (train --run-dir "
@@ -207,20 +206,6 @@ def _check_fit(cfg: TrainConfig, start: Start, run_dir: RunDir, mode: str,
                     f"{old[:12]}) than data.dir = {cfg.data.dir} (fingerprint {fingerprint[:12]}); "
                     "pass its --data, --reset to start over, or --data.allow-switch to go on with "
                     "the new data")
-
-
-def saved_tokenizer(path: Path, meta: dict) -> str | None:
-    """The tokenizer fingerprint a checkpoint was trained with: recorded in its meta.json, or,
-    for checkpoints from before that was recorded, read from its run dir's copy of the
-    tokenizer (data_meta.json, tokenizer.json). None when neither says."""
-    if meta.get("tokenizer_fingerprint"):
-        return meta["tokenizer_fingerprint"]
-    run = RunDir(Path(path).parent.parent)
-    try:
-        kind = json.loads(run.data_meta.read_text())["tokenizer"]
-        return fingerprint_of(kind, run.path)
-    except (OSError, ValueError, KeyError, TypeError, UserError):
-        return None
 
 
 def _short(fingerprint: str) -> str:
