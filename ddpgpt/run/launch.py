@@ -94,17 +94,30 @@ def stop_checkpoint(run_dir: RunDir, since: float):
     return None
 
 
+class _WorkerFailed(logging.Filter):
+    """Drops the agent's "failed (exitcode: N) local_rank: R (pid: P) of binary: ..." line: a
+    worker that exits non-zero has said why in one line, and one killed by a signal is named
+    by `start` (a line of ours); the line after it is noise, on every input error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode: ")
+
+
 def quiet_agent() -> None:
     """The elastic agent's warnings ("Sending process N closing signal SIGINT", ...) narrate
-    what ddpgpt reports itself in one line; its errors still show. Its loggers set their own
-    level when created, so each is lowered to ERROR here, after the imports that create them."""
+    what ddpgpt reports itself in one line; its errors still show, but for its line on a failed
+    worker, which ddpgpt reports itself too. Its loggers set their own level when created, so
+    each is lowered to ERROR here, after the imports that create them."""
     import torch.distributed.elastic.agent.server.api  # noqa: F401  (creates the loggers)
     import torch.distributed.elastic.multiprocessing.api  # noqa: F401
     import torch.distributed.run  # noqa: F401
 
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logger = logging.getLogger(name)
+            logger.setLevel(logging.ERROR)
+            if not any(isinstance(f, _WorkerFailed) for f in logger.filters):
+                logger.addFilter(_WorkerFailed())
 
 
 def start(nproc: int, worker_args: list[str],
