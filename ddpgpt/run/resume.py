@@ -34,6 +34,7 @@ from ddpgpt.config.io import START_FIELDS, from_dict
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
+from ddpgpt.guard.health import Unhealthy
 from ddpgpt.optim.schedule import extends_flat
 from ddpgpt.run.run_dir import RunDir
 
@@ -263,11 +264,14 @@ def finished(cfg: TrainConfig, start: Start) -> bool:
 
 def report_finished(cfg: TrainConfig, run_dir: RunDir, start: Start) -> bool:
     """True, having said so in one line, when the run is already finished (nothing to train). The
-    line is said under the run dir's lock: another run training there is refused, as always."""
+    line is said under the run dir's lock: another run training there is refused, as always.
+    A run that ended unhealthy (its last checkpoint says so) says that again, and exits 3."""
     if not finished(cfg, start):
         return False
     with run_dir.locked():
         print(finished_message(run_dir, start.step, cfg.run.steps), file=sys.stderr)
+    if start.meta.get("unhealthy"):
+        raise Unhealthy(start.meta["unhealthy"])
     return True
 
 
