@@ -155,7 +155,7 @@ class Guard:
         every rank. A stop raises. `probe`: see SpikePolicy.recover."""
         spikes, cfg = self.spikes, self.cfg
         if not health.bad:
-            spikes.seen(step, health.loss)
+            spikes.seen(health.loss)
         if health.bad and cfg.on_nonfinite != "spike":
             self.on_nonfinite(step, health.bad)
             return Verdict("skip")

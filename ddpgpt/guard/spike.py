@@ -158,7 +158,7 @@ class SpikePolicy:
         under the bound (it does not join the window, and its patience runs on)."""
         return self.outlier(loss) or (bool(self.through) and not loss <= self.bound())
 
-    def seen(self, step: int, loss: float) -> None:
+    def seen(self, loss: float) -> None:
         """Every finite step's loss, spikes included: the end's verdict reads the last ones."""
         self.lately.append(loss)
 

@@ -132,7 +132,7 @@ def test_the_verdicts_state_round_trips():
     policy = SpikePolicy(cfg, V)
     policy.healthy(1, 3.0, batch=0)
     policy.healthy(2, 2.5, batch=1)
-    policy.seen(3, 7.0)
+    policy.seen(7.0)
     policy.evaluated(3.5)
     policy.trouble = {"step": 3, "median": 2.75, "val": 3.5}
     again = SpikePolicy(cfg, V)
