@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from ddpgpt.config import choices
-from ddpgpt.config.checks import _choice, _finite, _require
+from ddpgpt.config.checks import _choice, _finite, _require, _shares
 from ddpgpt.config.model import ModelConfig
 
 MAX_BUCKET_MB = 65536     # 64 GiB: larger than any device's memory, far below an int overflow
@@ -34,8 +34,9 @@ class DataConfig:
 
     dir: str = field(default="data/stdlib", metadata={"alias": "--data"})
     """Dataset directory made by `ddpgpt prepare`."""
-    # Or a mixture of several, DIR:WEIGHT,... (sources(); the train command's examples show one,
-    # docs/usage.md says the rest).
+    # Or its URL in object storage (s3://BUCKET/PREFIX, the cloud extra: each rank reads its
+    # windows with ranged reads, data/storage.py); or a mixture of several, DIR:WEIGHT,...
+    # (sources(); the train command's examples show one, docs/usage.md says the rest).
     seq_len: int = 0
     """Training sequence length T in tokens; 0 uses model.block_size."""
     micro_batch: int = 8
@@ -63,6 +64,10 @@ class DataConfig:
     verify: bool = True
     """Re-hash every shard against meta.json at startup (the ranks share the work); turn off to
     start faster on very large datasets."""
+    cache: str = ""
+    """A local directory (per node) that keeps what is read of a dataset in object storage,
+    in blocks of 1 MiB: later epochs and restarts read it from the disk. Empty: none (each
+    window is fetched when it is needed, ahead of the step that reads it)."""
     allow_switch: bool = False
     """Resume a checkpoint on another dataset than it was trained on (its fingerprint differs):
     the loader starts the new data from its beginning and metrics.jsonl records the switch.
@@ -90,7 +95,7 @@ class DataConfig:
             return [(path if path and _number(weight) else self.dir, 1.0)]
         out = []
         for part in parts:
-            path, _, weight = part.rpartition(":") if ":" in part else (part, "", "")
+            path, _, weight = part.rpartition(":") if _weighted(part) else (part, "", "")
             _require(bool(path.strip()), f"data.dir = {self.dir!r}: an empty dataset name in "
                      "the mixture; write DIR:WEIGHT,DIR:WEIGHT (a:0.7,b:0.3)")
             try:
@@ -108,15 +113,12 @@ class DataConfig:
         twice = next((d for d in dirs if dirs.count(d) > 1), None)
         _require(twice is None, f"data.dir = {self.dir!r}: {twice} is listed twice; give each "
                  "dataset once, with its whole weight")
-        total = sum(share or 1.0 for _, share in out)
-        _require(math.isfinite(total), f"data.dir = {self.dir!r}: the weights add up to more "
-                 "than a float holds (every share would be 0); give weights of a sensible size "
-                 "(a:0.7,b:0.3)")
-        small = next((path for path, share in out if share and not share / total), None)
-        _require(small is None, f"data.dir = {self.dir!r}: the weight of {small} is 0 beside "
-                 "the others' sum (too small for a float); give weights of a sensible size "
-                 "(a:0.7,b:0.3)")
-        return [(path, (share or 1.0) / total) for path, share in out]
+        return _shares(self.dir, out)
+
+
+def _weighted(part: str) -> bool:
+    """A mixture's DIR:WEIGHT has a weight: a ':' after the last '/' (s3://b/x is a URL)."""
+    return ":" in part.rsplit("/", 1)[-1]
 
 
 def _number(text: str) -> bool:
@@ -245,6 +247,11 @@ class RunConfig:
     "tokens"} and one line. 0: off."""
     checkpoint_every: int = 100
     """Save a checkpoint every this many steps (and at the end); 0: end only."""
+    checkpoint_url: str = field(default="", metadata={"alias": "--checkpoint-url"})
+    """Write the checkpoints to this URL of object storage (s3://BUCKET/PREFIX; needs the cloud
+    extra) instead of the run dir's checkpoints/: each rank uploads its share, meta.json last.
+    The run dir stays local (logs, config.json) and records it; on another machine, train
+    --run-dir NEW --run.checkpoint-url URL goes on from its newest checkpoint with its config."""
     keep_checkpoints: int = 3
     """Keep the newest this many checkpoints, deleting older ones."""
     checkpoint_async: bool = True

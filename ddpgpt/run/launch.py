@@ -50,7 +50,7 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
     check_nproc(nproc, cfg.run.device)
     cfg, dataset = preflight(cfg, nproc, nproc)
     for_run(cfg.run)  # bad task files: one line here, before the run dir is touched
-    run_dir = RunDir(cfg.run.dir)
+    run_dir = RunDir(cfg.run.dir, cfg.run.checkpoint_url)
     run_dir.check_creatable()
     cfg, first = resume.plan(cfg, run_dir, dataset)
     if resume.report_finished(cfg, run_dir, first):  # no worker needed to find that out
@@ -81,8 +81,9 @@ def start_flags(cfg: TrainConfig) -> list[str]:
     for section, names in START_FIELDS.items():
         for name in names:
             value = getattr(getattr(cfg, section), name)
-            out += [f"--{section}.{name.replace('_', '-')}",
-                    str(value).lower() if isinstance(value, bool) else str(value)]
+            if value != "":  # an empty setting (no data.cache) needs no flag
+                out += [f"--{section}.{name.replace('_', '-')}",
+                        str(value).lower() if isinstance(value, bool) else str(value)]
     return out
 
 
