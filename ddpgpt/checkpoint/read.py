@@ -268,11 +268,11 @@ def trained_tokenizer(path: Path, meta: dict) -> str | None:
 
 
 def check_data(found: RunCheckpoint, dataset: TokenDataset | MixedDataset, data_dir: str,
-               given: bool) -> None:
-    """Data to evaluate `found` on (`data_dir`: its data.dir) must be what it was trained on
-    (meta.json's data_fingerprint, as a resume checks), unless `given` (--data: other data on
-    purpose); and always under its tokenizer, whose ids are what the model learned (another's
-    would score noise, or index past the model's vocabulary). One line otherwise."""
+               given: bool, run: str) -> None:
+    """Data to evaluate `found` (of run dir `run`) on (`data_dir`: its data.dir) must be what it
+    was trained on (meta.json's data_fingerprint, as a resume checks), unless `given` (--data:
+    other data on purpose); and always under its tokenizer, whose ids are what the model learned
+    (another's would score noise, or index past the model's vocabulary). One line otherwise."""
     where = f"checkpoint {found.path}"
     trained = trained_tokenizer(found.path, found.meta)
     mine = dataset.tokenizer_fingerprint
@@ -282,8 +282,8 @@ def check_data(found: RunCheckpoint, dataset: TokenDataset | MixedDataset, data_
         raise UserError(f"{where} was trained with another tokenizer ({was}) than the one of "
                         f"{data_dir} ({mine.split(':')[0]}, {dataset.vocab_size} ids): its ids "
                         "would mean other text; evaluate on data prepared with the run's "
-                        f"tokenizer (ddpgpt prepare SOURCES --tokenizer-from "
-                        f"{found.path.parent.parent} --out DIR, then --data DIR)")
+                        f"tokenizer (ddpgpt prepare SOURCES --tokenizer-from {run} --out DIR, "
+                        "then --data DIR)")
     saved = found.meta.get("data_fingerprint")
     if not given and saved is not None and saved != dataset.fingerprint:
         raise UserError(f"{where} was trained on other data (fingerprint {saved[:12]}) than "

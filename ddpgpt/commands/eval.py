@@ -36,7 +36,7 @@ def run(cfg: EvalConfig) -> None:
     # The run's data, which must still be what it trained on; or --data, other data on purpose.
     data = dataclasses.replace(train_cfg.data, dir=cfg.data) if cfg.data else train_cfg.data
     dataset = open_data(data.sources())
-    check_data(found, dataset, data.dir, given=bool(cfg.data))
+    check_data(found, dataset, data.dir, given=bool(cfg.data), run=str(run_dir))
     # Bad task files and the download fail here, on every rank, before the group exists.
     tasks = load_all(cfg.task, cfg.task_data, cfg.limit, "--task", "--task-data")
     tokenizer = run_tokenizer(run_dir) if tasks else None
