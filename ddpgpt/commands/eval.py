@@ -14,9 +14,10 @@ transformers model's tasks instead of a run's (hf/pretrained.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
-from ddpgpt.checkpoint.read import model_of, run_checkpoint
+from ddpgpt.checkpoint.read import check_data, model_of, run_checkpoint
 from ddpgpt.config.commands import EvalConfig
 from ddpgpt.config.schema import RunConfig
 from ddpgpt.data.mixture import MixedDataset, open_data
@@ -39,7 +40,10 @@ def run(cfg: EvalConfig) -> None:
     run_dir = RunDir(cfg.run_dir)
     found = run_checkpoint(run_dir)
     train_cfg = found.config
-    dataset = open_data(train_cfg.data.sources())
+    # The run's data, which must still be what it trained on; or --data, other data on purpose.
+    data = dataclasses.replace(train_cfg.data, dir=cfg.data) if cfg.data else train_cfg.data
+    dataset = open_data(data.sources())
+    check_data(found, dataset, data.dir, given=bool(cfg.data), run=str(run_dir))
     # Bad task files and the download fail here, on every rank, before the group exists.
     tasks = load_all(cfg.task, cfg.task_data, cfg.limit, "--task", "--task-data")
     tokenizer = run_tokenizer(run_dir) if tasks else None
@@ -100,8 +104,9 @@ def report(cfg: EvalConfig, dataset: TokenDataset | MixedDataset, row: dict, sco
     bits = "" if bpb is None else f", val_bpb {bpb:.4f}"
     each = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in row.items()
                      if k.startswith("val_loss/"))
+    on = f", on {cfg.data}" if cfg.data else ""  # other data than the run's, on purpose
     print(f"val_loss {loss:.4f}{each and f' ({each})'}{bits} (step {step}, {windows} windows of "
-          f"{seq_len} tokens, {world_size} process{'es' if world_size > 1 else ''})")
+          f"{seq_len} tokens, {world_size} process{'es' if world_size > 1 else ''}{on})")
     print_tasks(tasks, scores)
 
 

@@ -159,6 +159,10 @@ class EvalConfig:
     """Score this model instead of a run's: a transformers directory (GPT-2, Llama or Qwen3, as
     train's --init-from reads them, with the tokenizer saved beside it) or a hub name (gpt2,
     ...). Tasks only: there is no dataset for a validation loss."""
+    data: str = ""
+    """Evaluate on this dataset (DIR, or a mixture DIR:WEIGHT,...) instead of the run's own: other
+    data on purpose, prepared with the run's tokenizer. Without it the run's data.dir must still
+    hold the data the checkpoint was trained on (its fingerprint), or eval refuses."""
     windows: int = -1
     """Validation windows to evaluate; -1 uses the run's data.eval_windows, 0 all of them."""
     task: str = ""
@@ -194,6 +198,8 @@ class EvalConfig:
                  "model to score")
         _require(not self.init_from or self.windows == -1,
                  "--windows counts validation windows; --init-from has none (tasks only)")
+        _require(not self.init_from or not self.data,
+                 f"--data {self.data} is a run's validation data; --init-from scores tasks only")
         _choice("eval", "device", self.device, Device)
 
 

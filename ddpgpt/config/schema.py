@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from ddpgpt.config import choices
-from ddpgpt.config.checks import _choice, _finite, _require
+from ddpgpt.config.checks import _choice, _finite, _require, _shares
 from ddpgpt.config.model import ModelConfig
 
 MAX_BUCKET_MB = 65536     # 64 GiB: larger than any device's memory, far below an int overflow
@@ -71,7 +71,8 @@ class DataConfig:
     allow_switch: bool = False
     """Resume a checkpoint on another dataset than it was trained on (its fingerprint differs):
     the loader starts the new data from its beginning and metrics.jsonl records the switch.
-    Without it such a resume is refused."""
+    Without it such a resume is refused. It applies to the start that gives it (and its
+    restarts), as --reset does: the run's next start does not inherit it."""
 
     def __post_init__(self):
         for name in ("micro_batch", "global_batch"):
@@ -112,8 +113,7 @@ class DataConfig:
         twice = next((d for d in dirs if dirs.count(d) > 1), None)
         _require(twice is None, f"data.dir = {self.dir!r}: {twice} is listed twice; give each "
                  "dataset once, with its whole weight")
-        total = sum(share or 1.0 for _, share in out)
-        return [(path, (share or 1.0) / total) for path, share in out]
+        return _shares(self.dir, out)
 
 
 def _weighted(part: str) -> bool:

@@ -44,6 +44,7 @@ from ddpgpt.data.loader import (
     require_windows,
     row_source,
 )
+from ddpgpt.data.packing import one_document
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import DataError
 
@@ -105,6 +106,7 @@ class MixedDataset:
         self.datasets = [TokenDataset(d) for d, _ in sources]
         self.weights = [w for _, w in sources]
         self.names = unique_names([d for d, _ in sources])
+        _refuse_twice([d for d, _ in sources], self.datasets)
         first = self.datasets[0]
         for ds in self.datasets[1:]:
             if ds.tokenizer_fingerprint != first.tokenizer_fingerprint:
@@ -140,6 +142,21 @@ class MixedDataset:
 
     def verify(self, part: int = 0, parts: int = 1) -> int:
         return sum(ds.verify(part, parts) for ds in self.datasets)
+
+
+def _refuse_twice(dirs: list[str], opened: list[TokenDataset]) -> None:
+    """One dataset under two spellings (d1 and ./d1, d1/, a symlink to it) or two copies of it
+    (the same meta.json) would be two sources with the same windows in the same order: every
+    batch would hold each of its windows twice. One line instead."""
+    seen: dict[tuple[str, str], str] = {}
+    for spelled, ds in zip(dirs, opened):
+        for key in (("dir", str(Path(ds.path).resolve())), ("fingerprint", ds.fingerprint)):
+            if key in seen:
+                same = "directory" if key[0] == "dir" else "data (the same meta.json)"
+                raise DataError(f"data.dir: {seen[key]} and {spelled} are the same {same}: "
+                                "the mixture would train on each of its windows twice; give "
+                                "it once, with its whole weight")
+            seen[key] = spelled
 
 
 def counts(n: np.ndarray, parts: list[int]) -> np.ndarray:
@@ -297,6 +314,13 @@ class MixtureLoader:
                                    "base": self.taken(self.batch_index)})
             self.changed = {"old": dict(zip(self.names, [p / RESOLUTION for p in old])),
                             "new": dict(zip(self.names, [p / RESOLUTION for p in parts]))}
+
+
+def one_document_notes(loader: TrainLoader | MixtureLoader) -> list[str]:
+    """The warnings for training rows packed from a split of one document, each source's
+    (packing.one_document): said once, by the run's start."""
+    streams = loader.streams if isinstance(loader, MixtureLoader) else [loader.stream]
+    return [note for note in map(one_document, streams) if note]
 
 
 def train_loader(data: TokenDataset | MixedDataset, **kwargs) -> TrainLoader | MixtureLoader:

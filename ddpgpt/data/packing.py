@@ -26,12 +26,13 @@ T, G, k), at any W, and the loader's state is the same cursor as the stream's.
 
 Memory: three int64 arrays (each piece's start and length, each row's first piece), about
 (documents + rows) · 16 bytes, built once per (split, T) and kept beside the shards as
-`packing-SPLIT-{T+1}.npz` (keyed by the dataset's fingerprint; written atomically, or as one
-object in object storage; a dataset that cannot be written is packed again at each start: for
-a dataset in object storage that reads the whole split once per rank, so give the first start
-write access, or prepare the packing once with a start that has it). No Python object per document
-is held: the scan for document starts reads the shards in blocks, and the pool holds LOOKAHEAD
-documents.
+`packing-SPLIT-{T+1}.npz` (keyed by the dataset's fingerprint and its shards' identities,
+storage's `identity`, so a shard rewritten in place is packed again; written atomically, or as
+one object in object storage; a dataset that cannot be written is packed again at each start:
+for a dataset in object storage that reads the whole split once per rank, so give the first
+start write access, or prepare the packing once with a start that has it). No Python object per
+document is held: the scan for document starts reads the shards in blocks, and the pool holds
+LOOKAHEAD documents.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.stream import TokenStream
 from ddpgpt.errors import UserError
 
-VERSION = 1  # of the packing: a cache file of another version is packed again
+VERSION = 2  # of the packing: a cache file of another version is packed again (2: documents)
 LOOKAHEAD = 1000  # documents the best fit chooses among (nanochat's buffer)
 ALIGNS = ("stream", "bos")
 SCAN_BLOCK = 1 << 22  # tokens read at a time when scanning for document starts
@@ -116,7 +117,8 @@ class PackedRows:
         self.stream = TokenStream(dataset, split, seq_len, cache)
         self.dataset_path, self.split, self.seq_len = dataset.path, split, seq_len
         self.num_tokens, self.eot_id = self.stream.num_tokens, dataset.eot_id
-        self.piece_start, self.piece_len, self.row_ptr = _index(dataset, self.stream)
+        self.piece_start, self.piece_len, self.row_ptr, self.documents = _index(dataset,
+                                                                               self.stream)
         self.num_windows = len(self.row_ptr) - 1
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> None:
@@ -150,6 +152,19 @@ class PackedRows:
                     np.searchsorted(starts, self.piece_start[continued], side="right")))}
 
 
+def one_document(rows: TokenStream | PackedRows) -> str | None:
+    """The warning for packed rows of a split that holds one document (no end-of-text token, or
+    only the first): rows then start at no document, every row is a slice of it, and the
+    document mask masks nothing. None for more documents, or for the stream."""
+    if not isinstance(rows, PackedRows) or rows.documents > 1:
+        return None
+    return (f"data.align bos: the {rows.split} split of dataset {rows.dataset_path} is one "
+            f"document (no end-of-text token, id {rows.eot_id}, between its tokens), so every "
+            "row is a slice of it and model.doc_mask masks nothing; prepare the data with its "
+            "documents apart (ddpgpt prepare puts an end-of-text token before each), or use "
+            "--data.align stream")
+
+
 def row_source(dataset: TokenDataset, split: str, seq_len: int,
                align: str = "stream", cache: str = "") -> TokenStream | PackedRows:
     """The rows a loader reads from a split (data.align): windows of the stream, or packed rows
@@ -161,21 +176,25 @@ def row_source(dataset: TokenDataset, split: str, seq_len: int,
 
 
 def _index(dataset: TokenDataset, stream: TokenStream) -> tuple[np.ndarray, ...]:
-    """The packing of `stream`, from its cache file beside the shards (a local directory's or
-    an object's) if that is of this data, version and T."""
+    """The packing of `stream` and its number of documents, from its cache file beside the
+    shards (a local directory's or an object's) if that is of this data, its shards' identities,
+    version and T."""
     span = stream.seq_len + 1
     name = f"packing-{stream.split}-{span}.npz"
-    key = f"{VERSION} {dataset.fingerprint} {span}"
+    files = [dataset.files.identity(info.file) for info in dataset.shards[stream.split]]
+    key = f"{VERSION} {dataset.fingerprint} {span} {files}"
     with contextlib.suppress(OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile,
                              UserError):
         if dataset.files.has(name):
             with np.load(io.BytesIO(dataset.files.read(name))) as saved:
                 if str(saved["key"]) == key:
-                    return saved["piece_start"], saved["piece_len"], saved["row_ptr"]
-    arrays = pack(doc_starts(stream, dataset.eot_id), stream.num_tokens, span)
+                    return (saved["piece_start"], saved["piece_len"], saved["row_ptr"],
+                            int(saved["documents"]))
+    starts = doc_starts(stream, dataset.eot_id)
+    arrays = pack(starts, stream.num_tokens, span)
     data = io.BytesIO()
     np.savez(data, key=np.array(key), piece_start=arrays[0], piece_len=arrays[1],
-             row_ptr=arrays[2])
+             row_ptr=arrays[2], documents=np.array(len(starts)))
     with contextlib.suppress(OSError, UserError):  # a read-only dataset: packed again next time
         dataset.files.write(name, data.getvalue())
-    return arrays
+    return (*arrays, len(starts))

@@ -288,10 +288,18 @@ class TokenDataset:
         return loss / math.log(2) * self.num_tokens(split) / n_bytes
 
     def bytes_advice(self) -> str:
-        """One line for a dataset without byte counts: what is missing and how to get it."""
+        """One line for a dataset without byte counts: why they are missing, what that costs
+        (bits per byte; never the loss), and how to get them where that is possible. Prepared
+        from tokens (llm.c shards: meta.json's source.split names the files, not our split of
+        documents), the text was never seen, and preparing again cannot count it."""
+        split = self.meta.get("source", {}).get("split")
+        if split not in (None, "documents", "tokens"):
+            return (f"dataset {self.path} was prepared from tokens ({split}) whose text ddpgpt "
+                    "never saw: bits per byte need the text's size in bytes, so val_bpb is not "
+                    "reported (val_loss is unaffected)")
         return (f"dataset {self.path} has no byte counts in meta.json (prepared by an older "
-                "ddpgpt), so bits per byte are not reported; prepare it again (ddpgpt prepare "
-                f"... --out {self.path} --force) to get them")
+                "ddpgpt), so val_bpb is not reported (val_loss is unaffected); prepare it again "
+                f"(ddpgpt prepare ... --out {self.path} --force) to get them")
 
     def verify(self, part: int = 0, parts: int = 1) -> int:
         """Re-hashes shards against meta.json (every `parts`-th from `part`, so that W ranks can

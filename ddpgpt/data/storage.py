@@ -155,8 +155,10 @@ class Directory:
         return (self.path / name).stat().st_size
 
     def identity(self, name: str) -> list:
+        """[size, mtime_ns, ctime_ns, inode]: a file rewritten gets another, even one rewritten
+        in place with its modification time set back (the change time is the kernel's)."""
         st = os.stat(self.path / name)
-        return [st.st_size, st.st_mtime_ns, st.st_ino]
+        return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
     def sha256(self, name: str) -> str:
         return sha256(self.path / name)

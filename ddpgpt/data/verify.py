@@ -3,10 +3,13 @@ grow with the dataset once its files are known.
 
 Every start, every rank: each shard's header and size against meta.json (shards.TokenDataset
 does it when it opens the dataset: a truncated, replaced or foreign file is one line). The
-sha256 of a shard's bytes is checked once per file identity — (size, mtime_ns, inode): a file
-rewritten or copied has a new one — and remembered in `verified.json` in the dataset directory:
+sha256 of a shard's bytes is checked once per file identity — (size, mtime_ns, ctime_ns,
+inode), storage.Directory.identity: a file rewritten or copied has a new one, and so has one
+rewritten in place whose modification time was set back (`touch -d`, `os.utime`), since the
+change time is the kernel's and no call sets it — and remembered in `verified.json` in the
+dataset directory:
 
-    {"version": 1, "files": {"train_000000.bin": {"identity": [size, mtime_ns, inode],
+    {"version": 2, "files": {"train_000000.bin": {"identity": [size, mtime_ns, ctime_ns, inode],
                                                   "sha256": "..."}, ...}}
 
 In object storage the identity is [size, ETag or version id] (storage.Objects.identity) and
@@ -14,8 +17,8 @@ the cache is one object beside the shards; `prepare --out URL` writes it after t
 
 `prepare` writes it for the shards it has just written and hashed; a start that finds a shard
 with no entry, another identity or another sha256 than meta.json's hashes it (the ranks split the
-work), and the entries are added. What the cache cannot see is a change that keeps the size,
-time and inode (bit rot, an edit that restores the time): `ddpgpt prepare --verify DIR`
+work), and the entries are added. What the cache cannot see is a change that does not go
+through the filesystem's writes (bit rot on the disk): `ddpgpt prepare --verify DIR`
 re-hashes every shard whatever the cache says (and refreshes it); deleting verified.json makes
 the next start do the same. A dataset directory that cannot be written keeps no cache: its starts
 hash every shard, as before (a warning says so, once per start).
@@ -24,7 +27,6 @@ hash every shard, as before (a warning says so, once per start).
 from __future__ import annotations
 
 import json
-import os
 
 from ddpgpt.data import storage
 from ddpgpt.data.shards import REPREPARE, ShardInfo, TokenDataset
@@ -32,17 +34,12 @@ from ddpgpt.errors import DataError, UserError, warn
 from ddpgpt.files import WriteError, describe
 
 CACHE = "verified.json"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 1: identities without the change time, hashed again once
 
 
 def _files(where) -> storage.Directory | storage.Objects:
     """A dataset's files: `where` itself, or the directory or URL it names."""
     return where if hasattr(where, "identity") else storage.open_dir(where)
-
-
-def identity(path: os.PathLike) -> list[int]:
-    st = os.stat(path)
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
 
 
 def read_cache(directory) -> dict[str, dict]:

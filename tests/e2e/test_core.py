@@ -190,6 +190,9 @@ def test_bad_input_is_one_line(run, tiny_data, tmp_path, capsys):
     assert _fails(capsys, *evaluate, "--init-from", run.hf, "--task", "core") == (
         f"invalid config: --init-from {run.hf} and --run-dir {run.run}: give one, the model "
         "to score")
+    assert _fails(capsys, "eval", "--init-from", run.hf, "--task", "core", "--data",
+                  str(tiny_data)) == (f"invalid config: --data {tiny_data} is a run's "
+                                      "validation data; --init-from scores tasks only")
     never = tmp_path / "never"
     assert _fails(capsys, *tiny_train_args(tiny_data, never, run__eval_tasks="core",
                                            run__eval_task_data=run.bundle,

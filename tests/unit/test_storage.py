@@ -16,6 +16,7 @@ from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.mixture import MixedDataset, MixtureLoader
 from ddpgpt.data.shards import HEADER_BYTES, TokenDataset
 from ddpgpt.errors import DataError
+from tests.helpers import write_dataset
 
 T, B = 32, 2
 
@@ -68,15 +69,22 @@ def test_rows_packed_from_documents_and_evaluation_are_the_local_ones(s3_data, t
         assert np.array_equal(x1, x2) and np.array_equal(y1, y2)
 
 
-def test_a_mixture_of_a_url_and_a_directory(s3_data, tiny_data):
-    sources = DataConfig(dir=f"{s3_data}:0.7,{tiny_data}:0.3").sources()
-    assert sources == [(s3_data, 0.7), (str(tiny_data), 0.3)]
-    assert DataConfig(dir=f"{s3_data},{tiny_data}").sources()[0] == (s3_data, 0.5)
+def test_a_mixture_of_a_url_and_a_directory(s3_data, tiny_data, tmp_path):
+    """The URL's dataset and another, against the same mixture of its local copy: the same
+    rows. (The same data under a URL and a path in one mixture is refused: data/mixture.py.)"""
+    rng = np.random.default_rng(0)
+    other = write_dataset(tmp_path / "tiny", rng.integers(0, 256, 3000),
+                          rng.integers(0, 256, 600), vocab_size=257, eot_id=256)
+    sources = DataConfig(dir=f"{s3_data}:0.7,{other}:0.3").sources()
+    assert sources == [(s3_data, 0.7), (str(other), 0.3)]
+    assert DataConfig(dir=f"{s3_data},{other}").sources()[0] == (s3_data, 0.5)
     mixed = MixedDataset(sources)
-    assert mixed.names == [f"{s3_data.split('/')[2]}-tiny", f"{tiny_data.parent.name}-tiny"]
-    twin = MixedDataset([(str(tiny_data), 0.7), (str(tiny_data) + "/", 0.3)])
+    assert mixed.names == [f"{s3_data.split('/')[2]}-tiny", f"{other.parent.name}-tiny"]
+    with pytest.raises(DataError, match="are the same data"):
+        MixedDataset([(s3_data, 0.5), (str(tiny_data), 0.5)])
+    local = MixedDataset([(str(tiny_data), 0.7), (str(other), 0.3)])
     a = MixtureLoader(mixed, seq_len=T, micro_batch=B, world_size=2, rank=0, accum_steps=2)
-    b = MixtureLoader(twin, seq_len=T, micro_batch=B, world_size=2, rank=0, accum_steps=2)
+    b = MixtureLoader(local, seq_len=T, micro_batch=B, world_size=2, rank=0, accum_steps=2)
     for _ in range(2):
         for (x1, _), (x2, _) in zip(a.next_step(), b.next_step()):
             assert np.array_equal(x1, x2)
