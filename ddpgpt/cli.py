@@ -226,11 +226,23 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
         base = None if whole or not saved.is_file() else continued(
             read_config(saved, "the run's config", "; restore it, or give the whole config "
                         "(--preset, --config)"), flags, str(saved))
+        if base is None and not whole and values.get("run.checkpoint_url"):
+            base = _from_checkpoints(values["run.checkpoint_url"], flags)
     cfg = build(options["preset"], options["config"], flags, shape=_pretrained_shape, base=base)
     if options["print_config"]:
         print_config(cfg, options["nproc"])
         sys.exit(0)
     return cfg, options["nproc"], options["max_restarts"] or 0
+
+
+def _from_checkpoints(url: str, flags: dict) -> TrainConfig | None:
+    """A run dir without a config.json and checkpoints at a URL: the config of the newest
+    complete checkpoint there (a start on another machine goes on as the run was made); None
+    when there is none yet (a first start)."""
+    from ddpgpt.checkpoint.read import newest_config
+
+    found = newest_config(url)
+    return continued(found[0], flags, found[1]) if found else None
 
 
 def read_config(path: str | Path, where: str, fix: str = "") -> dict:
@@ -268,7 +280,7 @@ def print_config(cfg: TrainConfig, nproc: int | None) -> None:
     except DataError as e:
         print(f"# not resolved (model.vocab_size, data.seq_len, run.*: auto): {e}")
     else:
-        cfg, start = resume.plan(cfg, RunDir(cfg.run.dir), dataset)
+        cfg, start = resume.plan(cfg, RunDir(cfg.run.dir, cfg.run.checkpoint_url), dataset)
         where = f"resuming {start.path}" if start.path else "from scratch"
         print(f"# resolved for {world} process{'es' if world > 1 else ''}, {where}")
     print(to_toml(cfg), end="")

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file as save_safetensors_file
 
-from ddpgpt.checkpoint import sharded
+from ddpgpt.checkpoint import location, sharded
 from ddpgpt.checkpoint.store import (
     CheckpointError,
     CheckpointGone,
@@ -29,6 +30,9 @@ from ddpgpt.checkpoint.store import (
 )
 from ddpgpt.config.io import from_dict
 from ddpgpt.config.schema import TrainConfig
+from ddpgpt.data.mixture import MixedDataset
+from ddpgpt.data.shards import TokenDataset
+from ddpgpt.data.tokenizer import fingerprint
 from ddpgpt.errors import UserError, beside
 from ddpgpt.files import as_created, describe, os_error_in
 from ddpgpt.model.gpt import GPT
@@ -187,7 +191,7 @@ def load_latest(root: Path, weights_only: bool = True) -> tuple[Path, dict, dict
         found = find_latest(root)
         if found is None:
             empty += 1
-            if empty == 3 or not Path(root).is_dir():
+            if empty == 3 or not location.at(root).is_dir():
                 return None
             time.sleep(0.05)
             continue
@@ -195,8 +199,17 @@ def load_latest(root: Path, weights_only: bool = True) -> tuple[Path, dict, dict
             return *found, load(*found, weights_only=weights_only)
         except CheckpointGone:
             continue
-    raise CheckpointError(f"the checkpoints in {Path(root).parent} kept being deleted while read; "
+    raise CheckpointError(f"the checkpoints in {location.describe_where(location.at(root))} kept "
+                          "being deleted while read; "
                           "try again (is a run with run.keep_checkpoints = 1 saving very often?)")
+
+
+def newest_config(root) -> tuple[dict, str] | None:
+    """(the config, where it was read) of the newest complete checkpoint at `root` (a run's
+    checkpoints, or their URL), or None when there is none: what a start on another machine
+    goes on with (train --run-dir NEW --run.checkpoint-url URL)."""
+    found = find_latest(location.at(root))
+    return (found[1]["config"], str(found[0] / "meta.json")) if found else None
 
 
 @dataclass
@@ -236,6 +249,47 @@ def run_checkpoint(run_dir, step: int = 0) -> RunCheckpoint:
     path, meta, state = found
     return RunCheckpoint(path, meta, from_dict(meta["config"], source=str(path / "meta.json")),
                  state["model"])
+
+
+def trained_tokenizer(path: Path, meta: dict) -> str | None:
+    """The tokenizer fingerprint (data.tokenizer.fingerprint) the checkpoint at `path` was
+    trained with: recorded in its meta.json, or, for checkpoints from before that was recorded,
+    read from its run dir's copy of the tokenizer (data_meta.json, tokenizer.json). None when
+    neither says."""
+    if meta.get("tokenizer_fingerprint"):
+        return meta["tokenizer_fingerprint"]
+    if location.is_remote(path):  # written since it is recorded
+        return None
+    run = Path(path).parent.parent
+    try:
+        kind = json.loads((run / "data_meta.json").read_text())["tokenizer"]
+        return fingerprint(kind, run)
+    except (OSError, ValueError, KeyError, TypeError, UserError):
+        return None
+
+
+def check_data(found: RunCheckpoint, dataset: TokenDataset | MixedDataset, data_dir: str,
+               given: bool, run: str) -> None:
+    """Data to evaluate `found` (of run dir `run`) on (`data_dir`: its data.dir) must be what it
+    was trained on (meta.json's data_fingerprint, as a resume checks), unless `given` (--data:
+    other data on purpose); and always under its tokenizer, whose ids are what the model learned
+    (another's would score noise, or index past the model's vocabulary). One line otherwise."""
+    where = f"checkpoint {found.path}"
+    trained = trained_tokenizer(found.path, found.meta)
+    mine = dataset.tokenizer_fingerprint
+    if (trained is not None and trained != mine) or \
+            dataset.vocab_size > found.config.model.vocab_size:
+        was = trained.split(":")[0] if trained else f"{found.config.model.vocab_size} ids"
+        raise UserError(f"{where} was trained with another tokenizer ({was}) than the one of "
+                        f"{data_dir} ({mine.split(':')[0]}, {dataset.vocab_size} ids): its ids "
+                        "would mean other text; evaluate on data prepared with the run's "
+                        f"tokenizer (ddpgpt prepare SOURCES --tokenizer-from {run} --out DIR, "
+                        "then --data DIR)")
+    saved = found.meta.get("data_fingerprint")
+    if not given and saved is not None and saved != dataset.fingerprint:
+        raise UserError(f"{where} was trained on other data (fingerprint {saved[:12]}) than "
+                        f"{data_dir} holds now ({dataset.fingerprint[:12]}): it was replaced or "
+                        f"prepared again since; pass --data {data_dir} to evaluate on it anyway")
 
 
 def model_of(found: RunCheckpoint, device: torch.device | str) -> GPT:

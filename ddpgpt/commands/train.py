@@ -31,7 +31,7 @@ from ddpgpt.checkpoint.saver import SaveFailed, Saver
 from ddpgpt.checkpoint.saver import token as saver_token
 from ddpgpt.config.schema import RunConfig, TrainConfig
 from ddpgpt.data import verify
-from ddpgpt.data.mixture import MixedDataset, MixtureLoader, datasets
+from ddpgpt.data.mixture import MixedDataset, MixtureLoader, datasets, one_document_notes
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.distributed import collectives
@@ -47,7 +47,14 @@ from ddpgpt.distributed.group import (
 from ddpgpt.errors import UserError, warn
 from ddpgpt.evals.scorer import Scorer
 from ddpgpt.evals.tasks import for_run
-from ddpgpt.guard.health import Guard, StopSignal, collective_failed, preempted, resume_hint
+from ddpgpt.guard.health import (
+    Guard,
+    StopSignal,
+    Unhealthy,
+    collective_failed,
+    preempted,
+    resume_hint,
+)
 from ddpgpt.guard.spike import Verdict
 from ddpgpt.run import elastic, resume, trackers
 from ddpgpt.run.metrics import Metrics, peak_flops, summary
@@ -101,6 +108,7 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
                 trainer.doing = f"the evaluation after step {trainer.step}"
                 row = trainer.evaluate(tasks)  # val loss, the tasks' scores, the seconds so far
                 metrics.log_eval(trainer.step, **row)
+                guard.spikes.evaluated(row["val_loss"])  # for the run's verdict at its end
                 reached = 0 < row["val_loss"] <= cfg.run.target_val_loss
             if _due(trainer.step, cfg.run.checkpoint_every, total) or health.stop or reached:
                 trainer.doing = f"the checkpoint of step {trainer.step}"
@@ -182,7 +190,7 @@ def run(cfg: TrainConfig) -> None:
     except UserError as e:  # every rank finds it: one line per node
         e.quiet = e.quiet or here.local_rank > 0
         raise
-    run_dir = RunDir(cfg.run.dir)
+    run_dir = RunDir(cfg.run.dir, cfg.run.checkpoint_url)
     run_dir.check_creatable()
     planned = None  # where the run starts: decided once, here for one process, else in claim
     if here.world_size == 1 and not under_launcher():  # one process: finished already?
@@ -201,13 +209,14 @@ def run(cfg: TrainConfig) -> None:
             tasks, load_tokenizer(dataset.path, dataset.tokenizer), cfg.model.block_size, env)
         ) if tasks else None
         lr_fields = "optim.lr or optim.muon_lr" if cfg.optim.name == "muon" else "optim.lr"
-        guard = Guard(env, cfg.run, stop, lr_fields, run_dir.checkpoints)
+        guard = Guard(env, cfg.run, stop, lr_fields, run_dir.checkpoints, dataset.vocab_size)
         trainer = setup(cfg, env, dataset, start, guard)
         collectives.together(env, lambda: write_run_files(run_dir, cfg, dataset, start.step,
                                                           env.world_size), main_only=True)
         metrics = open_metrics(trainer, run_dir, start)
         saver = Saver(env, run_dir.checkpoints, checkpoint_group(env, cfg.run.dist_timeout_s),
                       saver_token(env), cfg.run.keep_checkpoints, cfg.run.checkpoint_async)
+        ended = None  # the verdict of a run that trained to its end but is not healthy
         try:
             try:
                 _install_faults(trainer, saver)
@@ -216,6 +225,9 @@ def run(cfg: TrainConfig) -> None:
                     trainer = roll_back(trainer, spike, run_dir, start, metrics, lambda at: setup(
                         cfg, env, dataset, at, guard, announce=False))  # built as on a restart
                     _install_faults(trainer, saver)
+                # 4. The end: healthy, or said loudly (an event, one line, exit 3).
+                if (ended := guard.end(trainer.step)) is not None:
+                    metrics.log_event(trainer.step, ended.event, **ended.fields)
             except CollectiveError as e:
                 # A rank lost mid-save shows in the step's collectives first: name the save.
                 doing = trainer.doing if saver.troubled is None else \
@@ -231,6 +243,8 @@ def run(cfg: TrainConfig) -> None:
             metrics.close()
             trainer.close()
             run_dir.unlock()
+        if ended is not None:
+            raise Unhealthy(ended.line, quiet=not env.is_main)
         if env.is_main:  # trained to the end (a stop raised above): below the closed bar
             print(run_dir.next_commands(), file=sys.stderr)
 
@@ -243,10 +257,13 @@ def save(trainer, saver: Saver, run_dir: RunDir, reason: str, wait: bool) -> Non
     held, replicated, rest = trainer.shard_state()
     spikes = trainer.guard.spikes
     # rollbacks: which recorded rollback this checkpoint has applied (checkpoint.record_rollback);
-    # healthy_checkpoint: the rollback target keep-last-k must not delete.
+    # healthy_checkpoint: the rollback target keep-last-k must not delete; unhealthy: the end's
+    # verdict on the last step's (a rerun of the finished run says it again: resume.py).
+    ended = trainer.guard.end(trainer.step) if trainer.step >= cfg.run.steps else None
     meta = {"config": cfg.to_dict(), "reason": reason, "data_fingerprint": ds.fingerprint,
             "tokenizer_fingerprint": ds.tokenizer_fingerprint, "origin": trainer.origin,
-            "rollbacks": len(spikes.rollbacks), "healthy_checkpoint": spikes.newest_healthy}
+            "rollbacks": len(spikes.rollbacks), "healthy_checkpoint": spikes.newest_healthy,
+            "unhealthy": ended.line if ended else None}
     with saved(trainer, saver, run_dir):
         saver.save(trainer.step, held, replicated, rest, meta, wait)
 
@@ -291,7 +308,7 @@ def verify_data(env: DistEnv, data: TokenDataset | MixedDataset) -> None:
         for text in collectives.all_gather_text(env, json.dumps(mine)):
             entries.update(json.loads(text))
         if env.local_rank == 0:
-            verify.record(dataset.path, entries, quiet=not env.is_main)
+            verify.record(dataset.files, entries, quiet=not env.is_main)
 
 
 def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset | MixedDataset,
@@ -313,6 +330,8 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         print(summary(trainer), file=sys.stderr)
         if trainer.dataset.split_bytes is None:
             warn(trainer.dataset.bytes_advice())
+        for note in one_document_notes(trainer.loader):  # data.align bos on one document
+            warn(note)
         if cfg.run.compile:  # or the bar sits at 0 with no word of why
             print("ddpgpt: compiling the model (run.compile): the first step waits for "
                   "torch.compile (tens of seconds; its kernels are cached for later runs)",

@@ -35,3 +35,15 @@ def _choice(section: str, name: str, value: str, options) -> None:
     options = get_args(options) or tuple(options)
     _require(value in options, f"{section}.{name} = {value!r}{did_you_mean(value, options)}; "
              f"choose one of {', '.join(options)}")
+
+
+def _shares(spec: str, weights: list[tuple[str, float | None]]) -> list[tuple[str, float]]:
+    """A mixture's weights (None: unweighted, 1) normalized to sum to 1, or one line: a sum that
+    overflows a float, or a weight that is 0 beside it, would make every share 0 (or one)."""
+    total = sum(share or 1.0 for _, share in weights)
+    _require(math.isfinite(total), f"data.dir = {spec!r}: the weights add up to more than a "
+             "float holds (every share would be 0); give weights of a sensible size (a:0.7,b:0.3)")
+    small = next((path for path, share in weights if share and not share / total), None)
+    _require(small is None, f"data.dir = {spec!r}: the weight of {small} is 0 beside the "
+             "others' sum (too small for a float); give weights of a sensible size (a:0.7,b:0.3)")
+    return [(path, (share or 1.0) / total) for path, share in weights]

@@ -196,8 +196,10 @@ def from_dict(values: dict, source: str = "config.json") -> TrainConfig:
 
 
 # What belongs to one start of a run rather than to its training (resume.NOT_TRAINING): the
-# first-start rule (a --reset applies once) and the CPU threads (each node's own).
-START_FIELDS = {"run": ("resume", "threads")}
+# first-start rule (a --reset applies once), the CPU threads and the data's local cache (each
+# node's own), and leave to resume on another dataset (a switch is allowed by the start that
+# asks for it, not by every start after it).
+START_FIELDS = {"run": ("resume", "threads"), "data": ("cache", "allow_switch")}
 # What an `auto` resolved from run.device: resolved again when a start names another device.
 FROM_DEVICE = {"run": ("precision", "backend"), "optim": ("muon_ns_dtype",),
                "model": ("attention",)}

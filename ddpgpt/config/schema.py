@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from ddpgpt.config import choices
-from ddpgpt.config.checks import _choice, _finite, _require
+from ddpgpt.config.checks import _choice, _finite, _require, _shares
 from ddpgpt.config.model import ModelConfig
 
 MAX_BUCKET_MB = 65536     # 64 GiB: larger than any device's memory, far below an int overflow
@@ -34,8 +34,9 @@ class DataConfig:
 
     dir: str = field(default="data/stdlib", metadata={"alias": "--data"})
     """Dataset directory made by `ddpgpt prepare`."""
-    # Or a mixture of several, DIR:WEIGHT,... (sources(); the train command's examples show one,
-    # docs/usage.md says the rest).
+    # Or its URL in object storage (s3://BUCKET/PREFIX, the cloud extra: each rank reads its
+    # windows with ranged reads, data/storage.py); or a mixture of several, DIR:WEIGHT,...
+    # (sources(); the train command's examples show one, docs/usage.md says the rest).
     seq_len: int = 0
     """Training sequence length T in tokens; 0 uses model.block_size."""
     micro_batch: int = 8
@@ -63,10 +64,15 @@ class DataConfig:
     verify: bool = True
     """Re-hash every shard against meta.json at startup (the ranks share the work); turn off to
     start faster on very large datasets."""
+    cache: str = ""
+    """A local directory (per node) that keeps what is read of a dataset in object storage,
+    in blocks of 1 MiB: later epochs and restarts read it from the disk. Empty: none (each
+    window is fetched when it is needed, ahead of the step that reads it)."""
     allow_switch: bool = False
     """Resume a checkpoint on another dataset than it was trained on (its fingerprint differs):
     the loader starts the new data from its beginning and metrics.jsonl records the switch.
-    Without it such a resume is refused."""
+    Without it such a resume is refused. It applies to the start that gives it (and its
+    restarts), as --reset does: the run's next start does not inherit it."""
 
     def __post_init__(self):
         for name in ("micro_batch", "global_batch"):
@@ -89,7 +95,7 @@ class DataConfig:
             return [(path if path and _number(weight) else self.dir, 1.0)]
         out = []
         for part in parts:
-            path, _, weight = part.rpartition(":") if ":" in part else (part, "", "")
+            path, _, weight = part.rpartition(":") if _weighted(part) else (part, "", "")
             _require(bool(path.strip()), f"data.dir = {self.dir!r}: an empty dataset name in "
                      "the mixture; write DIR:WEIGHT,DIR:WEIGHT (a:0.7,b:0.3)")
             try:
@@ -107,8 +113,12 @@ class DataConfig:
         twice = next((d for d in dirs if dirs.count(d) > 1), None)
         _require(twice is None, f"data.dir = {self.dir!r}: {twice} is listed twice; give each "
                  "dataset once, with its whole weight")
-        total = sum(share or 1.0 for _, share in out)
-        return [(path, (share or 1.0) / total) for path, share in out]
+        return _shares(self.dir, out)
+
+
+def _weighted(part: str) -> bool:
+    """A mixture's DIR:WEIGHT has a weight: a ':' after the last '/' (s3://b/x is a URL)."""
+    return ":" in part.rsplit("/", 1)[-1]
 
 
 def _number(text: str) -> bool:
@@ -223,20 +233,29 @@ class RunConfig:
     """Evaluate on the validation windows every this many steps (and at the end); 0: end only."""
     eval_tasks: str = ""
     """Multiple-choice tasks scored at every evaluation, comma-separated: hellaswag (downloaded
-    once) or NAME with eval_task_data (KIND:NAME: another kind of task). metrics.jsonl's eval
-    rows get NAME_acc_norm, NAME_acc, NAME_acc_char, NAME_n and NAME_s (the seconds it took); the
-    same at any number of processes."""
+    once) or NAME with eval_task_data (KIND:NAME: another kind of task; core: CORE's bundle).
+    metrics.jsonl's eval rows get NAME_acc_norm, NAME_acc, NAME_acc_char, NAME_n and NAME_s (the
+    seconds it took); core's core_metric and each task's core_LABEL_acc and _centered. The same
+    at any number of processes."""
     eval_task_data: str = ""
     """The eval_tasks' jsonl files (ctx, endings, label per line), comma-separated in their order;
-    empty for hellaswag's download."""
+    empty for hellaswag's download; core's: the eval bundle's directory."""
     eval_task_limit: int = 0
     """Score the first this many examples of each task at each evaluation; 0: all."""
+    eval_core_limit: int = 500
+    """Examples of each of a CORE bundle's tasks scored at each evaluation (nanochat's 500 in
+    training): shuffled with nanochat's seed, then the first this many; 0: all."""
     target_val_loss: float = 0.0
     """Stop at the first evaluation whose val loss is at most this (time to target): a
     checkpoint, a metrics.jsonl row {"event": "target", "val_loss", "elapsed_s", "train_s",
     "tokens"} and one line. 0: off."""
     checkpoint_every: int = 100
     """Save a checkpoint every this many steps (and at the end); 0: end only."""
+    checkpoint_url: str = field(default="", metadata={"alias": "--checkpoint-url"})
+    """Write the checkpoints to this URL of object storage (s3://BUCKET/PREFIX; needs the cloud
+    extra) instead of the run dir's checkpoints/: each rank uploads its share, meta.json last.
+    The run dir stays local (logs, config.json) and records it; on another machine, train
+    --run-dir NEW --run.checkpoint-url URL goes on from its newest checkpoint with its config."""
     keep_checkpoints: int = 3
     """Keep the newest this many checkpoints, deleting older ones."""
     checkpoint_async: bool = True
@@ -339,6 +358,8 @@ class RunConfig:
                  "seconds")
         _require(self.eval_task_limit >= 0,
                  f"run.eval_task_limit = {self.eval_task_limit} must be >= 0 (0: all)")
+        _require(self.eval_core_limit >= 0,
+                 f"run.eval_core_limit = {self.eval_core_limit} must be >= 0 (0: all)")
         _require(self.target_val_loss >= 0,
                  f"run.target_val_loss = {self.target_val_loss:g} must be >= 0 (0: off)")
         _require(bool(self.eval_tasks) or not self.eval_task_data,

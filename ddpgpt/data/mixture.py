@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ddpgpt.data import order as orders
+from ddpgpt.data import storage
 from ddpgpt.data.loader import (
     TrainLoader,
     _new_buffer,
@@ -43,6 +44,7 @@ from ddpgpt.data.loader import (
     require_windows,
     row_source,
 )
+from ddpgpt.data.packing import one_document
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import DataError
 
@@ -65,8 +67,8 @@ def datasets(data: TokenDataset | MixedDataset) -> list[TokenDataset]:
 def unique_names(dirs: list[str]) -> list[str]:
     """Each dataset's name in metrics (val_loss/NAME): its directory's name, with the parent's
     prefixed where two share one (data/a and other/a: data-a, other-a), else a count."""
-    base = [Path(d).resolve().name or str(d) for d in dirs]
-    names = [b if base.count(b) == 1 else f"{Path(d).resolve().parent.name}-{b}"
+    base = [storage.name_of(d) for d in dirs]
+    names = [b if base.count(b) == 1 else f"{storage.name_of(_parent(d))}-{b}"
              for d, b in zip(dirs, base)]
     seen: dict[str, int] = {}
     out = []
@@ -74,6 +76,11 @@ def unique_names(dirs: list[str]) -> list[str]:
         seen[name] = seen.get(name, 0) + 1
         out.append(name if seen[name] == 1 else f"{name}-{seen[name]}")
     return out
+
+
+def _parent(where: str) -> str:
+    return where.rstrip("/").rsplit("/", 1)[0] if storage.is_url(where) else \
+        str(Path(where).resolve().parent)
 
 
 def shares(weights: list[float]) -> list[int]:
@@ -99,6 +106,7 @@ class MixedDataset:
         self.datasets = [TokenDataset(d) for d, _ in sources]
         self.weights = [w for _, w in sources]
         self.names = unique_names([d for d, _ in sources])
+        _refuse_twice([d for d, _ in sources], self.datasets)
         first = self.datasets[0]
         for ds in self.datasets[1:]:
             if ds.tokenizer_fingerprint != first.tokenizer_fingerprint:
@@ -136,6 +144,21 @@ class MixedDataset:
         return sum(ds.verify(part, parts) for ds in self.datasets)
 
 
+def _refuse_twice(dirs: list[str], opened: list[TokenDataset]) -> None:
+    """One dataset under two spellings (d1 and ./d1, d1/, a symlink to it) or two copies of it
+    (the same meta.json) would be two sources with the same windows in the same order: every
+    batch would hold each of its windows twice. One line instead."""
+    seen: dict[tuple[str, str], str] = {}
+    for spelled, ds in zip(dirs, opened):
+        for key in (("dir", str(Path(ds.path).resolve())), ("fingerprint", ds.fingerprint)):
+            if key in seen:
+                same = "directory" if key[0] == "dir" else "data (the same meta.json)"
+                raise DataError(f"data.dir: {seen[key]} and {spelled} are the same {same}: "
+                                "the mixture would train on each of its windows twice; give "
+                                "it once, with its whole weight")
+            seen[key] = spelled
+
+
 def counts(n: np.ndarray, parts: list[int]) -> np.ndarray:
     """How many of the first n rows (each entry of `n`, int64) each source takes: shape
     (sources, len(n)); see the module docstring."""
@@ -154,12 +177,12 @@ class MixtureLoader:
     def __init__(self, data: MixedDataset, *, seq_len: int, micro_batch: int,
                  world_size: int = 1, rank: int = 0, accum_steps: int = 1, seed: int = 0,
                  shuffle: bool = True, device: str | torch.device = "cpu",
-                 align: str = "stream"):
+                 align: str = "stream", cache: str = ""):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.names = data.names
         self.fingerprints = [ds.fingerprint for ds in data.datasets]
-        self.streams = [row_source(ds, "train", seq_len, align) for ds in data.datasets]
+        self.streams = [row_source(ds, "train", seq_len, align, cache) for ds in data.datasets]
         for stream in self.streams:
             require_windows(stream, 1)
         self.seq_len, self.micro_batch = seq_len, micro_batch
@@ -181,7 +204,7 @@ class MixtureLoader:
         taken = counts(n, stretch["parts"])  # (sources, G+1)
         source = np.argmax(np.diff(taken, axis=1), axis=0)  # (G,): the one count that grew
         windows = np.empty(self.global_batch, dtype=np.int64)
-        for i, stream in enumerate(self.streams):
+        for i in range(len(self.streams)):
             mine = np.flatnonzero(source == i)
             if len(mine):
                 start = stretch["base"][i] + int(taken[i, 0])
@@ -217,7 +240,18 @@ class MixtureLoader:
     def next_step(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Advances by one step (G rows) and returns this rank's A micro-batches (x, y)."""
         self.batch_index += 1
+        self._prefetch(self.batch_index - 1)
+        self._prefetch(self.batch_index)  # the next step's, fetched while this one computes
         return self.batch(self.batch_index - 1)
+
+    def _prefetch(self, index: int) -> None:
+        """This rank's rows of global batch `index`, named to each source's reader."""
+        source, windows = self.rows(index)
+        b, W = self.micro_batch, self.world_size
+        mine = np.concatenate([np.arange((m * W + self.rank) * b, (m * W + self.rank + 1) * b)
+                               for m in range(self.accum_steps)])
+        for i, stream in enumerate(self.streams):
+            stream.prefetch(windows[mine[source[mine] == i]])
 
     def batch(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of global batch `index`, the cursor unmoved."""
@@ -280,6 +314,13 @@ class MixtureLoader:
                                    "base": self.taken(self.batch_index)})
             self.changed = {"old": dict(zip(self.names, [p / RESOLUTION for p in old])),
                             "new": dict(zip(self.names, [p / RESOLUTION for p in parts]))}
+
+
+def one_document_notes(loader: TrainLoader | MixtureLoader) -> list[str]:
+    """The warnings for training rows packed from a split of one document, each source's
+    (packing.one_document): said once, by the run's start."""
+    streams = loader.streams if isinstance(loader, MixtureLoader) else [loader.stream]
+    return [note for note in map(one_document, streams) if note]
 
 
 def train_loader(data: TokenDataset | MixedDataset, **kwargs) -> TrainLoader | MixtureLoader:

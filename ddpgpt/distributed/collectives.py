@@ -95,11 +95,13 @@ def barrier(env: DistEnv) -> None:
 def fail_together(env: DistEnv, error: Exception | None) -> None:
     """Every rank learns whether any rank hit an error, so all exit together rather than hang.
 
-    Each rank that failed raises its own error; it prints it unless a lower rank failed with the
-    same message (W ranks reading the same bad file say so once). The others raise quietly."""
+    Each rank that failed raises its own error; the lowest of them prints it, the others
+    quietly (W ranks reading the same bad file, or each its own bad shard, say it once: one line
+    to act on, then the next run names the next problem). The ranks that did not fail raise
+    quietly too."""
     messages = all_gather_text(env, None if error is None else str(error))
     if error is not None:
-        if str(error) in messages[:env.rank] and isinstance(error, UserError):
+        if any(m is not None for m in messages[:env.rank]) and isinstance(error, UserError):
             error.quiet = True
         raise error
     failed = [r for r, m in enumerate(messages) if m is not None]

@@ -33,6 +33,8 @@ from ddpgpt.guard.spike import Spike, SpikePolicy, Verdict
 
 # sysexits' EX_TEMPFAIL: stopped early on request, checkpoint saved; rerun to resume
 EXIT_PREEMPTED = 75
+# trained to the end, checkpoints written, but the run is not healthy (Guard.end): no model to ship
+EXIT_UNHEALTHY = 3
 GRACE_S = 1.0
 SETTLE_S = 5.0  # how long a stopped rank waits for its agent's own SIGTERM (see settle_stop)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -43,6 +45,14 @@ class Preempted(UserError):
 
     exit_code = EXIT_PREEMPTED
     label = "stopped"
+
+
+class Unhealthy(UserError):
+    """The run trained to its end but did not end healthy (Guard.end): its one line, and an
+    exit status a script or scheduler can act on."""
+
+    exit_code = EXIT_UNHEALTHY
+    label = "unhealthy"
 
 
 class StopSignal:
@@ -115,13 +125,15 @@ class Guard:
     rollback (spike.py) or a stop."""
 
     def __init__(self, env: DistEnv, cfg: RunConfig, stop: StopSignal,
-                 lr_fields: str = "optim.lr", checkpoints: Path | None = None):
+                 lr_fields: str = "optim.lr", checkpoints: Path | None = None, vocab: int = 0):
         """`lr_fields`: the learning rates to name in advice ("optim.lr or optim.muon_lr");
-        `checkpoints`: the run's checkpoint directory, whose healthy ones a stop names."""
+        `checkpoints`: the run's checkpoint directory, whose healthy ones a stop names;
+        `vocab`: the data's vocabulary (ln V: a uniform guess's loss, which a run must not end
+        above)."""
         self.env, self.cfg, self.signal, self.lr_fields = env, cfg, stop, lr_fields
         self.checkpoints = checkpoints
         self.skipped = 0  # steps skipped for a non-finite value in the run so far
-        self.spikes = SpikePolicy(cfg)
+        self.spikes = SpikePolicy(cfg, vocab)
 
     def exchange(self, loss: torch.Tensor, norm: torch.Tensor, scaled: bool,
                  saving: bool = False) -> Health:
@@ -142,12 +154,14 @@ class Guard:
         """What step `step` (1-based), which read global batch `batch`, leads to: the same on
         every rank. A stop raises. `probe`: see SpikePolicy.recover."""
         spikes, cfg = self.spikes, self.cfg
+        if not health.bad:
+            spikes.seen(health.loss)
         if health.bad and cfg.on_nonfinite != "spike":
             self.on_nonfinite(step, health.bad)
             return Verdict("skip")
-        if not health.bad and (cfg.on_spike == "none" or not spikes.outlier(health.loss)):
+        if not health.bad and (cfg.on_spike == "none" or not spikes.troubled(health.loss)):
             return spikes.healthy(step, health.loss, batch)
-        spike = Spike(step, health.loss, spikes.median, health.bad)
+        spike = Spike(step, health.loss, spikes.median, health.bad, spikes.bound())
         what = f"step {step}: {spike.describe(cfg.spike_ratio, len(spikes.losses))}"
         if cfg.on_spike != "recover":  # stop, or none with a non-finite value
             self._stop(what, f" (run.on_spike = {cfg.on_spike})",
@@ -164,10 +178,11 @@ class Guard:
                         f"{self.healthy_checkpoint(first)}; lower {self.lr_fields} or raise "
                         f"optim.warmup_steps, {advice}", quiet=not self.env.is_main)
 
-    def healthy_checkpoint(self, first: int) -> str:
-        """Which checkpoint to resume from after trouble that began at step `first`, as advice."""
+    def healthy_checkpoint(self, first: int, suspects: bool = True) -> str:
+        """Which checkpoint to resume from after trouble that began at step `first`, as advice;
+        `suspects`: and which one a plain rerun would resume from, if that is a later one."""
         steps = store.step_dirs(self.checkpoints) if self.checkpoints else []
-        suspect = [p for s, p in steps if s >= first - 1]
+        suspect = [p for s, p in steps if s >= first - 1] if suspects else []
         good = [p for s, p in steps if s <= first - 2]
         said = (f"The checkpoint {suspect[0]} was written after the trouble began (the update "
                 f"before step {first} may be its cause), and a plain rerun would resume from it; "
@@ -176,6 +191,19 @@ class Guard:
                   f"command with --resume {good[-1]}" if good else
                   "no checkpoint before it is known healthy: --reset starts over")
         return said + advice if said else advice[0].upper() + advice[1:]  # a new sentence
+
+    def end(self, step: int) -> Verdict | None:
+        """The run's verdict at its end (SpikePolicy.end): None when healthy, else the event
+        and the one line, with the checkpoint to go back to."""
+        found = self.spikes.end()
+        if found is None:
+            return None
+        why, first, fields = found
+        # (the newest healthy checkpoint alone: keep-last-k keeps it, where later ones go)
+        return Verdict("stop", event="unhealthy", fields=fields, line=(
+            f"step {step}: the run trained to its end but is not healthy: {why}. Its "
+            f"checkpoints are not a trained model. {self.healthy_checkpoint(first, False)}, and "
+            f"lower {self.lr_fields}"))
 
     def on_nonfinite(self, step: int, bad: list[int]) -> None:
         """Every rank takes the same branch: raise (stop) or count a skipped step."""

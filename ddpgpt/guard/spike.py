@@ -13,9 +13,12 @@ It is found in the health exchange, before the optimizer step. `run.on_spike` sa
              have spiked so and the next one does too, the data itself has changed (a new
              domain: unshuffled data, a data switch): the run trains on it from there, and the
              window of healthy losses starts over at the new level (an event `shift`).
-             The weights: the probe spikes too, so the update before the spike did the damage. The
+             The weights: the probe does not give about that batch's own loss (at most
+             RECOVER_RATIO × it), so the update before the spike did the damage. The
              model trains on through it, exactly as with `none`: a transient heals within a few
-             steps (an event says so). If it has not healed after `run.spike_patience` steps, or
+             steps (an event says so: recovered, once a step's loss is back near the median
+             before the spike, at most RECOVER_RATIO × it and never above ln V; merely under the
+             spike ratio is not back). If it has not healed after `run.spike_patience` steps, or
              a value is not finite, every rank rolls back to the newest checkpoint known healthy
              (one whose next step was healthy, so never the one written just before the spike,
              which holds the update that caused it; keep-last-k never deletes the newest of
@@ -35,6 +38,13 @@ held the damage, and skipping data cures nothing when the weights are the cause.
 a weight spike is what `none` does, so `recover` can only differ from it where the model fails to
 heal (and then a rollback at a lower lr saves the run) or where the data is the cause (and then
 skipping the batch is strictly better than learning from it).
+
+The end. A run that trains to its end is judged (`SpikePolicy.end`, Guard.end): unhealthy if a
+spike's trouble never ended (trained through, given up on, or rolled back to a history that
+never got back near the level before it), if its loss (the median of its last steps, spikes
+included) or val loss ends above ln V having been below it, or if either rose above spike_ratio
+× the lowest it had been. That is an event `unhealthy`, one line and exit 3 (train.py), so that
+no one takes its checkpoints for a trained model.
 
 Reproducible. The window of healthy losses, the spike being trained through, the lr factor and
 the rollbacks are state saved in every checkpoint; the probe reads a batch by its global index;
@@ -62,11 +72,16 @@ class Spike:
     loss: float                # its global loss (inf or nan when not finite)
     median: float              # the recent median it was compared with (nan: too few steps yet)
     ranks: list[int] = field(default_factory=list)  # ranks with a non-finite value, if any
+    bound: float = 0.0         # a step of a spike still trained through, under the ratio but
+                               # above this: not back yet (SpikePolicy.bound)
 
     def describe(self, ratio: float, window: int) -> str:
         if self.ranks:
             return ("non-finite loss or gradient norm on rank "
                     f"{', '.join(map(str, self.ranks))}")
+        if self.bound and self.loss <= ratio * self.median:
+            return (f"the loss {self.loss:.4g} is not back near the median {self.median:.4g} "
+                    f"before the spike: above {self.bound:.4g}")
         return (f"loss spike: {self.loss:.4g} is above {ratio:g} × the median "
                 f"{self.median:.4g} of the last {window} steps")
 
@@ -85,14 +100,30 @@ class Verdict:
 
 UPDATE = Verdict("update")
 HEALTHY_KEPT = 8  # the known-healthy checkpoints remembered (a rollback goes back one or two)
+# Recovered: a step's loss back at most this × the median of the healthy steps before the
+# spike began (and not above ln V, where the run had been below it). Under spike_ratio × it is
+# not enough: a run that heals to 1.5 × its level has not healed. Healthy steps of the tiny
+# runs in docs/reliability.md were at most 1.32-1.4 × their window's median, and at least half
+# of them under it, so a healed run gets a step under 1.1 × within a few steps.
+RECOVER_RATIO = 1.1
 
 
 class SpikePolicy:
-    """The recent healthy losses and what the run has done about spikes: all of it state."""
+    """The recent healthy losses and what the run has done about spikes: all of it state; and
+    the run's verdict at its end (`end`)."""
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, vocab: int = 0):
+        """`vocab`: the data's vocabulary V; ln V is what a uniform guess scores (0: unknown)."""
         self.cfg = cfg
+        self.uniform = math.log(vocab) if vocab > 1 else math.inf
         self.losses: deque[float] = deque(maxlen=cfg.spike_window)
+        self.lately: deque[float] = deque(maxlen=cfg.spike_window)  # every step's, spikes too
+        self.best: list[float] = [math.inf, 0]  # the lowest median of the window, and its step
+        self.val = [math.inf, math.inf]  # the lowest val loss, and the newest
+        # Trouble: a spike the weights caused, from its first step until the loss is back near
+        # the median before it (spike.RECOVER_RATIO): {"step", "median", "val"} (val: the newest
+        # val loss before it). A rollback carries it: the run it rolls back to must get back.
+        self.trouble: dict | None = None
         self.through = 0        # the first step of a spike the model is training through (0: none)
         self.probe_batch = -1   # the global batch of the newest healthy step (the probe reads it)
         self.skips = 0          # steps skipped in a row as bad data
@@ -113,6 +144,27 @@ class SpikePolicy:
         return len(self.losses) == self.losses.maxlen and not loss <= self.cfg.spike_ratio * \
             self.median
 
+    def bound(self) -> float:
+        """The loss a step must be at or under for the trouble to be over: RECOVER_RATIO × the
+        median before it, and never above ln V where that median was below it (0: no trouble)."""
+        if self.trouble is None:
+            return 0.0
+        median = float(self.trouble["median"])
+        return min(RECOVER_RATIO * median, self.uniform) if median < self.uniform \
+            else RECOVER_RATIO * median
+
+    def troubled(self, loss: float) -> bool:
+        """A spike: an outlier, or a step of a spike still trained through that is not back
+        under the bound (it does not join the window, and its patience runs on)."""
+        return self.outlier(loss) or (bool(self.through) and not loss <= self.bound())
+
+    def seen(self, loss: float) -> None:
+        """Every finite step's loss, spikes included: the end's verdict reads the last ones."""
+        self.lately.append(loss)
+
+    def evaluated(self, val_loss: float) -> None:
+        self.val = [min(self.val[0], val_loss), val_loss]
+
     def confirm(self, checkpoint_step: int) -> None:
         """The step after checkpoint `checkpoint_step` was healthy: it is a rollback target."""
         known = self.healthy_checkpoints or []
@@ -125,16 +177,25 @@ class SpikePolicy:
         return self.healthy_checkpoints[-1] if self.healthy_checkpoints else None
 
     def healthy(self, step: int, loss: float, batch: int) -> Verdict:
-        """A step that is no spike: its loss joins the window; a spike trained through ends."""
+        """A step that is no spike: its loss joins the window; trouble whose bound it is under
+        is over (a spike trained through, or the history a rollback went back to)."""
         self.losses.append(loss)
         self.probe_batch, self.skips = batch, 0
-        if not self.through:
+        if len(self.losses) == self.losses.maxlen and self.median < self.best[0]:
+            self.best = [self.median, step]
+        # Back near the level before, at the step the trouble began or later: a rollback's first
+        # steps are its checkpoint's healthy ones, and say nothing of the steps that broke.
+        if self.trouble is None or step < self.trouble["step"] or not loss <= self.bound():
             return UPDATE
-        first, self.through = self.through, 0
-        return Verdict("update", event="recovered", fields={"spike_step": first},
-                       line=f"step {step}: the loss is back under {self.cfg.spike_ratio:g} × the "
-                            f"median after the spike at step {first}, trained through "
-                            f"({step - first} step{'s' * (step - first != 1)})")
+        first, median, bound = self.trouble["step"], float(self.trouble["median"]), self.bound()
+        how = (f"trained through ({step - first} step{'s' * (step - first != 1)})" if self.through
+               else f"after {len(self.rollbacks)} rollback{'s' * (len(self.rollbacks) != 1)}")
+        self.through, self.trouble = 0, None
+        return Verdict("update", event="recovered", fields={
+            "spike_step": first, "loss_now": loss, "median": json_number(median),
+            "bound": json_number(bound)},
+            line=f"step {step}: recovered: the loss {loss:.4g} is back near the median "
+                 f"{median:.4g} before the spike at step {first} (at most {bound:.4g}), {how}")
 
     # ---- run.on_spike = recover -----------------------------------------------------------------
 
@@ -145,7 +206,12 @@ class SpikePolicy:
         what = spike.describe(cfg.spike_ratio, len(self.losses))
         if not self.through:
             probed = probe(self.probe_batch) if self.probe_batch >= 0 else math.inf
-            data = math.isfinite(probed) and probed <= cfg.spike_ratio * self.median
+            # The data: the weights still do on that batch about as well as when it was trained
+            # on (its loss is the window's newest). Merely under the spike ratio is not enough:
+            # weights broken to 1.9 × the median would pass, their spikes be skipped as bad
+            # data, and then taken for a new domain that resets the median at the broken level.
+            data = math.isfinite(probed) and probed <= min(
+                RECOVER_RATIO * self.losses[-1], cfg.spike_ratio * self.median)
             if data and self.skips < cfg.spike_patience:
                 self.skips += 1
                 return Verdict("skip", spike, "skip", {"cause": "data", "probe_loss": probed},
@@ -157,6 +223,11 @@ class SpikePolicy:
             # A spike on every batch for spike_patience steps is no longer the data's doing,
             # whatever the probe's one batch says: it is handled as the weights' from the first.
             self.through = step - self.skips if data else step
+            if self.trouble is None:  # the level to get back to (kept through rollbacks; no
+                # healthy step yet: any finite loss is back)
+                median = self.median if self.losses else math.inf
+                self.trouble = {"step": self.through, "median": json_number(median),
+                                "val": json_number(self.val[1])}
             if not data and not spike.ranks:
                 return Verdict("update", spike, "spike", {"cause": "weights",
                                                           "probe_loss": json_number(probed)},
@@ -190,6 +261,7 @@ class SpikePolicy:
         self.skips = 0
         self.losses.clear()
         self.losses.append(spike.loss)
+        self.best = [math.inf, step]  # the new data's level is not the old one's
         return Verdict("update", spike, "shift", {"cause": "data", "probe_loss": probed,
                                                   "skipped": skipped},
                        f"step {step}: {what}; {skipped + 1} global batches in a row spiked while "
@@ -205,13 +277,54 @@ class SpikePolicy:
         """Rollbacks within run.rollback_window steps before `step`."""
         return sum(r["step"] > step - self.cfg.rollback_window for r in self.rollbacks)
 
+    # ---- the end ------------------------------------------------------------------------------
+
+    def end(self) -> tuple[str, int, dict] | None:
+        """The run's verdict once it has trained to its end: None when healthy, else (why, the
+        step the trouble began, the event's fields). Unhealthy: trouble not over (a spike the
+        model never got back from, trained through or rolled back), or a loss (the median of
+        the last steps, spikes included) or val loss above ln V where the run had been below
+        it, or risen above spike_ratio × the lowest it had been."""
+        if not self.lately:
+            return None
+        level, n, ratio = statistics.median(self.lately), len(self.lately), self.cfg.spike_ratio
+        now = f"the median of its last {n} steps is {level:.4g}"
+        val = f"; val_loss {self.val[1]:.4g}" if math.isfinite(self.val[1]) else ""
+        # (named apart from a training row's loss and an evaluation's val_loss: readers of
+        # metrics.jsonl tell rows by those)
+        fields = {"loss_median": level, "steps": n, "last_val_loss": json_number(self.val[1])}
+        uniform = f"ln V = {self.uniform:.4g}, what a uniform guess over the vocabulary scores"
+        if self.trouble is not None:
+            t = self.trouble
+            before = f" against {float(t['val']):.4g} before it" if val and \
+                math.isfinite(float(t["val"])) else ""
+            return (f"its loss never came back near where it was before the spike at step "
+                    f"{t['step']}: {now}, above {self.bound():.4g} ({RECOVER_RATIO:g} × the "
+                    f"median {float(t['median']):.4g} before it){val}{before}", int(t["step"]),
+                    {**fields, "why": "not recovered", "spike_step": t["step"],
+                     "median": t["median"], "bound": json_number(self.bound()),
+                     "val_before": t["val"]})
+        best, at = self.best
+        if best < self.uniform < level or self.val[0] < self.uniform < self.val[1]:
+            return (f"it ends worse than uniform: {now}{val}, above {uniform}", int(at),
+                    {**fields, "why": "worse than uniform", "uniform": self.uniform})
+        if level > ratio * best or self.val[1] > ratio * self.val[0]:
+            low = f"; val_loss {self.val[0]:.4g}" if val else ""
+            return (f"its loss rose: {now}{val}, above {ratio:g} × the lowest it had been (the "
+                    f"median {best:.4g} at step {at:g}{low})", int(at),
+                    {**fields, "why": "rose", "best": json_number(best), "best_step": int(at),
+                     "best_val_loss": json_number(self.val[0])})
+        return None
+
     # ---- state ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         return {"losses": list(self.losses), "through": self.through, "skips": self.skips,
                 "probe_batch": self.probe_batch, "lr_factor": self.lr_factor,
                 "rollbacks": [dict(r) for r in self.rollbacks],
-                "healthy_checkpoints": self.healthy_checkpoints}
+                "healthy_checkpoints": self.healthy_checkpoints,
+                "lately": list(self.lately), "best": list(self.best), "val": list(self.val),
+                "trouble": dict(self.trouble) if self.trouble else None}
 
     def load_state_dict(self, state: dict | None) -> None:
         """`None`: a fresh start, or a checkpoint from before spikes were tracked. A checkpoint
@@ -226,6 +339,14 @@ class SpikePolicy:
         self.rollbacks = [dict(r) for r in state.get("rollbacks", [])]
         known = state.get("healthy_checkpoints", [] if not state else None)  # absent: older
         self.healthy_checkpoints = None if known is None else [int(s) for s in known]
+        # Absent before the end's verdict: a trouble a checkpoint was written in is unknown.
+        self.lately.clear()
+        self.lately.extend(float(x) for x in state.get("lately", []))
+        self.best = [float(x) for x in state.get("best", [math.inf, 0])]
+        self.val = [float(x) for x in state.get("val", [math.inf, math.inf])]
+        self.trouble = dict(state["trouble"]) if state.get("trouble") else None
+        if self.through and self.trouble is None:  # through a spike, saved by an older version
+            self.trouble = {"step": self.through, "median": self.median, "val": "inf"}
 
 
 def target(steps: list[int], first: int, origin: int, rollbacks: list[dict],

@@ -12,6 +12,10 @@ Every shape warms up linearly over `warmup_steps` (step 0 already trains, at lr/
   without a restart of the schedule;
 - constant: flat at `lr` after warmup.
 
+Cosine and wsd end at their length: every later step (a run extended past its schedule) is at
+min_lr, whatever the warmup, and a warmup as long as the schedule or longer is cut off by its
+end (lr_at says it for every case; tests/unit/test_optim.py checks the shape on a grid).
+
 Being a pure function of the step, the schedule needs no state in a checkpoint; the rollback
 factor lives with the spike guard (guard/spike.py), whose state resumes, and is read here at
 every step, so that this is the one place where the lr a step uses is decided.
@@ -39,22 +43,37 @@ def decay_start(cfg: OptimConfig, length: int) -> int:
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Learning rate of optimizer step `step` (0-based) on a schedule of `cfg.decay_steps`
-    steps, or `total_steps` when that is 0 (unresolved: bench, tests). The last step of the
-    schedule is exactly min_lr for cosine and wsd."""
+    """Learning rate of optimizer step `step` (0-based) on a schedule of L = `cfg.decay_steps`
+    steps, or `total_steps` when that is 0 (unresolved: bench, tests). Defined for every
+    (warmup, L, step):
+
+    - cosine and wsd end at step L: every step from L on is at min_lr, so a run extended past
+      its schedule goes on at min_lr, never at the peak again;
+    - the warmup's steps s < warmup_steps (those before L, for cosine and wsd) are at
+      lr · (s + 1) / warmup_steps: a schedule no longer than its warmup ends inside it;
+    - when the warmup ends before L, the last step, L - 1, is exactly min_lr for cosine and wsd
+      (cosine's one decay step when warmup_steps = L - 1).
+
+    So the lr rises, then never rises again: it is never above lr, and no step after the peak
+    returns to it."""
+    length = cfg.decay_steps or total_steps
+    if cfg.schedule != "constant" and step >= length:
+        return cfg.min_lr  # the schedule has ended
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    length = cfg.decay_steps or total_steps
     if cfg.schedule == "constant":
         return cfg.lr
+    # warmup_steps <= step < length from here
     if cfg.schedule == "wsd":
-        start = decay_start(cfg, length)
+        start = decay_start(cfg, length)  # <= length - 1: step is at least warmup_steps
         if step < start:
             return cfg.lr
-        progress = min(1.0, (step - start + 1) / (length - start))  # min_lr at the last step
+        progress = (step - start + 1) / (length - start)  # min_lr at the last step
         return cfg.min_lr + (cfg.lr - cfg.min_lr) * (1 - progress)
-    span = max(1, length - 1 - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    span = length - 1 - cfg.warmup_steps
+    if span <= 0:  # the schedule's one step after warmup is its last
+        return cfg.min_lr
+    progress = (step - cfg.warmup_steps) / span
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 

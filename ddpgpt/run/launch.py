@@ -23,6 +23,7 @@ import time
 import torch
 
 from ddpgpt.checkpoint import store
+from ddpgpt.config.io import START_FIELDS
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.distributed.group import detect
 from ddpgpt.errors import UserError
@@ -49,7 +50,7 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
     check_nproc(nproc, cfg.run.device)
     cfg, dataset = preflight(cfg, nproc, nproc)
     for_run(cfg.run)  # bad task files: one line here, before the run dir is touched
-    run_dir = RunDir(cfg.run.dir)
+    run_dir = RunDir(cfg.run.dir, cfg.run.checkpoint_url)
     run_dir.check_creatable()
     cfg, first = resume.plan(cfg, run_dir, dataset)
     if resume.report_finished(cfg, run_dir, first):  # no worker needed to find that out
@@ -58,7 +59,7 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
         run_dir.write_config(cfg.to_dict(), first.step, nproc)
         started = time.time()
         # What belongs to this start and not to the run (config.io.START_FIELDS) goes as flags.
-        own = ["--run.resume", cfg.run.resume, "--run.threads", str(cfg.run.threads)]
+        own = start_flags(cfg)
         code, stopped_by = start(nproc, ["train", "--resolved-config", str(run_dir.config), *own],
                                  max_restarts)
         if stopped_by is None:
@@ -73,6 +74,19 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
         return 128 + stopped_by.value
 
 
+def start_flags(cfg: TrainConfig) -> list[str]:
+    """This start's own settings (config.io.START_FIELDS) as flags for its workers, which
+    read the rest from config.json (where they are set back to their defaults)."""
+    out = []
+    for section, names in START_FIELDS.items():
+        for name in names:
+            value = getattr(getattr(cfg, section), name)
+            if value != "":  # an empty setting (no data.cache) needs no flag
+                out += [f"--{section}.{name.replace('_', '-')}",
+                        str(value).lower() if isinstance(value, bool) else str(value)]
+    return out
+
+
 def stop_checkpoint(run_dir: RunDir, since: float):
     """The checkpoint the workers wrote on a stop request after `since`, if they did."""
     found = store.find_latest(run_dir.checkpoints)
@@ -81,17 +95,30 @@ def stop_checkpoint(run_dir: RunDir, since: float):
     return None
 
 
+class _WorkerFailed(logging.Filter):
+    """Drops the agent's "failed (exitcode: N) local_rank: R (pid: P) of binary: ..." line: a
+    worker that exits non-zero has said why in one line, and one killed by a signal is named
+    by `start` (a line of ours); the line after it is noise, on every input error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode: ")
+
+
 def quiet_agent() -> None:
     """The elastic agent's warnings ("Sending process N closing signal SIGINT", ...) narrate
-    what ddpgpt reports itself in one line; its errors still show. Its loggers set their own
-    level when created, so each is lowered to ERROR here, after the imports that create them."""
+    what ddpgpt reports itself in one line; its errors still show, but for its line on a failed
+    worker, which ddpgpt reports itself too. Its loggers set their own level when created, so
+    each is lowered to ERROR here, after the imports that create them."""
     import torch.distributed.elastic.agent.server.api  # noqa: F401  (creates the loggers)
     import torch.distributed.elastic.multiprocessing.api  # noqa: F401
     import torch.distributed.run  # noqa: F401
 
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logger = logging.getLogger(name)
+            logger.setLevel(logging.ERROR)
+            if not any(isinstance(f, _WorkerFailed) for f in logger.filters):
+                logger.addFilter(_WorkerFailed())
 
 
 def start(nproc: int, worker_args: list[str],

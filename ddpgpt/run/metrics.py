@@ -80,14 +80,24 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return measure_matmul_flops(device, dtype, windows=4, seconds=0.04)
 
 
-def cut_log(path: Path, step: int) -> None:
-    """Drops rows after `step` (written by a run that crashed before its next checkpoint)."""
+# The events a start logs at its first step, about itself (what it changed of the checkpoint
+# it resumed): a later start from the same checkpoint says them again, or not, for itself.
+START_EVENTS = ("data_switch", "mixture_change", "config_change")
+
+
+def cut_log(path: Path, step: int, start: bool = False) -> None:
+    """Drops rows after `step` (written by a run that crashed before its next checkpoint);
+    `start` (a start from the checkpoint of `step`): also the start events at `step` of an
+    earlier start from the same checkpoint (killed before its next checkpoint and started
+    again, it recorded them twice). A rollback to the run's own start keeps them."""
     if not path.is_file():
         return
     kept = []
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line)["step"] <= step:
+            row = json.loads(line)
+            if row["step"] < step or (row["step"] == step and
+                                      not (start and row.get("event") in START_EVENTS)):
                 kept.append(line)
         except (ValueError, KeyError, TypeError):
             continue  # a torn last line from a crash
@@ -109,7 +119,7 @@ class Metrics:
         if not enabled:
             return
         self.path = Path(path)
-        cut_log(self.path, start_step)
+        cut_log(self.path, start_step, start=True)
         self.file = open(self.path, "a")
         # On a terminal a bar redrawn in place; in a log file whole lines only (progress.bar):
         # no carriage returns, no blank line where the bar steps aside for a `step N:` line.

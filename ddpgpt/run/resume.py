@@ -23,18 +23,18 @@ only, for fast one-line errors) and again under the run's lock (`verify=True`: e
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpgpt.checkpoint import store
+from ddpgpt.checkpoint import location, store
+from ddpgpt.checkpoint.read import trained_tokenizer
 from ddpgpt.checkpoint.store import CheckpointError
 from ddpgpt.config.io import START_FIELDS, from_dict
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
-from ddpgpt.data.tokenizer import fingerprint as fingerprint_of
 from ddpgpt.errors import UserError
+from ddpgpt.guard.health import Unhealthy
 from ddpgpt.optim.schedule import extends_flat
 from ddpgpt.run.run_dir import RunDir
 
@@ -88,7 +88,7 @@ def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: st
         found = _latest(run_dir.checkpoints, verify, quiet)
         start = Start(*found, origin=found[1].get("origin")) if found else Start()
     else:
-        start = _explicit(run_dir, Path(mode), first_start, verify)
+        start = _explicit(run_dir, location.at(mode), first_start, verify)
     start.rollback = _pending(run_dir, start)
     if start.path is not None:
         _check_fit(cfg, start, run_dir, mode, fingerprint, tokenizer)
@@ -189,7 +189,7 @@ def _check_fit(cfg: TrainConfig, start: Start, run_dir: RunDir, mode: str,
     if old is None or old == fingerprint:
         return
     where = f"--resume {mode}" if explicit else f"run dir {run_dir}: checkpoint {start.path.name}"
-    trained_with = saved_tokenizer(start.path, start.meta)
+    trained_with = trained_tokenizer(start.path, start.meta)
     if tokenizer is not None and trained_with is not None and trained_with != tokenizer:
         own = saved["data"]["dir"]
         back = (f"To continue it on its own data, pass --data {own} (train --run-dir "
@@ -207,20 +207,6 @@ def _check_fit(cfg: TrainConfig, start: Start, run_dir: RunDir, mode: str,
                     f"{old[:12]}) than data.dir = {cfg.data.dir} (fingerprint {fingerprint[:12]}); "
                     "pass its --data, --reset to start over, or --data.allow-switch to go on with "
                     "the new data")
-
-
-def saved_tokenizer(path: Path, meta: dict) -> str | None:
-    """The tokenizer fingerprint a checkpoint was trained with: recorded in its meta.json, or,
-    for checkpoints from before that was recorded, read from its run dir's copy of the
-    tokenizer (data_meta.json, tokenizer.json). None when neither says."""
-    if meta.get("tokenizer_fingerprint"):
-        return meta["tokenizer_fingerprint"]
-    run = RunDir(Path(path).parent.parent)
-    try:
-        kind = json.loads(run.data_meta.read_text())["tokenizer"]
-        return fingerprint_of(kind, run.path)
-    except (OSError, ValueError, KeyError, TypeError, UserError):
-        return None
 
 
 def _short(fingerprint: str) -> str:
@@ -246,7 +232,8 @@ def settle(cfg: TrainConfig, start: Start) -> TrainConfig:
 
 
 # Settings that are not the training's: the first-start rule, and threads (may differ per node).
-NOT_TRAINING = {f"{section}.{name}" for section, names in START_FIELDS.items() for name in names}
+NOT_TRAINING = {f"{section}.{name}" for section, names in START_FIELDS.items() for name in names} \
+    | {"run.dir"}  # a run gone on in another directory (its checkpoints at a URL) trains the same
 
 
 def changes(saved: dict, cfg: TrainConfig) -> dict[str, list]:
@@ -278,11 +265,14 @@ def finished(cfg: TrainConfig, start: Start) -> bool:
 
 def report_finished(cfg: TrainConfig, run_dir: RunDir, start: Start) -> bool:
     """True, having said so in one line, when the run is already finished (nothing to train). The
-    line is said under the run dir's lock: another run training there is refused, as always."""
+    line is said under the run dir's lock: another run training there is refused, as always.
+    A run that ended unhealthy (its last checkpoint says so) says that again, and exits 3."""
     if not finished(cfg, start):
         return False
     with run_dir.locked():
         print(finished_message(run_dir, start.step, cfg.run.steps), file=sys.stderr)
+    if start.meta.get("unhealthy"):
+        raise Unhealthy(start.meta["unhealthy"])
     return True
 
 

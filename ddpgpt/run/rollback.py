@@ -41,7 +41,8 @@ def roll_back(trainer, verdict: Verdict, run_dir: RunDir, origin: resume.Start,
     record = {"to": found.step, "checkpoint": _target_name(run_dir, found.path),
               "rollbacks": len(spikes.rollbacks) + 1, "spike_step": spike.step,
               "first_step": verdict.first, "read": trainer.loader.batch_index,
-              "before": [dict(r) for r in spikes.rollbacks], "lr_factor": spikes.lr_factor}
+              "before": [dict(r) for r in spikes.rollbacks], "lr_factor": spikes.lr_factor,
+              "trouble": spikes.trouble}  # the level the rolled-back run must get back to
     trainer.doing = f"the rollback after step {spike.step}"
     aside = collectives.together(env, lambda: _record(run_dir, record), main_only=True)
     trainer.close()  # the old model and optimizer go before the new ones are built
@@ -70,13 +71,16 @@ def roll_back(trainer, verdict: Verdict, run_dir: RunDir, origin: resume.Start,
 
 def apply_rollback(trainer, record: dict) -> tuple[int, list[dict]]:
     """A recorded rollback (roll_back's `record`) on a trainer just built from its target: the
-    run's rollbacks and lr factor as they were at the spike, with this one added, and the loader
-    moved past the global batches read since the target's cursor (those of steps to+1..spike,
-    and any an earlier rollback to the same checkpoint skipped on the way). The same on every
+    run's rollbacks, lr factor and trouble (the level it must get back to: spike.py) as they
+    were at the spike, with this one added, and the loader moved past the global batches read
+    since the target's cursor (those of steps to+1..spike, and any an earlier rollback to the
+    same checkpoint skipped on the way). The same on every
     rank and at any W. Returns (the batches skipped, their windows: loader.skip)."""
     spikes = trainer.guard.spikes
     spikes.rollbacks = [dict(r) for r in record["before"]]
     spikes.lr_factor = float(record["lr_factor"])
+    if record.get("trouble"):  # absent in records from before the end's verdict
+        spikes.trouble = dict(record["trouble"])
     batches = int(record["read"]) - trainer.loader.batch_index
     skipped = trainer.loader.skip(batches)
     spikes.rolled_back(int(record["spike_step"]), int(record["to"]), batches)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ddpgpt.config.schema import OptimConfig
-from ddpgpt.guard.health import EXIT_PREEMPTED
+from ddpgpt.guard.health import EXIT_PREEMPTED, EXIT_UNHEALTHY
 from ddpgpt.optim.schedule import lr_at
 from tests.helpers import (
     codes,
@@ -92,7 +92,7 @@ def test_a_spike_from_bad_data_skips_that_update_and_nothing_else(runs, tiny_dat
 def test_broken_weights_are_trained_through_then_rolled_back_to_a_healthy_checkpoint(
         runs, tiny_data):
     run_dir, results = runs["weights", 1]
-    (rollback,) = events(run_dir)  # the spike's own event went with the steps it undid
+    rollback, recovered = events(run_dir)  # the spike's own event went with the steps it undid
     first = warnings(results[0])[0]
     assert first.startswith("ddpgpt: warning: step 6: loss spike: ") and first.endswith(
         "on the last healthy batch too: training on through it (up to 2 steps before a rollback)")
@@ -107,6 +107,16 @@ def test_broken_weights_are_trained_through_then_rolled_back_to_a_healthy_checkp
         "rolling back to step 3 (step_0000003), skipping the 5 global batches read after it "
         "(steps 4-8), the lr × 0.5 from now on (rollback 1 of at most 3 within 100 steps); the "
         f"later checkpoints are in {next(run_dir.glob('rollback-*'))}")
+    # recovered: at step 6, where the spike began, the rolled-back run is back near the median
+    # before it (at most 1.1 ×); the run ends healthy, exit 0 (run_ranks checked it)
+    assert {k: v for k, v in recovered.items() if k not in ("loss_now", "bound")} == {
+        "step": 6, "event": "recovered", "spike_step": 6, "median": rollback["median"]}
+    assert recovered["loss_now"] <= recovered["bound"] == pytest.approx(1.1 * rollback["median"])
+    assert warnings(results[0])[2] == (
+        f"ddpgpt: warning: step 6: recovered: the loss {recovered['loss_now']:.4g} is back near "
+        f"the median {rollback['median']:.4g} before the spike at step 6 (at most "
+        f"{recovered['bound']:.4g}), after 1 rollback")
+    assert "unhealthy" not in results[0].stderr and "ddpgpt: next: " in results[0].stderr
     # the run finished: every step once, on the batches and lr the oracle was given
     rows = read_metrics(run_dir)[0]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -159,9 +169,20 @@ def test_a_run_resumed_after_a_rollback_goes_on_bitwise(runs, tiny_data, tmp_pat
 def test_rollbacks_that_do_not_help_compound_and_then_the_run_trains_on(tiny_data, tmp_path):
     """Weights broken every time the run passes step 5, run.max_rollbacks = 2: two rollbacks to
     checkpoint 3 (no older one to go further back to), the lr halved each time, then the run
-    trains on through the spike and finishes: it never stops for a finite spike."""
+    trains on through the spike and finishes: it never stops for a finite spike. But it never
+    recovered, and its end says so: an event, one line, exit 3."""
     run_dir = tmp_path / "run"
-    (result,) = spike_run(tiny_data, run_dir, 1, "weights-always@5", run__max_rollbacks=2)
+    (result,) = spike_run(tiny_data, run_dir, 1, "weights-always@5", check=False,
+                          run__max_rollbacks=2)
+    assert result.returncode == EXIT_UNHEALTHY, result.stderr
+    (ended,) = events(run_dir, "unhealthy")
+    assert (ended["step"], ended["why"], ended["spike_step"]) == (STEPS, "not recovered", 6)
+    assert ended["loss_median"] > 1000 * ended["median"] / 2  # the fault's 1000 ×
+    assert result.stderr.splitlines()[-1].startswith(
+        f"ddpgpt: unhealthy: step {STEPS}: the run trained to its end but is not healthy: its "
+        "loss never came back near where it was before the spike at step 6: the median of its "
+        "last 3 steps is ")
+    assert "ddpgpt: next: " not in result.stderr
     rollbacks = events(run_dir, "rollback")
     assert [(e["checkpoint_step"], e["lr_factor"], e["skipped_batches"]) for e in rollbacks] == \
         [(3, 0.5, 5), (3, 0.25, 10)]
@@ -170,6 +191,7 @@ def test_rollbacks_that_do_not_help_compound_and_then_the_run_trains_on(tiny_dat
     assert warnings(result)[-1].endswith(
         "2 rollbacks within 100 steps have not helped (run.max_rollbacks = 2): training on "
         "through it")
+    assert (run_dir / "checkpoints" / f"step_{STEPS:07d}").is_dir()  # written, said unhealthy
     rows = read_metrics(run_dir)[0]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[-1]["lr"] == pytest.approx(
@@ -208,8 +230,8 @@ def test_broken_weights_on_one_rank_alone_roll_back_as_on_every_rank(runs, tiny_
     run_dir = tmp_path / "run"
     spike_run(tiny_data, run_dir, 2, "weights@5@0")
     reference, _ = runs["weights", 1]
-    assert [(e["event"], e["checkpoint_step"], e["skipped_batches"]) for e in events(run_dir)] \
-        == [("rollback", 3, 5)]
+    assert [(e["event"], e.get("checkpoint_step"), e.get("skipped_batches"))
+            for e in events(run_dir)] == [("rollback", 3, 5), ("recovered", None, None)]
     rows, ref = read_metrics(run_dir)[0], read_metrics(reference)[0]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     np.testing.assert_allclose([r["loss"] for r in rows[3:]], [r["loss"] for r in ref[3:]],

@@ -126,7 +126,7 @@ def test_deliberate_switch_of_dataset_is_recorded(tiny_data, tmp_path):
     assert changed == {"step": 2, "event": "config_change",
                        "checkpoint": str(run / "checkpoints" / "step_0000002"),
                        "changes": {"data.dir": [str(tiny_data), str(other)],
-                                   "data.allow_switch": [False, True], "run.steps": [2, 4]}}
+                                   "run.steps": [2, 4]}}  # the flag is this start's own
     assert event == {"step": 2, "event": "data_switch",
                      "checkpoint": str(run / "checkpoints" / "step_0000002"),
                      "old": hashlib.sha256((tiny_data / "meta.json").read_bytes()).hexdigest(),

@@ -55,3 +55,23 @@ def test_compile_says_its_first_step_waits_and_no_profiler_note(tiny_data, tmp_p
     assert ("ddpgpt: compiling the model (run.compile): the first step waits for torch.compile "
             "(tens of seconds; its kernels are cached for later runs)\n") in out
     assert "Profiler" not in out and "record_function" not in out, out
+
+
+def test_rows_packed_from_one_document_are_said_once(tmp_path):
+    """data.align bos on byte data with no end-of-text token: every row is a slice of one
+    document and the document mask does nothing. One warning at W=2, from rank 0 alone (when it
+    is said: tests/unit/test_packing.py)."""
+    import numpy as np
+
+    from tests.helpers import write_dataset
+
+    rng = np.random.default_rng(0)
+    data = write_dataset(tmp_path / "data", rng.integers(1, 256, 4000), rng.integers(1, 256, 800),
+                         vocab_size=257, eot_id=256)
+    out = logged([*tiny_train_args(data, tmp_path / "run", steps=1, data__align="bos",
+                                   data__eval_windows=2), "--nproc", "2"], timeout=280)
+    note = (f"ddpgpt: warning: data.align bos: the train split of dataset {data} is one document "
+            "(no end-of-text token, id 256, between its tokens), so every row is a slice of it "
+            "and model.doc_mask masks nothing; prepare the data with its documents apart (ddpgpt "
+            "prepare puts an end-of-text token before each), or use --data.align stream\n")
+    assert out.count(note) == 1, out

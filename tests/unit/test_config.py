@@ -577,6 +577,10 @@ def test_bad_sources_tables(tmp_path, text, message):
     ("a:0.7,b:-1", "the weight of b must be a number > 0, got '-1'; write DIR:WEIGHT,DIR:WEIGHT "
                    "(a:0.7,b:0.3)"),
     ("a:1,a:2", "a is listed twice; give each dataset once, with its whole weight"),
+    ("a:1e308,b:1e308", "the weights add up to more than a float holds (every share would be "
+                        "0); give weights of a sensible size (a:0.7,b:0.3)"),
+    ("a:1e-300,b:1e300", "the weight of a is 0 beside the others' sum (too small for a float); "
+                         "give weights of a sensible size (a:0.7,b:0.3)"),
 ])
 def test_bad_mixtures_are_one_line(spec, message):
     with pytest.raises(ConfigError) as e:

@@ -189,6 +189,27 @@ def test_datasets_must_share_a_tokenizer(sources, tmp_path):
                             f"{other} again with --tokenizer-from {sources['a']}")
 
 
+def test_one_dataset_under_two_spellings_or_two_copies_is_refused(sources, tmp_path,
+                                                                  monkeypatch):
+    """d1 and ./d1, d1/, a symlink to d1, or a copy of it: the same windows in the same order,
+    so every batch would hold each window twice. One line, whichever way it is spelled."""
+    import shutil
+
+    a = sources["a"]
+    monkeypatch.chdir(a.parent)
+    (tmp_path / "link").symlink_to(a)
+    shutil.copytree(a, tmp_path / "copy")
+    for other, same in ((f"./{a.name}", "directory"), (f"{a.name}/", "directory"),
+                        (str(tmp_path / "link"), "directory"),
+                        (str(tmp_path / "copy"), "data (the same meta.json)")):
+        with pytest.raises(DataError) as e:
+            open_data(DataConfig(dir=f"{a.name}:0.5,{other}:0.5").sources())
+        assert str(e.value) == (f"data.dir: {a.name} and {other} are the same {same}: the "
+                                "mixture would train on each of its windows twice; give it "
+                                "once, with its whole weight")
+    assert len(open_data([(a.name, 0.5), (str(sources["b"]), 0.5)]).datasets) == 2
+
+
 def test_names_are_the_directories_made_unique():
     assert unique_names(["data/a", "data/b"]) == ["a", "b"]
     assert unique_names(["x/web", "y/web"]) == ["x-web", "y-web"]

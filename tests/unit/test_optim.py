@@ -153,6 +153,67 @@ def test_lr_at_is_a_pure_function():
     assert first == backwards == [lr_at(step, CFG, TOTAL) for step in range(TOTAL)]
 
 
+# ---- every (warmup, length, step): the shape on a grid ----------------------------------------
+
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_schedule_has_one_shape_for_every_warmup_length_and_step(schedule):
+    """Every warmup 0..12, decay_steps 0..12 (0: run.steps) and run.steps 1..12, every step up
+    to well past the end: the warmup is linear until the schedule ends or the warmup does; cosine
+    and wsd are at min_lr from the schedule's length on, and at its last step when the warmup
+    ended before it; nothing is above the peak; and once the lr has fallen it never rises again
+    (so no step after the peak returns to it)."""
+    peak, floor = 1.0, 0.125
+    for warmup in range(13):
+        for decay in range(13):
+            for steps in range(1, 13):
+                cfg = OptimConfig(lr=peak, min_lr=floor, warmup_steps=warmup, decay_steps=decay,
+                                  schedule=schedule, decay_fraction=0.3)
+                length = decay or steps
+                lrs = [lr_at(s, cfg, steps) for s in range(3 * 13)]
+                where = f"{schedule}, warmup {warmup}, length {length}: {lrs}"
+                ends = schedule != "constant"
+                for s, lr in enumerate(lrs):
+                    assert 0 < lr <= peak, where
+                    if s < warmup and not (ends and s >= length):
+                        assert lr == pytest.approx(peak * (s + 1) / warmup, rel=1e-12), where
+                    elif ends and s >= length:
+                        assert lr == floor, where
+                    elif schedule == "constant":
+                        assert lr == peak, where
+                    else:
+                        assert floor <= lr, where
+                if ends and warmup < length:
+                    assert lrs[length - 1] == floor, where
+                fell = [s for s in range(1, len(lrs)) if lrs[s] < lrs[s - 1]]
+                assert all(lrs[s] <= lrs[s - 1] for s in range(fell[0] if fell else len(lrs),
+                                                                len(lrs))), where
+                at_peak = [s for s, lr in enumerate(lrs) if lr == peak]
+                assert at_peak == list(range(at_peak[0], at_peak[-1] + 1)) if at_peak else True
+                if schedule == "cosine":  # the warmup's last step and the cosine's first
+                    assert len(at_peak) <= 2, where
+
+
+def test_a_schedule_no_longer_than_its_warmup_gives_no_step_at_the_peak_after_its_end():
+    """warmup 20, decay 20: step 19 ends the warmup at the peak, the schedule ends there; steps
+    20 on (a run resumed with more steps) are at min_lr, not one more at the peak. A run of 10
+    steps with the default warmup of 20, resumed to 30: the lr never rises past the 0.5 of its
+    last step."""
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=20, decay_steps=20)
+    assert [lr_at(s, cfg, 20) for s in range(18, 23)] == pytest.approx([0.95, 1.0, 0.1, 0.1,
+                                                                        0.1], rel=1e-12)
+    for schedule in ("cosine", "wsd"):
+        short = OptimConfig(lr=1.0, min_lr=0.1, schedule=schedule)
+        resumed = _resumed(short, saved_steps=10, at=10, steps=30)
+        lrs = [lr_at(s, resumed, 30) for s in range(30)]
+        assert lrs[:10] == pytest.approx([(s + 1) / 20 for s in range(10)], rel=1e-12)
+        assert max(lrs[10:]) <= 1.0
+        if schedule == "cosine":
+            assert lrs[10:] == [0.1] * 20
+
+
 # ---- wsd and constant, and a wsd run extended on resume ---------------------------------------
 
 WSD = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, schedule="wsd", decay_fraction=0.2)

@@ -105,6 +105,62 @@ def test_a_stale_cache_is_packed_again(ds, tmp_path, monkeypatch):
     PackedRows(ds, "val", T)  # the rewritten cache is read
 
 
+def test_a_shard_rewritten_in_place_with_its_time_set_back_is_packed_again(tmp_path):
+    """meta.json unchanged (with --data.verify false nothing hashes the shards): the cache is
+    keyed by the shards' identities too, whose change time no call sets back, so the rows are
+    those of the bytes on the disk, not the packing of the bytes before."""
+    import os
+
+    rng = np.random.default_rng(1)
+    train, _ = documents(rng, 60, 2 * (T + 1))
+    path = write_dataset(tmp_path / "d", train, train[:3 * (T + 1)], vocab_size=70_000,
+                         eot_id=EOT)
+    before = PackedRows(TokenDataset(path), "train", T)
+    shard = path / TokenDataset(path).shards["train"][0].file
+    stat = shard.stat()
+    raw = np.frombuffer(shard.read_bytes(), dtype=np.uint8).copy()
+    tokens = raw[1024:].view(np.uint32)  # past the header: one document in two is merged
+    tokens[np.flatnonzero(tokens == EOT)[1::2]] = 1
+    with open(shard, "r+b") as f:
+        f.write(raw.tobytes())
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    ds = TokenDataset(path)
+    after = PackedRows(ds, "train", T)
+    want = pack(np.flatnonzero(tokens == EOT), len(tokens), T + 1)
+    assert not np.array_equal(before.piece_start, want[0])
+    for got, ref in zip((after.piece_start, after.piece_len, after.row_ptr), want):
+        assert np.array_equal(got, ref)
+
+
+@pytest.mark.parametrize("eots, said", [(0, True), (1, True), (2, False)])
+def test_rows_packed_from_one_document_are_said(tmp_path, eots, said):
+    """No end-of-text token, or one at the start: the split is one document, its packed rows
+    are slices of it (their first tokens are no document starts). Two documents: nothing to say;
+    the stream never is."""
+    from ddpgpt.data.mixture import MixedDataset, MixtureLoader, one_document_notes
+
+    tokens = np.arange(1, 400) % 50 + 1
+    tokens[[0, 200][:eots]] = EOT
+    path = write_dataset(tmp_path / "d", tokens, tokens[:3 * (T + 1)], vocab_size=70_000,
+                         eot_id=EOT)
+    rows = PackedRows(TokenDataset(path), "train", T)
+    assert rows.documents == max(1, eots)
+    notes = one_document_notes(TrainLoader(TokenDataset(path), seq_len=T, micro_batch=2,
+                                           align="bos"))
+    assert notes == ([f"data.align bos: the train split of dataset {path} is one document (no "
+                      f"end-of-text token, id {EOT}, between its tokens), so every row is a "
+                      "slice of it and model.doc_mask masks nothing; prepare the data with its "
+                      "documents apart (ddpgpt prepare puts an end-of-text token before each), "
+                      "or use --data.align stream"] if said else [])
+    assert PackedRows(TokenDataset(path), "train", T).documents == rows.documents  # cached
+    assert one_document_notes(TrainLoader(TokenDataset(path), seq_len=T, micro_batch=2)) == []
+    other = write_dataset(tmp_path / "e", np.where(np.arange(400) % 20, 3, EOT),
+                          tokens[:3 * (T + 1)], vocab_size=70_000, eot_id=EOT)
+    mix = MixtureLoader(MixedDataset([(str(path), 0.5), (str(other), 0.5)]), seq_len=T,
+                        micro_batch=2, align="bos")
+    assert one_document_notes(mix) == notes
+
+
 @pytest.mark.parametrize("damage", [b"", b"not a zip", b"PK\x03\x04 cut short"])
 def test_a_damaged_cache_is_packed_again(ds, damage):
     rows = PackedRows(ds, "val", T)

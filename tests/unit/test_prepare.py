@@ -86,7 +86,10 @@ def test_bits_per_byte_of_a_bpe_split(corpus, tmp_path, capsys):
     (ds.path / "meta.json").write_text(json.dumps(meta))
     old = TokenDataset(ds.path)
     assert old.bits_per_byte(2.0) is None
-    assert old.bytes_advice().startswith(f"dataset {ds.path} has no byte counts in meta.json")
+    assert old.bytes_advice() == (
+        f"dataset {ds.path} has no byte counts in meta.json (prepared by an older ddpgpt), so "
+        f"val_bpb is not reported (val_loss is unaffected); prepare it again (ddpgpt prepare ... "
+        f"--out {ds.path} --force) to get them")
 
 
 def test_bpe_round_trip(corpus, tmp_path, capsys):

@@ -198,6 +198,12 @@ def test_llmc_shards_are_taken_as_their_tokens(tmp_path, capsys):
     np.testing.assert_array_equal(np.concatenate(ds.tokens("val")), shards["edu_val_000000.bin"])
     assert (ds.tokenizer, ds.vocab_size, ds.eot_id) == ("gpt2", 50257, 50256)
     assert ds.meta["source"]["split"] == "llm.c files"
+    # No text, so no bytes: nothing a new prepare could add, and the loss is not concerned.
+    assert ds.split_bytes is None and ds.bits_per_byte(2.0) is None
+    assert ds.bytes_advice() == (
+        f"dataset {ds.path} was prepared from tokens (llm.c files) whose text ddpgpt never saw: "
+        "bits per byte need the text's size in bytes, so val_bpb is not reported (val_loss is "
+        "unaffected)")
     assert "3 llm.c shards, 1,000 tokens (800 train, 200 val), gpt2" in capsys.readouterr().out
     # The training windows are slices of exactly those tokens (shard boundaries included).
     stream = TokenStream(ds, "train", 99)

@@ -310,3 +310,33 @@ def test_an_explicit_resume_elsewhere_leaves_a_recorded_rollback_behind(run):
     assert not (run.checkpoints / store.ROLLBACK).exists()
     save(run, 5, origin=start.origin)
     assert [s for s, _ in store.step_dirs(run.checkpoints)] == [2, 3, 5]
+
+
+def test_allow_switch_applies_to_the_start_that_gives_it(run, monkeypatch):
+    """A start that switched datasets with --data.allow-switch leaves it in config.json; the
+    next start without the flag (train --run-dir R, or --resolved-config R/config.json) refuses
+    another dataset again, as the first start before it did. The flag is no training setting
+    (no config_change lists it), and a --nproc launcher hands its own start's to the workers."""
+    from ddpgpt import cli
+    from ddpgpt.run.launch import start_flags
+
+    def parsed(*argv: str) -> TrainConfig:
+        parser = cli._build_parser()
+        ns = parser.parse_args(cli.bool_values(parser, ["train", *argv]))
+        return cli.train_config({k: v for k, v in vars(ns).items()
+                                 if k not in ("command", "debug")})[0]
+
+    switched = dataclasses.replace(config(), data=DataConfig(dir="data", allow_switch=True),
+                                   run=RunConfig(dir=str(run.path)))
+    save(run, 4, fingerprint="cd" * 32)  # trained on other data than FP
+    run.write_config(switched.to_dict(), 4, 1)
+    for argv in (["--run-dir", str(run.path)], ["--resolved-config", str(run.config)]):
+        cfg = parsed(*argv)
+        assert not cfg.data.allow_switch, argv
+        with pytest.raises(UserError, match="was trained on another dataset"):
+            resume.choose(cfg, run, True, FP)
+        again = parsed(*argv, "--data.allow-switch")
+        assert resume.choose(again, run, True, FP).data_switch
+        assert "data.allow_switch" not in resume.changes(again.to_dict(), cfg)
+    assert start_flags(switched) == ["--run.resume", "auto", "--run.threads", "0",
+                                     "--data.allow-switch", "true"]

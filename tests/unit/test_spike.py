@@ -3,6 +3,7 @@ taken by hand, the guard's decision for every setting, the loader's skip against
 order, the world sizes an elastic range must split for, the lock a restart waits for, and the
 run dir's record of a job's launchers."""
 
+import math
 import statistics
 import threading
 import time
@@ -49,12 +50,17 @@ def test_the_policy_state_round_trips_and_old_checkpoints_keep_their_window():
     assert again.state_dict() == {"losses": [3.0], "through": 4, "skips": 0, "probe_batch": 0,
                                   "lr_factor": 0.25,
                                   "rollbacks": [{"step": 6, "to": 3, "batches": 3}],
-                                  "healthy_checkpoints": [0]}
+                                  "healthy_checkpoints": [0], "lately": [],
+                                  "best": [math.inf, 0], "val": [math.inf, math.inf],
+                                  # through a spike without its trouble: saved before it was
+                                  "trouble": {"step": 4, "median": 3.0, "val": "inf"}}
     # a checkpoint of the earlier policy (a temporary lr cut) keeps its window and rollbacks
     again.load_state_dict({"losses": [2.0], "rollbacks": [], "lr_until": 9})
     assert again.state_dict() == {"losses": [2.0], "through": 0, "skips": 0, "probe_batch": -1,
                                   "lr_factor": 1.0, "rollbacks": [],
-                                  "healthy_checkpoints": None}  # any checkpoint may be healthy
+                                  "healthy_checkpoints": None,  # any checkpoint may be healthy
+                                  "lately": [], "best": [math.inf, 0],
+                                  "val": [math.inf, math.inf], "trouble": None}
     again.load_state_dict(None)
     assert again.state_dict() == SpikePolicy(cfg).state_dict()
 
@@ -84,28 +90,38 @@ NAN, SPIKE = Health(float("nan"), [1], False), Health(9.0, [], False)
 
 def test_a_spike_the_data_caused_skips_its_update():
     """The weights still do as well on the last healthy batch: the batch is the cause."""
-    g, probe = guard(), Probe(4.5)
+    g, probe = guard(), Probe(4.3)
     verdict = g.judge(3, SPIKE, 2, probe)
     assert (verdict.action, verdict.event, verdict.fields) == ("skip", "skip", {
-        "cause": "data", "probe_loss": 4.5})
+        "cause": "data", "probe_loss": 4.3})
     assert probe.asked == [1]  # the batch of step 2, the newest healthy one
     assert verdict.line == ("step 3: loss spike: 9 is above 2 × the median 4 of the last 2 "
-                            "steps; the weights still give 4.5 on the last healthy batch, so the "
+                            "steps; the weights still give 4.3 on the last healthy batch, so the "
                             "data is the cause: this step's update is skipped")
     assert g.judge(4, Health(4.2, [], False), 4, probe) == UPDATE  # no spike is open
     assert g.skipped == 0  # skipping bad data is not skipping a non-finite step
 
 
 def test_a_spike_the_weights_caused_is_trained_through_until_it_heals():
-    g, probe = guard(spike_patience=3), Probe(9.5)
+    """Healed: back near the median before the spike (at most 1.1 × 4), not merely under the
+    spike ratio: 6 is no spike of its own, but the spike is not over, and 6 does not join the
+    window."""
+    g, probe = guard(spike_patience=4), Probe(9.5)
     verdict = g.judge(3, SPIKE, 2, probe)
     assert (verdict.action, verdict.event, verdict.fields["cause"]) == ("update", "spike",
                                                                         "weights")
     assert g.judge(4, SPIKE, 3, probe).action == "update" and probe.asked == [1]  # no new probe
-    healed = g.judge(5, Health(4.1, [], False), 4, probe)
-    assert (healed.action, healed.event, healed.fields) == ("update", "recovered",
-                                                            {"spike_step": 3})
-    assert list(g.spikes.losses) == [4.0, 4.1] and g.spikes.through == 0
+    still = g.judge(5, Health(6.0, [], False), 4, probe)
+    assert (still.action, still.event, still.spike.loss) == ("update", None, 6.0)
+    assert still.spike.describe(2.0, 2) == ("the loss 6 is not back near the median 4 before "
+                                            "the spike: above 4.4")
+    healed = g.judge(6, Health(4.3, [], False), 5, probe)
+    assert (healed.action, healed.event, healed.fields) == ("update", "recovered", {
+        "spike_step": 3, "loss_now": 4.3, "median": 4.0, "bound": pytest.approx(4.4)})
+    assert healed.line == ("step 6: recovered: the loss 4.3 is back near the median 4 before "
+                           "the spike at step 3 (at most 4.4), trained through (3 steps)")
+    assert list(g.spikes.losses) == [4.0, 4.3] and g.spikes.through == 0
+    assert g.spikes.trouble is None and g.end(6) is None
 
 
 def test_weights_that_do_not_heal_roll_back_then_train_on_once_rollbacks_do_not_help():

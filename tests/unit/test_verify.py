@@ -2,16 +2,16 @@
 remembered in verified.json, so that a start costs the same whatever the dataset's size; every
 shard still checked by exactly one rank; a changed shard still one line."""
 
+import errno
 import os
 
 import pytest
 
 from ddpgpt.config.commands import PrepareConfig
-from ddpgpt.data import verify
+from ddpgpt.data import storage, verify
 from ddpgpt.data.prepare import main as prepare
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import DataError
-from ddpgpt.files import WriteError
 
 
 @pytest.fixture
@@ -30,13 +30,13 @@ def data(tmp_path):
 def hashed(monkeypatch):
     """The files the verifier hashes, in order."""
     seen = []
-    real = verify.sha256
+    real = storage.sha256  # what a local directory's files are hashed with
 
     def counting(path):
         seen.append(os.path.basename(path))
         return real(path)
 
-    monkeypatch.setattr(verify, "sha256", counting)
+    monkeypatch.setattr(storage, "sha256", counting)
     return seen
 
 
@@ -79,17 +79,39 @@ def test_a_shard_rewritten_is_hashed_again_and_a_changed_one_is_one_line(data, h
         verify.hash_share(TokenDataset(data))
 
 
-def test_prepare_verify_rehashes_every_shard_whatever_the_cache_says(data, hashed, capsys):
-    """What the cache cannot see (a change that keeps size, time and inode: bit rot) is what
-    `prepare --verify` is for."""
-    ds = TokenDataset(data)
-    path = data / shard_names(ds)[0]
+def rewrite_in_place_keeping_the_time(path) -> None:
+    """One byte flipped in place (the same inode and size), the access and modification times
+    set back as they were: what `touch -d` or a careful copy-back leaves."""
     stat = path.stat()
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 1
-    with open(path, "r+b") as f:  # in place: the same inode and size
+    with open(path, "r+b") as f:
         f.write(bytes(raw))
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the same time
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns, path.stat().st_ino) == \
+        (stat.st_size, stat.st_mtime_ns, stat.st_ino)
+
+
+def test_a_shard_rewritten_in_place_with_its_time_set_back_is_hashed_again(data, hashed):
+    """Size, modification time and inode as before: the change time (which no call sets)
+    still differs, so the start hashes the shard and says it changed."""
+    path = data / shard_names(TokenDataset(data))[0]
+    rewrite_in_place_keeping_the_time(path)
+    with pytest.raises(DataError, match=f"^{path}: sha256 mismatch .*the shard changed after "
+                                        "prepare; re-run ddpgpt prepare$"):
+        verify.hash_share(TokenDataset(data))
+    assert hashed == [path.name]
+
+
+def test_prepare_verify_rehashes_every_shard_whatever_the_cache_says(data, hashed, capsys):
+    """What the cache cannot see (bit rot on the disk: no write, so no new identity; mimicked
+    here by a cache entry written for the damaged file) is what `prepare --verify` is for."""
+    ds = TokenDataset(data)
+    path = data / shard_names(ds)[0]
+    rewrite_in_place_keeping_the_time(path)
+    entry = verify.read_cache(data)[path.name]
+    identity = TokenDataset(data).files.identity(path.name)
+    verify.record(data, {path.name: {**entry, "identity": identity}})
     assert verify.hash_share(TokenDataset(data)) == {}  # the cache vouches for it
     with pytest.raises(DataError, match="sha256 mismatch"):
         prepare.run(PrepareConfig(verify=str(data)))
@@ -99,10 +121,10 @@ def test_a_directory_that_cannot_be_written_keeps_no_cache(data, monkeypatch, ca
     (data / verify.CACHE).unlink()
     ds = TokenDataset(data)
 
-    def refuse(path, text):
-        raise WriteError(f"cannot write {path}: Read-only file system (EROFS)")
+    def refuse(self, name, data):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr(verify, "replace_text", refuse)
+    monkeypatch.setattr(storage.Directory, "write", refuse)
     assert not verify.record(data, verify.hash_share(ds))
     assert capsys.readouterr().err == (
         f"ddpgpt: warning: cannot write {data / verify.CACHE}: Read-only file system (EROFS): the "
