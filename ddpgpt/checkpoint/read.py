@@ -7,6 +7,7 @@ step's, and for the model it holds. The store's layout and writing are store.py'
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -292,8 +293,10 @@ def check_data(found: RunCheckpoint, dataset: TokenDataset | MixedDataset, data_
 
 
 def model_of(found: RunCheckpoint, device: torch.device | str) -> GPT:
-    """The model a checkpoint holds, on `device`, in eval mode."""
-    model = GPT(found.config.model).to(device)
+    """The model a checkpoint holds, on `device`, in eval mode. Its attention is `device`'s
+    (model.attention auto): the weights do not depend on it, and the run's own choice was made
+    for the device it trained on."""
+    model = GPT(dataclasses.replace(found.config.model, attention="auto")).to(device)
     load_weights(found.path, model, found.weights)
     return model.eval()
 

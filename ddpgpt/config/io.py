@@ -201,7 +201,8 @@ def from_dict(values: dict, source: str = "config.json") -> TrainConfig:
 # asks for it, not by every start after it).
 START_FIELDS = {"run": ("resume", "threads"), "data": ("cache", "allow_switch")}
 # What an `auto` resolved from run.device: resolved again when a start names another device.
-FROM_DEVICE = {"run": ("precision", "backend"), "optim": ("muon_ns_dtype",)}
+FROM_DEVICE = {"run": ("precision", "backend"), "optim": ("muon_ns_dtype",),
+               "model": ("attention",)}
 
 
 def continued(saved: dict, flags: dict, source: str) -> TrainConfig:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, get_args
 
 from ddpgpt.config.checks import _choice, _finite, _require
-from ddpgpt.config.choices import Arch, Gelu, Mlp, Norm
+from ddpgpt.config.choices import Arch, Attention, Gelu, Mlp, Norm
 
 
 class Pieces(NamedTuple):
@@ -109,6 +109,14 @@ class ModelConfig:
     bos_id: int = -1
     """The token that begins a document, for model.doc_mask; -1: the dataset's end-of-text id
     (prepare places it before every document)."""
+    attention: Attention = "auto"
+    """How masked attention (model.doc_mask's documents; sampling's sliding band) is computed:
+    sdpa (scaled_dot_product_attention with a dense (B, 1, T, T) mask, which computes every masked
+    block) or flex (FlexAttention, torch >= 2.5: one block mask per batch, shared by every layer;
+    the kernel skips the blocks it rules out; on a CPU torch has no backward for it). Unmasked
+    attention is SDPA's causal kernel either way, and the weights are the same: a run resumes
+    with the other. auto: flex on CUDA, sdpa on a CPU (docs/performance.md, "Attention that
+    skips what it masks")."""
     dropout: float = 0.0
     """Dropout probability on attention, residual and embedding outputs (0 for pretraining)."""
     gelu: Gelu = "tanh"
@@ -126,7 +134,8 @@ class ModelConfig:
 
     def __post_init__(self):
         _finite(self, "model.")
-        for name, choices in (("arch", Arch), ("norm", Norm), ("mlp", Mlp)):
+        for name, choices in (("arch", Arch), ("norm", Norm), ("mlp", Mlp),
+                              ("attention", Attention)):
             if getattr(self, name) is not None:
                 _choice("model", name, getattr(self, name), get_args(choices))
         for name in ("n_layer", "n_head", "n_embd", "block_size"):

@@ -1,6 +1,7 @@
 """Causal self-attention (through `F.scaled_dot_product_attention`, which picks flash or
-memory-efficient kernels where it can), with grouped-query heads, QK-norm and rotary positions as
-the config says, and the KV cache that generation keeps between tokens."""
+memory-efficient kernels where it can, or FlexAttention under a block mask: model/flex.py), with
+grouped-query heads, QK-norm and rotary positions as the config says, the masks (documents in a
+row, the sliding band), and the KV cache that generation keeps between tokens."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddpgpt.config.model import ModelConfig
+from ddpgpt.model import flex
 from ddpgpt.model.layers import RMSNorm, rotate
 
 
@@ -77,6 +79,23 @@ def documents(idx: torch.Tensor, bos_id: int, within: torch.Tensor | None = None
     return torch.zeros(allowed.shape, device=idx.device).masked_fill_(~allowed, float("-inf"))
 
 
+def mask_for(idx: torch.Tensor, cfg: ModelConfig, use_flex: bool, cached: bool, window: int):
+    """The mask every layer of one forward shares, or None (causal): the band when `window`
+    is shorter than the rows, and model.doc_mask's documents (not with a KV cache: a prompt is
+    one context). A BlockMask (`use_flex`: model.attention flex on this device), else a dense
+    mask (`band`, `documents`). On a CPU a batch with no document start past its rows' first
+    tokens takes the causal path; on CUDA that test would wait for the device."""
+    T = idx.size(1)
+    window = window if window and T > window else 0
+    docs = cfg.doc_mask and not cached and T > 1 and (
+        idx.is_cuda or bool((idx[:, 1:] == cfg.bos_id).any()))
+    if use_flex:
+        return flex.block_mask(idx, cfg.bos_id if docs else None, window) if docs or window \
+            else None
+    mask = band(T, window, idx.device) if window else None
+    return documents(idx, cfg.bos_id, mask) if docs else mask  # (B, 1, T, T) or (T, T)
+
+
 class CausalSelfAttention(nn.Module):
     """One fused projection to queries, keys and values ([q | k | v] rows: GPT-2's c_attn
     layout, and Llama's q_proj, k_proj, v_proj stacked), n_head query heads sharing n_kv_head
@@ -101,7 +120,8 @@ class CausalSelfAttention(nn.Module):
                 cache: KVCache | None = None, layer: int = 0,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """`mask`: a (T, T) band (`band`) or a (B, 1, T, T) document mask (`documents`), True
-        where attention is allowed, instead of the causal mask."""
+        where attention is allowed, or a BlockMask (`flex.block_mask`: FlexAttention), instead of
+        the causal mask."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.sizes, dim=2)
         q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
@@ -117,9 +137,15 @@ class CausalSelfAttention(nn.Module):
             held = cache.append(layer, k, v)  # (B, H_kv, held, D)
             if T == 1:
                 k, v = held
-        masks = {"attn_mask": mask} if mask is not None else {"is_causal": T > 1}
-        gqa = {"enable_gqa": True} if self.n_kv != self.n_head else {}
-        y = F.scaled_dot_product_attention(q, k, v, **masks, **gqa,  # (B, H, T, D)
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if mask is not None and not torch.is_tensor(mask):  # a BlockMask
+            if self.training and self.dropout:
+                raise ValueError("FlexAttention has no attention dropout: model.dropout needs "
+                                 "model.attention sdpa")
+            y = flex.attend(q, k, v, mask, gqa=self.n_kv != self.n_head)  # (B, H, T, D)
+        else:
+            masks = {"attn_mask": mask} if mask is not None else {"is_causal": T > 1}
+            gqa = {"enable_gqa": True} if self.n_kv != self.n_head else {}
+            y = F.scaled_dot_product_attention(q, k, v, **masks, **gqa,  # (B, H, T, D)
+                                               dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         return self.resid_drop(self.proj(y))

@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.model.attention import CausalSelfAttention, KVCache, band, documents
+from ddpgpt.model import flex
+from ddpgpt.model.attention import CausalSelfAttention, KVCache, mask_for
 from ddpgpt.model.generate import generate
 from ddpgpt.model.layers import MLPS, NORMS, norm, rotary
 
@@ -52,6 +53,13 @@ class GPT(nn.Module):
         if cfg.doc_mask and cfg.bos_id < 0:
             raise ValueError("model.doc_mask needs a resolved bos_id (the dataset's end-of-text, "
                              "see preflight.resolve)")
+        # The devices whose masks go through FlexAttention (model.attention, decided here once
+        # for each: the model is built before it is moved).
+        self.flex_on = frozenset(d for d in ("cpu", "cuda")
+                                 if flex.choose(cfg.attention, d, cfg.dropout) == "flex")
+        if self.flex_on and flex.unavailable():
+            raise ValueError(f"model.attention = flex: {flex.unavailable()}, or use "
+                             "model.attention sdpa (or auto)")
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = None if cfg.rope else nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -91,10 +99,7 @@ class GPT(nn.Module):
         as with a sliding cache, and idx may be longer than block_size. With model.doc_mask (and
         no cache) a token attends only to its own document's tokens of the row."""
         B, T = idx.shape
-        mask = band(T, window, idx.device) if window and T > window else None
-        if self.cfg.doc_mask and cache is None and T > 1 and (  # a cache's tokens see all held
-                idx.is_cuda or bool((idx[:, 1:] == self.cfg.bos_id).any())):  # else: causal
-            mask = documents(idx, self.cfg.bos_id, mask)  # (B, 1, T, T)
+        mask = mask_for(idx, self.cfg, idx.device.type in self.flex_on, cache is not None, window)
         past = cache.length if cache is not None else 0
         pos = torch.arange(past, past + T, device=idx.device)
         x, angles = self.wte(idx), None  # (B, T, C)

@@ -4,9 +4,10 @@ at once, with one line, before anything is written:
     cfg, dataset = preflight(cfg, world_size=2, local_world_size=2)
 
 Every `auto` is resolved here, once: the device kind, the backend, the precision, the sequence
-length, the vocabulary size and the CPU threads. Resolving a resolved config changes nothing, so
-the `--nproc` launcher resolves it, writes it as the run's config.json, and its workers start
-from that file. The accumulation A = G / (W·b) is derived here too, the one place that checks it.
+length, the vocabulary size, the attention of masks (model.attention) and the CPU threads.
+Resolving a resolved config changes nothing, so the `--nproc` launcher resolves it, writes it as
+the run's config.json, and its workers start from that file. The accumulation A = G / (W·b)
+is derived here too, the one place that checks it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ddpgpt.data.loader import require_windows, row_source
 from ddpgpt.data.mixture import MixedDataset, open_data
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.distributed.group import default_backend
+from ddpgpt.model import flex
 from ddpgpt.run import trackers
 from ddpgpt.sync.modes import MODES, check
 
@@ -83,8 +85,11 @@ def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> T
     if ns_dtype == "auto":
         ns_dtype = "fp32" if precision == "fp32" else "bf16"
     doc_mask = cfg.data.align == "bos" if cfg.model.doc_mask is None else cfg.model.doc_mask
+    attention = flex.choose(cfg.model.attention, device, cfg.model.dropout)
+    if attention == "flex" and flex.refusal(device, cfg.model.dropout):
+        raise ConfigError(flex.refusal(device, cfg.model.dropout))
     model = dataclasses.replace(cfg.model.resolved(), vocab_size=vocab,  # the arch's pieces set
-                                doc_mask=doc_mask,
+                                doc_mask=doc_mask, attention=attention,
                                 bos_id=dataset.eot_id if cfg.model.bos_id < 0 else cfg.model.bos_id)
     return dataclasses.replace(cfg, model=model,
                                data=dataclasses.replace(cfg.data, seq_len=cfg.seq_len), run=run,

@@ -17,16 +17,24 @@ TRAINING = ["zero1 · muon · bf16", "ddp · adamw · fp16 · loss scaler · ste
             "fsdp2 · muon · fp32 · modern"]
 COMMANDS = ["loader copy", "checkpoint cpu → cpu", "SIGTERM → exit 75 → resume", "eval", "sample",
             "export"]
+# FlexAttention's rows: listed, not run, where torch has no FlexAttention backward (a CPU)
+FLEX = ["ddp · adamw · fp32 · documents · flex",
+        "speed flex · T=1024 · documents ~1000 · against causal"]
 
 
 def test_check_compares_rows_at_one_and_two_processes_and_the_commands(tmp_path, tiny_data):
     out = tmp_path / "out"
     r = run_cli("check", "--device", "cpu", "--quick", "--out", out, "--data", tiny_data,
-                "--only", ",".join(TRAINING + COMMANDS), timeout=280)
+                "--only", ",".join(TRAINING + COMMANDS + FLEX), timeout=280)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     data = json.loads((out / "device-check.json").read_text())
     rows = {(row["check"], row["world"]): row for row in data["rows"]}
-    assert set(rows) == {(c, w) for c in TRAINING for w in (1, 2)} | {(c, 1) for c in COMMANDS}
+    assert set(rows) == ({(c, w) for c in TRAINING + FLEX[:1] for w in (1, 2)}
+                         | {(c, 1) for c in COMMANDS + FLEX[1:]})
+    flex = [rows.pop(key) for key in list(rows) if key[0] in FLEX]
+    assert {(row["status"], row["figure"]) for row in flex} == {
+        ("not run", f"needs a FlexAttention backward on cpu (torch {data['environment']['torch']} "
+                    "has none)")}
     assert {row["status"] for row in rows.values()} == {"pass"}
     assert rows[TRAINING[0], 2]["oracle"] == "ddp, cpu, W=2"
     assert rows[TRAINING[1], 1]["figure"].endswith("step 3 skipped, weights unchanged")
@@ -45,7 +53,7 @@ def test_check_compares_rows_at_one_and_two_processes_and_the_commands(tmp_path,
     assert data["environment"]["torch"] and data["environment"]["device"] == "cpu"
     # what is printed is what is written
     table = (out / "device-check.md").read_text().split("\n\n")[2]
-    assert table in r.stdout and table.count("\n") == len(rows) + 1
+    assert table in r.stdout and table.count("\n") == len(rows) + len(flex) + 1
 
 
 def test_check_refuses_a_missing_cuda_in_one_line(tmp_path):

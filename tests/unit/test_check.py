@@ -1,7 +1,9 @@
 """`ddpgpt check`'s plan and verdicts: every mode, precision and optimizer has a row against an
 oracle; a row passes only within its tolerance; what the device lacks is "not run", never a pass."""
 
+import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -43,7 +45,7 @@ def test_the_plan_has_every_mode_precision_and_optimizer_against_an_oracle(devic
         if s.case.skip_at:
             assert s.oracle == Case(None, skip_at=s.case.skip_at)
         elif (s.kind == "losses" and not s.case.compile and s.case.compress == "none"
-                and not s.case.torch_hook):
+                and not s.case.torch_hook and s.case.attention == "sdpa"):
             assert s.oracle.mode == (None if s.case.mode == "ddp" else "ddp")
     # every run the rows read is run once, the oracles too
     assert set(matrix.cases(specs)) == {c for s in specs for c in (s.case, s.oracle) if c}
@@ -214,3 +216,67 @@ def test_no_compile_lists_the_compile_rows_as_left_out(tiny_data):
     assert by_check["ddp · adamw · fp32"].status == PASS
     compiled = by_check["ddp · adamw · fp32 · compile"]
     assert (compiled.status, compiled.figure) == (NOT_RUN, "left out by --no-compile")
+
+
+# ---- FlexAttention's rows -----------------------------------------------------------------------
+
+def test_flex_rows_are_planned_and_not_run_where_torch_cannot_train_through_it():
+    from ddpgpt.commands.check import attention
+    from ddpgpt.model import flex
+
+    for device in ("cpu", "cuda"):
+        for world in (1, 2):
+            flexed = [s for s in matrix.plan(device, world, quick=True)
+                      if s.case.attention == "flex"]
+            assert [s.check for s in flexed] == [
+                "ddp · adamw · fp32 · documents · flex", "ddp · adamw · bf16 · documents · flex",
+                "ddp · muon · fp32 · modern · documents · flex"]
+            assert all(s.oracle == dataclasses.replace(s.case, attention="sdpa")
+                       and s.case.align == "bos" for s in flexed)
+    if flex.trains_on("cpu"):
+        pytest.skip("this torch trains through FlexAttention on a CPU")
+    want = f"needs a FlexAttention backward on cpu (torch {torch.__version__} has none)"
+    rows = attention.rows("cpu", lambda name: True, None)
+    assert [r.check for r in rows] == [*attention.MODELS, attention.SPEED]
+    assert {(r.status, r.figure) for r in rows} == {(NOT_RUN, want)}
+    case = _spec("ddp · adamw · fp32 · documents · flex").case
+    assert training.train(case, DistEnv(), "unused", 2, True).needs == want[len("needs "):]
+
+
+def _dense_attend(q, k, v, mask, gqa):
+    """FlexAttention's numbers by SDPA: its block mask's mask_mod evaluated at every (i, j)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    allowed = create_mask(mask.mask_mod, mask.shape[0], 1, q.size(2), k.size(2), q.device)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
+                                                            enable_gqa=gqa)
+
+
+def test_the_flex_rows_pass_on_its_numbers_and_fail_on_others(monkeypatch):
+    """The rows' own arithmetic, on a CPU: FlexAttention stood in for by what it must compute (the
+    rows pass), then by causal attention that ignores the documents (they fail)."""
+    from ddpgpt.commands.check import attention
+    from ddpgpt.model import flex
+
+    monkeypatch.setattr(attention, "lacking", lambda device: "")
+    monkeypatch.setattr(attention, "MODELS", {  # smaller, the same pieces: a CPU's time
+        name: (dataclasses.replace(cfg, n_embd=32, block_size=160, vocab_size=64), window // 4)
+        for name, (cfg, window) in attention.MODELS.items()})
+    monkeypatch.setattr(attention, "SPEED_SHAPE", (2, 256, 64, 2))
+    monkeypatch.setattr(attention, "SPEED_STEPS", (1, 3))
+    monkeypatch.setattr(flex, "attend", _dense_attend)
+    said = []
+    rows = {r.check: r for r in attention.rows("cpu", lambda name: True, said.append)}
+    assert len(said) == len(rows) == 3
+    for name in attention.MODELS:
+        assert rows[name].status == PASS, rows[name]
+        assert rows[name].figure.startswith("max rel Δ logits and gradients ")
+    speed = rows[attention.SPEED].figure
+    assert re.fullmatch(r"flex \d+\.\d\d× causal \(\d+\.\d\d vs \d+\.\d\d ms\), dense mask "
+                        r"\d+\.\d\d× \(goal ≤ 1\.2×\)", speed), speed
+    monkeypatch.setattr(flex, "attend", lambda q, k, v, mask, gqa:
+                        torch.nn.functional.scaled_dot_product_attention(
+                            q, k, v, is_causal=True, enable_gqa=gqa))
+    for name in attention.MODELS:
+        row = attention.same(name, "cpu")
+        assert row.status == FAIL and float(row.figure.split()[6]) > 1e-3, row

@@ -32,8 +32,8 @@ else:  # pragma: no cover
 
 MODEL_KEYS = ("n_layer, n_head, n_embd, block_size, vocab_size, arch, rope, norm, qk_norm, mlp, "
               "mlp_hidden, bias, tie_embeddings, zero_init_proj, logit_softcap, n_kv_head, "
-              "head_dim, rope_theta, norm_eps, doc_mask, bos_id, dropout, gelu, vocab_limit, "
-              "init_from")
+              "head_dim, rope_theta, norm_eps, doc_mask, bos_id, attention, dropout, gelu, "
+              "vocab_limit, init_from")
 
 
 def _toml(tmp_path, text: str, name: str = "run.toml") -> str:
@@ -322,7 +322,8 @@ def test_resolve_takes_the_datasets_vocab_and_the_block_size(dataset):
     assert cfg.data.seq_len == 16  # 0 -> block_size
     assert (cfg.model, cfg.data, cfg.optim) == (
         dataclasses.replace(_model().model.resolved(), vocab_size=100,  # the pieces: gpt2
-                            doc_mask=False, bos_id=0),  # align stream: no mask; the eot id
+                            doc_mask=False, bos_id=0,  # align stream: no mask; the eot id
+                            attention="sdpa"),  # auto on a CPU
         dataclasses.replace(_model().data, seq_len=16),
         dataclasses.replace(_model().optim, muon_ns_dtype="fp32"))  # auto: fp32 under fp32
 
@@ -458,7 +459,9 @@ def test_a_runs_config_continues_with_this_starts_own_settings(dataset):
     assert dataclasses.replace(cfg, run=saved.run, optim=saved.optim) == saved
     assert cfg.optim == dataclasses.replace(saved.optim, decay_steps=0)
     cuda = continued(saved.to_dict(), {"run": {"device": "cuda"}}, "config.json")
-    assert (cuda.run.precision, cuda.run.backend, cuda.optim.muon_ns_dtype) == ("auto",) * 3
+    assert saved.model.attention == "sdpa"  # auto on a CPU: resolved again for another device
+    assert (cuda.run.precision, cuda.run.backend, cuda.optim.muon_ns_dtype,
+            cuda.model.attention) == ("auto",) * 4
     # raised once already (a cosine kept at its first length): the length stays
     kept = dataclasses.replace(saved, run=dataclasses.replace(saved.run, steps=300))
     assert continued(kept.to_dict(), {}, "config.json").optim.decay_steps == 200

@@ -8,13 +8,17 @@ Rows (matrix.py says what each is compared with, and how closely):
 1. every sync mode at W=1 (a process group of one: each mode's own collectives and hooks run)
    and at W=2 (gloo on CPU) or one process per GPU; fp32 and bf16; AdamW and Muon; with and
    without torch.compile; gradient compression; fp16 with its loss scaler and a forced
-   non-finite step; tokens/s and peak memory per mode (training.py);
-2. the commands, as a user runs them (commands.py): a checkpoint written on this device resumed
+   non-finite step; tokens/s and peak memory per mode; rows that start at documents trained
+   through FlexAttention against SDPA's dense mask (training.py);
+2. FlexAttention's block mask against SDPA's dense mask (documents, the sliding band, grouped-
+   query heads: logits and gradients), and its time against unmasked causal attention at
+   T=1,024 (attention.py);
+3. the commands, as a user runs them (commands.py): a checkpoint written on this device resumed
    on the CPU and the reverse, a stop by SIGTERM (exit 75) resumed bitwise, `eval`, `sample` and
    `export` of a checkpoint of this device.
-A row that needs what this machine lacks (CUDA memory statistics, a second GPU, transformers)
-says so; it never passes. device-check.md and device-check.json go to --out; the exit code is 1
-when any row fails.
+A row that needs what this machine lacks (CUDA memory statistics, a second GPU, transformers, a
+FlexAttention backward) says so; it never passes. device-check.md and device-check.json go to
+--out; the exit code is 1 when any row fails.
 
 Under torchrun (or as the workers this command starts for W > 1) it runs the training rows at
 that world size and rank 0 writes them to OUT/rows-wN.json.
@@ -32,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ddpgpt.commands.check import commands, matrix, training
+from ddpgpt.commands.check import attention, commands, matrix, training
 from ddpgpt.commands.check.report import (
     FAIL,
     NOT_RUN,
@@ -84,7 +88,8 @@ def run(cfg: CheckConfig) -> None:
             rows.append(commands.loader_row(env, data))
         rows += training_rows(cfg, env, data, max(nproc, 2), say)
     rows += several(cfg, device, out, data, nproc)           # 2. W > 1: one process per device
-    rows += commands.rows(device, data, out, lambda check: selected(cfg, check), say)  # 3.
+    rows += attention.rows(device, lambda check: selected(cfg, check), say)  # 3. FlexAttention
+    rows += commands.rows(device, data, out, lambda check: selected(cfg, check), say)  # 4.
     seconds = time.perf_counter() - started
     print(f"{header(env_info)}\n\n{table(rows)}\n\n{counts(rows)}; {seconds:.0f} s", flush=True)
     paths = write(out, env_info, rows, scope(cfg), seconds)

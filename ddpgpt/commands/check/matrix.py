@@ -15,6 +15,7 @@ This module imports no torch: the plan is read by the report before anything run
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import get_args
 
@@ -37,6 +38,8 @@ class Case:
     speed: bool = False         # the speed model (tiny on CPU, gpt2-124m on CUDA), timed
     torch_hook: bool = False    # ddp with torch's bf16_compress_hook (NCCL only)
     arch: str = "gpt2"          # model.arch
+    attention: str = "sdpa"     # model.attention
+    align: str = "stream"       # data.align (bos: rows start at documents, the document mask)
 
     @property
     def name(self) -> str:
@@ -46,6 +49,8 @@ class Case:
         parts += ["torch's bf16_compress_hook"] * self.torch_hook
         parts += [f"loss scaler · step {self.skip_at} forced non-finite"] * bool(self.skip_at)
         parts += [self.arch] * (self.arch != "gpt2")
+        parts += ["documents"] * (self.align == "bos")
+        parts += [self.attention] * (self.attention != "sdpa")
         return " · ".join(parts)
 
 
@@ -114,6 +119,7 @@ def plan(device: str, world: int, quick: bool) -> list[Spec]:
                               f"the fp32 CPU run, step {SKIP_AT} skipped",
                               VS_FP32_CPU[device, "fp16"]))
     specs += modern(device, world, quick)
+    specs += documents(device)
     precision = default_precision(device)
     ddp = Case("ddp", precision=precision, speed=True)
     for mode in MODES:
@@ -156,6 +162,20 @@ def modern(device: str, world: int, quick: bool) -> list[Spec]:
                           Case("ddp", "muon", compile=True, arch="modern"),
                           Case("ddp", "muon", arch="modern"), "the same, eager",
                           VS_EAGER["fp32"]))
+    return specs
+
+
+def documents(device: str) -> list[Spec]:
+    """Rows that start at documents (data.align bos, the document mask) trained through
+    FlexAttention's block mask, against the same run under SDPA's dense mask: the same numbers
+    by another kernel. (Where torch has no FlexAttention backward, a CPU, they are not run.)"""
+    specs = []
+    for optim, precision, arch in (("adamw", "fp32", "gpt2"), ("adamw", "bf16", "gpt2"),
+                                   ("muon", "fp32", "modern")):
+        dense = Case("ddp", optim, precision, arch=arch, align="bos")
+        case = dataclasses.replace(dense, attention="flex")
+        specs.append(Spec(case.name, case, dense, "the same, sdpa's dense mask",
+                          VS_DDP[device, precision]))
     return specs
 
 

@@ -20,6 +20,7 @@ from ddpgpt.config.io import build
 from ddpgpt.distributed import collectives
 from ddpgpt.distributed.group import DistEnv
 from ddpgpt.guard.health import Guard, StopSignal
+from ddpgpt.model import flex
 from ddpgpt.optim.schedule import Schedule
 from ddpgpt.run.preflight import preflight
 from ddpgpt.sync.modes import MODES
@@ -58,9 +59,9 @@ def config(case: Case, env: DistEnv, data: str, nproc: int, quick: bool):
         flags = {"data": {"dir": data, "micro_batch": b, "global_batch": b * nproc,
                           "verify": False}, "run": run}
         return preflight(build(preset, None, flags), env.world_size, env.local_world_size)
-    flags = {"model": {**MODEL, "arch": case.arch},
+    flags = {"model": {**MODEL, "arch": case.arch, "attention": case.attention},
              "data": {"dir": data, "micro_batch": MICRO_BATCH, "global_batch": global_batch(nproc),
-                      "verify": False},
+                      "verify": False, "align": case.align},
              "optim": {"name": case.optim, "lr": 1e-2, "warmup_steps": 1},
              "run": run}
     return preflight(build(None, None, flags), env.world_size, env.local_world_size)
@@ -72,6 +73,8 @@ def train(case: Case, env: DistEnv, data: str, nproc: int, quick: bool) -> Resul
     env = oracle if case.mode is None else env
     if case.torch_hook and env.backend != "nccl":
         return Result(needs="NCCL")
+    if case.attention == "flex" and lacking(env.device.type):
+        return Result(needs=lacking(env.device.type))
     try:
         cfg, dataset = config(case, env, data, nproc, quick)
         # The small model's 64-wide matmuls gain nothing from a second CPU thread, and lose much
@@ -94,6 +97,15 @@ def train(case: Case, env: DistEnv, data: str, nproc: int, quick: bool) -> Resul
         trainer.close()
         if env.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def lacking(device: str) -> str:
+    """What this torch lacks to train through FlexAttention on `device` ("" when nothing)."""
+    if flex.unavailable():
+        return f"FlexAttention (torch >= 2.5; this is torch {torch.__version__})"
+    if not flex.trains_on(device):
+        return f"a FlexAttention backward on {device} (torch {torch.__version__} has none)"
+    return ""
 
 
 def error_line(e: Exception) -> str:
