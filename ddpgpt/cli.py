@@ -41,7 +41,7 @@ from ddpgpt.config.commands import (
 )
 from ddpgpt.config.io import add_flags, build, continued, flat_config, nest
 from ddpgpt.config.schema import SECTIONS, RunConfig, TrainConfig
-from ddpgpt.errors import UserError, did_you_mean, survive_closed_output
+from ddpgpt.errors import UserError, beside, did_you_mean, survive_closed_output
 
 # What other trainers call some of our flags (nanoGPT's, transformers' Trainer's): a name typed
 # from habit is answered with ours.
@@ -223,6 +223,8 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
     else:
         run_dir = Path(values.get("run.dir") or RunConfig().dir)
         saved = run_dir / "config.json"
+        if "run.dir" in values and "data.dir" not in values and not whole:
+            check_continues(run_dir)  # `--run-dir R` without --data continues R
         base = None if whole or not saved.is_file() else continued(
             read_config(saved, "the run's config", "; restore it, or give the whole config "
                         "(--preset, --config)"), flags, str(saved))
@@ -231,6 +233,18 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
         print_config(cfg, options["nproc"])
         sys.exit(0)
     return cfg, options["nproc"], options["max_restarts"] or 0
+
+
+def check_continues(run_dir: Path) -> None:
+    """`train --run-dir R` without --data (nor --preset, --config) continues the run in R: one
+    line, with the run meant, when R holds none (a mistyped name would train a new run from the
+    defaults)."""
+    if (run_dir / "config.json").is_file():
+        return
+    there = "does not exist" if not run_dir.exists() else "holds no run (no config.json)"
+    raise UserError(f"run dir {run_dir} {there}{beside(run_dir, 'config.json', 'runs')}; to "
+                    "continue a run, give its --run-dir; to start a new one there, give its "
+                    "--data (and a --preset)")
 
 
 def read_config(path: str | Path, where: str, fix: str = "") -> dict:
