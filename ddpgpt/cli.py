@@ -202,11 +202,14 @@ def _add_train(sub, shown: TrainConfig | None, every: bool) -> None:
                   listed=None if every else TRAIN_LISTED.__contains__)
 
 
-def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
-    """(the config, --nproc, --max-restarts) from the parsed `train` flags: preset -> --config
-    file -> flags; or, for a run dir that has a config.json and neither a preset nor a file,
-    that config -> flags (the run continues as it was made); or --resolved-config FILE -> flags."""
+def train_config(values: dict) -> tuple[TrainConfig, int | None, int, str]:
+    """(the config, --nproc, --max-restarts, a line to say when the workers start) from the
+    parsed `train` flags: preset -> --config file -> flags; or, for a run dir that has a
+    config.json and neither a preset nor a file, that config -> flags (the run continues as it
+    was made: `--run-dir R` without --data also on the processes it last trained on, unless
+    --nproc says otherwise); or --resolved-config FILE -> flags."""
     options = {k: values.pop(k, None) for k in TRAIN_OPTIONS}
+    nproc, note, continuing = options["nproc"], "", False
     if options["reset"]:
         if values.get("run.resume") not in (None, "reset"):
             raise UserError(f"--reset and --resume {values['run.resume']} contradict each "
@@ -223,16 +226,21 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
     else:
         run_dir = Path(values.get("run.dir") or RunConfig().dir)
         saved = run_dir / "config.json"
-        if "run.dir" in values and "data.dir" not in values and not whole:
+        continuing = "run.dir" in values and "data.dir" not in values and not whole
+        if continuing:
             check_continues(run_dir)  # `--run-dir R` without --data continues R
         base = None if whole or not saved.is_file() else continued(
             read_config(saved, "the run's config", "; restore it, or give the whole config "
                         "(--preset, --config)"), flags, str(saved))
     cfg = build(options["preset"], options["config"], flags, shape=_pretrained_shape, base=base)
+    if base is not None and nproc is None and not options["resolved_config"]:
+        from ddpgpt.run.launch import continuing_nproc
+        nproc, note = continuing_nproc(run_dir, cfg.run.device, adopt=continuing)
     if options["print_config"]:
-        print_config(cfg, options["nproc"])
+        from ddpgpt.run.preflight import print_config
+        print_config(cfg, nproc)
         sys.exit(0)
-    return cfg, options["nproc"], options["max_restarts"] or 0
+    return cfg, nproc, options["max_restarts"] or 0, note
 
 
 def check_continues(run_dir: Path) -> None:
@@ -263,29 +271,6 @@ def _pretrained_shape(cfg: TrainConfig, explicit: dict) -> TrainConfig:
     """--model.init-from: the shape of its weights (read only when asked for)."""
     from ddpgpt.hf.init_from import apply_shape
     return apply_shape(cfg, explicit)
-
-
-def print_config(cfg: TrainConfig, nproc: int | None) -> None:
-    """What `train` would run with, as TOML. Every `auto` is resolved as the run would resolve
-    it; without the dataset, the values that depend on it stay as given, and a comment says so."""
-    from ddpgpt.config.io import to_toml
-    from ddpgpt.distributed.group import detect
-    from ddpgpt.errors import DataError
-    from ddpgpt.run import resume
-    from ddpgpt.run.preflight import preflight
-    from ddpgpt.run.run_dir import RunDir
-
-    here = detect()
-    world = nproc or here.world_size
-    try:
-        cfg, dataset = preflight(cfg, world, nproc or here.local_world_size)
-    except DataError as e:
-        print(f"# not resolved (model.vocab_size, data.seq_len, run.*: auto): {e}")
-    else:
-        cfg, start = resume.plan(cfg, RunDir(cfg.run.dir), dataset)
-        where = f"resuming {start.path}" if start.path else "from scratch"
-        print(f"# resolved for {world} process{'es' if world > 1 else ''}, {where}")
-    print(to_toml(cfg), end="")
 
 
 TRUE, FALSE = ("true", "yes", "1"), ("false", "no", "0")
@@ -356,13 +341,15 @@ def dispatch(argv: list[str]) -> None:
     ns = parser.parse_args(bool_values(parser, argv))
     values = {k: v for k, v in vars(ns).items() if k not in ("command", "debug", "help_all")}
     if ns.command == "train":
-        cfg, nproc, max_restarts = train_config(values)  # checked before torch loads
+        cfg, nproc, max_restarts, note = train_config(values)  # checked before torch loads
         if nproc is None:
+            if note:  # the processes it last trained on cannot start here
+                print(note, file=sys.stderr)
             from ddpgpt.commands import train
             train.run(cfg)
         else:
             from ddpgpt.run import launch
-            sys.exit(launch.train(cfg, nproc, max_restarts))
+            sys.exit(launch.train(cfg, nproc, max_restarts, note))
         return
     cls, target, _, _ = COMMANDS[ns.command]
     module, function = target.split(":")

@@ -144,3 +144,26 @@ def shared(cfg: TrainConfig) -> dict:
     values = cfg.to_dict()
     del values["run"]["threads"]
     return values
+
+
+def print_config(cfg: TrainConfig, nproc: int | None) -> None:
+    """`train --print-config`: what `train` would run with, as TOML. Every `auto` is resolved as
+    the run would resolve it; without the dataset, the values that depend on it stay as given,
+    and a comment says so."""
+    from ddpgpt.config.io import to_toml
+    from ddpgpt.distributed.group import detect
+    from ddpgpt.errors import DataError
+    from ddpgpt.run import resume
+    from ddpgpt.run.run_dir import RunDir
+
+    here = detect()
+    world = nproc or here.world_size
+    try:
+        cfg, dataset = preflight(cfg, world, nproc or here.local_world_size)
+    except DataError as e:
+        print(f"# not resolved (model.vocab_size, data.seq_len, run.*: auto): {e}")
+    else:
+        cfg, start = resume.plan(cfg, RunDir(cfg.run.dir), dataset)
+        where = f"resuming {start.path}" if start.path else "from scratch"
+        print(f"# resolved for {world} process{'es' if world > 1 else ''}, {where}")
+    print(to_toml(cfg), end="")

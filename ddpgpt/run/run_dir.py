@@ -244,6 +244,16 @@ class RunDir:
             except OSError as e:
                 raise WriteError(f"cannot write {history}: {describe(e)}") from None
 
+    def last_world_size(self) -> int | None:
+        """The number of processes the run's latest start trained on (configs.jsonl's last
+        entry: a start that changed nothing adds none), or None when nothing says."""
+        try:
+            lines = self.configs.read_text().splitlines()
+            world = json.loads(lines[-1])["world_size"]
+        except (OSError, ValueError, IndexError, KeyError, TypeError):
+            return None
+        return world if isinstance(world, int) and world >= 1 else None
+
     def write_data_files(self, dataset_dir: Path, meta_bytes: bytes,
                          sources: list[dict] | None = None) -> None:
         """The dataset's meta.json and tokenizer, so that `sample` needs only the run dir; a

@@ -50,3 +50,24 @@ def test_a_run_continues_from_its_directory_alone(tiny_data, tmp_path):
     assert (config["data"]["dir"], config["data"]["seq_len"], config["run"]["steps"],
             config["optim"]["decay_steps"], config["run"]["threads"]) == (
         str(tiny_data), 16, 8, 4, len(os.sched_getaffinity(0)))
+
+
+def test_a_run_continues_on_the_processes_it_last_trained_on(tiny_data, tmp_path):
+    """Made on 2 processes: `train --run-dir R` alone continues on 2, and says so; given its
+    --data (the command restated), on 1 as any command without --nproc, and that is said too;
+    then, last trained on 1, alone on 1 with nothing to say."""
+    run = tmp_path / "run"
+    _ok(run_cli(*tiny_train_args(tiny_data, run, steps=2)[2:], "--nproc", "2", timeout=180))
+    r = _ok(run_cli("train", "--run-dir", run, "--run.steps", "3", timeout=180))
+    assert (f"ddpgpt: continuing run {run} on 2 processes, as it last trained (--nproc N for "
+            "another number)\n") in r.stderr, r.stderr
+    assert "ddpgpt: training on 2 processes" in r.stderr
+    r = _ok(run_cli("train", "--run-dir", run, "--data", tiny_data, "--run.steps", "4",
+                    timeout=120))
+    assert (f"ddpgpt: run {run} last trained on 2 processes; given --data, this start runs on "
+            "1 (--nproc 2 for 2)\n") in r.stderr, r.stderr
+    assert "ddpgpt: training on 1 process," in r.stderr
+    r = _ok(run_cli("train", "--run-dir", run, "--run.steps", "5", timeout=120))
+    assert "ddpgpt: training on 1 process," in r.stderr and "processes" not in r.stderr
+    worlds = [json.loads(line)["world_size"] for line in (run / "configs.jsonl").open()]
+    assert worlds[-3:] == [2, 1, 1]
