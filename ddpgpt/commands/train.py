@@ -352,7 +352,9 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         if env.is_main:
             print("ddpgpt: resuming with changed settings (applied from step "
                   f"{trainer.step}): " + ", ".join(f"{k} {a} -> {b}" for k, (a, b)
-                                                   in changed.items()), file=sys.stderr)
+                                                   in changed.items())
+                  + resume.lr_note(cfg, trainer.step, trainer.guard.spikes.lr_factor, changed),
+                  file=sys.stderr)
     return metrics
 
 
