@@ -203,13 +203,13 @@ def _add_train(sub, shown: TrainConfig | None, every: bool) -> None:
 
 
 def train_config(values: dict) -> tuple[TrainConfig, int | None, int, str]:
-    """(the config, --nproc, --max-restarts, a line to say when the workers start) from the
+    """(the config, --nproc, --max-restarts, the lines to say once it checked out) from the
     parsed `train` flags: preset -> --config file -> flags; or, for a run dir that has a
     config.json and neither a preset nor a file, that config -> flags (the run continues as it
     was made: `--run-dir R` without --data also on the processes it last trained on, unless
     --nproc says otherwise); or --resolved-config FILE -> flags."""
     options = {k: values.pop(k, None) for k in TRAIN_OPTIONS}
-    nproc, note, continuing = options["nproc"], "", False
+    nproc, continuing = options["nproc"], False
     if options["reset"]:
         if values.get("run.resume") not in (None, "reset"):
             raise UserError(f"--reset and --resume {values['run.resume']} contradict each "
@@ -232,15 +232,18 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int, str]:
         base = None if whole or not saved.is_file() else continued(
             read_config(saved, "the run's config", "; restore it, or give the whole config "
                         "(--preset, --config)"), flags, str(saved))
-    cfg = build(options["preset"], options["config"], flags, shape=_pretrained_shape, base=base)
+    shape = _PretrainedShape()
+    cfg = build(options["preset"], options["config"], flags, shape=shape, base=base)
+    notes = shape.note(cfg)
     if base is not None and nproc is None and not options["resolved_config"]:
         from ddpgpt.run.launch import continuing_nproc
         nproc, note = continuing_nproc(run_dir, cfg.run.device, adopt=continuing)
+        notes += [note] if note else []
     if options["print_config"]:
         from ddpgpt.run.preflight import print_config
         print_config(cfg, nproc)
         sys.exit(0)
-    return cfg, nproc, options["max_restarts"] or 0, note
+    return cfg, nproc, options["max_restarts"] or 0, "\n".join(notes)
 
 
 def check_continues(run_dir: Path) -> None:
@@ -267,10 +270,23 @@ def read_config(path: str | Path, where: str, fix: str = "") -> dict:
         raise UserError(f"{where} {path}: not valid JSON ({e}){fix}") from None
 
 
-def _pretrained_shape(cfg: TrainConfig, explicit: dict) -> TrainConfig:
-    """--model.init-from: the shape of its weights (read only when asked for)."""
-    from ddpgpt.hf.init_from import apply_shape
-    return apply_shape(cfg, explicit)
+class _PretrainedShape:
+    """--model.init-from: the shape of its weights (read only when asked for); `note(cfg)`, once
+    the config is built, the line that says what they changed of it."""
+
+    def __init__(self):
+        self.before: TrainConfig | None = None
+
+    def __call__(self, cfg: TrainConfig, explicit: dict) -> TrainConfig:
+        from ddpgpt.hf.init_from import apply_shape
+        self.before = cfg
+        return apply_shape(cfg, explicit)
+
+    def note(self, cfg: TrainConfig) -> list[str]:
+        from ddpgpt.hf.init_from import shape_note
+        if self.before is None:
+            return []
+        return [shape_note(self.before, cfg)]
 
 
 TRUE, FALSE = ("true", "yes", "1"), ("false", "no", "0")
@@ -343,10 +359,8 @@ def dispatch(argv: list[str]) -> None:
     if ns.command == "train":
         cfg, nproc, max_restarts, note = train_config(values)  # checked before torch loads
         if nproc is None:
-            if note:  # the processes it last trained on cannot start here
-                print(note, file=sys.stderr)
             from ddpgpt.commands import train
-            train.run(cfg)
+            train.run(cfg, note)
         else:
             from ddpgpt.run import launch
             sys.exit(launch.train(cfg, nproc, max_restarts, note))

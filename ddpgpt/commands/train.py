@@ -131,6 +131,9 @@ def setup(cfg: TrainConfig, env: DistEnv, dataset: TokenDataset, start: resume.S
         from ddpgpt.hf.init_from import read_state
         # Every rank reads the weights itself; one that cannot stops them all.
         init = collectives.together(env, lambda: read_state(cfg.model.init_from, cfg.model))
+        if env.is_main and announce:
+            from ddpgpt.hf.init_from import loaded
+            print(loaded(cfg.model.init_from, init), file=sys.stderr)
     trainer = Trainer(cfg, env, dataset, guard, init=init, digest=start.path is None)
     trainer.origin = start.origin
 
@@ -172,8 +175,9 @@ def setup(cfg: TrainConfig, env: DistEnv, dataset: TokenDataset, start: resume.S
     return trainer
 
 
-def run(cfg: TrainConfig) -> None:
-    """Trains in this process: alone, as a torchrun worker, or as a `--nproc` worker."""
+def run(cfg: TrainConfig, note: str = "") -> None:
+    """Trains in this process: alone, as a torchrun worker, or as a `--nproc` worker. `note`:
+    lines on what the command line made of the config, said by rank 0 once it checked out."""
     # 1. Everything that needs no process group: batch arithmetic, the data, every `auto`.
     here = detect()
     try:
@@ -189,6 +193,8 @@ def run(cfg: TrainConfig) -> None:
         planned = settled, first = resume.plan(cfg, run_dir, dataset, verify=True)
         if resume.report_finished(settled, run_dir, first):
             return
+    if note and here.rank == 0:
+        print(note, file=sys.stderr)
     # 2. Join the group (W > 1); it is destroyed on every way out of this block.
     with session(cfg.run.device, cfg.run.backend, cfg.run.dist_timeout_s) as env, \
             StopSignal(env.is_main) as stop:
@@ -211,6 +217,8 @@ def run(cfg: TrainConfig) -> None:
         try:
             try:
                 _install_faults(trainer, saver)
+                if cfg.run.eval_at_start and trainer.step == 0:
+                    evaluate_first(trainer, metrics, scorer)
                 # 3. Train; a spike the weights do not heal from rolls back and goes on.
                 while (spike := loop(trainer, metrics, run_dir, saver, scorer)) is not None:
                     trainer = roll_back(trainer, spike, run_dir, start, metrics, lambda at: setup(
@@ -233,6 +241,14 @@ def run(cfg: TrainConfig) -> None:
             run_dir.unlock()
         if env.is_main:  # trained to the end (a stop raised above): below the closed bar
             print(run_dir.next_commands(), file=sys.stderr)
+
+
+def evaluate_first(trainer: Trainer, metrics: Metrics, tasks: Scorer | None) -> None:
+    """run.eval_at_start: the evaluation before any step (step 0), the loss the first steps
+    start from (--init-from's weights on this data)."""
+    trainer.doing = "the evaluation before step 1"
+    with metrics.paused():
+        metrics.log_eval(0, **trainer.evaluate(tasks))
 
 
 def save(trainer, saver: Saver, run_dir: RunDir, reason: str, wait: bool) -> None:

@@ -25,8 +25,8 @@ class PrepareConfig:
     tokenizer: Tokenizer = "bpe"
     """bpe (trained on the corpus), byte (UTF-8 bytes), or gpt2 (tiktoken; needs the data extra)."""
     tokenizer_from: str | None = None
-    """Use the tokenizer of this prepared dataset or run directory (data for an existing model);
-    replaces --tokenizer."""
+    """Use the tokenizer of this prepared dataset, run directory, or transformers directory
+    (`ddpgpt export`'s, or GPT-2's: data for --init-from those weights); replaces --tokenizer."""
     text_field: str = "text"
     """The column (parquet, hf:) or field (jsonl) that holds each document's text."""
     skip_bad_rows: bool = False

@@ -221,6 +221,9 @@ class RunConfig:
     """Write a metrics.jsonl row every this many steps."""
     eval_every: int = 100
     """Evaluate on the validation windows every this many steps (and at the end); 0: end only."""
+    eval_at_start: bool | None = None
+    """Evaluate before the first step too (step 0): the loss the first steps start from. Unset:
+    on with model.init_from (what the weights score on this data), off otherwise."""
     eval_tasks: str = ""
     """Multiple-choice tasks scored at every evaluation, comma-separated: hellaswag (downloaded
     once) or NAME with eval_task_data (KIND:NAME: another kind of task). metrics.jsonl's eval

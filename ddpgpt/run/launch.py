@@ -63,8 +63,8 @@ def continuing_nproc(run_dir, device: str, adopt: bool) -> tuple[int | None, str
 
 
 def train(cfg: TrainConfig, nproc: int, max_restarts: int, note: str = "") -> int:
-    """Checks, locks and starts `nproc` training workers; returns the exit code. `note`: a line
-    to say before they start (why this many)."""
+    """Checks, locks and starts `nproc` training workers; returns the exit code. `note`: lines
+    to say before they start (what the command line made of the config, why this many)."""
     check_nproc(nproc, cfg.run.device)
     cfg, dataset = preflight(cfg, nproc, nproc)
     for_run(cfg.run)  # bad task files: one line here, before the run dir is touched

@@ -4,9 +4,10 @@ at once, with one line, before anything is written:
     cfg, dataset = preflight(cfg, world_size=2, local_world_size=2)
 
 Every `auto` is resolved here, once: the device kind, the backend, the precision, the sequence
-length, the vocabulary size and the CPU threads. Resolving a resolved config changes nothing, so
-the `--nproc` launcher resolves it, writes it as the run's config.json, and its workers start
-from that file. The accumulation A = G / (W·b) is derived here too, the one place that checks it.
+length, the vocabulary size, the CPU threads and whether to evaluate before the first step.
+Resolving a resolved config changes nothing, so the `--nproc` launcher resolves it, writes it as
+the run's config.json, and its workers start from that file. The accumulation A = G / (W·b) is
+derived here too, the one place that checks it.
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> T
         precision = "bf16" if device == "cuda" else "fp32"
     check_mode(cfg, precision)
     threads = cfg.run.threads or max(1, len(os.sched_getaffinity(0)) // local_world_size)
+    first = bool(cfg.model.init_from) if cfg.run.eval_at_start is None else cfg.run.eval_at_start
     run = dataclasses.replace(cfg.run, device=device, precision=precision, threads=threads,
+                              eval_at_start=first,
                               backend=(default_backend(device) if cfg.run.backend == "auto"
                                        else cfg.run.backend))
     ns_dtype = cfg.optim.muon_ns_dtype

@@ -312,7 +312,7 @@ def test_an_explicit_resume_elsewhere_leaves_a_recorded_rollback_behind(run):
     assert [s for s, _ in store.step_dirs(run.checkpoints)] == [2, 3, 5]
 
 
-# ---- what a changed setting does to the lr ---------------------------------------------------------
+# ---- what a changed setting does to the lr -------------------------------------------------------
 
 def _settled(steps: int, decay: int, **optim) -> TrainConfig:
     return TrainConfig(optim=OptimConfig(lr=0.3, min_lr=1e-4, warmup_steps=2, decay_steps=decay,
