@@ -57,9 +57,18 @@ def survive_closed_output() -> None:
             setattr(sys, name, _Unbroken(stream))
 
 
+def say(line: str) -> None:
+    """A line on stderr for the person at the terminal, written above any progress bar drawn
+    there (tqdm.write takes the bar away, writes, and draws it again), never over it: every
+    status line goes through here, or through warn."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
 def warn(message: str) -> None:
     """One line on stderr for something that does not stop the command."""
-    print(f"ddpgpt: warning: {message}", file=sys.stderr)
+    say(f"ddpgpt: warning: {message}")
 
 
 class UserError(Exception):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from ddpgpt.checkpoint.read import model_of, run_checkpoint
 from ddpgpt.config.commands import EvalConfig
 from ddpgpt.data.mixture import MixedDataset, open_data
@@ -37,6 +39,8 @@ def run(cfg: EvalConfig) -> None:
     tasks = load_all(cfg.task, cfg.task_data, cfg.limit, "--task", "--task-data")
     tokenizer = run_tokenizer(run_dir) if tasks else None
     with session(cfg.device, "auto") as env:
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         model = model_of(found, env.device)
         if env.device.type == "cpu":
             flush_denormals()  # as in training: the same figures, at full speed

@@ -44,7 +44,7 @@ from ddpgpt.distributed.group import (
     session,
     under_launcher,
 )
-from ddpgpt.errors import UserError, warn
+from ddpgpt.errors import UserError, say, warn
 from ddpgpt.evals.scorer import Scorer
 from ddpgpt.evals.tasks import for_run
 from ddpgpt.guard.health import Guard, StopSignal, collective_failed, preempted, resume_hint
@@ -55,6 +55,7 @@ from ddpgpt.run.precision import configure
 from ddpgpt.run.preflight import preflight, shared
 from ddpgpt.run.rollback import apply_rollback, roll_back, spike_fields
 from ddpgpt.run.run_dir import RunDir
+from ddpgpt.run.samples import Sampler
 from ddpgpt.trainer import Trainer
 
 
@@ -63,7 +64,7 @@ def _due(step: int, every: int, last: int) -> bool:
 
 
 def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
-         tasks: Scorer | None) -> Verdict | None:
+         tasks: Scorer | None, sampler: Sampler | None = None) -> Verdict | None:
     """Trains to run.steps, or to the first evaluation at run.target_val_loss; returns early with
     the rollback verdict of a spike, if one comes."""
     cfg, env, total, guard = trainer.cfg, trainer.env, trainer.cfg.run.steps, trainer.guard
@@ -97,9 +98,16 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
                              taken_now(trainer.loader))
         reached = False
         with metrics.paused():
+            if sampler is not None and sampler.due(trainer.step):
+                trainer.doing = f"the sample after step {trainer.step}"
+                sampler(trainer, metrics.write)
             if _due(trainer.step, cfg.run.eval_every, total):
                 trainer.doing = f"the evaluation after step {trainer.step}"
-                row = trainer.evaluate(tasks)  # val loss, the tasks' scores, the seconds so far
+                final = trainer.step == total
+                if final:  # the bar's time per step is the training's; the evaluation's own bar
+                    metrics.finish_bar()
+                # val loss, the tasks' scores, the seconds so far
+                row = trainer.evaluate(tasks, progress=final and env.is_main)
                 metrics.log_eval(trainer.step, **row)
                 reached = 0 < row["val_loss"] <= cfg.run.target_val_loss
             if _due(trainer.step, cfg.run.checkpoint_every, total) or health.stop or reached:
@@ -144,14 +152,14 @@ def setup(cfg: TrainConfig, env: DistEnv, dataset: TokenDataset, start: resume.S
     # Every rank calls it: ranks may disagree on the start (see agree).
     collectives.together(env, restore)
     if start.path is not None and env.is_main and announce:
-        print(f"resuming from {start.path} (step {trainer.step}, saved at world size "
-              f"{start.meta['world_size']})", file=sys.stderr)
+        say(f"resuming from {start.path} (step {trainer.step}, saved at world size "
+            f"{start.meta['world_size']})")
     if start.rollback is not None:  # a rollback decided, and stopped before a checkpoint had it
         batches, _ = apply_rollback(trainer, start.rollback)
         if env.is_main:
-            print(f"ddpgpt: going on with the rollback after step {start.rollback['spike_step']} "
-                  f"to step {trainer.step}: skipping the {batches} global batches read after it, "
-                  f"the lr × {guard.spikes.lr_factor:g} from now on", file=sys.stderr)
+            say(f"ddpgpt: going on with the rollback after step {start.rollback['spike_step']} "
+                f"to step {trainer.step}: skipping the {batches} global batches read after it, "
+                f"the lr × {guard.spikes.lr_factor:g} from now on")
     # From scratch: what each rank built; resumed: the weights loaded (whole: fsdp2 gathers).
     weights = (trainer.init_digest if start.path is None
                else collectives.state_digest(trainer.sync.model_state()))
@@ -212,6 +220,7 @@ def run(cfg: TrainConfig, note: str = "") -> None:
         collectives.together(env, lambda: write_run_files(run_dir, cfg, dataset, start.step,
                                                           env.world_size), main_only=True)
         metrics = open_metrics(trainer, run_dir, start)
+        sampler = Sampler(cfg, env, dataset) if cfg.run.sample_every else None
         saver = Saver(env, run_dir.checkpoints, checkpoint_group(env, cfg.run.dist_timeout_s),
                       saver_token(env), cfg.run.keep_checkpoints, cfg.run.checkpoint_async)
         try:
@@ -220,7 +229,8 @@ def run(cfg: TrainConfig, note: str = "") -> None:
                 if cfg.run.eval_at_start and trainer.step == 0:
                     evaluate_first(trainer, metrics, scorer)
                 # 3. Train; a spike the weights do not heal from rolls back and goes on.
-                while (spike := loop(trainer, metrics, run_dir, saver, scorer)) is not None:
+                while (spike := loop(trainer, metrics, run_dir, saver, scorer, sampler)) \
+                        is not None:
                     trainer = roll_back(trainer, spike, run_dir, start, metrics, lambda at: setup(
                         cfg, env, dataset, at, guard, announce=False))  # built as on a restart
                     _install_faults(trainer, saver)
@@ -357,20 +367,17 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
     mix = getattr(trainer.loader, "changed", None)
     if mix:  # resumed with other weights: the rows from here follow them (data/mixture.py)
         metrics.log_event(trainer.step, "mixture_change", checkpoint=str(start.path), **mix)
-        if env.is_main:
-            print(f"ddpgpt: the mixture changed on resume (applied from step {trainer.step}): "
-                  + ", ".join(f"{n} {mix['old'][n]:g} -> {mix['new'][n]:g}" for n in mix["new"]),
-                  file=sys.stderr)
+        metrics.write(f"ddpgpt: the mixture changed on resume (applied from step {trainer.step}): "
+                      + ", ".join(f"{n} {mix['old'][n]:g} -> {mix['new'][n]:g}"
+                                  for n in mix["new"]))
     changed = resume.changes(start.meta["config"], cfg) if start.meta else {}
     if changed:  # applied, not ignored: say so where the curves are read, and once here
         metrics.log_event(trainer.step, "config_change", checkpoint=str(start.path),
                           changes=changed)
-        if env.is_main:
-            print("ddpgpt: resuming with changed settings (applied from step "
-                  f"{trainer.step}): " + ", ".join(f"{k} {a} -> {b}" for k, (a, b)
-                                                   in changed.items())
-                  + resume.lr_note(cfg, trainer.step, trainer.guard.spikes.lr_factor, changed),
-                  file=sys.stderr)
+        metrics.write("ddpgpt: resuming with changed settings (applied from step "
+                      f"{trainer.step}): " + ", ".join(f"{k} {a} -> {b}" for k, (a, b)
+                                                       in changed.items())
+                      + resume.lr_note(cfg, trainer.step, trainer.guard.spikes.lr_factor, changed))
     return metrics
 
 

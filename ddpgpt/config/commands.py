@@ -170,8 +170,12 @@ class EvalConfig:
     instead of lines."""
     device: Device = "auto"
     """auto (cuda:LOCAL_RANK when available), cpu or cuda."""
+    threads: int = 0
+    """torch CPU threads per process; 0: torch's own choice (every core; 1 under torchrun). On a
+    busy machine fewer can be much faster."""
 
     def __post_init__(self):
+        _require(self.threads >= 0, f"--threads {self.threads} must be >= 0 (0: torch's choice)")
         _require(self.windows >= -1, f"--windows {self.windows} must be >= -1")
         _require(self.limit >= 0, f"--limit {self.limit} must be >= 0 (0: all)")
         _require(bool(self.task) or not self.task_data,

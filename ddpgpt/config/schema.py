@@ -224,6 +224,11 @@ class RunConfig:
     eval_at_start: bool | None = None
     """Evaluate before the first step too (step 0): the loss the first steps start from. Unset:
     on with model.init_from (what the weights score on this data), off otherwise."""
+    sample_every: int = 0
+    """Print a sample of 64 tokens every this many steps (rank 0; temperature 0.8, top-k 50, as
+    `ddpgpt sample`), from its own generator: the training's stays as it was. 0: off."""
+    sample_prompt: str = ""
+    """The text the samples continue; empty: a fresh document."""
     eval_tasks: str = ""
     """Multiple-choice tasks scored at every evaluation, comma-separated: hellaswag (downloaded
     once) or NAME with eval_task_data (KIND:NAME: another kind of task). metrics.jsonl's eval
@@ -317,7 +322,7 @@ class RunConfig:
         _finite(self, "run.")
         _require(self.steps >= 1, f"run.steps = {self.steps} must be >= 1")
         _require(self.log_every >= 1, f"run.log_every = {self.log_every} must be >= 1")
-        for name in ("eval_every", "checkpoint_every", "threads"):
+        for name in ("eval_every", "checkpoint_every", "threads", "sample_every"):
             _require(getattr(self, name) >= 0, f"run.{name} = {getattr(self, name)} must be >= 0")
         _require(self.keep_checkpoints >= 1,
                  f"run.keep_checkpoints = {self.keep_checkpoints} must be >= 1")
