@@ -23,7 +23,7 @@ from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.distributed.group import session
 from ddpgpt.errors import warn
 from ddpgpt.evals.kinds import KINDS
-from ddpgpt.evals.loss import eval_sets, evaluate_sets
+from ddpgpt.evals.loss import eval_sets, evaluate_sets, val_text
 from ddpgpt.evals.scorer import Scorer
 from ddpgpt.evals.tasks import load_all
 from ddpgpt.run.precision import Precision, flush_denormals
@@ -66,7 +66,7 @@ def report(cfg: EvalConfig, dataset: TokenDataset | MixedDataset, row: dict, sco
            tasks: list, step: int, windows: int, seq_len: int, world_size: int) -> None:
     """One line per result, or with --json one object. `row`: evaluate_sets' (val_loss,
     val_bpb; a mixture's each source's too)."""
-    loss, bpb = row["val_loss"], row["val_bpb"]
+    bpb = row["val_bpb"]
     if bpb is None:
         warn(dataset.bytes_advice())
     if cfg.json:
@@ -74,10 +74,8 @@ def report(cfg: EvalConfig, dataset: TokenDataset | MixedDataset, row: dict, sco
                           **{k: v for k, v in scores.items() if not k.endswith("_s")}}))
         return
     bits = "" if bpb is None else f", val_bpb {bpb:.4f}"
-    each = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in row.items()
-                     if k.startswith("val_loss/"))
-    print(f"val_loss {loss:.4f}{each and f' ({each})'}{bits} (step {step}, {windows} windows of "
-          f"{seq_len} tokens, {world_size} process{'es' if world_size > 1 else ''})")
+    print(f"{val_text(row)}{bits} (step {step}, {windows} windows of {seq_len} tokens, "
+          f"{world_size} process{'es' if world_size > 1 else ''})")
     for task in tasks:
         name = task.name
         figures = ", ".join(f"{metric} {scores[f'{name}_{metric}']:.4f}"

@@ -81,8 +81,8 @@ def evaluate_sets(model: torch.nn.Module, sets: list[EvalSet], env: DistEnv,
                   autocast=contextlib.nullcontext, progress: bool = False) -> dict:
     """An eval row's losses: val_loss, val_bpb (absent without byte counts), train_eval_loss.
     A mixture's: each source's under KEY/NAME and, under KEY, their share-weighted sum (bpb:
-    the weighted sum of the sources' bpb, when each has one). Collective. `progress`: a bar on
-    rank 0 for each set of windows."""
+    the weighted sum of the sources' bpb, when each has one), with each weight as weight/NAME.
+    Collective. `progress`: a bar on rank 0 for each set of windows."""
     row: dict = {}
     for s in sets:
         suffix = f"/{s.name}" if s.name is not None else ""
@@ -102,4 +102,19 @@ def evaluate_sets(model: torch.nn.Module, sets: list[EvalSet], env: DistEnv,
         if all(v is not None for _, v in parts):
             row[key] = sum(w * v for w, v in parts)
     row.setdefault("val_bpb", None)
+    row.update({f"weight/{s.name}": s.share for s in sets})  # what the sums above were weighted by
     return {"val_loss": row.pop("val_loss"), "val_bpb": row.pop("val_bpb"), **row}
+
+
+def val_text(row: dict) -> str:
+    """An eval row's val loss as a line says it: "val_loss 2.3000", and a mixture's as the sum
+    it is, of the weights in force at that evaluation (it moves when they change; each source's
+    loss does not): "val_loss 2.3000 = 0.7 × a 2.0000 + 0.3 × b 3.0000"."""
+    text = f"val_loss {row['val_loss']:.4f}"
+    each = {k.split("/", 1)[1]: v for k, v in row.items() if k.startswith("val_loss/")}
+    weights = {n: row.get(f"weight/{n}") for n in each}
+    if each and None not in weights.values():
+        text += " = " + " + ".join(f"{weights[n]:g} × {n} {v:.4f}" for n, v in each.items())
+    elif each:  # a row written before the weights were
+        text += " (" + ", ".join(f"{n} {v:.4f}" for n, v in each.items()) + ")"
+    return text

@@ -37,6 +37,7 @@ import torch
 
 from ddpgpt.errors import say
 from ddpgpt.evals.kinds import headlines
+from ddpgpt.evals.loss import val_text
 from ddpgpt.files import WriteError, describe, replace_text
 from ddpgpt.progress import bar
 from ddpgpt.run.trackers import kept_rows
@@ -189,9 +190,7 @@ class Metrics:
             tasks = "".join(f", {name} {fields[key]:.4f}"
                             for name, key in headlines(fields).items())
             train = fields.get("train_eval_loss")
-            each = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in fields.items()
-                             if k.startswith("val_loss/"))
-            self.bar.write(f"step {step}: val_loss {val_loss:.4f}" + (each and f" ({each})")
+            self.bar.write(f"step {step}: {val_text({'val_loss': val_loss, **fields})}"
                            + ("" if val_bpb is None else f", val_bpb {val_bpb:.4f}")
                            + ("" if train is None else f", train_eval_loss {train:.4f}") + tasks)
 

@@ -49,19 +49,21 @@ class Tracker:
 
 def test_eval_rows_and_line_hold_train_eval_loss_and_each_source(tmp_path, capsys):
     """What an evaluation of a mixture writes: every figure in metrics.jsonl and the tracker,
-    the total and each source's val loss and the train sample's loss on the line."""
+    and on the line the total as the weighted sum it is (the weights in force: it moves when
+    they change), each source's val loss, and the train sample's loss."""
     tracker = Tracker()
     metrics = Metrics(True, tmp_path / "metrics.jsonl", 0, 10, 1000, 6.0, peak=1e9,
                       world_size=1, tracker=tracker)
-    row = {"val_loss": 2.5, "val_bpb": None, "val_loss/a": 2.0, "train_eval_loss/a": 1.9,
-           "val_loss/b": 3.0, "train_eval_loss/b": 2.9, "train_eval_loss": 2.4}
+    row = {"val_loss": 2.3, "val_bpb": None, "val_loss/a": 2.0, "train_eval_loss/a": 1.9,
+           "val_loss/b": 3.0, "train_eval_loss/b": 2.9, "train_eval_loss": 2.2,
+           "weight/a": 0.7, "weight/b": 0.3}
     metrics.log_eval(5, **row)
     metrics.close()
     written = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert written == {"step": 5, **{k: v for k, v in row.items() if v is not None}}
     assert tracker.rows == [(5, written)]
-    assert ("step 5: val_loss 2.5000 (a 2.0000, b 3.0000), train_eval_loss 2.4000"
-            in capsys.readouterr().out)
+    assert ("step 5: val_loss 2.3000 = 0.7 × a 2.0000 + 0.3 × b 3.0000, train_eval_loss "
+            "2.2000\n" in capsys.readouterr().out)
 
 
 def test_step_rows_hold_the_realized_proportions_since_the_previous_row(tmp_path):
