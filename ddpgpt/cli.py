@@ -28,6 +28,7 @@ import os
 import sys
 from pathlib import Path
 
+from ddpgpt import __version__
 from ddpgpt.config.commands import (
     BenchConfig,
     CheckConfig,
@@ -159,6 +160,7 @@ def _build_parser(shown: TrainConfig | None = None, every: bool = False
                      "process, N local processes (--nproc), or many nodes under torchrun. "
                      "Start with `ddpgpt prepare`, then `ddpgpt train` (docs/usage.md).")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--version", action="version", version=f"ddpgpt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     for name, (cls, _, help_, example) in COMMANDS.items():
@@ -349,6 +351,9 @@ def check_command(argv: list[str]) -> None:
 
 
 def dispatch(argv: list[str]) -> None:
+    if not argv:  # what there is to do, rather than "the following arguments are required"
+        _build_parser().print_help()
+        return
     check_command(argv)
     every = argv[:1] == ["train"] and "--help-all" in argv
     if every:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ddpgpt.checkpoint.store import step_dirs
 from ddpgpt.config.commands import PlotConfig
-from ddpgpt.errors import UserError
+from ddpgpt.errors import UserError, beside
 from ddpgpt.evals.kinds import headlines, label_of
 from ddpgpt.files import atomic_write, describe, require
 from ddpgpt.run.run_dir import RunDir
@@ -51,7 +51,9 @@ def load_run(path: str) -> dict:
     metrics file is not what `ddpgpt train` writes."""
     run = RunDir(path)
     if not run.metrics.is_file():
-        raise UserError(f"{path}: no metrics.jsonl; give run dirs that `ddpgpt train` wrote")
+        what = "no metrics.jsonl" if run.path.exists() else \
+            f"no such run dir{beside(path, 'metrics.jsonl', 'runs')}"
+        raise UserError(f"{path}: {what}; give run dirs that `ddpgpt train` wrote")
     damaged = "the file is damaged (restore it, or plot other runs)"
     try:
         lines = run.metrics.read_bytes().decode("utf-8").splitlines()

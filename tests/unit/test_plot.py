@@ -35,12 +35,15 @@ def test_plot_draws_runs_next_to_the_first(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("missing", "{p}: no metrics.jsonl; give run dirs that `ddpgpt train` wrote"),
+    ("missing", "{p}: no such run dir; give run dirs that `ddpgpt train` wrote"),
+    ("empty", "{p}: no metrics.jsonl; give run dirs that `ddpgpt train` wrote"),
     ("damaged", "{p}/metrics.jsonl: line 1 is not JSON; the file is damaged (restore it, or "
                 "plot other runs)"),
 ])
 def test_what_cannot_be_drawn_is_one_line(case, message, tmp_path, capsys):
     path = tmp_path / "run"
+    if case == "empty":
+        path.mkdir()
     if case == "damaged":
         fake_run(path, "adamw")
         text = (path / "metrics.jsonl").read_text()
@@ -50,6 +53,15 @@ def test_what_cannot_be_drawn_is_one_line(case, message, tmp_path, capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err == f"ddpgpt: error: {message.format(p=path)}\n"
     assert not (tmp_path / "run.png").exists()
+
+
+def test_a_mistyped_run_names_the_run_meant(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fake_run(tmp_path / "runs" / "mix", "adamw")
+    with pytest.raises(SystemExit):
+        main(["plot", "runs/mxi"])
+    assert capsys.readouterr().err == ("ddpgpt: error: runs/mxi: no such run dir (did you mean "
+                                       "runs/mix?); give run dirs that `ddpgpt train` wrote\n")
 
 
 def test_without_matplotlib_it_says_how_to_install(tmp_path, capsys, monkeypatch):

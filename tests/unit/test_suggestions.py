@@ -42,6 +42,9 @@ def test_a_flag_like_no_other_gets_no_guess():
     (["train", "--data", "d", "--preset", "tinny"],
      "unknown preset 'tinny' (did you mean tiny?); choose one of tiny, speedrun, small, "
      "gpt2-124m, gpt2-350m"),
+    (["train", "--data", "d", "--preset", "tyni"],  # letters swapped: difflib's ratio 0.5
+     "unknown preset 'tyni' (did you mean tiny?); choose one of tiny, speedrun, small, "
+     "gpt2-124m, gpt2-350m"),
     (["train", "--data", "d", "--run.precision", "bf61"],
      "invalid config: run.precision = 'bf61' (did you mean bf16?); choose one of auto, fp32, "
      "bf16, fp16"),
