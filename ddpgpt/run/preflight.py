@@ -151,9 +151,14 @@ def shared(cfg: TrainConfig) -> dict:
 
 def print_config(cfg: TrainConfig, nproc: int | None) -> None:
     """`train --print-config`: what `train` would run with, as TOML. Every `auto` is resolved as
-    the run would resolve it; without the dataset, the values that depend on it stay as given,
-    and a comment says so."""
-    from ddpgpt.config.io import to_toml
+    the run would resolve it; without the dataset (not prepared yet), the values that depend on
+    it stay as given, and a comment says so; a dataset that is there but will not do is its one
+    line. What belongs to one start (config.io.START_FIELDS: the threads, --reset) is printed
+    at its default, with this start's value in a comment: the file, given to --config, would
+    otherwise pin it for every start, on every machine."""
+    from pathlib import Path
+
+    from ddpgpt.config.io import START_FIELDS, to_toml
     from ddpgpt.distributed.group import detect
     from ddpgpt.errors import DataError
     from ddpgpt.run import resume
@@ -164,9 +169,25 @@ def print_config(cfg: TrainConfig, nproc: int | None) -> None:
     try:
         cfg, dataset = preflight(cfg, world, nproc or here.local_world_size)
     except DataError as e:
+        if all(Path(d).exists() for d, _ in cfg.data.sources()):
+            raise  # there, and wrong: an error, not a config to print
         print(f"# not resolved (model.vocab_size, data.seq_len, run.*: auto): {e}")
     else:
         cfg, start = resume.plan(cfg, RunDir(cfg.run.dir), dataset)
         where = f"resuming {start.path}" if start.path else "from scratch"
         print(f"# resolved for {world} process{'es' if world > 1 else ''}, {where}")
-    print(to_toml(cfg), end="")
+    fresh, own = TrainConfig(), {}
+    for section, names in START_FIELDS.items():
+        mine, theirs = getattr(cfg, section), getattr(fresh, section)
+        own.update({(section, n): getattr(mine, n) for n in names
+                    if getattr(mine, n) != getattr(theirs, n)})
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(
+            mine, **{n: getattr(theirs, n) for n in names})})
+    lines, section = [], None
+    for line in to_toml(cfg).splitlines():
+        section = line[1:-1] if line.startswith("[") else section
+        name = line.partition(" = ")[0]
+        if (section, name) in own:
+            line += f"  # this start's: {own[section, name]!r} (each start decides its own)"
+        lines.append(line)
+    print("\n".join(lines) + "\n", end="")
