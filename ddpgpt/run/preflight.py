@@ -32,9 +32,13 @@ def accum_steps(cfg: TrainConfig, world_size: int) -> int:
     """A = G / (W·b), or a ConfigError naming all four numbers."""
     G, b, W = cfg.data.global_batch, cfg.data.micro_batch, world_size
     if G % (W * b):
+        # W processes cannot share G sequences evenly: no micro-batch helps, other W do
+        fix = "or change the micro-batch" if G % W == 0 else (
+            f"or run on a number of processes that divides {G} "
+            f"({', '.join(str(w) for w in range(1, G + 1) if G % w == 0 and w <= 64)})")
         raise ConfigError(f"data.global_batch = {G} is not divisible by world size {W} × "
                           f"data.micro_batch {b} = {W * b}; make the global batch a multiple of "
-                          f"{W * b} or change the micro-batch")
+                          f"{W * b} {fix}")
     return G // (W * b)
 
 
