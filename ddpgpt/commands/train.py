@@ -201,8 +201,6 @@ def run(cfg: TrainConfig, note: str = "") -> None:
         planned = settled, first = resume.plan(cfg, run_dir, dataset, verify=True)
         if resume.report_finished(settled, run_dir, first):
             return
-    if note and here.rank == 0:
-        print(note, file=sys.stderr)
     # 2. Join the group (W > 1); it is destroyed on every way out of this block.
     with session(cfg.run.device, cfg.run.backend, cfg.run.dist_timeout_s) as env, \
             StopSignal(env.is_main) as stop:
@@ -210,6 +208,8 @@ def run(cfg: TrainConfig, note: str = "") -> None:
         if cfg.data.verify:  # headers and sizes were checked at open; hashes once per file
             verify_data(env, dataset)
         cfg, start, env = elastic.claim(run_dir, cfg, env, dataset, planned)
+        if note and env.is_main:  # the run dir is this job's: no other line can come first
+            say(note)
         # Each rank's share of the tasks, rendered once.
         scorer = collectives.together(env, lambda: Scorer(
             tasks, load_tokenizer(dataset.path, dataset.tokenizer), cfg.model.block_size, env)

@@ -73,9 +73,9 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int, note: str = "") -> in
     cfg, first = resume.plan(cfg, run_dir, dataset)
     if resume.report_finished(cfg, run_dir, first):  # no worker needed to find that out
         return 0
-    if note:
-        print(note, file=sys.stderr)
-    with run_dir.locked():
+    with run_dir.locked():  # held: another run's lock is the one line, before any note
+        if note:
+            print(note, file=sys.stderr)
         run_dir.write_config(cfg.to_dict(), first.step, nproc)
         started = time.time()
         # What belongs to this start and not to the run (config.io.START_FIELDS) goes as flags.
