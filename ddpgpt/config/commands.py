@@ -172,7 +172,7 @@ class EvalConfig:
     """auto (cuda:LOCAL_RANK when available), cpu or cuda."""
     threads: int = 0
     """torch CPU threads per process; 0: torch's own choice (every core; 1 under torchrun). On a
-    busy machine fewer can be much faster."""
+    busy machine fewer can be faster (docs/usage.md)."""
 
     def __post_init__(self):
         _require(self.threads >= 0, f"--threads {self.threads} must be >= 0 (0: torch's choice)")
