@@ -42,7 +42,7 @@ from ddpgpt.config.commands import (
 )
 from ddpgpt.config.io import add_flags, build, continued, flat_config, nest
 from ddpgpt.config.schema import SECTIONS, RunConfig, TrainConfig
-from ddpgpt.errors import UserError, beside, did_you_mean, survive_closed_output
+from ddpgpt.errors import UserError, did_you_mean, survive_closed_output
 
 # What other trainers call some of our flags (nanoGPT's, transformers' Trainer's): a name typed
 # from habit is answered with ours.
@@ -229,11 +229,15 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int, str]:
         run_dir = Path(values.get("run.dir") or RunConfig().dir)
         saved = run_dir / "config.json"
         continuing = "run.dir" in values and "data.dir" not in values and not whole
-        if continuing:
+        url = values.get("run.checkpoint_url")
+        if continuing and not url:  # (with a URL, the run may be there: _from_checkpoints)
+            from ddpgpt.run.run_dir import check_continues
             check_continues(run_dir)  # `--run-dir R` without --data continues R
         base = None if whole or not saved.is_file() else continued(
             read_config(saved, "the run's config", "; restore it, or give the whole config "
                         "(--preset, --config)"), flags, str(saved))
+        if base is None and not whole and url:
+            base = _from_checkpoints(url, flags)
     shape = _PretrainedShape()
     cfg = build(options["preset"], options["config"], flags, shape=shape, base=base)
     notes = shape.note(cfg)
@@ -248,16 +252,14 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int, str]:
     return cfg, nproc, options["max_restarts"] or 0, "\n".join(notes)
 
 
-def check_continues(run_dir: Path) -> None:
-    """`train --run-dir R` without --data (nor --preset, --config) continues the run in R: one
-    line, with the run meant, when R holds none (a mistyped name would train a new run from the
-    defaults)."""
-    if (run_dir / "config.json").is_file():
-        return
-    there = "does not exist" if not run_dir.exists() else "holds no run (no config.json)"
-    raise UserError(f"run dir {run_dir} {there}{beside(run_dir, 'config.json', 'runs')}; to "
-                    "continue a run, give its --run-dir; to start a new one there, give its "
-                    "--data (and a --preset)")
+def _from_checkpoints(url: str, flags: dict) -> TrainConfig | None:
+    """A run dir without a config.json and checkpoints at a URL: the config of the newest
+    complete checkpoint there (a start on another machine goes on as the run was made); None
+    when there is none yet (a first start)."""
+    from ddpgpt.checkpoint.read import newest_config
+
+    found = newest_config(url)
+    return continued(found[0], flags, found[1]) if found else None
 
 
 def read_config(path: str | Path, where: str, fix: str = "") -> dict:

@@ -100,13 +100,13 @@ class Trainer:
         self.loader = train_loader(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,
                                    world_size=env.world_size, rank=env.rank,
                                    accum_steps=self.accum, seed=data.seed, shuffle=data.shuffle,
-                                   device=dev, align=data.align)
+                                   device=dev, align=data.align, cache=data.cache)
         # Each evaluation's windows: val, and a training sample drawn by data.seed (each source's).
         self.evals = eval_sets(dataset, seq_len=cfg.seq_len, micro_batch=data.micro_batch,
                                world_size=env.world_size, rank=env.rank,
                                eval_windows=data.eval_windows,
                                train_windows=data.train_eval_windows, seed=data.seed, device=dev,
-                               align=data.align)
+                               align=data.align, cache=data.cache)
         self.step = 0                 # optimizer steps completed
         self.batch = 0                # the global batch the newest step read
         self.doing = "step 1"         # what the loop is at, for a failure's message

@@ -26,3 +26,34 @@ def tiny_data(tmp_path_factory) -> Path:
     prepare.run(PrepareConfig(sources=[str(STDLIB / f) for f in CORPUS], out=str(out),
                               tokenizer="byte", val_fraction=0.2))
     return out
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3 server (moto's, tests/s3.py) on a free localhost port for the whole session;
+    this process and its subprocesses reach it through AWS_ENDPOINT_URL and its keys."""
+    from tests.s3 import S3Server
+
+    server = S3Server.start(tmp_path_factory.mktemp("s3"))
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        yield server
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def s3_data(s3, tiny_data) -> str:
+    """tiny_data uploaded as it is (meta.json last): the URL of a prepared dataset in S3."""
+    url = s3.bucket("data") + "/tiny"
+    fs = s3.fs()
+    for path in sorted(tiny_data.iterdir(), key=lambda p: p.name == "meta.json"):
+        if path.is_file() and path.name != "verified.json":
+            fs.put_file(str(path), f"{url[5:]}/{path.name}")
+    return url

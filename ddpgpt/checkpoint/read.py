@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file as save_safetensors_file
 
-from ddpgpt.checkpoint import sharded
+from ddpgpt.checkpoint import location, sharded
 from ddpgpt.checkpoint.store import (
     CheckpointError,
     CheckpointGone,
@@ -186,7 +186,7 @@ def load_latest(root: Path, weights_only: bool = True) -> tuple[Path, dict, dict
         found = find_latest(root)
         if found is None:
             empty += 1
-            if empty == 3 or not Path(root).is_dir():
+            if empty == 3 or not location.at(root).is_dir():
                 return None
             time.sleep(0.05)
             continue
@@ -194,8 +194,17 @@ def load_latest(root: Path, weights_only: bool = True) -> tuple[Path, dict, dict
             return *found, load(*found, weights_only=weights_only)
         except CheckpointGone:
             continue
-    raise CheckpointError(f"the checkpoints in {Path(root).parent} kept being deleted while read; "
+    raise CheckpointError(f"the checkpoints in {location.describe_where(location.at(root))} kept "
+                          "being deleted while read; "
                           "try again (is a run with run.keep_checkpoints = 1 saving very often?)")
+
+
+def newest_config(root) -> tuple[dict, str] | None:
+    """(the config, where it was read) of the newest complete checkpoint at `root` (a run's
+    checkpoints, or their URL), or None when there is none: what a start on another machine
+    goes on with (train --run-dir NEW --run.checkpoint-url URL)."""
+    found = find_latest(location.at(root))
+    return (found[1]["config"], str(found[0] / "meta.json")) if found else None
 
 
 @dataclass

@@ -29,7 +29,6 @@ newest complete one, and the next start removes the temporary directory.
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,10 +37,11 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 
-from ddpgpt.checkpoint import sharded, store
+from ddpgpt.checkpoint import location, sharded, store
+from ddpgpt.data import storage
 from ddpgpt.distributed import collectives
 from ddpgpt.distributed.group import DistEnv, collective
-from ddpgpt.errors import warn
+from ddpgpt.errors import UserError, warn
 from ddpgpt.files import WriteError, describe, os_error_in
 
 
@@ -103,7 +103,7 @@ class Saver:
                  asynchronous: bool = True):
         """`group`: the checkpoint's process group (None at W = 1); `token`: the same on every
         rank (rank 0's PID), naming the temporary directories."""
-        self.env, self.root, self.group, self.token = env, Path(root), group, token
+        self.env, self.root, self.group, self.token = env, location.at(root), group, token
         self.keep, self.asynchronous = keep, asynchronous
         self.stager = Stager(env.device)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpgpt-checkpoint")
@@ -136,7 +136,7 @@ class Saver:
         self.settle()  # at most one in flight
         tmp = store.temporary(self.root, step, self.token)
         mine = sharded.share(held, replicated, self.env.rank, self.env.world_size)
-        writer = sharded.Writer(tmp)
+        writer = sharded.writer_for(tmp)
         if self.asynchronous:
             self._stage(step, mine)
             _, upload = sharded.save(mine, tmp, self.group, asynchronous=True, stager=self.stager,
@@ -214,10 +214,10 @@ class Saver:
         try:
             written()  # DCP's own outcome: a CheckpointException names every rank that failed
             names = writer.files + ([sharded.INDEX] if self.env.is_main else [])
-            hashes = store.hash_files(tmp, names)
+            hashes = store.hash_files(tmp, names, getattr(writer, "digests", None))
         except BaseException as e:  # this rank's own error says most: it has the OS's reason
             own = getattr(writer, "error", None) is not None or sharded.failures(e)[0][0] is None
-            problem = reason(getattr(writer, "error", None) or e, self.env.rank)
+            problem = reason(getattr(writer, "error", None) or e, self.env.rank, final)
         gathered = self._gather((hashes, problem, own))
         outcome = None
         if self.env.is_main:
@@ -227,9 +227,13 @@ class Saver:
                        else self._publish(tmp, final, gathered, rest, meta))
         outcome = self._broadcast(outcome)
         if outcome is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise SaveFailed(f"cannot write checkpoint {final}: {outcome}; its temporary files "
-                             "were removed", step, quiet=not self.env.is_main)
+            location.remove_tree(tmp)
+            remote = location.is_remote(final)
+            left = ("what was uploaded of it has no meta.json and is never loaded" if remote
+                    else "its temporary files were removed")
+            raise SaveFailed(f"cannot write checkpoint {final}: {outcome}; {left}", step,
+                             quiet=not self.env.is_main,
+                             fix="once the storage answers" if remote else "free space")
 
     def _publish(self, tmp: Path, final: Path, gathered: list, rest: dict, meta: dict
                  ) -> str | None:
@@ -239,7 +243,7 @@ class Saver:
             store.commit(tmp, final, files, rest,
                               {"world_size": self.env.world_size, **meta})
         except BaseException as e:  # whatever it is, every rank must hear of it (the broadcast)
-            return reason(e, 0)
+            return reason(e, 0, final)
         try:
             store.prune(self.root, self.keep, meta.get("healthy_checkpoint"))
         except Exception as e:  # the checkpoint is published; an old one stays
@@ -269,16 +273,37 @@ def _reraise(error: BaseException | None) -> None:
         raise error
 
 
-def reason(error: BaseException, rank: int) -> str:
-    """Why a save failed, in a few words: the OS's reason (a full disk) and the rank that met it;
-    anything else (a bug) by its type and message."""
+def reason(error: BaseException, rank: int, where=None) -> str:
+    """Why a save failed, in a few words: the OS's reason (a full disk) or object storage's
+    (storage.explain: access denied, the server gone) and the rank that met it; anything else
+    (a bug) by its type and message."""
     for failed, exc in sharded.failures(error):
+        line = _storage_reason(exc, where)
+        if line is not None:
+            return f"{line} (rank {rank if failed is None else failed})"
         cause = os_error_in(exc)
         if cause is not None:
             return f"{describe(cause)} on rank {rank if failed is None else failed}"
     failed, exc = sharded.failures(error)[0]
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text} on rank {rank if failed is None else failed}"
+
+
+def _storage_reason(error: BaseException, where) -> str | None:
+    """Object storage's failure behind `error`, in its one line (without the URL: the message
+    names the checkpoint), or None."""
+    if where is None or not location.is_remote(where):
+        return None
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, UserError):
+            return str(error)
+        line = storage.explain(error, str(where), "writing")
+        if line is not None:
+            return line.removeprefix(f"writing {where}: ")
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def token(env: DistEnv) -> str:

@@ -35,6 +35,9 @@ classes alone (`read_metadata`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
 import io
 import os
 import pathlib
@@ -194,13 +197,19 @@ class LoadPlanner(DefaultLoadPlanner):
 class Writer(FileSystemWriter):
     """DCP's writer (every file fsynced), noting the files this rank wrote, and its own failure
     as raised here: DCP hands every rank a pickled copy, which has lost the OS's error behind
-    torch's ("unexpected pos ...")."""
+    torch's ("unexpected pos ..."). Into object storage (`remote`: the subclass from `writer`,
+    on torch's FsspecWriter) it also hashes every file on its way out (`digests`), so that
+    meta.json lists their sha256 without downloading them again."""
 
-    def __init__(self, path: os.PathLike):
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1,
-                         overwrite=False)
+    def __init__(self, path: os.PathLike, remote: bool = False):
+        extra = {"use_listings_cache": False} if remote else {}
+        super().__init__(path, single_file_per_rank=True, sync_files=not remote, thread_count=1,
+                         overwrite=remote, **extra)
         self.files: list[str] = []
+        self.digests: dict[str, str] = {}
         self.error: BaseException | None = None
+        if remote:
+            self._hash_streams()
 
     def prepare_local_plan(self, plan):
         return self._noting(super().prepare_local_plan, plan)
@@ -212,6 +221,8 @@ class Writer(FileSystemWriter):
 
     def finish(self, metadata, results) -> None:
         self._noting(super().finish, metadata, results)
+        if f"{INDEX}.tmp" in self.digests:  # written under a temporary name, then renamed
+            self.digests[INDEX] = self.digests.pop(f"{INDEX}.tmp")
 
     def _noting(self, fn, *args):
         try:
@@ -220,16 +231,78 @@ class Writer(FileSystemWriter):
             self.error = e
             raise
 
+    def _hash_streams(self) -> None:
+        opened = self.fs.create_stream
+
+        @contextlib.contextmanager
+        def hashing(path, mode):
+            with opened(path, mode) as stream:
+                if "w" not in mode:
+                    yield stream
+                    return
+                digest = hashlib.sha256()
+                yield _Hashing(stream, digest)
+                self.digests[os.path.basename(os.fspath(path))] = digest.hexdigest()
+
+        self.fs.create_stream = hashing
+
+
+class _Hashing:
+    """A stream that hashes what is written through it."""
+
+    def __init__(self, stream, digest):
+        self._stream, self._digest = stream, digest
+
+    def write(self, data) -> int:
+        self._digest.update(data)
+        return self._stream.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
 
 class Reader(FileSystemReader):
     """DCP's reader, given the index already read and checked (`read_metadata`)."""
 
-    def __init__(self, path: os.PathLike, index: dcp_metadata.Metadata):
-        super().__init__(path)
+    def __init__(self, path: os.PathLike, index: dcp_metadata.Metadata, **extra):
+        super().__init__(path, **extra)
         self.index = index
 
     def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
         return self.index
+
+
+@functools.cache
+def _remote_classes():
+    """Writer and Reader on torch's fsspec storage (imported only when a URL is used)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    class RemoteWriter(Writer, FsspecWriter):
+        def prepare_global_plan(self, plans):
+            # The coordinator, before any rank writes: what an earlier attempt at this step left
+            # (an upload cut short: no meta.json) goes, so no object of it mixes with these.
+            from ddpgpt.checkpoint import location
+            location.remove_tree(location.at(str(self.path)))
+            return super().prepare_global_plan(plans)
+
+    class RemoteReader(Reader, FsspecReader):
+        pass
+
+    return RemoteWriter, RemoteReader
+
+
+def writer_for(path) -> Writer:
+    """DCP's writer for a checkpoint directory: a local one, or a prefix in object storage (a
+    checkpoint.location.Remote)."""
+    if hasattr(path, "url"):
+        return _remote_classes()[0](path.url, remote=True)
+    return Writer(path)
+
+
+def reader_for(path, index: dcp_metadata.Metadata) -> Reader:
+    if hasattr(path, "url"):
+        return _remote_classes()[1](path.url, index, use_listings_cache=False)
+    return Reader(path, index)
 
 
 _ALLOWED = {(c.__module__, c.__name__) for c in (
@@ -282,7 +355,7 @@ def save(state: dict[str, Pieces], path: os.PathLike, group, asynchronous: bool 
     Returns the Writer (`writer`, if given: the caller keeps its `error` when this raises), whose
     `files` are filled once the write is done. `asynchronous`: returns (writer, future) at once,
     after `stager` has copied the state; the write goes on in a thread."""
-    writer = writer or Writer(path)
+    writer = writer or writer_for(path)
     _alone_is_meant()
     kwargs = dict(storage_writer=writer, planner=SavePlanner(), process_group=group,
                   no_dist=group is None)
@@ -296,7 +369,7 @@ def load(targets: dict[str, Pieces], path: os.PathLike, index: dcp_metadata.Meta
          group) -> None:
     """Reads into `targets` in place, each rank what it holds (collective over `group`)."""
     _alone_is_meant()
-    dcp.load(targets, storage_reader=Reader(path, index), planner=LoadPlanner(),
+    dcp.load(targets, storage_reader=reader_for(path, index), planner=LoadPlanner(),
              process_group=group, no_dist=group is None)
 
 

@@ -33,25 +33,19 @@ import io
 import json
 import os
 import re
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
 from ddpgpt import __version__
-from ddpgpt.checkpoint import sharded
+from ddpgpt.checkpoint import location, sharded
 from ddpgpt.errors import UserError, warn
 from ddpgpt.files import (
     WriteError,
-    atomic_write,
     describe,
-    fsync,
-    move,
     os_error_in,
     publish_dir,
-    sha256,
-    write_bytes,
 )
 
 FORMAT_VERSION = 3
@@ -74,18 +68,16 @@ class CheckpointGone(CheckpointError):
 
 
 def step_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"step_{step:07d}"
+    return location.at(root) / f"step_{step:07d}"
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
     """(step, path) of every `step_NNNNNNN` directory in `root`, oldest first; complete or not;
     never one that a pending rollback has superseded (see record_rollback)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = sorted((int(m.group(1)), p) for p in root.iterdir()
-                   if (m := STEP_DIR.match(p.name)) and p.is_dir())
-    record = pending_rollback(root, found)
+    root = location.at(root)
+    found = sorted(((int(m.group(1)), p) for p in location.children(root)
+                    if (m := STEP_DIR.match(p.name)) and p.is_dir()), key=lambda f: f[0])
+    record = pending_rollback(root, found) if found else None
     return found if record is None else [(s, p) for s, p in found if not _abandoned(s, p, record)]
 
 
@@ -99,21 +91,19 @@ def record_rollback(root: Path, record: dict) -> None:
     counts fewer rollbacks) are superseded: `step_dirs` and `find_latest` no longer list them, and
     a restart goes on from the target with the rollback applied. The first checkpoint of the new
     history spends the record (commit removes it)."""
-    root = Path(root)
-    path = root / ROLLBACK
-    try:
-        root.mkdir(parents=True, exist_ok=True)  # a rollback to the initial state: maybe none yet
-        with atomic_write(path) as f:
-            f.write((json.dumps(record, indent=1) + "\n").encode())
-    except OSError as e:
-        raise WriteError(f"cannot record the rollback in {path}: {describe(e)}; the run stops "
+    path = location.at(root) / ROLLBACK
+    try:  # a rollback to the initial state: maybe no directory yet (replace_file makes it)
+        location.replace_file(path, (json.dumps(record, indent=1) + "\n").encode())
+    except (OSError, WriteError) as e:
+        why = describe(e) if isinstance(e, OSError) else str(e)
+        raise WriteError(f"cannot record the rollback in {path}: {why}; the run stops "
                          "before going on from a history a restart would not continue") from None
 
 
 def pending_rollback(root: Path, found: list | None = None) -> dict | None:
     """The rollback recorded in `root` that no checkpoint of its new history has spent yet, or
     None. `found`: the step directories, when the caller has listed them."""
-    path = Path(root) / ROLLBACK
+    path = location.at(root) / ROLLBACK
     try:
         record = json.loads(path.read_text())
         record["to"], record["rollbacks"] = int(record["to"]), int(record["rollbacks"])
@@ -124,20 +114,20 @@ def pending_rollback(root: Path, found: list | None = None) -> dict | None:
                               "rollback after a loss spike: move it away to resume from the "
                               "newest checkpoint instead") from None
     if found is None:
-        found = sorted((int(m.group(1)), p) for p in Path(root).iterdir()
-                       if (m := STEP_DIR.match(p.name)) and p.is_dir())
+        found = sorted(((int(m.group(1)), p) for p in location.children(location.at(root))
+                        if (m := STEP_DIR.match(p.name)) and p.is_dir()), key=lambda f: f[0])
     spent = any(_rollbacks_in(p) >= record["rollbacks"] for _, p in found)
     return None if spent else record
 
 
 def superseded(root: Path) -> list[Path]:
     """The checkpoints a pending rollback has superseded (to be moved out of the way)."""
-    root = Path(root)
-    record = pending_rollback(root) if root.is_dir() else None
+    root = location.at(root)
+    found = [p for p in location.children(root) if STEP_DIR.match(p.name) and p.is_dir()]
+    record = pending_rollback(root) if found else None
     if record is None:
         return []
-    return [p for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()
-            and _abandoned(int(m.group(1)), p, record)]
+    return [p for p in found if _abandoned(int(STEP_DIR.match(p.name).group(1)), p, record)]
 
 
 def _abandoned(step: int, path: Path, record: dict) -> bool:
@@ -155,11 +145,11 @@ def _rollbacks_in(path: Path) -> int:
 def spend_rollback(root: Path, rollbacks: int) -> None:
     """A checkpoint whose history has had `rollbacks` rollbacks is published: the recorded
     rollback it descends from is applied in it, and its record goes."""
-    path = Path(root) / ROLLBACK
+    path = location.at(root) / ROLLBACK
     try:
-        if path.is_file() and int(json.loads(path.read_text())["rollbacks"]) <= rollbacks:
+        if int(json.loads(path.read_text())["rollbacks"]) <= rollbacks:
             path.unlink()
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, UserError):
         pass  # pending_rollback sees it spent all the same
 
 
@@ -167,7 +157,10 @@ def spend_rollback(root: Path, rollbacks: int) -> None:
 
 def temporary(root: Path, step: int, token: str) -> Path:
     """Where checkpoint `step` is written before it is published; `token` (rank 0's PID) is the
-    same on every rank and differs from any earlier run's."""
+    same on every rank and differs from any earlier run's. In object storage, its own prefix:
+    published by its meta.json, never renamed (location.py)."""
+    if location.is_remote(location.at(root)):
+        return step_dir(root, step)
     return Path(root) / f".tmp-{step_dir(root, step).name}-{token}"
 
 
@@ -176,17 +169,17 @@ def save(root: Path, step: int, state: dict, meta: dict, keep: int,
     """One process: writes checkpoint `step` of `state` ({"model": weights, ...rest}) atomically
     and prunes to the newest `keep`. `meta` (JSON) describes it: what resuming needs to decide
     before loading. (A training saves through saver.Saver: every rank its share.)"""
-    root, final = Path(root), step_dir(root, step)
+    root, final = location.at(root), step_dir(root, step)
     tmp = temporary(root, step, str(os.getpid()))
     rest = {k: v for k, v in state.items() if k != "model"}
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
+        location.remove_tree(tmp)
         tensors = {f"model.{k}": sharded.whole(v.detach()) for k, v in state["model"].items()}
         writer = sharded.save(tensors, tmp, None)
-        commit(tmp, final, hash_files(tmp, writer.files + [sharded.INDEX]), rest,
+        commit(tmp, final, hash_files(tmp, writer.files + [sharded.INDEX], writer.digests), rest,
                {"world_size": 1, **meta})
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        location.remove_tree(tmp)
         cause = os_error_in(e)
         if cause is None:
             raise
@@ -196,8 +189,12 @@ def save(root: Path, step: int, state: dict, meta: dict, keep: int,
     return final
 
 
-def hash_files(directory: Path, names: list[str]) -> dict[str, str]:
-    return {name: sha256(directory / name) for name in names}
+def hash_files(directory: Path, names: list[str], known: dict[str, str] | None = None
+               ) -> dict[str, str]:
+    """Each file's sha256: read back from a local directory; in object storage, as the writer
+    hashed its bytes on their way out (`known`: sharded.Writer.digests), not downloaded again."""
+    known = known if location.is_remote(directory) and known else {}
+    return {name: known.get(name) or location.sha256(directory / name) for name in names}
 
 
 def commit(tmp: Path, final: Path, files: dict[str, str], rest: dict, meta: dict) -> None:
@@ -206,17 +203,20 @@ def commit(tmp: Path, final: Path, files: dict[str, str], rest: dict, meta: dict
     fsynced and renamed to `final`, its parent fsynced. OSError on failure; the caller removes
     `tmp`."""
     data = _torch_bytes(rest)
-    write_bytes(tmp / "trainer.pt", data)
+    location.write_file(tmp / "trainer.pt", data)
     files = {**files, "trainer.pt": hashlib.sha256(data).hexdigest()}
+    on_disk = location.sizes(tmp)
     meta = {"format_version": FORMAT_VERSION, "step": int(final.name.split("_")[1]),
-            "files": files, "ddpgpt_version": __version__, "torch_version": torch.__version__,
+            "files": files, "sizes": {name: on_disk.get(name) for name in files},
+            "ddpgpt_version": __version__, "torch_version": torch.__version__,
             "saved_at": time.time(), **meta}
-    write_bytes(tmp / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())  # last: complete
-    fsync(tmp)
+    # last: it marks the checkpoint complete (and, in object storage, publishes it)
+    location.write_file(tmp / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
+    location.sync(tmp)
     _publish(tmp, final)
     spend_rollback(final.parent, int(meta.get("rollbacks", 0)))
     try:
-        fsync(final.parent)
+        location.sync(final.parent)
     except OSError as e:  # published all the same: the rename is what counts
         warn(f"checkpoint {final} is written, but its directory could not be synced "
              f"({e.strerror}); it may not survive a power loss")
@@ -230,7 +230,10 @@ def _torch_bytes(obj) -> bytes:
 
 def _publish(tmp: Path, final: Path) -> None:
     """The same step saved again (e.g. a resumed run's end) replaces it; if the new copy cannot
-    take its place, the previous one stays the checkpoint."""
+    take its place, the previous one stays the checkpoint. In object storage the checkpoint was
+    written in place: its meta.json has published it."""
+    if tmp == final:
+        return
     publish_dir(tmp, final, aside=final.with_name(f".old-{final.name}-{os.getpid()}"))
 
 
@@ -243,21 +246,25 @@ def prune(root: Path, keep: int, protect: int | None = None) -> None:
     for step, path in complete[:-keep]:
         if step == protect:
             continue
-        doomed = path.with_name(f".del-{path.name}-{os.getpid()}")
         try:
-            move(path, doomed)
-            shutil.rmtree(doomed)
-        except OSError as e:
-            warn(f"could not delete old checkpoint {path} ({e.strerror}); training goes on")
+            location.delete_checkpoint(path, str(os.getpid()))
+        except (OSError, UserError) as e:
+            why = e.strerror if isinstance(e, OSError) else e
+            warn(f"could not delete old checkpoint {path} ({why}); training goes on")
 
 
 def remove_temporaries(root: Path) -> list[Path]:
     """Deletes what interrupted saves and deletes left behind (run at startup, under the run's
     lock, so no save is in progress). Returns what was removed."""
-    root = Path(root)
-    leftovers = [p for pattern in TEMPORARY for p in root.glob(pattern)] if root.is_dir() else []
+    root = location.at(root)
+    if location.is_remote(root):  # step prefixes an upload left without a meta.json
+        leftovers = [p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()
+                     and "meta.json" not in location.sizes(p)]
+    else:
+        leftovers = [p for pattern in TEMPORARY for p in root.glob(pattern)] \
+            if root.is_dir() else []
     for path in leftovers:
-        shutil.rmtree(path, ignore_errors=True)
+        location.remove_tree(path)
     return leftovers
 
 
@@ -265,27 +272,30 @@ def remove_temporaries(root: Path) -> list[Path]:
 
 def read_meta(path: Path, verify: bool = True) -> dict:
     """A checkpoint's meta.json, validated: present, parseable, a format we read, and (`verify`)
-    every file present with the sha256 meta.json lists."""
+    every file present with the sha256 meta.json lists (in object storage: with the size it
+    lists, from one listing; the files read whole are checked on their bytes: read.py)."""
+    path = location.at(path)
     meta_path = path / "meta.json"
-    if not meta_path.is_file():
-        if not path.exists():
-            raise CheckpointGone(f"{path}: deleted while being read")
-        raise CheckpointError(f"{path}: incomplete checkpoint (no meta.json)")
     try:
         meta = json.loads(meta_path.read_text())
         version, files = int(meta["format_version"]), dict(meta["files"])
         int(meta["step"])
     except FileNotFoundError:
-        raise CheckpointGone(f"{path}: deleted while being read") from None
+        if not path.exists():
+            raise CheckpointGone(f"{path}: deleted while being read") from None
+        raise CheckpointError(f"{path}: incomplete checkpoint (no meta.json)") from None
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{meta_path}: corrupt meta.json ({type(e).__name__}: {e})") from None
     if version > FORMAT_VERSION:
         raise CheckpointVersionError(f"{path}: checkpoint format version {version} is newer "
                                      f"than this ddpgpt reads ({FORMAT_VERSION}); upgrade ddpgpt "
                                      "(pip install -U ddpgpt)")
+    if verify and location.is_remote(path) and meta.get("sizes"):
+        _check_sizes(path, meta)
+        return meta
     for name, expected in files.items() if verify else ():
         try:
-            actual = sha256(path / name)
+            actual = location.sha256(path / name)
         except FileNotFoundError:
             if not path.exists():
                 raise CheckpointGone(f"{path}: deleted while being read") from None
@@ -294,6 +304,20 @@ def read_meta(path: Path, verify: bool = True) -> dict:
             raise CheckpointError(f"{path}: {name} does not match its sha256 in meta.json "
                                   "(corrupt)")
     return meta
+
+
+def _check_sizes(path, meta: dict) -> None:
+    """Every object meta.json lists is there with its size (an object appears whole or not at
+    all, so this finds a missing or replaced one)."""
+    there = location.sizes(path)
+    if not there:
+        raise CheckpointGone(f"{path}: deleted while being read")
+    for name, size in meta["sizes"].items():
+        if name not in there:
+            raise CheckpointError(f"{path}: {name} is missing")
+        if size is not None and there[name] != size:
+            raise CheckpointError(f"{path}: {name} has {there[name]} bytes, meta.json says {size} "
+                                  "(replaced or corrupt)")
 
 
 def find_latest(root: Path, quiet: bool = False) -> tuple[Path, dict] | None:
@@ -318,7 +342,8 @@ def find_latest(root: Path, quiet: bool = False) -> tuple[Path, dict] | None:
     if problems:
         n = len(problems) - 1
         more = f" (and {n} older one{'s' if n > 1 else ''})" if n else ""
-        raise CheckpointError(f"no valid checkpoint in {Path(root).parent}: {problems[0]}{more}; "
+        raise CheckpointError(f"no valid checkpoint in {location.describe_where(root)}: "
+                              f"{problems[0]}{more}; "
                               "move the bad ones away, or pass --reset to set them aside and "
                               "start over")
     return None

@@ -194,7 +194,7 @@ def run(cfg: TrainConfig, note: str = "") -> None:
     except UserError as e:  # every rank finds it: one line per node
         e.quiet = e.quiet or here.local_rank > 0
         raise
-    run_dir = RunDir(cfg.run.dir)
+    run_dir = RunDir(cfg.run.dir, cfg.run.checkpoint_url)
     run_dir.check_creatable()
     planned = None  # where the run starts: decided once, here for one process, else in claim
     if here.world_size == 1 and not under_launcher():  # one process: finished already?
@@ -317,7 +317,7 @@ def verify_data(env: DistEnv, data: TokenDataset | MixedDataset) -> None:
         for text in collectives.all_gather_text(env, json.dumps(mine)):
             entries.update(json.loads(text))
         if env.local_rank == 0:
-            verify.record(dataset.path, entries, quiet=not env.is_main)
+            verify.record(dataset.files, entries, quiet=not env.is_main)
 
 
 def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset | MixedDataset,

@@ -197,7 +197,7 @@ def from_dict(values: dict, source: str = "config.json") -> TrainConfig:
 
 # What belongs to one start of a run rather than to its training (resume.NOT_TRAINING): the
 # first-start rule (a --reset applies once) and the CPU threads (each node's own).
-START_FIELDS = {"run": ("resume", "threads")}
+START_FIELDS = {"run": ("resume", "threads"), "data": ("cache",)}
 # What an `auto` resolved from run.device: resolved again when a start names another device.
 FROM_DEVICE = {"run": ("precision", "backend"), "optim": ("muon_ns_dtype",)}
 

@@ -34,8 +34,9 @@ class DataConfig:
 
     dir: str = field(default="data/stdlib", metadata={"alias": "--data"})
     """Dataset directory made by `ddpgpt prepare`."""
-    # Or a mixture of several, DIR:WEIGHT,... (sources(); the train command's examples show one,
-    # docs/usage.md says the rest).
+    # Or its URL in object storage (s3://BUCKET/PREFIX, the cloud extra: each rank reads its
+    # windows with ranged reads, data/storage.py); or a mixture of several, DIR:WEIGHT,...
+    # (sources(); the train command's examples show one, docs/usage.md says the rest).
     seq_len: int = 0
     """Training sequence length T in tokens; 0 uses model.block_size."""
     micro_batch: int = 8
@@ -63,6 +64,10 @@ class DataConfig:
     verify: bool = True
     """Re-hash every shard against meta.json at startup (the ranks share the work); turn off to
     start faster on very large datasets."""
+    cache: str = ""
+    """A local directory (per node) that keeps what is read of a dataset in object storage,
+    in blocks of 1 MiB: later epochs and restarts read it from the disk. Empty: none (each
+    window is fetched when it is needed, ahead of the step that reads it)."""
     allow_switch: bool = False
     """Resume a checkpoint on another dataset than it was trained on (its fingerprint differs):
     the loader starts the new data from its beginning and metrics.jsonl records the switch.
@@ -89,7 +94,7 @@ class DataConfig:
             return [(path if path and _number(weight) else self.dir, 1.0)]
         out = []
         for part in parts:
-            path, _, weight = part.rpartition(":") if ":" in part else (part, "", "")
+            path, _, weight = part.rpartition(":") if _weighted(part) else (part, "", "")
             _require(bool(path.strip()), f"data.dir = {self.dir!r}: an empty dataset name in "
                      "the mixture; write DIR:WEIGHT,DIR:WEIGHT (a:0.7,b:0.3)")
             try:
@@ -109,6 +114,11 @@ class DataConfig:
                  "dataset once, with its whole weight")
         total = sum(share or 1.0 for _, share in out)
         return [(path, (share or 1.0) / total) for path, share in out]
+
+
+def _weighted(part: str) -> bool:
+    """A mixture's DIR:WEIGHT has a weight: a ':' after the last '/' (s3://b/x is a URL)."""
+    return ":" in part.rsplit("/", 1)[-1]
 
 
 def _number(text: str) -> bool:
@@ -222,11 +232,9 @@ class RunConfig:
     eval_every: int = 100
     """Evaluate on the validation windows every this many steps (and at the end); 0: end only."""
     eval_at_start: bool | None = None
-    """Evaluate before the first step too (step 0): the loss the first steps start from. Unset:
-    on with model.init_from (what the weights score on this data), off otherwise."""
+    """Evaluate before the first step too (step 0). Unset: on with model.init_from, else off."""
     sample_every: int = 0
-    """Print a sample of 64 tokens every this many steps (rank 0; temperature 0.8, top-k 50, as
-    `ddpgpt sample`), from its own generator: the training's stays as it was. 0: off."""
+    """Print a 64-token sample every this many steps (as `ddpgpt sample`; its own RNG); 0: off."""
     sample_prompt: str = ""
     """The text the samples continue; empty: a fresh document."""
     eval_tasks: str = ""
@@ -245,6 +253,11 @@ class RunConfig:
     "tokens"} and one line. 0: off."""
     checkpoint_every: int = 100
     """Save a checkpoint every this many steps (and at the end); 0: end only."""
+    checkpoint_url: str = field(default="", metadata={"alias": "--checkpoint-url"})
+    """Write the checkpoints to this URL of object storage (s3://BUCKET/PREFIX; needs the cloud
+    extra) instead of the run dir's checkpoints/: each rank uploads its share, meta.json last.
+    The run dir stays local (logs, config.json) and records it; on another machine, train
+    --run-dir NEW --run.checkpoint-url URL goes on from its newest checkpoint with its config."""
     keep_checkpoints: int = 3
     """Keep the newest this many checkpoints, deleting older ones."""
     checkpoint_async: bool = True

@@ -24,7 +24,9 @@ so all of the above holds for them; the state records which.
 Everything is passed in; the loader reads no environment variables and calls no collectives, so a
 single-process test can play rank 3 of 4. Reading is one pread per window (per shard it crosses)
 from the shard files: a rank reads only its own windows' bytes, and its memory does not grow with
-the data it samples.
+the data it samples. For a dataset in object storage a window is a ranged read, and each step
+names the next step's windows to the reader (`prefetch`), which fetches them in the background
+while this step computes (data/storage.py).
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ STATE_VERSION = 3  # 2: records the order's version (absent: 1, the permutation 
 # 3: records data.align (absent: stream)
 
 
-def row_source(dataset: TokenDataset, split: str, seq_len: int, align: str = "stream"):
+def row_source(dataset: TokenDataset, split: str, seq_len: int, align: str = "stream",
+               cache: str = ""):
     """data.align's rows of a split: this module's windows (stream) or packed rows that start at
-    document starts (bos: packing.py, which reads through a TokenStream)."""
-    return packing.row_source(dataset, split, seq_len, align)
+    document starts (bos: packing.py, which reads through a TokenStream). `cache`: data.cache."""
+    return packing.row_source(dataset, split, seq_len, align, cache)
 
 
 def _to_device(buf: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,10 +80,10 @@ class TrainLoader:
     def __init__(self, dataset: TokenDataset, *, seq_len: int, micro_batch: int,
                  world_size: int = 1, rank: int = 0, accum_steps: int = 1, seed: int = 0,
                  shuffle: bool = True, split: str = "train", device: str | torch.device = "cpu",
-                 align: str = "stream"):
+                 align: str = "stream", cache: str = ""):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
-        self.stream = row_source(dataset, split, seq_len, align)
+        self.stream = row_source(dataset, split, seq_len, align, cache)
         self.align = align
         self.seq_len, self.micro_batch = seq_len, micro_batch
         self.world_size, self.rank, self.accum_steps = world_size, rank, accum_steps
@@ -123,7 +126,18 @@ class TrainLoader:
         """Advances the cursor by one step (G windows) and returns this rank's A micro-batches,
         read lazily: an iterator of (x, y), int64, each of shape (b, T)."""
         start = self._advance()
-        return self._micro_batches(self.order(self.epoch).items(start, start + self.global_batch))
+        step = self.order(self.epoch).items(start, start + self.global_batch)
+        self.stream.prefetch(self.mine(step))  # a remote reader: in one concurrent batch
+        if self.consumed + self.global_batch <= self.stream.num_windows:  # the next, same epoch
+            self.stream.prefetch(self.mine(self.order(self.epoch).items(
+                self.consumed, self.consumed + self.global_batch)))
+        return self._micro_batches(step)
+
+    def mine(self, step: np.ndarray) -> np.ndarray:
+        """This rank's windows of a step's G, in the order its micro-batches read them."""
+        b, W = self.micro_batch, self.world_size
+        return np.concatenate([step[(m * W + self.rank) * b:(m * W + self.rank + 1) * b]
+                               for m in range(self.accum_steps)])
 
     def batch(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of global batch `index` (as batch_index counts), without
@@ -210,8 +224,8 @@ class EvalLoader:
     def __init__(self, dataset: TokenDataset, *, seq_len: int, micro_batch: int,
                  world_size: int = 1, rank: int = 0, max_windows: int = 0, split: str = "val",
                  device: str | torch.device = "cpu", sample_seed: int | None = None,
-                 align: str = "stream"):
-        self.stream = row_source(dataset, split, seq_len, align)
+                 align: str = "stream", cache: str = ""):
+        self.stream = row_source(dataset, split, seq_len, align, cache)
         n = self.stream.num_windows
         if n == 0:
             raise DataError(f"dataset {dataset.path}: the {split} split has fewer than "
@@ -230,8 +244,10 @@ class EvalLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         b = self.micro_batch
+        self.stream.prefetch(self.mine[:2 * b])
         for i in range(self.num_batches):
             ids = self.mine[i * b:(i + 1) * b]
+            self.stream.prefetch(self.mine[(i + 2) * b:(i + 3) * b])  # two batches ahead
             buf = _new_buffer(b, self.seq_len + 1, self.device)
             arr = buf.numpy()
             self.stream.read(ids, arr)

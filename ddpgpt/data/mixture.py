@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ddpgpt.data import order as orders
+from ddpgpt.data import storage
 from ddpgpt.data.loader import (
     TrainLoader,
     _new_buffer,
@@ -65,8 +66,8 @@ def datasets(data: TokenDataset | MixedDataset) -> list[TokenDataset]:
 def unique_names(dirs: list[str]) -> list[str]:
     """Each dataset's name in metrics (val_loss/NAME): its directory's name, with the parent's
     prefixed where two share one (data/a and other/a: data-a, other-a), else a count."""
-    base = [Path(d).resolve().name or str(d) for d in dirs]
-    names = [b if base.count(b) == 1 else f"{Path(d).resolve().parent.name}-{b}"
+    base = [storage.name_of(d) for d in dirs]
+    names = [b if base.count(b) == 1 else f"{storage.name_of(_parent(d))}-{b}"
              for d, b in zip(dirs, base)]
     seen: dict[str, int] = {}
     out = []
@@ -74,6 +75,11 @@ def unique_names(dirs: list[str]) -> list[str]:
         seen[name] = seen.get(name, 0) + 1
         out.append(name if seen[name] == 1 else f"{name}-{seen[name]}")
     return out
+
+
+def _parent(where: str) -> str:
+    return where.rstrip("/").rsplit("/", 1)[0] if storage.is_url(where) else \
+        str(Path(where).resolve().parent)
 
 
 def shares(weights: list[float]) -> list[int]:
@@ -154,12 +160,12 @@ class MixtureLoader:
     def __init__(self, data: MixedDataset, *, seq_len: int, micro_batch: int,
                  world_size: int = 1, rank: int = 0, accum_steps: int = 1, seed: int = 0,
                  shuffle: bool = True, device: str | torch.device = "cpu",
-                 align: str = "stream"):
+                 align: str = "stream", cache: str = ""):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.names = data.names
         self.fingerprints = [ds.fingerprint for ds in data.datasets]
-        self.streams = [row_source(ds, "train", seq_len, align) for ds in data.datasets]
+        self.streams = [row_source(ds, "train", seq_len, align, cache) for ds in data.datasets]
         for stream in self.streams:
             require_windows(stream, 1)
         self.seq_len, self.micro_batch = seq_len, micro_batch
@@ -181,7 +187,7 @@ class MixtureLoader:
         taken = counts(n, stretch["parts"])  # (sources, G+1)
         source = np.argmax(np.diff(taken, axis=1), axis=0)  # (G,): the one count that grew
         windows = np.empty(self.global_batch, dtype=np.int64)
-        for i, stream in enumerate(self.streams):
+        for i in range(len(self.streams)):
             mine = np.flatnonzero(source == i)
             if len(mine):
                 start = stretch["base"][i] + int(taken[i, 0])
@@ -217,7 +223,18 @@ class MixtureLoader:
     def next_step(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Advances by one step (G rows) and returns this rank's A micro-batches (x, y)."""
         self.batch_index += 1
+        self._prefetch(self.batch_index - 1)
+        self._prefetch(self.batch_index)  # the next step's, fetched while this one computes
         return self.batch(self.batch_index - 1)
+
+    def _prefetch(self, index: int) -> None:
+        """This rank's rows of global batch `index`, named to each source's reader."""
+        source, windows = self.rows(index)
+        b, W = self.micro_batch, self.world_size
+        mine = np.concatenate([np.arange((m * W + self.rank) * b, (m * W + self.rank + 1) * b)
+                               for m in range(self.accum_steps)])
+        for i, stream in enumerate(self.streams):
+            stream.prefetch(windows[mine[source[mine] == i]])
 
     def batch(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of global batch `index`, the cursor unmoved."""

@@ -26,8 +26,10 @@ T, G, k), at any W, and the loader's state is the same cursor as the stream's.
 
 Memory: three int64 arrays (each piece's start and length, each row's first piece), about
 (documents + rows) · 16 bytes, built once per (split, T) and kept beside the shards as
-`packing-SPLIT-{T+1}.npz` (keyed by the dataset's fingerprint; written atomically; a dataset
-directory that cannot be written is packed again at each start). No Python object per document
+`packing-SPLIT-{T+1}.npz` (keyed by the dataset's fingerprint; written atomically, or as one
+object in object storage; a dataset that cannot be written is packed again at each start: for
+a dataset in object storage that reads the whole split once per rank, so give the first start
+write access, or prepare the packing once with a start that has it). No Python object per document
 is held: the scan for document starts reads the shards in blocks, and the pool holds LOOKAHEAD
 documents.
 """
@@ -44,7 +46,7 @@ import numpy as np
 
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.stream import TokenStream
-from ddpgpt.files import atomic_write
+from ddpgpt.errors import UserError
 
 VERSION = 1  # of the packing: a cache file of another version is packed again
 LOOKAHEAD = 1000  # documents the best fit chooses among (nanochat's buffer)
@@ -56,7 +58,7 @@ def doc_starts(stream: TokenStream, eot_id: int) -> np.ndarray:
     """Positions of the split's document starts (its end-of-text tokens; 0 too if the stream
     does not begin with one), int64, read in blocks of SCAN_BLOCK tokens."""
     parts = [np.zeros(1, dtype=np.int64)]
-    dtype = stream.shards[0].dtype if stream.shards else np.uint16
+    dtype = stream.dtype
     for pos in range(0, stream.num_tokens, SCAN_BLOCK):
         block = np.empty(min(SCAN_BLOCK, stream.num_tokens - pos), dtype=dtype)
         stream.read_span(pos, block)
@@ -110,8 +112,8 @@ class PackedRows:
     """A split's packed rows, with TokenStream's interface: `num_windows` rows of T+1 tokens,
     `read(rows, out)`. See the module docstring."""
 
-    def __init__(self, dataset: TokenDataset, split: str, seq_len: int):
-        self.stream = TokenStream(dataset, split, seq_len)
+    def __init__(self, dataset: TokenDataset, split: str, seq_len: int, cache: str = ""):
+        self.stream = TokenStream(dataset, split, seq_len, cache)
         self.dataset_path, self.split, self.seq_len = dataset.path, split, seq_len
         self.num_tokens, self.eot_id = self.stream.num_tokens, dataset.eot_id
         self.piece_start, self.piece_len, self.row_ptr = _index(dataset, self.stream)
@@ -119,8 +121,7 @@ class PackedRows:
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> None:
         """Copies rows into `out`, shape (len(rows), T+1), converting to out's dtype."""
-        dtype = self.stream.shards[0].dtype if self.stream.shards else np.uint16
-        buf = np.empty((len(rows), self.seq_len + 1), dtype=dtype)
+        buf = np.empty((len(rows), self.seq_len + 1), dtype=self.stream.dtype)
         for row, r in zip(buf, rows):
             filled = 0
             for p in range(self.row_ptr[r], self.row_ptr[r + 1]):
@@ -128,6 +129,12 @@ class PackedRows:
                 self.stream.read_span(int(self.piece_start[p]), row[filled:filled + n])
                 filled += n
         out[:len(buf)] = buf
+
+    def prefetch(self, rows: np.ndarray) -> None:
+        """The rows read next (TokenStream.prefetch): their pieces' spans."""
+        self.stream.prefetch_spans([(int(self.piece_start[p]), int(self.piece_len[p]))
+                                    for r in rows for p in range(self.row_ptr[r],
+                                                                 self.row_ptr[r + 1])])
 
     def stats(self) -> dict:
         """What the packing kept and lost: tokens in rows, tokens dropped (the last partial row),
@@ -144,29 +151,31 @@ class PackedRows:
 
 
 def row_source(dataset: TokenDataset, split: str, seq_len: int,
-               align: str = "stream") -> TokenStream | PackedRows:
+               align: str = "stream", cache: str = "") -> TokenStream | PackedRows:
     """The rows a loader reads from a split (data.align): windows of the stream, or packed rows
-    that start at document starts."""
+    that start at document starts. `cache`: data.cache, for a remote dataset's reads."""
     if align not in ALIGNS:
         raise ValueError(f"data.align {align!r} is not one of {ALIGNS}")
-    return PackedRows(dataset, split, seq_len) if align == "bos" else \
-        TokenStream(dataset, split, seq_len)
+    return PackedRows(dataset, split, seq_len, cache) if align == "bos" else \
+        TokenStream(dataset, split, seq_len, cache)
 
 
 def _index(dataset: TokenDataset, stream: TokenStream) -> tuple[np.ndarray, ...]:
-    """The packing of `stream`, from its cache file if that is of this data, version and T."""
+    """The packing of `stream`, from its cache file beside the shards (a local directory's or
+    an object's) if that is of this data, version and T."""
     span = stream.seq_len + 1
-    path = dataset.path / f"packing-{stream.split}-{span}.npz"
+    name = f"packing-{stream.split}-{span}.npz"
     key = f"{VERSION} {dataset.fingerprint} {span}"
-    with contextlib.suppress(OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
-        with np.load(path) as saved:
-            if str(saved["key"]) == key:
-                return saved["piece_start"], saved["piece_len"], saved["row_ptr"]
+    with contextlib.suppress(OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile,
+                             UserError):
+        if dataset.files.has(name):
+            with np.load(io.BytesIO(dataset.files.read(name))) as saved:
+                if str(saved["key"]) == key:
+                    return saved["piece_start"], saved["piece_len"], saved["row_ptr"]
     arrays = pack(doc_starts(stream, dataset.eot_id), stream.num_tokens, span)
     data = io.BytesIO()
     np.savez(data, key=np.array(key), piece_start=arrays[0], piece_len=arrays[1],
              row_ptr=arrays[2])
-    with contextlib.suppress(OSError):  # a read-only dataset: packed again next time
-        with atomic_write(path) as f:
-            f.write(data.getvalue())
+    with contextlib.suppress(OSError, UserError):  # a read-only dataset: packed again next time
+        dataset.files.write(name, data.getvalue())
     return arrays

@@ -10,9 +10,10 @@ A shard is a fixed 1024-byte header followed by the tokens, little-endian:
     24      1000  zero padding
 
 A dataset directory holds `meta.json` (written last, see `prepare/finish.py`), the shards
-`train_NNNNNN.bin` / `val_NNNNNN.bin`, and `tokenizer.json` for the bpe tokenizer. Readers
-memory-map the token payload, so opening a dataset costs nothing however large it is, and a
-reader touches only the pages it slices.
+`train_NNNNNN.bin` / `val_NNNNNN.bin`, and `tokenizer.json` for the bpe tokenizer; it is a local
+directory or a prefix of object storage (storage.py). Opening a dataset reads its meta.json and
+its shards' headers, so it costs nothing however large it is; readers then read the spans they
+need (stream.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ddpgpt.data import storage
 from ddpgpt.errors import DataError, beside
 from ddpgpt.files import sha256
 
@@ -118,10 +120,16 @@ def read_header(path: Path) -> tuple[np.dtype, int]:
             raw = f.read(_HEADER.size)
     except OSError as e:
         raise DataError(f"{path}: cannot read shard ({e.strerror}); {REPREPARE}") from None
+    return parse_header(raw, size, path)
+
+
+def parse_header(raw: bytes, size: int, path) -> tuple[np.dtype, int]:
+    """(dtype, token count) of a shard of `size` bytes whose first bytes are `raw`, validated;
+    `path` names it in the one line of a DataError."""
     if len(raw) < _HEADER.size:
         raise DataError(f"{path}: truncated shard ({size} bytes, shorter than its header); "
                         f"{REPREPARE}")
-    magic, version, code, count = _HEADER.unpack(raw)
+    magic, version, code, count = _HEADER.unpack(raw[:_HEADER.size])
     if magic != MAGIC:
         raise DataError(f"{path}: not a ddpgpt shard (bad magic {magic!r}); {REPREPARE}")
     if version > FORMAT_VERSION:
@@ -150,24 +158,44 @@ def open_shard(path: Path) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
+@dataclass(frozen=True)
+class Shard:
+    """One shard as a reader sees it: its file's name in the dataset, its token dtype and
+    count (its tokens start at byte HEADER_BYTES)."""
+
+    file: str
+    dtype: np.dtype
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+
 class TokenDataset:
-    """A prepared dataset directory, checked against its `meta.json` when opened.
+    """A prepared dataset, a local directory or a prefix of object storage (data/storage.py),
+    checked against its `meta.json` when opened.
 
     Opening validates every shard's header and size and that they agree with `meta.json`
-    (file present, token count, dtype); `verify()` also re-hashes every shard.
-    """
+    (file present, token count, dtype); `verify()` also re-hashes every shard. A dataset in
+    object storage is listed once and its shards' headers read with one ranged read each; no
+    token is read."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        meta_path = self.path / "meta.json"
-        if not meta_path.is_file():
-            if not self.path.exists():
-                near = beside(self.path, "meta.json", "prepared")
+        self.files = storage.open_dir(path)
+        self.remote = self.files.remote
+        self.path = str(self.files) if self.remote else Path(path)
+        meta_where = self.files.where("meta.json")
+        if not self.files.has("meta.json"):
+            if not self.files.exists():
+                near = "" if self.remote else beside(self.path, "meta.json", "prepared")
                 raise DataError(f"dataset {self.path} does not exist{near}; create it with: "
                                 f"ddpgpt prepare --out {self.path}")
             raise DataError(f"dataset {self.path} has no meta.json (not prepared, or prepare did "
                             f"not finish); {REPREPARE} --out {self.path}")
-        self.meta_bytes = meta_path.read_bytes()
+        try:
+            self.meta_bytes = self.files.read("meta.json")
+        except OSError as e:
+            raise DataError(f"{meta_where}: cannot read it ({e.strerror}); {REPREPARE}") from None
         try:
             self.meta = json.loads(self.meta_bytes)
             self.vocab_size = int(self.meta["vocab_size"])
@@ -178,31 +206,42 @@ class TokenDataset:
             listed = {split: [ShardInfo(**s) for s in self.meta["shards"][split]]
                       for split in ("train", "val")}
         except (ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{meta_path}: corrupt or incomplete meta.json "
+            raise DataError(f"{meta_where}: corrupt or incomplete meta.json "
                             f"({type(e).__name__}: {e}); {REPREPARE}") from None
         if version > META_FORMAT_VERSION:
             raise DataError(
-                f"{meta_path}: dataset format version {version} is newer than this ddpgpt reads "
+                f"{meta_where}: dataset format version {version} is newer than this ddpgpt reads "
                 f"({META_FORMAT_VERSION}); upgrade ddpgpt or {REPREPARE}"
             )
         self.shards = listed
         self.split_bytes: dict | None = self.meta.get("bytes")  # absent before bits per byte
-        self._tokens = {split: [self._open(info) for info in infos]
-                        for split, infos in listed.items()}
+        infos = [info for split in ("train", "val") for info in listed[split]]
+        headers = self._headers(infos)
+        opened = iter([self._check(info, *header) for info, header in zip(infos, headers)])
+        self._shards = {split: [next(opened) for _ in listed[split]] for split in ("train", "val")}
 
-    def _open(self, info: ShardInfo) -> np.ndarray:
-        path = self.path / info.file
-        if not path.is_file():
-            raise DataError(f"{self.path / 'meta.json'} lists {info.file} but the file is "
-                            f"missing; {REPREPARE}")
-        tokens = open_shard(path)
-        if tokens.dtype != self.dtype:
-            raise DataError(f"{path}: header dtype {tokens.dtype.name} but meta.json says "
+    def _headers(self, infos: list[ShardInfo]) -> list[tuple[np.dtype, int]]:
+        """Each shard's (dtype, count), its header and size validated."""
+        for info in infos:
+            if not self.files.has(info.file):
+                raise DataError(f"{self.files.where('meta.json')} lists {info.file} but the file "
+                                f"is missing; {REPREPARE}")
+        if not self.remote:
+            return [read_header(self.path / info.file) for info in infos]
+        raws = self.files.ranges([(i.file, 0, min(_HEADER.size, self.files.size(i.file)))
+                                  for i in infos])
+        return [parse_header(raw, self.files.size(i.file), self.files.where(i.file))
+                for i, raw in zip(infos, raws)]
+
+    def _check(self, info: ShardInfo, dtype: np.dtype, count: int) -> Shard:
+        where = self.files.where(info.file)
+        if dtype != self.dtype:
+            raise DataError(f"{where}: header dtype {dtype.name} but meta.json says "
                             f"{self.dtype.name}; {REPREPARE}")
-        if len(tokens) != info.tokens:
-            raise DataError(f"{path}: holds {len(tokens)} tokens but meta.json says "
+        if count != info.tokens:
+            raise DataError(f"{where}: holds {count} tokens but meta.json says "
                             f"{info.tokens}; {REPREPARE}")
-        return tokens
+        return Shard(info.file, dtype, count)
 
     @property
     def fingerprint(self) -> str:
@@ -215,9 +254,22 @@ class TokenDataset:
         from ddpgpt.data.tokenizer import fingerprint
         return fingerprint(self.tokenizer, self.path)
 
+    def shard_files(self, split: str) -> list[Shard]:
+        """The split's shards in order; together they are one token stream (stream.py)."""
+        return self._shards[split]
+
     def tokens(self, split: str) -> list[np.ndarray]:
-        """The split's shards as memory maps, in order; together they are one token stream."""
-        return self._tokens[split]
+        """The split's shards' tokens, in order: memory maps of a local dataset; a remote
+        dataset's read whole (for tests and small data: a training reads windows)."""
+        out = []
+        for shard in self._shards[split]:
+            if not self.remote:
+                out.append(open_shard(self.path / shard.file))
+                continue
+            raw = self.files.read(shard.file)
+            out.append(np.frombuffer(raw, dtype=shard.dtype, offset=HEADER_BYTES,
+                                     count=shard.count))
+        return out
 
     def num_tokens(self, split: str) -> int:
         return sum(info.tokens for info in self.shards[split])
@@ -246,10 +298,10 @@ class TokenDataset:
         share the work); returns the number of shards checked."""
         mine = [info for infos in self.shards.values() for info in infos][part::parts]
         for info in mine:
-            actual = sha256(self.path / info.file)
+            actual = self.files.sha256(info.file)
             if actual != info.sha256:
                 raise DataError(
-                    f"{self.path / info.file}: sha256 mismatch (file {actual[:16]}, meta.json "
-                    f"{info.sha256[:16]}): the shard changed after prepare; {REPREPARE}"
+                    f"{self.files.where(info.file)}: sha256 mismatch (file {actual[:16]}, "
+                    f"meta.json {info.sha256[:16]}): the shard changed after prepare; {REPREPARE}"
                 )
         return len(mine)

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ddpgpt.data import storage
 from ddpgpt.errors import DataError, UserError
-from ddpgpt.files import atomic_write, require, sha256
+from ddpgpt.files import atomic_write, require
 
 EOT_TEXT = "<|endoftext|>"
 MIN_BPE_VOCAB = 257  # 256 byte symbols + the end-of-text token
@@ -97,15 +98,17 @@ class BPETokenizer:
         return cls(tok)
 
     @classmethod
-    def load(cls, data_dir: Path) -> BPETokenizer:
+    def load(cls, data_dir: str | Path) -> BPETokenizer:
+        """The tokenizer.json of a dataset or run directory (a local path or a URL)."""
         from tokenizers import Tokenizer
 
-        path = Path(data_dir) / "tokenizer.json"
+        files = storage.open_dir(data_dir)
         try:
-            return cls(Tokenizer.from_file(str(path)))
+            return cls(Tokenizer.from_str(files.read("tokenizer.json").decode()))
         except Exception as e:  # tokenizers raises plain Exception for missing or bad files
-            raise DataError(f"{path}: cannot load the bpe tokenizer ({e}); "
-                            "re-run ddpgpt prepare") from None
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+            raise DataError(f"{files.where('tokenizer.json')}: cannot load the bpe tokenizer "
+                            f"({reason}); re-run ddpgpt prepare") from None
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         # encode_batch_fast skips offset tracking; both release the GIL and use every core.
@@ -191,12 +194,13 @@ def fingerprint(kind: str, directory: str | Path) -> str:
     here, and a model trained on one reads the other's ids as noise."""
     if kind != "bpe":
         return kind
-    path = Path(directory) / "tokenizer.json"
+    files = storage.open_dir(directory)
     try:
-        return f"bpe:{sha256(path)}"
-    except OSError as e:
-        raise DataError(f"{path}: cannot read the bpe tokenizer ({e.strerror}); "
-                        "re-run ddpgpt prepare") from None
+        return f"bpe:{files.sha256('tokenizer.json')}"
+    except (OSError, KeyError) as e:
+        reason = e.strerror if isinstance(e, OSError) else "missing"
+        raise DataError(f"{files.where('tokenizer.json')}: cannot read the bpe tokenizer "
+                        f"({reason}); re-run ddpgpt prepare") from None
 
 
 GPT2_IDS = {"<|endoftext|>": 50256, "\u0120the": 262}  # " the": GPT-2's byte-level vocabulary
@@ -233,7 +237,7 @@ def folder_tokenizer(folder: Path, where: str) -> str | None:
 def load_tokenizer(data_dir: str | Path, kind: str):
     """The tokenizer a prepared dataset was made with (`kind` from its meta.json)."""
     if kind == "bpe":
-        return BPETokenizer.load(Path(data_dir))
+        return BPETokenizer.load(data_dir)
     if kind == "byte":
         return ByteTokenizer()
     if kind == "gpt2":

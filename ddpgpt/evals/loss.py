@@ -60,7 +60,7 @@ class EvalSet:
 
 def eval_sets(data: TokenDataset | MixedDataset, *, seq_len: int, micro_batch: int,
               world_size: int, rank: int, eval_windows: int, train_windows: int, seed: int,
-              device, align: str = "stream") -> list[EvalSet]:
+              device, align: str = "stream", cache: str = "") -> list[EvalSet]:
     """The val windows (eval_windows, evenly spaced) and the training sample (train_windows
     drawn by `seed`; -1: as many as val; 0: none) of each dataset."""
     parts = list(zip(data.names, data.weights, data.datasets)) \
@@ -68,7 +68,7 @@ def eval_sets(data: TokenDataset | MixedDataset, *, seq_len: int, micro_batch: i
     out = []
     for name, share, ds in parts:
         common = dict(seq_len=seq_len, micro_batch=micro_batch, world_size=world_size,
-                      rank=rank, device=device, align=align)
+                      rank=rank, device=device, align=align, cache=cache)
         val = EvalLoader(ds, max_windows=eval_windows, **common)
         count = len(val.windows) if train_windows < 0 else train_windows
         train = EvalLoader(ds, max_windows=count, split="train", sample_seed=seed,

@@ -68,7 +68,7 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int, note: str = "") -> in
     check_nproc(nproc, cfg.run.device)
     cfg, dataset = preflight(cfg, nproc, nproc)
     for_run(cfg.run)  # bad task files: one line here, before the run dir is touched
-    run_dir = RunDir(cfg.run.dir)
+    run_dir = RunDir(cfg.run.dir, cfg.run.checkpoint_url)
     run_dir.check_creatable()
     cfg, first = resume.plan(cfg, run_dir, dataset)
     if resume.report_finished(cfg, run_dir, first):  # no worker needed to find that out
@@ -79,7 +79,8 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int, note: str = "") -> in
         run_dir.write_config(cfg.to_dict(), first.step, nproc)
         started = time.time()
         # What belongs to this start and not to the run (config.io.START_FIELDS) goes as flags.
-        own = ["--run.resume", cfg.run.resume, "--run.threads", str(cfg.run.threads)]
+        own = ["--run.resume", cfg.run.resume, "--run.threads", str(cfg.run.threads),
+               *(["--data.cache", cfg.data.cache] if cfg.data.cache else [])]
         code, stopped_by = start(nproc, ["train", "--resolved-config", str(run_dir.config), *own],
                                  max_restarts)
         if stopped_by is None:

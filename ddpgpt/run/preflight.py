@@ -18,8 +18,10 @@ import os
 
 import torch
 
+from ddpgpt.checkpoint import location
 from ddpgpt.config.checks import ConfigError
 from ddpgpt.config.schema import TrainConfig, padded_vocab
+from ddpgpt.data import storage
 from ddpgpt.data.loader import require_windows, row_source
 from ddpgpt.data.mixture import MixedDataset, open_data
 from ddpgpt.data.shards import TokenDataset
@@ -135,6 +137,9 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int,
     if nodes is not None and nodes[1] > nodes[0]:
         check_world_sizes(cfg, nodes, local_world_size)
     trackers.check(cfg.run.tracker)
+    storage.check_cache(cfg.data.cache)
+    if cfg.run.checkpoint_url:  # a bucket that is not there or not ours: one line, now
+        location.check_writable(cfg.run.checkpoint_url)
     dataset = open_data(cfg.data.sources())
     if cfg.model.init_from:
         from ddpgpt.hf.init_from import check_tokenizer, locate
@@ -147,9 +152,12 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int,
 
 
 def shared(cfg: TrainConfig) -> dict:
-    """The config every rank must agree on: all of it but the per-node CPU thread count."""
+    """The config every rank must agree on: all of it but what is each node's own: the CPU
+    thread count, the data cache, and, when checkpoints go to a URL, the local run dir."""
     values = cfg.to_dict()
-    del values["run"]["threads"]
+    del values["run"]["threads"], values["data"]["cache"]
+    if cfg.run.checkpoint_url:
+        del values["run"]["dir"]
     return values
 
 
@@ -177,7 +185,7 @@ def print_config(cfg: TrainConfig, nproc: int | None) -> None:
             raise  # there, and wrong: an error, not a config to print
         print(f"# not resolved (model.vocab_size, data.seq_len, run.*: auto): {e}")
     else:
-        cfg, start = resume.plan(cfg, RunDir(cfg.run.dir), dataset)
+        cfg, start = resume.plan(cfg, RunDir(cfg.run.dir, cfg.run.checkpoint_url), dataset)
         where = f"resuming {start.path}" if start.path else "from scratch"
         print(f"# resolved for {world} process{'es' if world > 1 else ''}, {where}")
     fresh, own = TrainConfig(), {}

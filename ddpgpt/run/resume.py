@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpgpt.checkpoint import store
+from ddpgpt.checkpoint import location, store
 from ddpgpt.checkpoint.store import CheckpointError
 from ddpgpt.config.io import START_FIELDS, from_dict
 from ddpgpt.config.schema import TrainConfig
@@ -88,7 +88,7 @@ def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: st
         found = _latest(run_dir.checkpoints, verify, quiet)
         start = Start(*found, origin=found[1].get("origin")) if found else Start()
     else:
-        start = _explicit(run_dir, Path(mode), first_start, verify)
+        start = _explicit(run_dir, location.at(mode), first_start, verify)
     start.rollback = _pending(run_dir, start)
     if start.path is not None:
         _check_fit(cfg, start, run_dir, mode, fingerprint, tokenizer)
@@ -215,7 +215,9 @@ def saved_tokenizer(path: Path, meta: dict) -> str | None:
     tokenizer (data_meta.json, tokenizer.json). None when neither says."""
     if meta.get("tokenizer_fingerprint"):
         return meta["tokenizer_fingerprint"]
-    run = RunDir(Path(path).parent.parent)
+    if location.is_remote(path):  # written since it is recorded
+        return None
+    run = RunDir(Path(path).parent.parent, "")
     try:
         kind = json.loads(run.data_meta.read_text())["tokenizer"]
         return fingerprint_of(kind, run.path)
@@ -246,7 +248,8 @@ def settle(cfg: TrainConfig, start: Start) -> TrainConfig:
 
 
 # Settings that are not the training's: the first-start rule, and threads (may differ per node).
-NOT_TRAINING = {f"{section}.{name}" for section, names in START_FIELDS.items() for name in names}
+NOT_TRAINING = {f"{section}.{name}" for section, names in START_FIELDS.items() for name in names} \
+    | {"run.dir"}  # a run gone on in another directory (its checkpoints at a URL) trains the same
 
 
 def changes(saved: dict, cfg: TrainConfig) -> dict[str, list]:

@@ -12,7 +12,11 @@
                          this dir; a mixture's first dataset's, and data_sources.json (each
                          source's name, dir, weight and fingerprint)
       metrics.jsonl      one row per logged step and per evaluation (see metrics.py)
-      checkpoints/       step_NNNNNNN/ (see checkpoint/store.py)
+      checkpoints/       step_NNNNNNN/ (see checkpoint/store.py); with run.checkpoint_url they
+                         are at that URL instead (checkpoint/location.py), beside copies of
+                         data_meta.json and tokenizer.json, so that `eval`, `sample` and `export`
+                         --run-dir URL need nothing local; job.json is kept there too, where
+                         every node's launchers see it
       tensorboard/, wandb/, tracker.json    run.tracker's files (see trackers.py)
       reset-<time>/      what --reset set aside; rewind-<time>/ what --resume PATH set aside
 """
@@ -29,7 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-from ddpgpt.errors import UserError, warn
+from ddpgpt.checkpoint import location
+from ddpgpt.data import storage
+from ddpgpt.errors import UserError, beside, warn
 from ddpgpt.files import WriteError, describe, move, replace_text
 
 
@@ -37,17 +43,46 @@ class RunDirBusy(UserError):
     """Another run holds the run directory's lock."""
 
 
+def check_continues(path: Path) -> None:
+    """`train --run-dir R` without --data (nor --preset, --config) continues the run in R: one
+    line, with the run meant, when R holds none (a mistyped name would train a new run from the
+    defaults)."""
+    if location.is_remote(location.at(path)) or (Path(path) / "config.json").is_file():
+        return
+    there = "does not exist" if not Path(path).exists() else "holds no run (no config.json)"
+    raise UserError(f"run dir {path} {there}{beside(path, 'config.json', 'runs')}; to "
+                    "continue a run, give its --run-dir; to start a new one there, give its "
+                    "--data (and a --preset)")
+
+
 class RunDir:
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+    """A run's directory. `checkpoint_url`: where its checkpoints are when they are not in its
+    checkpoints/ (run.checkpoint_url; None: as its config.json says). `path` may itself be such a
+    URL: the run as its checkpoints' location holds it, for eval, sample and export."""
+
+    def __init__(self, path: str | os.PathLike, checkpoint_url: str | None = None):
+        self.path = location.at(path)
+        if checkpoint_url is None:
+            checkpoint_url = str(path) if location.is_remote(self.path) else self._saved_url()
+        self.url = checkpoint_url or ""
         self._lock_fd: int | None = None
+
+    def _saved_url(self) -> str:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            return str(json.loads(self.config.read_text())["run"].get("checkpoint_url") or "")
+        return ""
 
     def __str__(self) -> str:
         return str(self.path)
 
     @property
-    def job(self) -> Path:
-        return self.path / "job.json"
+    def remote(self) -> location.Remote | None:
+        """The checkpoints' location in object storage, or None (checkpoints/ here)."""
+        return location.at(self.url) if self.url else None
+
+    @property
+    def job(self):
+        return self.remote / "job.json" if self.remote else self.path / "job.json"
 
     @property
     def configs(self) -> Path:
@@ -62,8 +97,9 @@ class RunDir:
         return self.path / "metrics.jsonl"
 
     @property
-    def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+    def checkpoints(self):
+        """Where the checkpoints are: checkpoints/, or run.checkpoint_url's location."""
+        return self.remote if self.remote else self.path / "checkpoints"
 
     @property
     def data_meta(self) -> Path:
@@ -217,7 +253,11 @@ class RunDir:
         """job.json: this start's launchers, and on a restart also the job's earlier ones (a
         node that left may come back under the same agent)."""
         known = set() if first_start else self.known_launchers()
-        replace_text(self.job, json.dumps({"launchers": sorted(known | launchers)}) + "\n")
+        text = json.dumps({"launchers": sorted(known | launchers)}) + "\n"
+        if self.remote:
+            location.replace_file(self.job, text.encode())
+        else:
+            replace_text(self.job, text)
 
     # ---- what a run writes --------------------------------------------------------------------
 
@@ -259,22 +299,32 @@ class RunDir:
         """The dataset's meta.json and tokenizer, so that `sample` needs only the run dir; a
         mixture's (`sources`: each one's name, dir, weight, fingerprint) in data_sources.json
         beside its first dataset's meta.json (they share the tokenizer)."""
+        files = storage.open_dir(dataset_dir)
+        tokenizer = files.read("tokenizer.json") if files.has("tokenizer.json") else None
         replace_text(self.data_meta, meta_bytes.decode())
         if sources is not None:
             replace_text(self.path / "data_sources.json", json.dumps(sources, indent=1) + "\n")
-        if (dataset_dir / "tokenizer.json").is_file():
-            replace_text(self.tokenizer, (dataset_dir / "tokenizer.json").read_text())
+        if tokenizer is not None:
+            replace_text(self.tokenizer, tokenizer.decode())
+        if self.remote:  # what eval, sample and export --run-dir URL read beside the checkpoints
+            location.replace_file(self.remote / self.data_meta.name, meta_bytes)
+            if tokenizer is not None:
+                location.replace_file(self.remote / self.tokenizer.name, tokenizer)
 
-    def set_aside(self, kind: str, paths: list[Path]) -> Path | None:
+    def set_aside(self, kind: str, paths: list) -> Path | None:
         """Moves `paths` (checkpoint dirs, metrics.jsonl) into a new `<kind>-<time>/`, keeping
-        their places below the run dir: nothing is deleted."""
-        paths = [p for p in paths if p.exists()]
-        if not paths:
+        their places below the run dir: nothing is deleted. Checkpoints in object storage go
+        into `<kind>-<time>/` at their URL (location.move: copied, then deleted)."""
+        remote = [p for p in paths if location.is_remote(p)]
+        paths = [p for p in paths if not location.is_remote(p) and p.exists()]
+        if not paths and not remote:
             return None
         base = aside = self.path / time.strftime(f"{kind}-%Y%m%d-%H%M%S")
         n = 1
         while aside.exists():  # twice in one second
             aside, n = base.with_name(f"{base.name}-{n}"), n + 1
+        for path in remote:
+            location.move(path, self.remote / aside.name / path.name)
         try:
             for path in paths:
                 target = aside / path.relative_to(self.path)
@@ -282,13 +332,15 @@ class RunDir:
                 move(path, target)
         except OSError as e:
             raise WriteError(f"cannot move {path} into {aside}: {describe(e)}") from None
-        return aside
+        return aside if paths or not remote else self.remote / aside.name
 
     def reset(self) -> None:
         """--reset: the checkpoints, metrics and tracker files go into reset-<time>/ (a new
         tracker run begins)."""
-        aside = self.set_aside("reset", [self.checkpoints, self.metrics,
-                                         self.configs, *self.tracker_files])
+        checkpoints = [p for p in location.children(self.remote) if p.name.startswith("step_")
+                       or p.name == "rollback.json"] if self.remote else [self.checkpoints]
+        aside = self.set_aside("reset", [*checkpoints, self.metrics, self.configs,
+                                         *self.tracker_files])
         if aside:
             print(f"ddpgpt: --reset: moved the previous checkpoints and metrics to {aside}",
                   file=sys.stderr)
@@ -301,7 +353,9 @@ class RunDir:
         if aside is None:
             return
         if self.metrics.is_file():
-            shutil.copy2(self.metrics, aside / self.metrics.name)
+            local = self.path / aside.name
+            local.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(self.metrics, local / self.metrics.name)
         names = ", ".join(p.name for p in newer)
         print(f"ddpgpt: --resume: continuing from step {step}; moved the later checkpoints "
               f"({names}) and a copy of the metrics to {aside}", file=sys.stderr)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from ddpgpt.checkpoint import read, store
+from ddpgpt.checkpoint import location, read, store
 from ddpgpt.checkpoint import read as load_module
 from ddpgpt.checkpoint.store import CheckpointError
 from ddpgpt.config.model import ModelConfig
@@ -196,14 +196,14 @@ def test_a_parent_that_cannot_be_synced_after_the_rename_is_a_warning(tmp_path, 
                                                                       capsys):
     """The rename published the checkpoint: a failed fsync of its parent afterwards is said, and
     the save counts (it is not reported as failed while its directory is there)."""
-    real_fsync = store.fsync
+    real_fsync = location.fsync  # the store syncs a local directory through location.sync
 
     def fsync(path):
         if path.name == "checkpoints":
             raise OSError(5, "Input/output error")
         real_fsync(path)
 
-    monkeypatch.setattr(store, "fsync", fsync)
+    monkeypatch.setattr(location, "fsync", fsync)
     path = save(tmp_path, 2)
     assert find_latest(tmp_path)[0] == path
     err = capsys.readouterr().err

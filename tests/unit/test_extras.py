@@ -53,6 +53,28 @@ def test_readmes_gpu_install_line_installs_what_its_commands_need():
     assert {"pyarrow", "zstandard", "tiktoken", "matplotlib"} <= installed, installed
 
 
-def test_the_dev_extra_holds_every_other_but_hfs_datasets_and_eval():
+def test_the_dev_extra_holds_every_other_but_hfs_datasets_eval_and_gcsfs():
+    """gcsfs: no GCS server runs in the tests; what gs:// asks for is checked below."""
     others = set().union(*(packages(x) for x in EXTRAS if x not in ("dev", "eval")))
-    assert others - {"datasets"} <= packages("dev"), others - packages("dev")
+    assert others - {"datasets", "gcsfs"} <= packages("dev"), others - packages("dev")
+    assert "moto" in packages("dev")  # the S3 server of the object-storage tests
+
+
+@pytest.mark.parametrize("url, package, extra", [("s3://bucket/data", "s3fs", "cloud"),
+                                                 ("gs://bucket/data", "gcsfs", "gcs")])
+def test_a_url_asks_for_its_filesystem(monkeypatch, url, package, extra):
+    from ddpgpt.data import storage
+
+    monkeypatch.setitem(sys.modules, package, None)
+    with pytest.raises(UserError) as e:
+        storage.filesystem(url)
+    assert named_extra(str(e.value)) == extra and package in packages(extra), str(e.value)
+    assert str(e.value) == f"{url} needs {package}: pip install 'ddpgpt[{extra}]'"
+
+
+def test_fsspec_itself_asks_for_the_cloud_extra(monkeypatch):
+    from ddpgpt.data import storage
+
+    monkeypatch.setitem(sys.modules, "fsspec", None)
+    with pytest.raises(UserError, match=r"^s3://b/x needs fsspec: pip install 'ddpgpt\[cloud\]'$"):
+        storage.filesystem("s3://b/x")

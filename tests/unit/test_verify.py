@@ -2,16 +2,16 @@
 remembered in verified.json, so that a start costs the same whatever the dataset's size; every
 shard still checked by exactly one rank; a changed shard still one line."""
 
+import errno
 import os
 
 import pytest
 
 from ddpgpt.config.commands import PrepareConfig
-from ddpgpt.data import verify
+from ddpgpt.data import storage, verify
 from ddpgpt.data.prepare import main as prepare
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import DataError
-from ddpgpt.files import WriteError
 
 
 @pytest.fixture
@@ -30,13 +30,13 @@ def data(tmp_path):
 def hashed(monkeypatch):
     """The files the verifier hashes, in order."""
     seen = []
-    real = verify.sha256
+    real = storage.sha256  # what a local directory's files are hashed with
 
     def counting(path):
         seen.append(os.path.basename(path))
         return real(path)
 
-    monkeypatch.setattr(verify, "sha256", counting)
+    monkeypatch.setattr(storage, "sha256", counting)
     return seen
 
 
@@ -99,10 +99,10 @@ def test_a_directory_that_cannot_be_written_keeps_no_cache(data, monkeypatch, ca
     (data / verify.CACHE).unlink()
     ds = TokenDataset(data)
 
-    def refuse(path, text):
-        raise WriteError(f"cannot write {path}: Read-only file system (EROFS)")
+    def refuse(self, name, data):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr(verify, "replace_text", refuse)
+    monkeypatch.setattr(storage.Directory, "write", refuse)
     assert not verify.record(data, verify.hash_share(ds))
     assert capsys.readouterr().err == (
         f"ddpgpt: warning: cannot write {data / verify.CACHE}: Read-only file system (EROFS): the "

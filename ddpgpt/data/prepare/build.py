@@ -12,7 +12,6 @@ at most ~8 MB of text files or jsonl, one parquet row group, one compressed json
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path

@@ -28,7 +28,6 @@ trained first, on at most `bpe_train_mb` of the corpus.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -39,16 +38,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ddpgpt.config.commands import PrepareConfig
+from ddpgpt.data import storage
 from ddpgpt.data.formats import table
 from ddpgpt.data.formats.base import Unit, UnitStats
 from ddpgpt.data.formats.table import Plan
 from ddpgpt.data.prepare import settings as settings_of
-from ddpgpt.data.prepare import space
+from ddpgpt.data.prepare import space, upload
 from ddpgpt.data.prepare.assemble import Assembler
 from ddpgpt.data.prepare.build import Build, check_settings, part_range
 from ddpgpt.data.prepare.finish import PART_FILE, finish_dataset, finish_part
-from ddpgpt.data.prepare.output import (CleanExit, Lock, check_out, make_partial, partial_of,
-                                        publish)
+from ddpgpt.data.prepare.output import CleanExit, Lock, check_out, make_partial, partial_of, publish
 from ddpgpt.data.prepare.sources import resolve_sources
 from ddpgpt.data.shards import TokenDataset, dtype_for_vocab
 from ddpgpt.data.tokenizer import (
@@ -66,13 +65,23 @@ from ddpgpt.files import copy_file
 
 def run(cfg: PrepareConfig) -> None:
     if cfg.verify is not None:
-        return verify(Path(cfg.verify))
+        return verify(cfg.verify)
     if cfg.out is None:
         raise UserError("ddpgpt prepare needs --out DIR (or --verify DIR)")
-    out = Path(cfg.out)
+    remote = cfg.out if storage.is_url(cfg.out) else None  # staged here, then uploaded
+    if remote:
+        upload.check_remote(remote, cfg.force)
+    out = upload.staging(remote) if remote else Path(cfg.out)
     check_out(out, cfg.force)
     tmp = partial_of(out)
     cfg, job = _merge_job(cfg) if cfg.merge else (cfg, _source_job(cfg, out, tmp))
+    if remote and upload.staged(tmp, job["settings"]):  # its upload was cut short: go on
+        print(f"continuing the upload of {tmp} (prepared by an earlier run) to {remote}",
+              flush=True)
+        size = upload.publish(tmp, remote)
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"prepared {remote}: {size:.1f} MB uploaded")
+        return None
     start = time.perf_counter()
     made: list[Path] = []
     job["earlier"] = tmp.is_dir()  # a partial of an earlier run: never removed here
@@ -84,20 +93,28 @@ def run(cfg: PrepareConfig) -> None:
             locked = True
             with space.reported(tmp, lambda: job.get("build")):
                 summary = _build(cfg, job, tmp, out)
-            finished = True
-            check_out(out, cfg.force)
-            signals.hold()  # from here the dataset is published whatever comes: a signal
-            stack.close()  # (the lock goes with the partial's name)
-            publish(tmp, out)  # between its two renames would lose the old --out
+            if remote:  # uploaded whole, marker last; a cut upload is continued by a rerun
+                upload.mark(tmp, job["settings"])
+                stack.close()
+                size = upload.publish(tmp, remote)
+                finished = True
+            else:
+                finished = True
+                check_out(out, cfg.force)
+                signals.hold()  # from here the dataset is published whatever comes: a signal
+                stack.close()  # (the lock goes with the partial's name)
+                publish(tmp, out)  # between its two renames would lose the old --out
         finally:
-            if locked and (finished or job.get("read") or _nothing_done(job)):
+            staged = remote and (tmp / upload.STAGED).is_file() and not finished
+            if locked and not staged and (finished or job.get("read") or _nothing_done(job)):
                 shutil.rmtree(tmp, ignore_errors=True)  # nothing to continue
             if not tmp.exists():
                 for path in reversed(made):  # parents made for a run that leaves nothing
                     with suppress(OSError):  # behind; rmdir removes only empty directories
                         path.rmdir()
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 1e6
-    print(summary(out, time.perf_counter() - start, size))
+    if not remote:
+        size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 1e6
+    print(summary(remote or out, time.perf_counter() - start, size))
 
 
 def _nothing_done(job: dict) -> bool:
@@ -199,8 +216,7 @@ def _merge_job(cfg: PrepareConfig) -> tuple[PrepareConfig, dict]:
     """Part directories -> the plan they share, checked to be all N parts of one prepare; the
     merge's settings with the parts' split and shard size applied (prepare/settings.py)."""
     settings_of.check_merge(cfg)
-    dirs = sorted({Path(m) for spec in cfg.sources
-                   for m in (sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec])})
+    dirs = sorted({Path(m) for m in upload.fetch_parts(cfg.sources)})
     if not dirs:
         raise UserError("--merge needs the part directories of a --part I/N prepare as sources")
     parts = {}
@@ -298,7 +314,7 @@ def _training_texts(plan: Plan, cfg: PrepareConfig):
                 return
 
 
-def verify(path: Path) -> None:
+def verify(path: str) -> None:
     ds = TokenDataset(path)  # then every shard re-hashed, whatever verified.json says
     print(f"{path}: ok ({check_all(ds)} shards, {ds.num_tokens('train'):,} train + "
           f"{ds.num_tokens('val'):,} val tokens, {ds.tokenizer} vocab {ds.vocab_size})")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 import signal
 import threading
 from pathlib import Path

@@ -1,0 +1,287 @@
+"""Where a dataset's files are: a local directory, or a prefix of object storage named by a URL
+(s3://BUCKET/PREFIX, and anything that speaks S3's API: MinIO, Ceph, R2; gs:// for GCS), read
+through one small interface (`open_dir`).
+
+    files = open_dir("s3://bucket/data/edu")   # or open_dir("data/edu")
+    meta = files.read("meta.json")
+    reader = files.reader(cache="/scratch/ddpgpt")  # windows: ranged reads, fetched ahead
+
+Object storage goes through fsspec (s3fs, gcsfs: the `cloud` and `gcs` extras), imported only when
+a URL is used. Credentials and the endpoint are the ecosystem's own: AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION or ~/.aws/config and credentials,
+read by botocore; nothing ddpgpt-specific. A failure (no such bucket, access denied, no
+credentials, an endpoint that does not answer) is one line naming the URL and the fix
+(`failing`).
+
+Reading a window is a ranged GET of exactly its bytes (fetch.RemoteReader): a rank reads its own
+windows and nothing else. Ranged reads cost a round trip each, so the loader names the next
+step's windows ahead of time (`prefetch`) and a background thread fetches them in one
+concurrent batch while the step computes: a step waits on the network only if a fetch takes
+longer than a step. With a cache directory (data.cache, per node), what is read is kept there
+in blocks of fetch.CACHE_BLOCK bytes, each written whole (files.atomic_write), keyed by the
+object's URL and identity (size and ETag), so later epochs, restarts and the node's other ranks
+read it from the local disk; a block is fetched whole, so with the cache a rank reads the blocks
+around its windows, not only the windows.
+
+An object's identity is its size and ETag (or version id): an object rewritten gets a new one,
+as a local file rewritten gets a new (size, mtime, inode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+from pathlib import Path
+
+from ddpgpt.data.fetch import LocalReader, RemoteReader
+from ddpgpt.errors import DataError, UserError
+from ddpgpt.files import atomic_write, missing, require, sha256, writable_dir
+
+URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+PACKAGES = {"s3": ("s3fs", "cloud"), "s3a": ("s3fs", "cloud"), "gs": ("gcsfs", "gcs"),
+            "gcs": ("gcsfs", "gcs")}
+HASH_BLOCK = 8 << 20  # bytes read at a time when hashing an object
+
+
+def is_url(where) -> bool:
+    """`where` names object storage (scheme://...), not a local path."""
+    return isinstance(where, str) and bool(URL.match(where))
+
+
+def filesystem(url: str):
+    """(fsspec filesystem, path inside it) for `url`; one line when what it needs is missing."""
+    scheme = url.split("://", 1)[0].lower()
+    package, extra = PACKAGES.get(scheme, (scheme, "cloud"))
+    fsspec = require("fsspec", "cloud", url)
+    from fsspec import asyn  # the loop that runs every request of fsspec's async filesystems
+
+    asyn.get_loop().set_exception_handler(_orphaned_requests)
+    try:
+        return fsspec.core.url_to_fs(url, use_listings_cache=False)
+    except ImportError:
+        raise UserError(missing(package, extra, url)) from None
+    except ValueError as e:
+        raise UserError(f"{url}: {e}; give an s3:// (or gs://) URL, or a local path") from None
+
+
+def _orphaned_requests(loop, context: dict) -> None:
+    """The IO loop's handler of errors no one awaited: a transfer cut by the network (the server
+    gone mid-upload) leaves the other requests of its batch failing unawaited, and asyncio would
+    print each with a traceback after the failure was already reported as one line. Those are
+    dropped; anything else goes to asyncio's default handler."""
+    error = context.get("exception")
+    orphan = context.get("message", "").startswith("Task exception was never retrieved")
+    network = isinstance(error, OSError) or type(error).__module__.split(".")[0] in (
+        "aiohttp", "botocore", "aiobotocore")
+    if not (orphan and network):
+        loop.default_exception_handler(context)
+
+
+def endpoint() -> str:
+    """The S3 endpoint this process uses, as messages name it."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or \
+        "the default endpoint (AWS_ENDPOINT_URL unset)"
+
+
+def explain(error: BaseException, where: str, doing: str) -> str | None:
+    """One line for a failure of object storage while `doing` (reading, writing, listing) at
+    `where`, or None when `error` is not one (a bug keeps its traceback)."""
+    name, text = type(error).__name__, str(error).strip().splitlines()[0] if str(error) else ""
+    bucket = where.split("://", 1)[-1].split("/", 1)[0]
+    if isinstance(error, FileNotFoundError) and "bucket" in text.lower():
+        return (f"{doing} {where}: the bucket {bucket} does not exist at {endpoint()}; create "
+                "it, or fix the URL (or AWS_ENDPOINT_URL)")
+    if isinstance(error, PermissionError):
+        may = "write" if doing.startswith(("writ", "delet", "upload")) else "read"
+        return (f"{doing} {where}: access denied ({text or 'Forbidden'}): the credentials "
+                "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or ~/.aws/credentials) are wrong, "
+                f"or may not {may} there")
+    if name in ("NoCredentialsError", "PartialCredentialsError"):
+        return (f"{doing} {where}: no credentials ({text}); set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or ~/.aws/credentials)")
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+                "ConnectionClosedError", "ClientConnectorError", "ServerDisconnectedError") \
+            or isinstance(error, ConnectionError):
+        return (f"{doing} {where}: cannot reach the storage at {endpoint()} ({text or name}); "
+                "check AWS_ENDPOINT_URL and that the server is up")
+    if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
+        return f"{doing} {where}: {text or name}"
+    return None
+
+
+@contextlib.contextmanager
+def failing(where: str, doing: str, kind: type[UserError] = DataError):
+    """Object storage's failures inside the block as one line (`explain`), raised as `kind`."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:  # botocore's exceptions are not OSErrors
+        line = explain(e, where, doing)
+        if line is None:
+            raise
+        raise kind(line) from None
+
+
+# ---- a directory of files ------------------------------------------------------------------
+
+class Directory:
+    """A local dataset directory."""
+
+    remote = False
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def where(self, name: str) -> str:
+        return str(self.path / name)
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def has(self, name: str) -> bool:
+        return (self.path / name).is_file()
+
+    def read(self, name: str) -> bytes:
+        """OSError when it cannot (the caller says what it means)."""
+        return (self.path / name).read_bytes()
+
+    def size(self, name: str) -> int:
+        return (self.path / name).stat().st_size
+
+    def identity(self, name: str) -> list:
+        st = os.stat(self.path / name)
+        return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+    def sha256(self, name: str) -> str:
+        return sha256(self.path / name)
+
+    def write(self, name: str, data: bytes) -> None:
+        """Whole or not at all; OSError on failure."""
+        with atomic_write(self.path / name) as f:
+            f.write(data)
+
+    def reader(self, cache: str = "") -> LocalReader:
+        return LocalReader(self)
+
+
+class Objects:
+    """A prefix of object storage as a dataset directory. Its listing (names, sizes, ETags) is
+    taken once, when first needed: a dataset's objects do not change under a run."""
+
+    remote = True
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.fs, self.root = filesystem(self.url)
+        self._listing: dict[str, dict] | None = None
+
+    def __str__(self) -> str:
+        return self.url
+
+    def where(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def key(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def listing(self, fresh: bool = False) -> dict[str, dict]:
+        """{name: fsspec's info} of the objects right under the prefix."""
+        if self._listing is None or fresh:
+            with failing(self.url, "listing"):
+                try:
+                    found = self.fs.ls(self.root, detail=True, refresh=True)
+                except FileNotFoundError as e:
+                    if "bucket" in str(e).lower():
+                        raise
+                    found = []
+            self._listing = {i["name"].rstrip("/").rsplit("/", 1)[-1]: i for i in found
+                             if i.get("type") == "file"}
+        return self._listing
+
+    def exists(self) -> bool:
+        return bool(self.listing())
+
+    def has(self, name: str) -> bool:
+        return name in self.listing()
+
+    def read(self, name: str) -> bytes:
+        with failing(self.where(name), "reading"):
+            return self.fs.cat_file(self.key(name))
+
+    def size(self, name: str) -> int:
+        return int(self.listing()[name]["size"])
+
+    def identity(self, name: str) -> list:
+        """[size, ETag or version]: a rewritten object gets another."""
+        info = self.listing()[name]
+        tag = info.get("VersionId") or info.get("ETag") or info.get("etag") or \
+            info.get("md5Hash") or info.get("generation") or ""
+        return [int(info["size"]), str(tag).strip('"')]
+
+    def sha256(self, name: str) -> str:
+        digest = hashlib.sha256()
+        size = self.size(name)
+        with failing(self.where(name), "reading"):
+            for start in range(0, size, HASH_BLOCK):
+                digest.update(self.fs.cat_file(self.key(name), start=start,
+                                               end=min(size, start + HASH_BLOCK)))
+        return digest.hexdigest()
+
+    def ranges(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
+        """The bytes of each (name, start, end), fetched concurrently."""
+        if not requests:
+            return []
+        names, starts, ends = zip(*requests)
+        with failing(self.where(names[0]), "reading"):
+            got = self.fs.cat_ranges([self.key(n) for n in names], list(starts), list(ends),
+                                     on_error="raise")
+        for data in got:
+            if isinstance(data, BaseException):
+                raise data
+        return got
+
+    def write(self, name: str, data: bytes) -> None:
+        """One PUT: the object appears whole or not at all."""
+        with failing(self.where(name), "writing"):
+            self.fs.pipe_file(self.key(name), data)
+        self._listing = None
+
+    def upload(self, local: Path, name: str) -> None:
+        with failing(self.where(name), "uploading"):
+            self.fs.put_file(str(local), self.key(name))
+        self._listing = None
+
+    def delete(self, names: list[str]) -> None:
+        if names:
+            with failing(self.url, "deleting"):
+                self.fs.rm([self.key(n) for n in names])
+        self._listing = None
+
+    def reader(self, cache: str = "") -> RemoteReader:
+        return RemoteReader(self, cache)
+
+
+def open_dir(where: str | os.PathLike) -> Directory | Objects:
+    """A dataset directory: a local path, or a URL of object storage (or what names one)."""
+    if not isinstance(where, (str, os.PathLike)):
+        where = str(where)  # a checkpoint.location.Remote: its URL
+    return Objects(where) if is_url(where) else Directory(where)
+
+
+def name_of(where: str | os.PathLike) -> str:
+    """The last component of a path or URL (a dataset's name in metrics)."""
+    if is_url(where):
+        return str(where).rstrip("/").rsplit("/", 1)[-1]
+    return Path(where).resolve().name or str(where)
+
+
+def check_cache(cache: str) -> None:
+    """data.cache: a directory this process can write (created), or one line."""
+    if cache:
+        writable_dir(Path(cache), "--data.cache")

@@ -1,0 +1,101 @@
+"""Object storage's faults and bad input, each one line on the command line with nothing lost:
+an unknown bucket, no credentials, wrong ones, a wrong endpoint, no permission to write, a
+dataset prefix without meta.json. Credentials are enforced by a second S3 server (moto's, with
+IAM: a writer and a reader-only user)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.helpers import free_port, run_cli, tiny_train_args
+from tests.s3 import S3Server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+ENDPOINT = r"http://127\.0\.0\.1:\d+"
+CREDENTIALS = ("the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+               "~/.aws/credentials) are wrong, or may not")
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory, s3_data):
+    """A server that checks every request's signature and policy; a bucket with the tiny
+    dataset, uploaded by the writer."""
+    server = S3Server.start(tmp_path_factory.mktemp("guarded"), auth=True)
+    try:
+        fs = server.fs(server.writer)
+        url = server.bucket("guarded")
+        for name in ("train_000000.bin", "val_000000.bin", "meta.json"):
+            fs.pipe_file(f"{url[5:]}/tiny/{name}", _s3_bytes(s3_data, name))
+        yield server, url
+    finally:
+        server.stop()
+
+
+def _s3_bytes(url: str, name: str) -> bytes:
+    from ddpgpt.data.storage import Objects
+    return Objects(url).read(name)
+
+
+def fails(args, env, code=2) -> str:
+    out = run_cli(*args, env=env, timeout=90)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("ddpgpt:")]
+    assert out.returncode == code and len(lines) == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    return lines[0]
+
+
+def train(data, tmp_path, *extra):
+    return ["train", *tiny_train_args(data, tmp_path / "run", 2)[3:], *extra]
+
+
+def test_an_unknown_bucket_for_the_data_or_the_checkpoints(s3, s3_data, tmp_path):
+    line = fails(train("s3://no-such-bucket/tiny", tmp_path), s3.env())
+    assert re.fullmatch(rf"ddpgpt: error: listing s3://no-such-bucket/tiny: the bucket "
+                        rf"no-such-bucket does not exist at {ENDPOINT}; create it, or fix the URL "
+                        r"\(or AWS_ENDPOINT_URL\)", line), line
+    line = fails(train(s3_data, tmp_path, "--run.checkpoint-url", "s3://no-such-bucket/run"),
+                 s3.env())
+    assert re.fullmatch(rf"ddpgpt: error: listing s3://no-such-bucket/run: the bucket "
+                        rf"no-such-bucket does not exist at {ENDPOINT}; .*", line), line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_dataset_prefix_without_meta_json(s3, s3_data, tmp_path):
+    line = fails(train(s3_data + "-half", tmp_path), s3.env())
+    assert line == (f"ddpgpt: error: dataset {s3_data}-half does not exist; create it with: "
+                    f"ddpgpt prepare --out {s3_data}-half")
+
+
+def test_no_credentials_and_wrong_ones(guarded, tmp_path):
+    server, url = guarded
+    env = {**server.env(), "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""}
+    line = fails(train(f"{url}/tiny", tmp_path), env)
+    assert line == (f"ddpgpt: error: listing {url}/tiny: no credentials (Unable to locate "
+                    "credentials); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
+                    "~/.aws/credentials)"), line
+    wrong = server.env({"AccessKeyId": "AKIAWRONGWRONGWRONG", "SecretAccessKey": "nope"})
+    line = fails(train(f"{url}/tiny", tmp_path), wrong)
+    assert line.startswith(f"ddpgpt: error: listing {url}/tiny: access denied (") and \
+        line.endswith(f"{CREDENTIALS} read there"), line
+
+
+def test_a_wrong_endpoint(s3_data, s3, tmp_path):
+    env = {**s3.env(), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
+           "AWS_MAX_ATTEMPTS": "1"}
+    line = fails(train(s3_data, tmp_path), env)
+    assert re.fullmatch(rf"ddpgpt: error: listing {s3_data}: cannot reach the storage at "
+                        rf"{ENDPOINT} \(.*\); check AWS_ENDPOINT_URL and that the server is up",
+                        line), line
+
+
+def test_no_permission_to_write_the_checkpoints(guarded, tmp_path):
+    """The reader may read the dataset but not write checkpoints: refused before training, and
+    nothing written."""
+    server, url = guarded
+    line = fails(train(f"{url}/tiny", tmp_path, "--run.checkpoint-url", f"{url}/run"),
+                 server.env(server.reader), code=1)
+    assert re.fullmatch(rf"ddpgpt: error: writing {url}/run/\.probe-[^:]+: access denied "
+                        rf"\(Access Denied\): {re.escape(CREDENTIALS)} write there", line), line
+    assert not server.fs(server.writer).exists(f"{url[5:]}/run")

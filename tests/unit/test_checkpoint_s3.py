@@ -1,0 +1,90 @@
+"""The checkpoint store at a URL of object storage (checkpoint/location.py) against a real S3
+server: a checkpoint is published by its meta.json alone and reads back bitwise; an upload
+without one is never loaded and goes at the next start; keep-last-k, a rollback's record and the
+checkpoints it supersedes, and what is set aside, all at the URL."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from ddpgpt.checkpoint import location, read, store
+from ddpgpt.config.model import ModelConfig
+from ddpgpt.model.gpt import GPT
+from ddpgpt.run.run_dir import RunDir
+
+
+def model(seed=0):
+    return GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=16), seed=seed)
+
+
+def save(root, step, keep=10, rollbacks=0):
+    state = {"model": model(step).state_dict(), "optimizer": {"step": step}}
+    return store.save(root, step, state, {"config": {}, "rollbacks": rollbacks}, keep)
+
+
+@pytest.fixture
+def root(s3):
+    return s3.bucket("ckpt") + "/run"
+
+
+def names(s3, url):
+    return sorted(p[len(url) - 5 + 1:] for p in s3.fs().find(url[5:]))
+
+
+def test_a_checkpoint_at_a_url_is_its_objects_meta_json_last_and_reads_back(s3, root, tmp_path):
+    path = save(root, 7)
+    assert str(path) == f"{root}/step_0000007"
+    assert names(s3, root) == ["step_0000007/.metadata", "step_0000007/__0_0.distcp",
+                               "step_0000007/meta.json", "step_0000007/trainer.pt"]
+    meta = store.read_meta(path)
+    local = store.save(tmp_path, 7, {"model": model(7).state_dict(), "optimizer": {"step": 7}},
+                       {"config": {}}, 10)
+    for name, digest in meta["files"].items():  # hashed on their way out, not read back
+        assert digest == hashlib.sha256(s3.fs().cat_file(f"{root[5:]}/step_0000007/{name}")
+                                        ).hexdigest(), name
+    assert meta["files"]["__0_0.distcp"] == store.read_meta(local)["files"]["__0_0.distcp"]
+    assert set(meta["sizes"]) == set(meta["files"])
+    found, found_meta = store.find_latest(root)
+    weights = read.load(found, found_meta, weights_only=True)["model"]
+    assert all(torch.equal(weights[k], v) for k, v in model(7).state_dict().items())
+
+
+def test_an_upload_without_meta_json_is_never_loaded_and_goes_at_the_next_start(s3, root):
+    save(root, 2)
+    save(root, 4)
+    s3.fs().rm(f"{root[5:]}/step_0000004/meta.json")  # a writer killed before its last object
+    path, meta = store.find_latest(root)
+    assert (str(path), meta["step"]) == (f"{root}/step_0000002", 2)
+    assert [str(p) for p in store.remove_temporaries(root)] == [f"{root}/step_0000004"]
+    assert names(s3, root) == [f"step_0000002/{n}" for n in (".metadata", "__0_0.distcp",
+                                                              "meta.json", "trainer.pt")]
+
+
+def test_a_replaced_object_is_found_by_its_size(s3, root):
+    path = save(root, 3)
+    s3.fs().pipe_file(f"{root[5:]}/step_0000003/__0_0.distcp", b"short")
+    with pytest.raises(store.CheckpointError, match=rf"^{path}: __0_0.distcp has 5 bytes, meta"
+                                                     r"\.json says \d+ \(replaced or corrupt\)$"):
+        store.read_meta(path)
+
+
+def test_keep_last_k_and_a_rollback_record_at_a_url(s3, root):
+    for step in (1, 2, 3, 4):
+        save(root, step, keep=2)
+    assert [s for s, _ in store.step_dirs(root)] == [3, 4]
+    store.record_rollback(root, {"to": 3, "rollbacks": 1})
+    assert [s for s, _ in store.step_dirs(root)] == [3]  # 4 is superseded at once
+    assert [p.name for p in store.superseded(root)] == ["step_0000004"]
+    run = RunDir(root)
+    aside = run.set_aside("rollback", store.superseded(root))
+    assert str(aside).startswith(f"{root}/rollback-")
+    assert store.read_meta(location.at(f"{aside}/step_0000004"))["step"] == 4  # moved, whole
+    save(root, 4, rollbacks=1)  # the new history's checkpoint spends the record
+    assert not location.at(root + "/rollback.json").is_file()
+    assert [s for s, _ in store.step_dirs(root)] == [3, 4]
+    assert json.loads((location.at(root) / "step_0000004" / "meta.json").read_text())[
+        "rollbacks"] == 1

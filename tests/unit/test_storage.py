@@ -1,0 +1,172 @@
+"""Datasets in object storage (data/storage.py) against a real S3 server (moto's, tests/s3.py):
+the same batches as the local copy at W=1 and 2, each rank fetching exactly its own windows'
+bytes; the cache; the next step fetched while this one computes; identity from size and ETag;
+bad prefixes and buckets as one line."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from ddpgpt.config.schema import DataConfig
+from ddpgpt.data import storage, verify
+from ddpgpt.data.loader import EvalLoader, TrainLoader
+from ddpgpt.data.mixture import MixedDataset, MixtureLoader
+from ddpgpt.data.shards import HEADER_BYTES, TokenDataset
+from ddpgpt.errors import DataError
+
+T, B = 32, 2
+
+
+def loaders(ds, world, rank, **kw):
+    return TrainLoader(ds, seq_len=T, micro_batch=B, world_size=world, rank=rank,
+                       accum_steps=4 // world, **kw)
+
+
+def settle(loader) -> None:
+    """Waits for the fetches ahead that the loader started."""
+    for future in list(loader.stream.reader._pending.values()):
+        future.result()
+
+
+def test_a_dataset_in_s3_opens_as_its_local_copy(s3_data, tiny_data):
+    remote, local = TokenDataset(s3_data), TokenDataset(tiny_data)
+    assert remote.fingerprint == local.fingerprint and remote.path == s3_data
+    for split in ("train", "val"):
+        assert [np.array_equal(a, b) for a, b in zip(remote.tokens(split), local.tokens(split))] \
+            == [True] * len(local.tokens(split))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_each_rank_reads_the_local_batches_and_only_its_own_windows(s3_data, tiny_data, world):
+    remote, local = TokenDataset(s3_data), TokenDataset(tiny_data)
+    for rank in range(world):
+        a, b = loaders(remote, world, rank), loaders(local, world, rank)
+        windows = []
+        for _ in range(3):
+            step = a.order(a.epoch).items(a.consumed, a.consumed + a.global_batch)
+            windows += list(a.mine(step))
+            for (x1, y1), (x2, y2) in zip(a.next_step(), b.next_step()):
+                assert np.array_equal(x1, x2) and np.array_equal(y1, y2)
+        settle(a)
+        # its windows of 3 steps and of the next one (fetched ahead), nothing else
+        ahead = a.mine(a.order(a.epoch).items(a.consumed, a.consumed + a.global_batch))
+        expected = (len(windows) + len(ahead)) * (T + 1) * remote.dtype.itemsize
+        assert a.stream.reader.fetched_bytes == expected
+
+
+def test_rows_packed_from_documents_and_evaluation_are_the_local_ones(s3_data, tiny_data):
+    remote, local = TokenDataset(s3_data), TokenDataset(tiny_data)
+    a, b = loaders(remote, 2, 1, align="bos"), loaders(local, 2, 1, align="bos")
+    for (x1, _), (x2, _) in zip(a.next_step(), b.next_step()):
+        assert np.array_equal(x1, x2)
+    va = EvalLoader(remote, seq_len=T, micro_batch=B, world_size=2, rank=1, max_windows=9)
+    vb = EvalLoader(local, seq_len=T, micro_batch=B, world_size=2, rank=1, max_windows=9)
+    for (x1, y1), (x2, y2) in zip(va, vb):
+        assert np.array_equal(x1, x2) and np.array_equal(y1, y2)
+
+
+def test_a_mixture_of_a_url_and_a_directory(s3_data, tiny_data):
+    sources = DataConfig(dir=f"{s3_data}:0.7,{tiny_data}:0.3").sources()
+    assert sources == [(s3_data, 0.7), (str(tiny_data), 0.3)]
+    assert DataConfig(dir=f"{s3_data},{tiny_data}").sources()[0] == (s3_data, 0.5)
+    mixed = MixedDataset(sources)
+    assert mixed.names == [f"{s3_data.split('/')[2]}-tiny", f"{tiny_data.parent.name}-tiny"]
+    twin = MixedDataset([(str(tiny_data), 0.7), (str(tiny_data) + "/", 0.3)])
+    a = MixtureLoader(mixed, seq_len=T, micro_batch=B, world_size=2, rank=0, accum_steps=2)
+    b = MixtureLoader(twin, seq_len=T, micro_batch=B, world_size=2, rank=0, accum_steps=2)
+    for _ in range(2):
+        for (x1, _), (x2, _) in zip(a.next_step(), b.next_step()):
+            assert np.array_equal(x1, x2)
+
+
+def test_the_cache_keeps_what_was_read(s3_data, tmp_path):
+    ds = TokenDataset(s3_data)
+    first = loaders(ds, 2, 0, cache=str(tmp_path))
+    batches = [[x.clone() for x, _ in first.next_step()] for _ in range(2)]
+    settle(first)
+    assert first.stream.reader.fetched_bytes > 0
+    assert sorted(p.name for p in tmp_path.glob("*/*"))  # blocks, written whole
+    again = loaders(ds, 2, 0, cache=str(tmp_path))  # a restart on this node
+    assert [[x for x, _ in again.next_step()] for _ in range(2)][0][0].equal(batches[0][0])
+    settle(again)
+    assert again.stream.reader.fetched_bytes == 0  # all from the local disk
+
+
+def test_the_next_step_is_fetched_while_this_one_computes(s3_data, monkeypatch):
+    """Each ranged read takes 0.4 s: the first step waits for its windows (in one concurrent
+    batch, not one after another); the next, fetched during 0.6 s of "compute", does not wait."""
+    real = storage.Objects.ranges
+
+    def slow(self, requests):
+        time.sleep(0.4)
+        return real(self, requests)
+
+    monkeypatch.setattr(storage.Objects, "ranges", slow)
+    loader = loaders(TokenDataset(s3_data), 1, 0)
+    start = time.perf_counter()
+    list(loader.next_step())
+    first = time.perf_counter() - start
+    time.sleep(0.6)  # the step's forward and backward
+    start = time.perf_counter()
+    list(loader.next_step())
+    second = time.perf_counter() - start
+    assert 0.4 <= first < 1.2 and second < 0.2, (first, second)
+
+
+def test_an_object_rewritten_is_hashed_again_and_its_change_is_one_line(s3, tiny_data):
+    url = s3.bucket("rewrite") + "/tiny"
+    fs = s3.fs()
+    for path in sorted(tiny_data.iterdir(), key=lambda p: p.name == "meta.json"):
+        if path.is_file() and path.name != "verified.json":
+            fs.put_file(str(path), f"{url[5:]}/{path.name}")
+    ds = TokenDataset(url)
+    assert len(verify.stale(ds)) == 2  # no cache yet: both shards hashed on first use
+    assert verify.record(ds.files, verify.hash_share(ds))
+    assert verify.stale(TokenDataset(url)) == []  # the next start: none
+    name = ds.shards["train"][0].file
+    data = bytearray(fs.cat_file(f"{url[5:]}/{name}"))
+    data[HEADER_BYTES] ^= 1  # same size, another byte: another ETag
+    fs.pipe_file(f"{url[5:]}/{name}", bytes(data))
+    again = TokenDataset(url)
+    assert [i.file for i in verify.stale(again)] == [name]
+    with pytest.raises(DataError, match=rf"^{url}/{name}: sha256 mismatch \(file "):
+        verify.hash_share(again)
+
+
+def test_a_prefix_without_meta_json_and_an_unknown_bucket_are_one_line(s3):
+    url = s3.bucket("partial") + "/half"
+    s3.fs().pipe_file(f"{url[5:]}/train_000000.bin", b"x")
+    with pytest.raises(DataError, match=rf"^dataset {url} has no meta.json \(not prepared, or "
+                                        rf"prepare did not finish\); re-run ddpgpt prepare --out "
+                                        rf"{url}$"):
+        TokenDataset(url)
+    with pytest.raises(DataError, match=rf"^dataset {url}-not does not exist; create it with: "):
+        TokenDataset(url + "-not")
+    with pytest.raises(DataError, match=r"^listing s3://no-such-bucket/x: the bucket "
+                                        r"no-such-bucket does not exist at http://127.0.0.1:\d+; "
+                                        r"create it, or fix the URL \(or AWS_ENDPOINT_URL\)$"):
+        TokenDataset("s3://no-such-bucket/x")
+
+
+def test_requests_orphaned_by_a_cut_transfer_are_not_printed_as_tracebacks(caplog):
+    """A transfer cut mid-batch leaves the batch's other requests failing unawaited; asyncio
+    printed each with a traceback after the one-line error (seen on an upload cut by the server
+    going away). Those are dropped on fsspec's loop; any other loop error still reaches asyncio's
+    log."""
+    import asyncio
+
+    storage.filesystem("s3://some-bucket/prefix")  # makes no request
+    import fsspec.asyn
+    loop = fsspec.asyn.get_loop()
+    handler = loop.get_exception_handler()
+    orphan = "Task exception was never retrieved"
+    with caplog.at_level("ERROR", logger="asyncio"):
+        handler(loop, {"message": orphan, "exception": ConnectionResetError("closing transport")})
+        assert caplog.records == []
+        handler(loop, {"message": orphan, "exception": ValueError("a bug")})
+        handler(loop, {"message": "something else", "exception": ConnectionResetError("x")})
+    assert [r.getMessage().split("\n")[0] for r in caplog.records] == [orphan, "something else"]
+    assert all(r.name == asyncio.log.logger.name for r in caplog.records)
