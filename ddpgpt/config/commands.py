@@ -10,6 +10,8 @@ from ddpgpt.config.checks import _choice, _finite, _require
 from ddpgpt.config.choices import Device, Optimizer, Tokenizer
 from ddpgpt.config.schema import MAX_BUCKET_MB
 
+RUN_DIR = "runs/default"  # eval's --run-dir when not given
+
 
 @dataclass
 class PrepareConfig:
@@ -147,11 +149,16 @@ class PlotConfig:
 @dataclass
 class EvalConfig:
     """`ddpgpt eval`: validation loss of a run's latest checkpoint and, with --task,
-    multiple-choice accuracy (runs under torchrun too)."""
+    multiple-choice accuracy or CORE; or, with --init-from, the tasks of a transformers model
+    (runs under torchrun too)."""
 
-    run_dir: str = field(default="runs/default", metadata={"alias": "--run"})
+    run_dir: str = field(default=RUN_DIR, metadata={"alias": "--run"})
     """Run directory (its latest complete checkpoint is used). Under torchrun write --run-dir:
     torchrun's own parser takes --run for an abbreviation of its --run-path."""
+    init_from: str = ""
+    """Score this model instead of a run's: a transformers directory (GPT-2, Llama or Qwen3, as
+    train's --init-from reads them, with the tokenizer saved beside it) or a hub name (gpt2,
+    ...). Tasks only: there is no dataset for a validation loss."""
     windows: int = -1
     """Validation windows to evaluate; -1 uses the run's data.eval_windows, 0 all of them."""
     task: str = ""
@@ -159,12 +166,15 @@ class EvalConfig:
     (its validation set, downloaded once into DDPGPT_CACHE_DIR or ~/.cache/ddpgpt), or any NAME
     given with --task-data (KIND:NAME: a task of another kind, evals/kinds.py). Each prints
     NAME_acc_norm (lowest mean loss per token, llm.c's), NAME_acc (lowest sum) and NAME_acc_char
-    (sum per character, lm-evaluation-harness's)."""
+    (sum per character, lm-evaluation-harness's). core: CORE's 22 tasks as nanochat scores them
+    (core_metric, each task's core_LABEL_acc and core_LABEL_centered)."""
     task_data: str = ""
     """The tasks' jsonl files, comma-separated in --task's order: one example per line, {"ctx":
-    ..., "endings": [...], "label": INDEX}. Empty for hellaswag: its cached download."""
+    ..., "endings": [...], "label": INDEX}. Empty for hellaswag: its cached download. core's: the
+    eval bundle's directory (core.yaml, eval_meta_data.csv, eval_data/)."""
     limit: int = 0
-    """Score the first this many examples of each task; 0: all."""
+    """Score the first this many examples of each task (core: of each of its tasks, after
+    nanochat's shuffle); 0: all."""
     json: bool = False
     """Print one JSON object (val_loss, val_bpb, NAME_acc_norm, NAME_acc, NAME_acc_char, NAME_n)
     instead of lines."""
@@ -180,6 +190,14 @@ class EvalConfig:
         _require(self.limit >= 0, f"--limit {self.limit} must be >= 0 (0: all)")
         _require(bool(self.task) or not self.task_data,
                  "--task-data needs --task NAME (the task the file holds)")
+        _require(not self.init_from or bool(self.task),
+                 f"--init-from {self.init_from} scores tasks only (no dataset, no validation "
+                 "loss): give --task (core, hellaswag, ...)")
+        _require(not self.init_from or self.run_dir == RUN_DIR,
+                 f"--init-from {self.init_from} and --run-dir {self.run_dir}: give one, the "
+                 "model to score")
+        _require(not self.init_from or self.windows == -1,
+                 "--windows counts validation windows; --init-from has none (tasks only)")
         _choice("eval", "device", self.device, Device)
 
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from ddpgpt.config import choices
-from ddpgpt.config.checks import _choice, _finite, _require
+from ddpgpt.config.checks import _choice, _finite, _number, _require
 from ddpgpt.config.model import ModelConfig
 
 MAX_BUCKET_MB = 65536     # 64 GiB: larger than any device's memory, far below an int overflow
@@ -84,7 +84,6 @@ class DataConfig:
                  f"{self.train_eval_windows} must be >= -1 (-1: as many as val, 0: off)")
         _choice("data", "align", self.align, choices.Align)
 
-
     def sources(self) -> list[tuple[str, float]]:
         """data.dir as [(directory, share)]: one dataset at share 1, or a mixture's, the shares
         normalized to sum to 1 in the order given."""
@@ -119,13 +118,6 @@ class DataConfig:
 def _weighted(part: str) -> bool:
     """A mixture's DIR:WEIGHT has a weight: a ':' after the last '/' (s3://b/x is a URL)."""
     return ":" in part.rsplit("/", 1)[-1]
-
-
-def _number(text: str) -> bool:
-    try:
-        return math.isfinite(float(text))
-    except ValueError:
-        return False
 
 
 @dataclass
@@ -239,14 +231,18 @@ class RunConfig:
     """The text the samples continue; empty: a fresh document."""
     eval_tasks: str = ""
     """Multiple-choice tasks scored at every evaluation, comma-separated: hellaswag (downloaded
-    once) or NAME with eval_task_data (KIND:NAME: another kind of task). metrics.jsonl's eval
-    rows get NAME_acc_norm, NAME_acc, NAME_acc_char, NAME_n and NAME_s (the seconds it took); the
-    same at any number of processes."""
+    once) or NAME with eval_task_data (KIND:NAME: another kind of task; core: CORE's bundle).
+    metrics.jsonl's eval rows get NAME_acc_norm, NAME_acc, NAME_acc_char, NAME_n and NAME_s (the
+    seconds it took); core's core_metric and each task's core_LABEL_acc and _centered. The same
+    at any number of processes."""
     eval_task_data: str = ""
     """The eval_tasks' jsonl files (ctx, endings, label per line), comma-separated in their order;
-    empty for hellaswag's download."""
+    empty for hellaswag's download; core's: the eval bundle's directory."""
     eval_task_limit: int = 0
     """Score the first this many examples of each task at each evaluation; 0: all."""
+    eval_core_limit: int = 500
+    """Examples of each of a CORE bundle's tasks scored at each evaluation (nanochat's 500 in
+    training): shuffled with nanochat's seed, then the first this many; 0: all."""
     target_val_loss: float = 0.0
     """Stop at the first evaluation whose val loss is at most this (time to target): a
     checkpoint, a metrics.jsonl row {"event": "target", "val_loss", "elapsed_s", "train_s",
@@ -360,6 +356,8 @@ class RunConfig:
                  "seconds")
         _require(self.eval_task_limit >= 0,
                  f"run.eval_task_limit = {self.eval_task_limit} must be >= 0 (0: all)")
+        _require(self.eval_core_limit >= 0,
+                 f"run.eval_core_limit = {self.eval_core_limit} must be >= 0 (0: all)")
         _require(self.target_val_loss >= 0,
                  f"run.target_val_loss = {self.target_val_loss:g} must be >= 0 (0: off)")
         _require(bool(self.eval_tasks) or not self.eval_task_data,

@@ -5,14 +5,17 @@ which scores they report. It imports no torch, so the command line, the run's pr
     --task hellaswag             a multiple-choice task (the default kind; hellaswag downloads)
     --task piqa --task-data F    the same kind, from F
     --task KIND:NAME             a task of another kind; its scores are NAME_<metric>
+    --task core --task-data DIR  a bundle of tasks (a kind with `read`): its name alone names it
 
 A kind is one module and one row here. The module holds:
     a line parser, `parse(line, where)`: one line of a task file as one example, or a DataError
-        naming `where` (FILE:LINE) and what is wrong;
+        naming `where` (FILE:LINE) and what is wrong; or, for a bundle of tasks (a directory),
+        `read(path, limit)`: its tasks, each with its examples, or a DataError;
     a scorer class, `Scorer(task, tokenizer, block_size, env)`: this rank's share of the task's
         examples, prepared once; `.score(model, autocast, bar)` is collective (every rank calls
         it, on the unwrapped model) and returns {metric: value for each of the row's metrics,
-        "n": the examples scored}, the same at any number of processes.
+        "n": the examples scored}, the same at any number of processes; a bundle's adds
+        {PART_<metric>: value for each of its tasks and the row's `parts`, PART_n}.
 evals/scorer.py runs the scorers and adds each task's seconds (NAME_s).
 """
 
@@ -32,7 +35,9 @@ class Kind:
     metrics: tuple[str, ...]  # what each task reports, NAME_<metric>, in the order eval prints
     headline: str             # the one metric the progress line and `ddpgpt plot` show
     label: str                # the headline's axis label in `ddpgpt plot`
-    row: str                  # one line of a task file, as error messages show it
+    row: str                  # one line of a task file (a bundle: its directory), as errors say
+    read: str = ""            # a bundle's reader, "module:function" (see above); "": line by line
+    parts: tuple[str, ...] = ()  # what each task of a bundle reports, NAME_<PART>_<metric>
 
 
 DEFAULT = "multiple_choice"
@@ -43,14 +48,20 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          "ddpgpt.evals.multiple_choice:TaskScorer", metrics=("acc_norm", "acc", "acc_char"),
          headline="acc_norm", label="acc_norm (llm.c's HellaSwag rule)",
          row='{"ctx": ..., "endings": [...], "label": ...}'),
+    # DCLM's CORE tasks as nanochat scores them (evals/bundle.py reads, evals/core.py scores)
+    Kind("core", "", "ddpgpt.evals.core:CoreScorer", metrics=("metric",), headline="metric",
+         label="CORE (centered accuracy, nanochat's)",
+         row="eval bundle directory (core.yaml, eval_meta_data.csv, eval_data/)",
+         read="ddpgpt.evals.bundle:read", parts=("acc", "centered")),
 )}
 
 
 def split(spec: str, flag: str) -> tuple[str, str]:
-    """("multiple_choice", "piqa") for "piqa"; (KIND, NAME) for "KIND:NAME", or one line naming
-    the kinds there are."""
+    """("multiple_choice", "piqa") for "piqa"; ("core", "core") for "core" (a bundle kind's name
+    alone); (KIND, NAME) for "KIND:NAME", or one line naming the kinds there are."""
     kind, _, name = spec.rpartition(":")
-    kind = kind or DEFAULT
+    bundle = name in KINDS and KINDS[name].read
+    kind = kind or (name if bundle else DEFAULT)
     if kind not in KINDS:
         raise UserError(f"{flag} {spec}: unknown task kind {kind!r}"
                         f"{did_you_mean(kind, tuple(KINDS))}; choose one of "

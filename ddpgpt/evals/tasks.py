@@ -1,7 +1,9 @@
 """Task files: a jsonl with one example per line, read by its kind's line parser (kinds.py). A
 multiple-choice file (the default kind) holds `{"ctx": str, "endings": [str, ...], "label": int}`
 on each line (HellaSwag's shape; PIQA, ARC or a user's own set converted to it);
-multiple_choice.example reads one.
+multiple_choice.example reads one. A bundle of tasks (a kind with a reader: `--task core
+--task-data DIR`, evals/bundle.py) is a directory read whole by its kind's reader; its examples
+are its tasks.
 
 HellaSwag's validation set is downloaded once into a cache (DDPGPT_CACHE_DIR, else
 ~/.cache/ddpgpt) from the HellaSwag repository at a fixed commit and checked against its content
@@ -65,6 +67,8 @@ def pairs(names: str, files: str, flag: str, data_flag: str) -> list[tuple[str, 
         kind, name = kinds.split(spec, flag)
         check_name(name, flag)
         path = given[i] if given else ""
+        if not path and KINDS[kind].read:
+            raise UserError(f"{flag} {spec}: give its {KINDS[kind].row} with {data_flag} DIR")
         if not path and (kind, name) != (DEFAULT, HELLASWAG):
             raise UserError(f"{flag} {spec}: only hellaswag downloads itself; give the task's "
                             f"jsonl (one {KINDS[kind].row} per line) with {data_flag} FILE")
@@ -77,23 +81,34 @@ def pairs(names: str, files: str, flag: str, data_flag: str) -> list[tuple[str, 
 
 def load(spec: str, path: str, limit: int = 0) -> Task:
     """The task's examples (the first `limit`, 0: all) from `path`, or from HellaSwag's cached
-    download when `path` is empty. `spec`: [KIND:]NAME."""
+    download when `path` is empty. `spec`: [KIND:]NAME. A bundle's examples are its tasks, each
+    capped at `limit` by its kind's reader."""
     kind, name = kinds.split(spec, "--task")
+    if KINDS[kind].read:
+        return Task(name, path, tuple(kinds.load(KINDS[kind].read)(Path(path), limit)), kind)
     file = Path(path) if path else hellaswag_file()
     return Task(name, str(file), tuple(read(file, limit, kind)), kind)
 
 
-def load_all(names: str, files: str, limit: int, flag: str, data_flag: str) -> list[Task]:
+def load_all(names: str, files: str, limit: int, flag: str, data_flag: str,
+             bundle_limit: int | None = None) -> list[Task]:
     """Every task named in `names` (comma-separated), each from its file in `files` (or
-    HellaSwag's cached download), the first `limit` examples of each (0: all)."""
-    return [load(spec, path, limit) for spec, path in pairs(names, files, flag, data_flag)]
+    HellaSwag's cached download), the first `limit` examples of each (0: all); a bundle's
+    tasks `bundle_limit` each (None: `limit`)."""
+    out = []
+    for spec, path in pairs(names, files, flag, data_flag):
+        bundle = KINDS[kinds.split(spec, flag)[0]].read
+        out.append(load(spec, path, bundle_limit if bundle and bundle_limit is not None
+                        else limit))
+    return out
 
 
 def for_run(run) -> list[Task]:
-    """A training's tasks (run.eval_tasks, run.eval_task_data, run.eval_task_limit): read and
-    checked before any worker or process group starts, and again by every worker."""
+    """A training's tasks (run.eval_tasks, run.eval_task_data, run.eval_task_limit; a CORE
+    bundle's tasks run.eval_core_limit each): read and checked before any worker or process
+    group starts, and again by every worker."""
     return load_all(run.eval_tasks, run.eval_task_data, run.eval_task_limit, "run.eval_tasks",
-                    "run.eval_task_data")
+                    "run.eval_task_data", run.eval_core_limit)
 
 
 def read(path: Path, limit: int = 0, kind: str = DEFAULT) -> list:

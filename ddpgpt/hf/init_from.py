@@ -67,7 +67,7 @@ def locate(spec: str) -> Path:
                         f"directory: --init-from ./{spec}") from None
 
 
-def _config(path: Path) -> dict | None:
+def read_config(path: Path) -> dict | None:
     """config.json beside the weights (in the directory, or beside the file), if any."""
     file = (path if path.is_dir() else path.parent) / "config.json"
     if not file.is_file():
@@ -119,7 +119,7 @@ def weights_shape(spec: str) -> dict:
                 "block_size": gpt2.GPT2_POSITIONS, "vocab": GPT2_VOCAB, "bias": True,
                 "gelu": "tanh"}
     path = locate(spec)
-    config = _config(path)
+    config = read_config(path)
     if config is not None and config.get("model_type") in llama.CLASSES:
         return llama.shape(config, f"--init-from {spec}")
     if config is not None:
@@ -220,7 +220,7 @@ def weights_tokenizer(spec: str) -> tuple[str | None, str]:
         return "gpt2", ""
     path = Path(spec)
     folder = path if path.is_dir() else path.parent
-    _config(path)  # a config.json that is not JSON: its own line
+    read_config(path)  # a config.json that is not JSON: its own line
     found = folder_tokenizer(folder, f"--init-from {folder}")
     if found is not None or any((folder / n).is_file() for n in ("tokenizer.json", "vocab.json")):
         return found, ""

@@ -31,6 +31,38 @@ def eval_loss(env, data: str, max_windows: int) -> float:
     return evaluate(model, loader, env)
 
 
+def core_model(block: int, seed: int):
+    from ddpgpt.config.model import ModelConfig
+    from ddpgpt.model.gpt import GPT
+
+    return GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=block, vocab_size=257),
+               seed=seed).eval()
+
+
+def core_scores(env, bundle: str, block: int, seed: int) -> dict:
+    """A seeded tiny model's CORE scores of `bundle` (each rank its share), without the seconds,
+    and how many all-reduces scoring it took on this rank."""
+    from ddpgpt.data.tokenizer import ByteTokenizer
+    from ddpgpt.evals import tasks
+    from ddpgpt.evals.scorer import Scorer
+
+    model = core_model(block, seed)
+    scorer = Scorer([tasks.load("core", bundle)], ByteTokenizer(), block, env)
+    calls, reduce = [], collectives.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return reduce(*args, **kwargs)
+
+    collectives.all_reduce = counted
+    try:
+        scores = scorer.score(model)
+    finally:
+        collectives.all_reduce = reduce
+    return {"scores": {k: v for k, v in scores.items() if not k.endswith("_s")},
+            "all_reduces": len(calls)}
+
+
 def count_allreduces(env, data: str, run_dir: str, accum: int, steps: int) -> dict:
     """Runs train_step `steps` times with A = `accum`; returns the DDP buckets all-reduced in each
     step, by index (DDP re-buckets after its first iteration, so the count can change once)."""
