@@ -28,6 +28,7 @@ import os
 import sys
 from pathlib import Path
 
+from ddpgpt import __version__
 from ddpgpt.config.commands import (
     BenchConfig,
     CheckConfig,
@@ -159,6 +160,7 @@ def _build_parser(shown: TrainConfig | None = None, every: bool = False
                      "process, N local processes (--nproc), or many nodes under torchrun. "
                      "Start with `ddpgpt prepare`, then `ddpgpt train` (docs/usage.md).")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--version", action="version", version=f"ddpgpt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     for name, (cls, _, help_, example) in COMMANDS.items():
@@ -202,11 +204,14 @@ def _add_train(sub, shown: TrainConfig | None, every: bool) -> None:
                   listed=None if every else TRAIN_LISTED.__contains__)
 
 
-def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
-    """(the config, --nproc, --max-restarts) from the parsed `train` flags: preset -> --config
-    file -> flags; or, for a run dir that has a config.json and neither a preset nor a file,
-    that config -> flags (the run continues as it was made); or --resolved-config FILE -> flags."""
+def train_config(values: dict) -> tuple[TrainConfig, int | None, int, str]:
+    """(the config, --nproc, --max-restarts, the lines to say once it checked out) from the
+    parsed `train` flags: preset -> --config file -> flags; or, for a run dir that has a
+    config.json and neither a preset nor a file, that config -> flags (the run continues as it
+    was made: `--run-dir R` without --data also on the processes it last trained on, unless
+    --nproc says otherwise); or --resolved-config FILE -> flags."""
     options = {k: values.pop(k, None) for k in TRAIN_OPTIONS}
+    nproc, continuing = options["nproc"], False
     if options["reset"]:
         if values.get("run.resume") not in (None, "reset"):
             raise UserError(f"--reset and --resume {values['run.resume']} contradict each "
@@ -223,16 +228,28 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int]:
     else:
         run_dir = Path(values.get("run.dir") or RunConfig().dir)
         saved = run_dir / "config.json"
+        continuing = "run.dir" in values and "data.dir" not in values and not whole
+        url = values.get("run.checkpoint_url")
+        if continuing and not url:  # (with a URL, the run may be there: _from_checkpoints)
+            from ddpgpt.run.run_dir import check_continues
+            check_continues(run_dir)  # `--run-dir R` without --data continues R
         base = None if whole or not saved.is_file() else continued(
             read_config(saved, "the run's config", "; restore it, or give the whole config "
                         "(--preset, --config)"), flags, str(saved))
-        if base is None and not whole and values.get("run.checkpoint_url"):
-            base = _from_checkpoints(values["run.checkpoint_url"], flags)
-    cfg = build(options["preset"], options["config"], flags, shape=_pretrained_shape, base=base)
+        if base is None and not whole and url:
+            base = _from_checkpoints(url, flags)
+    shape = _PretrainedShape()
+    cfg = build(options["preset"], options["config"], flags, shape=shape, base=base)
+    notes = shape.note(cfg)
+    if base is not None and nproc is None and not options["resolved_config"]:
+        from ddpgpt.run.launch import continuing_nproc
+        nproc, note = continuing_nproc(run_dir, cfg.run.device, adopt=continuing)
+        notes += [note] if note else []
     if options["print_config"]:
-        print_config(cfg, options["nproc"])
+        from ddpgpt.run.preflight import print_config
+        print_config(cfg, nproc)
         sys.exit(0)
-    return cfg, options["nproc"], options["max_restarts"] or 0
+    return cfg, nproc, options["max_restarts"] or 0, "\n".join(notes)
 
 
 def _from_checkpoints(url: str, flags: dict) -> TrainConfig | None:
@@ -257,33 +274,23 @@ def read_config(path: str | Path, where: str, fix: str = "") -> dict:
         raise UserError(f"{where} {path}: not valid JSON ({e}){fix}") from None
 
 
-def _pretrained_shape(cfg: TrainConfig, explicit: dict) -> TrainConfig:
-    """--model.init-from: the shape of its weights (read only when asked for)."""
-    from ddpgpt.hf.init_from import apply_shape
-    return apply_shape(cfg, explicit)
+class _PretrainedShape:
+    """--model.init-from: the shape of its weights (read only when asked for); `note(cfg)`, once
+    the config is built, the line that says what they changed of it."""
 
+    def __init__(self):
+        self.before: TrainConfig | None = None
 
-def print_config(cfg: TrainConfig, nproc: int | None) -> None:
-    """What `train` would run with, as TOML. Every `auto` is resolved as the run would resolve
-    it; without the dataset, the values that depend on it stay as given, and a comment says so."""
-    from ddpgpt.config.io import to_toml
-    from ddpgpt.distributed.group import detect
-    from ddpgpt.errors import DataError
-    from ddpgpt.run import resume
-    from ddpgpt.run.preflight import preflight
-    from ddpgpt.run.run_dir import RunDir
+    def __call__(self, cfg: TrainConfig, explicit: dict) -> TrainConfig:
+        from ddpgpt.hf.init_from import apply_shape
+        self.before = cfg
+        return apply_shape(cfg, explicit)
 
-    here = detect()
-    world = nproc or here.world_size
-    try:
-        cfg, dataset = preflight(cfg, world, nproc or here.local_world_size)
-    except DataError as e:
-        print(f"# not resolved (model.vocab_size, data.seq_len, run.*: auto): {e}")
-    else:
-        cfg, start = resume.plan(cfg, RunDir(cfg.run.dir, cfg.run.checkpoint_url), dataset)
-        where = f"resuming {start.path}" if start.path else "from scratch"
-        print(f"# resolved for {world} process{'es' if world > 1 else ''}, {where}")
-    print(to_toml(cfg), end="")
+    def note(self, cfg: TrainConfig) -> list[str]:
+        from ddpgpt.hf.init_from import shape_note
+        if self.before is None:
+            return []
+        return [shape_note(self.before, cfg)]
 
 
 TRUE, FALSE = ("true", "yes", "1"), ("false", "no", "0")
@@ -346,6 +353,9 @@ def check_command(argv: list[str]) -> None:
 
 
 def dispatch(argv: list[str]) -> None:
+    if not argv:  # what there is to do, rather than "the following arguments are required"
+        _build_parser().print_help()
+        return
     check_command(argv)
     every = argv[:1] == ["train"] and "--help-all" in argv
     if every:
@@ -354,13 +364,13 @@ def dispatch(argv: list[str]) -> None:
     ns = parser.parse_args(bool_values(parser, argv))
     values = {k: v for k, v in vars(ns).items() if k not in ("command", "debug", "help_all")}
     if ns.command == "train":
-        cfg, nproc, max_restarts = train_config(values)  # checked before torch loads
+        cfg, nproc, max_restarts, note = train_config(values)  # checked before torch loads
         if nproc is None:
             from ddpgpt.commands import train
-            train.run(cfg)
+            train.run(cfg, note)
         else:
             from ddpgpt.run import launch
-            sys.exit(launch.train(cfg, nproc, max_restarts))
+            sys.exit(launch.train(cfg, nproc, max_restarts, note))
         return
     cls, target, _, _ = COMMANDS[ns.command]
     module, function = target.split(":")

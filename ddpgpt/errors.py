@@ -57,9 +57,18 @@ def survive_closed_output() -> None:
             setattr(sys, name, _Unbroken(stream))
 
 
+def say(line: str) -> None:
+    """A line on stderr for the person at the terminal, written above any progress bar drawn
+    there (tqdm.write takes the bar away, writes, and draws it again), never over it: every
+    status line goes through here, or through warn."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
 def warn(message: str) -> None:
     """One line on stderr for something that does not stop the command."""
-    print(f"ddpgpt: warning: {message}", file=sys.stderr)
+    say(f"ddpgpt: warning: {message}")
 
 
 class UserError(Exception):
@@ -79,11 +88,14 @@ class DataError(UserError):
 
 
 def closest(word: str, choices) -> str | None:
-    """The choice closest to a mistyped `word` (difflib's ratio at least 0.6), or None."""
+    """The choice closest to a mistyped `word` (difflib's ratio at least 0.6), or else the one
+    of the same letters in another order (`tyni`: tiny, whose ratio is 0.5), or None."""
     import difflib
 
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return close[0] if close else None
+    choices = [str(c) for c in choices]
+    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
+    same = [c for c in choices if sorted(c.lower()) == sorted(str(word).lower())]
+    return close[0] if close else same[0] if same else None
 
 
 def did_you_mean(word: str, choices) -> str:

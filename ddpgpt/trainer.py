@@ -275,13 +275,13 @@ class Trainer:
             norm = self.sync.clip(self.cfg.optim.grad_clip or float("inf"))
         return loss_sum / self.accum, norm
 
-    def evaluate(self, tasks: Scorer | None = None) -> dict:
+    def evaluate(self, tasks: Scorer | None = None, progress: bool = False) -> dict:
         """An eval row: val_loss and val_bpb, train_eval_loss (data.train_eval_windows; a
         mixture's each source's too: evals/loss.py), the tasks' scores, the run's seconds
-        (times()). Collective: every rank calls it."""
+        (times()). Collective: every rank calls it. `progress`: bars on rank 0."""
         with self.timed("eval"):
-            row = evaluate_sets(self.raw, self.evals, self.env, self.autocast)
-            scores = tasks.score(self.raw, self.autocast) if tasks else {}
+            row = evaluate_sets(self.raw, self.evals, self.env, self.autocast, progress)
+            scores = tasks.score(self.raw, self.autocast, progress) if tasks else {}
         return {**row, **scores, **self.times()}
 
     def probe(self, batch: int) -> float:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import torch
+
 from ddpgpt.checkpoint.read import check_data, model_of, run_checkpoint
 from ddpgpt.config.commands import EvalConfig
 from ddpgpt.config.schema import RunConfig
@@ -26,7 +28,7 @@ from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.distributed.group import session
 from ddpgpt.errors import warn
 from ddpgpt.evals.kinds import KINDS
-from ddpgpt.evals.loss import eval_sets, evaluate_sets
+from ddpgpt.evals.loss import eval_sets, evaluate_sets, val_text
 from ddpgpt.evals.scorer import Scorer
 from ddpgpt.evals.tasks import load_all
 from ddpgpt.hf import pretrained
@@ -48,6 +50,8 @@ def run(cfg: EvalConfig) -> None:
     tasks = load_all(cfg.task, cfg.task_data, cfg.limit, "--task", "--task-data")
     tokenizer = run_tokenizer(run_dir) if tasks else None
     with session(cfg.device, "auto") as env:
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         model = model_of(found, env.device)
         if env.device.type == "cpu":
             flush_denormals()  # as in training: the same figures, at full speed
@@ -74,6 +78,8 @@ def run_pretrained(cfg: EvalConfig) -> None:
     tasks = load_all(cfg.task, cfg.task_data, cfg.limit, "--task", "--task-data")
     found = pretrained.load(cfg.init_from)
     with session(cfg.device, "auto") as env:
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         model = pretrained.model_of(found, env.device)
         if env.device.type == "cpu":
             flush_denormals()
@@ -95,18 +101,16 @@ def report(cfg: EvalConfig, dataset: TokenDataset | MixedDataset, row: dict, sco
            tasks: list, step: int, windows: int, seq_len: int, world_size: int) -> None:
     """One line per result, or with --json one object. `row`: evaluate_sets' (val_loss,
     val_bpb; a mixture's each source's too)."""
-    loss, bpb = row["val_loss"], row["val_bpb"]
+    bpb = row["val_bpb"]
     if bpb is None:
         warn(dataset.bytes_advice())
     if cfg.json:
         print(json.dumps({"step": step, **row, **_shown(scores)}))
         return
     bits = "" if bpb is None else f", val_bpb {bpb:.4f}"
-    each = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in row.items()
-                     if k.startswith("val_loss/"))
     on = f", on {cfg.data}" if cfg.data else ""  # other data than the run's, on purpose
-    print(f"val_loss {loss:.4f}{each and f' ({each})'}{bits} (step {step}, {windows} windows of "
-          f"{seq_len} tokens, {world_size} process{'es' if world_size > 1 else ''}{on})")
+    print(f"{val_text(row)}{bits} (step {step}, {windows} windows of {seq_len} tokens, "
+          f"{world_size} process{'es' if world_size > 1 else ''}{on})")
     print_tasks(tasks, scores)
 
 

@@ -3,11 +3,14 @@
     ddpgpt plot runs/adamw runs/muon --out compare.png
 
 Three panels: train loss (smoothed, the raw rows faint behind it) and val loss against optimizer
-steps, the same against tokens, and tokens/s against steps; a fourth with each eval task's
-headline score (its kind's: acc_norm for multiple choice) against steps when a run scored any
-(run.eval_tasks). A star marks where a run
-reached its run.target_val_loss; vertical lines on the first panel mark where a run stopped, started
-again with other settings, or rolled back past a loss spike. One colour per run, named once in a
+steps, the same against tokens, and tokens/s against steps; one with each eval task's headline
+score (its kind's: acc_norm for multiple choice) against steps when a run scored any
+(run.eval_tasks); and for a mixture two more: each source's val and train-sample loss (the
+headline val loss is their sum under the weights in force, so it moves when they change), and
+each source's realized share of the rows beside its weight. A star marks where a run reached its
+run.target_val_loss; vertical lines on the first panel mark where a run stopped, resumed with
+other settings (what changed written along the line) or started again otherwise, or rolled back
+past a loss spike. One colour per run, named once in a
 legend above the panels (the run dir, its optimizer, sync mode and the world size it trained
 most steps at, from config.json and configs.jsonl); solid lines are train loss, circles val
 loss. The picture goes next to the first run (runs/NAME -> runs/NAME.png) unless --out says
@@ -32,13 +35,15 @@ from pathlib import Path
 
 from ddpgpt.checkpoint.store import step_dirs
 from ddpgpt.config.commands import PlotConfig
-from ddpgpt.errors import UserError
+from ddpgpt.errors import UserError, beside
 from ddpgpt.evals.kinds import headlines, label_of
 from ddpgpt.files import atomic_write, describe, require
 from ddpgpt.run.run_dir import RunDir
 
 FORMATS = (".png", ".pdf", ".svg")
-MARKS = {"stopped": {"ls": "--"}, "restarted": {"ls": "-."}, "rolled back": {"ls": ":"}}
+MARKS = {"stopped": {"ls": "--"}, "restarted": {"ls": "-."}, "settings changed": {"ls": "-"},
+         "rolled back": {"ls": ":"}}
+SOURCE_MARKERS = "os^Dv"  # a mixture's sources, one each, in every run
 
 
 def load_run(path: str) -> dict:
@@ -46,7 +51,9 @@ def load_run(path: str) -> dict:
     metrics file is not what `ddpgpt train` writes."""
     run = RunDir(path)
     if not run.metrics.is_file():
-        raise UserError(f"{path}: no metrics.jsonl; give run dirs that `ddpgpt train` wrote")
+        what = "no metrics.jsonl" if run.path.exists() else \
+            f"no such run dir{beside(path, 'metrics.jsonl', 'runs')}"
+        raise UserError(f"{path}: {what}; give run dirs that `ddpgpt train` wrote")
     damaged = "the file is damaged (restore it, or plot other runs)"
     try:
         lines = run.metrics.read_bytes().decode("utf-8").splitlines()
@@ -74,15 +81,46 @@ def load_run(path: str) -> dict:
                      if _number(r.get("tokens")) and r["step"] > 0), None)
     targets = [r for r in rows if r.get("event") == "target" and _number(r.get("val_loss"))]
     last = max((r["step"] for r in train), default=0)
+    changes = changed(rows)
     return {"label": _label(run, path, last), "train": train, "val": val,
             "tokens_per_step": per_step,
-            "target": targets[-1] if targets else None, "marks": marks(run, rows)}
+            "target": targets[-1] if targets else None, "marks": marks(run, rows, changes),
+            "changes": changes, "sources": sorted({k.split("/", 1)[1] for r in val for k in r
+                                                   if k.startswith("val_loss/")})}
 
 
-def marks(run: RunDir, rows: list[dict]) -> dict[str, list[int]]:
+def changed(rows: list[dict]) -> dict[int, str]:
+    """{step: what changed there}: each resume with other settings (a config_change row) or
+    mixture weights (mixture_change; its data.dir then goes without saying), as the mark's
+    label says it: "optim.lr 0.3→30", "a 0.7→0.5, b 0.3→0.5"."""
+    out: dict[int, list[str]] = {}
+    for r in rows:
+        try:
+            if r.get("event") == "mixture_change":
+                text = ", ".join(f"{n} {r['old'].get(n, 0):g}→{w:g}" for n, w in r["new"].items())
+            elif r.get("event") == "config_change":
+                text = ", ".join(f"{k} {_brief(a)}→{_brief(b)}"
+                                 for k, (a, b) in r["changes"].items() if k != "data.dir"
+                                 or not any(x.get("event") == "mixture_change"
+                                            and x["step"] == r["step"] for x in rows))
+            else:
+                continue
+        except (KeyError, TypeError, ValueError, AttributeError):
+            text = "settings"  # a row of another shape: the mark without its details
+        out.setdefault(r["step"], []).append(text)
+    return {step: "; ".join(filter(None, texts)) for step, texts in out.items()}
+
+
+def _brief(value) -> str:
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return text if len(text) <= 14 else text[:13] + "…"
+
+
+def marks(run: RunDir, rows: list[dict], changes: dict[int, str]) -> dict[str, list[int]]:
     """The steps where the run's story turned: it stopped (a stop row: a signal, an error) and
-    started again from a checkpoint, started with other settings (configs.jsonl), or rolled back
-    past a loss spike (drawn at the spike)."""
+    started again from a checkpoint, started with other settings (`changes`) or otherwise again
+    (configs.jsonl: another world size), or rolled back past a loss spike (drawn at the
+    spike)."""
     starts = []
     if run.configs.is_file():
         for line in run.configs.read_text().splitlines():
@@ -91,7 +129,8 @@ def marks(run: RunDir, rows: list[dict]) -> dict[str, list[int]]:
             except (ValueError, KeyError, TypeError):
                 continue
     return {"stopped": sorted({r["step"] for r in rows if r.get("event") == "stop"}),
-            "restarted": sorted({s for s in starts if s > 0}),
+            "restarted": sorted({s for s in starts if s > 0} - set(changes)),
+            "settings changed": sorted(changes),
             "rolled back": sorted({r.get("spike_step", r["step"]) for r in rows
                                    if r.get("event") == "rollback"})}
 
@@ -203,8 +242,17 @@ def draw(runs: list[dict], beta: float | None, fmt: str) -> bytes:
     from matplotlib.ticker import EngFormatter, MaxNLocator
 
     tasks = task_names(runs)
-    fig, axes = plt.subplots(1, 4 if tasks else 3, figsize=(21 if tasks else 16, 4.8))
+    mixed = [run for run in runs if run["sources"]]
+    panels = 3 + bool(tasks) + 2 * bool(mixed)
+    rows_ = 1 if panels <= 4 else 2
+    fig, grid = plt.subplots(rows_, min(panels, 4 if rows_ == 1 else 3), squeeze=False,
+                             figsize=(21 if panels == 4 else 16, 4.8 * rows_))
+    axes = list(grid.flat)
+    for extra in axes[panels:]:
+        extra.remove()
+    axes = axes[:panels]
     by_step, by_tokens, speed = axes[:3]
+    per_source, shares = axes[-2:] if mixed else (None, None)
     for i, run in enumerate(runs):
         colour = f"C{i}"
         train, val, per_step = run["train"], run["val"], run["tokens_per_step"]
@@ -227,6 +275,12 @@ def draw(runs: list[dict], beta: float | None, fmt: str) -> bytes:
         for kind, style in MARKS.items():
             for step in run["marks"][kind]:
                 by_step.axvline(step, color=colour, alpha=0.6, lw=1, **style)
+        for step, text in run["changes"].items():  # what changed, along the mark
+            by_step.text(step, 0.98, f" {text}", transform=by_step.get_xaxis_transform(),
+                         rotation=90, va="top", ha="right", fontsize=7, color=colour)
+        if run["sources"]:
+            draw_sources(per_source, shares, run, colour,
+                         auto_beta(len(train)) if beta is None else beta)
         speeds = [r.get("tokens_per_s") for r in train]
         speed.plot(steps, [v if _number(v) else math.nan for v in speeds], color=colour)
         for k, key in enumerate(tasks.values()):
@@ -247,6 +301,8 @@ def draw(runs: list[dict], beta: float | None, fmt: str) -> bytes:
         axes[3].legend(handles=[Line2D([], [], color="0.3", marker="os^Dv"[k % 5],
                                        ls="-:"[k % 2], label=task) for k, task in enumerate(tasks)],
                        fontsize=9, frameon=False)
+    if mixed:
+        label_sources(per_source, shares, sorted({n for run in mixed for n in run["sources"]}))
     for axis in axes:
         axis.grid(alpha=0.3)
     for axis in (by_step, speed):
@@ -255,13 +311,16 @@ def draw(runs: list[dict], beta: float | None, fmt: str) -> bytes:
         axis.set_ylabel("loss (nats per token)")
     handles = [Line2D([], [], color=f"C{i}", lw=2.5, label=run["label"])
                for i, run in enumerate(runs)]
+    # a mixture's val loss is the sum under the weights in force: it moves when they change
     handles += [Line2D([], [], color="0.3", lw=1.6, label="train loss (smoothed)"),
-                Line2D([], [], color="0.3", marker="o", ls="", ms=5, label="val loss")]
+                Line2D([], [], color="0.3", marker="o", ls="", ms=5, label="val loss" + (
+                    " (a mixture's: weighted by its weights then)" if mixed else ""))]
     handles += [Line2D([], [], color="0.3", lw=1, alpha=0.6, label=kind, **style)
                 for kind, style in MARKS.items() if any(run["marks"][kind] for run in runs)]
     if any(run["target"] for run in runs):
         handles.append(Line2D([], [], color="0.3", marker="*", ls="", ms=12, mec="black",
                               label="target val loss reached"))
+
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 4), fontsize=10,
                frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.07 * math.ceil(len(handles) / 4)))
@@ -269,6 +328,45 @@ def draw(runs: list[dict], beta: float | None, fmt: str) -> bytes:
     fig.savefig(buffer, format=fmt, dpi=100)
     plt.close(fig)
     return buffer.getvalue()
+
+
+def draw_sources(per_source, shares, run: dict, colour: str, beta: float) -> None:
+    """A mixture's panels: each source's val loss (markers) and train-sample loss (dashed) at
+    each evaluation; each source's realized share of the rows (mix/NAME, smoothed as the loss
+    is) and its weight (dotted: the eval rows' weight/NAME, in force up to each)."""
+    for k, name in enumerate(run["sources"]):
+        marker = SOURCE_MARKERS[k % len(SOURCE_MARKERS)]
+        val = [r for r in run["val"] if _number(r.get(f"val_loss/{name}"))]
+        per_source.plot([r["step"] for r in val], [r[f"val_loss/{name}"] for r in val],
+                        color=colour, marker=marker, ls="-", lw=1, ms=5, gid=f"val {name}")
+        fit = [r for r in run["val"] if _number(r.get(f"train_eval_loss/{name}"))]
+        per_source.plot([r["step"] for r in fit], [r[f"train_eval_loss/{name}"] for r in fit],
+                        color=colour, marker=marker, ls="--", lw=1, ms=4, mfc="none",
+                        gid=f"train sample {name}")
+        rows = [r for r in run["train"] if _number(r.get(f"mix/{name}"))]
+        share = smoothed([r[f"mix/{name}"] for r in rows], beta)
+        shares.plot([r["step"] for r in rows], [math.nan if v is None else v for v in share],
+                    color=colour, marker=marker, markevery=max(1, len(rows) // 8), ms=5,
+                    gid=f"share {name}")
+        weight = [r for r in run["val"] if _number(r.get(f"weight/{name}"))]
+        shares.plot([r["step"] for r in weight], [r[f"weight/{name}"] for r in weight],
+                    color=colour, ls=":", drawstyle="steps-pre", gid=f"weight {name}")
+
+
+def label_sources(per_source, shares, names: list[str]) -> None:
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    per_source.set_title("each source: val (solid), train sample (dashed)", fontsize=10)
+    per_source.set_ylabel("loss (nats per token)")
+    shares.set_title("mixture: realized share of rows (solid), weight (dotted)", fontsize=10)
+    shares.set_ylabel("share of the rows")
+    for axis in (per_source, shares):
+        axis.set_xlabel("optimizer step")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    per_source.legend(handles=[Line2D([], [], color="0.3", ls="", label=name,
+                                      marker=SOURCE_MARKERS[k % len(SOURCE_MARKERS)])
+                               for k, name in enumerate(names)], fontsize=9, frameon=False)
 
 
 def write(path: Path, data: bytes) -> None:

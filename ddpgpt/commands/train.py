@@ -44,7 +44,7 @@ from ddpgpt.distributed.group import (
     session,
     under_launcher,
 )
-from ddpgpt.errors import UserError, warn
+from ddpgpt.errors import UserError, say, warn
 from ddpgpt.evals.scorer import Scorer
 from ddpgpt.evals.tasks import for_run
 from ddpgpt.guard.health import (
@@ -62,6 +62,7 @@ from ddpgpt.run.precision import configure
 from ddpgpt.run.preflight import preflight, shared
 from ddpgpt.run.rollback import apply_rollback, roll_back, spike_fields
 from ddpgpt.run.run_dir import RunDir
+from ddpgpt.run.samples import Sampler
 from ddpgpt.trainer import Trainer
 
 
@@ -70,7 +71,7 @@ def _due(step: int, every: int, last: int) -> bool:
 
 
 def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
-         tasks: Scorer | None) -> Verdict | None:
+         tasks: Scorer | None, sampler: Sampler | None = None) -> Verdict | None:
     """Trains to run.steps, or to the first evaluation at run.target_val_loss; returns early with
     the rollback verdict of a spike, if one comes."""
     cfg, env, total, guard = trainer.cfg, trainer.env, trainer.cfg.run.steps, trainer.guard
@@ -104,9 +105,16 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
                              taken_now(trainer.loader))
         reached = False
         with metrics.paused():
+            if sampler is not None and sampler.due(trainer.step):
+                trainer.doing = f"the sample after step {trainer.step}"
+                sampler(trainer, metrics.write)
             if _due(trainer.step, cfg.run.eval_every, total):
                 trainer.doing = f"the evaluation after step {trainer.step}"
-                row = trainer.evaluate(tasks)  # val loss, the tasks' scores, the seconds so far
+                final = trainer.step == total
+                if final:  # the bar's time per step is the training's; the evaluation's own bar
+                    metrics.finish_bar()
+                # val loss, the tasks' scores, the seconds so far
+                row = trainer.evaluate(tasks, progress=final and env.is_main)
                 metrics.log_eval(trainer.step, **row)
                 guard.spikes.evaluated(row["val_loss"])  # for the run's verdict at its end
                 reached = 0 < row["val_loss"] <= cfg.run.target_val_loss
@@ -139,6 +147,9 @@ def setup(cfg: TrainConfig, env: DistEnv, dataset: TokenDataset, start: resume.S
         from ddpgpt.hf.init_from import read_state
         # Every rank reads the weights itself; one that cannot stops them all.
         init = collectives.together(env, lambda: read_state(cfg.model.init_from, cfg.model))
+        if env.is_main and announce:
+            from ddpgpt.hf.init_from import loaded
+            print(loaded(cfg.model.init_from, init), file=sys.stderr)
     trainer = Trainer(cfg, env, dataset, guard, init=init, digest=start.path is None)
     trainer.origin = start.origin
 
@@ -149,14 +160,14 @@ def setup(cfg: TrainConfig, env: DistEnv, dataset: TokenDataset, start: resume.S
     # Every rank calls it: ranks may disagree on the start (see agree).
     collectives.together(env, restore)
     if start.path is not None and env.is_main and announce:
-        print(f"resuming from {start.path} (step {trainer.step}, saved at world size "
-              f"{start.meta['world_size']})", file=sys.stderr)
+        say(f"resuming from {start.path} (step {trainer.step}, saved at world size "
+            f"{start.meta['world_size']})")
     if start.rollback is not None:  # a rollback decided, and stopped before a checkpoint had it
         batches, _ = apply_rollback(trainer, start.rollback)
         if env.is_main:
-            print(f"ddpgpt: going on with the rollback after step {start.rollback['spike_step']} "
-                  f"to step {trainer.step}: skipping the {batches} global batches read after it, "
-                  f"the lr × {guard.spikes.lr_factor:g} from now on", file=sys.stderr)
+            say(f"ddpgpt: going on with the rollback after step {start.rollback['spike_step']} "
+                f"to step {trainer.step}: skipping the {batches} global batches read after it, "
+                f"the lr × {guard.spikes.lr_factor:g} from now on")
     # From scratch: what each rank built; resumed: the weights loaded (whole: fsdp2 gathers).
     weights = (trainer.init_digest if start.path is None
                else collectives.state_digest(trainer.sync.model_state()))
@@ -180,8 +191,9 @@ def setup(cfg: TrainConfig, env: DistEnv, dataset: TokenDataset, start: resume.S
     return trainer
 
 
-def run(cfg: TrainConfig) -> None:
-    """Trains in this process: alone, as a torchrun worker, or as a `--nproc` worker."""
+def run(cfg: TrainConfig, note: str = "") -> None:
+    """Trains in this process: alone, as a torchrun worker, or as a `--nproc` worker. `note`:
+    lines on what the command line made of the config, said by rank 0 once it checked out."""
     # 1. Everything that needs no process group: batch arithmetic, the data, every `auto`.
     here = detect()
     try:
@@ -204,6 +216,8 @@ def run(cfg: TrainConfig) -> None:
         if cfg.data.verify:  # headers and sizes were checked at open; hashes once per file
             verify_data(env, dataset)
         cfg, start, env = elastic.claim(run_dir, cfg, env, dataset, planned)
+        if note and env.is_main:  # the run dir is this job's: no other line can come first
+            say(note)
         # Each rank's share of the tasks, rendered once.
         scorer = collectives.together(env, lambda: Scorer(
             tasks, load_tokenizer(dataset.path, dataset.tokenizer), cfg.model.block_size, env)
@@ -214,14 +228,18 @@ def run(cfg: TrainConfig) -> None:
         collectives.together(env, lambda: write_run_files(run_dir, cfg, dataset, start.step,
                                                           env.world_size), main_only=True)
         metrics = open_metrics(trainer, run_dir, start)
+        sampler = Sampler(cfg, env, dataset) if cfg.run.sample_every else None
         saver = Saver(env, run_dir.checkpoints, checkpoint_group(env, cfg.run.dist_timeout_s),
                       saver_token(env), cfg.run.keep_checkpoints, cfg.run.checkpoint_async)
         ended = None  # the verdict of a run that trained to its end but is not healthy
         try:
             try:
                 _install_faults(trainer, saver)
+                if cfg.run.eval_at_start and trainer.step == 0:
+                    evaluate_first(trainer, metrics, scorer)
                 # 3. Train; a spike the weights do not heal from rolls back and goes on.
-                while (spike := loop(trainer, metrics, run_dir, saver, scorer)) is not None:
+                while (spike := loop(trainer, metrics, run_dir, saver, scorer, sampler)) \
+                        is not None:
                     trainer = roll_back(trainer, spike, run_dir, start, metrics, lambda at: setup(
                         cfg, env, dataset, at, guard, announce=False))  # built as on a restart
                     _install_faults(trainer, saver)
@@ -247,6 +265,14 @@ def run(cfg: TrainConfig) -> None:
             raise Unhealthy(ended.line, quiet=not env.is_main)
         if env.is_main:  # trained to the end (a stop raised above): below the closed bar
             print(run_dir.next_commands(), file=sys.stderr)
+
+
+def evaluate_first(trainer: Trainer, metrics: Metrics, tasks: Scorer | None) -> None:
+    """run.eval_at_start: the evaluation before any step (step 0), the loss the first steps
+    start from (--init-from's weights on this data)."""
+    trainer.doing = "the evaluation before step 1"
+    with metrics.paused():
+        metrics.log_eval(0, **trainer.evaluate(tasks))
 
 
 def save(trainer, saver: Saver, run_dir: RunDir, reason: str, wait: bool) -> None:
@@ -360,18 +386,17 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
     mix = getattr(trainer.loader, "changed", None)
     if mix:  # resumed with other weights: the rows from here follow them (data/mixture.py)
         metrics.log_event(trainer.step, "mixture_change", checkpoint=str(start.path), **mix)
-        if env.is_main:
-            print(f"ddpgpt: the mixture changed on resume (applied from step {trainer.step}): "
-                  + ", ".join(f"{n} {mix['old'][n]:g} -> {mix['new'][n]:g}" for n in mix["new"]),
-                  file=sys.stderr)
+        metrics.write(f"ddpgpt: the mixture changed on resume (applied from step {trainer.step}): "
+                      + ", ".join(f"{n} {mix['old'][n]:g} -> {mix['new'][n]:g}"
+                                  for n in mix["new"]))
     changed = resume.changes(start.meta["config"], cfg) if start.meta else {}
     if changed:  # applied, not ignored: say so where the curves are read, and once here
         metrics.log_event(trainer.step, "config_change", checkpoint=str(start.path),
                           changes=changed)
-        if env.is_main:
-            print("ddpgpt: resuming with changed settings (applied from step "
-                  f"{trainer.step}): " + ", ".join(f"{k} {a} -> {b}" for k, (a, b)
-                                                   in changed.items()), file=sys.stderr)
+        metrics.write("ddpgpt: resuming with changed settings (applied from step "
+                      f"{trainer.step}): " + ", ".join(f"{k} {a} -> {b}" for k, (a, b)
+                                                       in changed.items())
+                      + resume.lr_note(cfg, trainer.step, trainer.guard.spikes.lr_factor, changed))
     return metrics
 
 

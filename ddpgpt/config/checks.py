@@ -30,6 +30,14 @@ def _finite(obj, prefix: str) -> None:
             _require(math.isfinite(value), f"{name} must be a finite number")
 
 
+def _number(text: str) -> bool:
+    """`text` reads as a finite number."""
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
 def _choice(section: str, name: str, value: str, options) -> None:
     """`value` one of `options`: a Literal type (choices.py) or a sequence of names (a table's)."""
     options = get_args(options) or tuple(options)

@@ -27,8 +27,8 @@ class PrepareConfig:
     tokenizer: Tokenizer = "bpe"
     """bpe (trained on the corpus), byte (UTF-8 bytes), or gpt2 (tiktoken; needs the data extra)."""
     tokenizer_from: str | None = None
-    """Use the tokenizer of this prepared dataset or run directory (data for an existing model);
-    replaces --tokenizer."""
+    """Use the tokenizer of this prepared dataset, run directory, or transformers directory
+    (`ddpgpt export`'s, or GPT-2's: data for --init-from those weights); replaces --tokenizer."""
     text_field: str = "text"
     """The column (parquet, hf:) or field (jsonl) that holds each document's text."""
     skip_bad_rows: bool = False
@@ -184,8 +184,12 @@ class EvalConfig:
     instead of lines."""
     device: Device = "auto"
     """auto (cuda:LOCAL_RANK when available), cpu or cuda."""
+    threads: int = 0
+    """torch CPU threads per process; 0: torch's own choice (every core; 1 under torchrun). On a
+    busy machine fewer can be faster (docs/usage.md)."""
 
     def __post_init__(self):
+        _require(self.threads >= 0, f"--threads {self.threads} must be >= 0 (0: torch's choice)")
         _require(self.windows >= -1, f"--windows {self.windows} must be >= -1")
         _require(self.limit >= 0, f"--limit {self.limit} must be >= 0 (0: all)")
         _require(bool(self.task) or not self.task_data,

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from ddpgpt.config import choices
-from ddpgpt.config.checks import _choice, _finite, _require, _shares
+from ddpgpt.config.checks import _choice, _finite, _number, _require, _shares
 from ddpgpt.config.model import ModelConfig
 
 MAX_BUCKET_MB = 65536     # 64 GiB: larger than any device's memory, far below an int overflow
@@ -85,7 +85,6 @@ class DataConfig:
                  f"{self.train_eval_windows} must be >= -1 (-1: as many as val, 0: off)")
         _choice("data", "align", self.align, choices.Align)
 
-
     def sources(self) -> list[tuple[str, float]]:
         """data.dir as [(directory, share)]: one dataset at share 1, or a mixture's, the shares
         normalized to sum to 1 in the order given."""
@@ -119,13 +118,6 @@ class DataConfig:
 def _weighted(part: str) -> bool:
     """A mixture's DIR:WEIGHT has a weight: a ':' after the last '/' (s3://b/x is a URL)."""
     return ":" in part.rsplit("/", 1)[-1]
-
-
-def _number(text: str) -> bool:
-    try:
-        return math.isfinite(float(text))
-    except ValueError:
-        return False
 
 
 @dataclass
@@ -231,6 +223,12 @@ class RunConfig:
     """Write a metrics.jsonl row every this many steps."""
     eval_every: int = 100
     """Evaluate on the validation windows every this many steps (and at the end); 0: end only."""
+    eval_at_start: bool | None = None
+    """Evaluate before the first step too (step 0). Unset: on with model.init_from, else off."""
+    sample_every: int = 0
+    """Print a 64-token sample every this many steps (as `ddpgpt sample`; its own RNG); 0: off."""
+    sample_prompt: str = ""
+    """The text the samples continue; empty: a fresh document."""
     eval_tasks: str = ""
     """Multiple-choice tasks scored at every evaluation, comma-separated: hellaswag (downloaded
     once) or NAME with eval_task_data (KIND:NAME: another kind of task; core: CORE's bundle).
@@ -333,7 +331,7 @@ class RunConfig:
         _finite(self, "run.")
         _require(self.steps >= 1, f"run.steps = {self.steps} must be >= 1")
         _require(self.log_every >= 1, f"run.log_every = {self.log_every} must be >= 1")
-        for name in ("eval_every", "checkpoint_every", "threads"):
+        for name in ("eval_every", "checkpoint_every", "threads", "sample_every"):
             _require(getattr(self, name) >= 0, f"run.{name} = {getattr(self, name)} must be >= 0")
         _require(self.keep_checkpoints >= 1,
                  f"run.keep_checkpoints = {self.keep_checkpoints} must be >= 1")

@@ -66,3 +66,19 @@ class ZstdStream(io.RawIOBase):
 def open_zstd(path: str) -> io.BufferedReader:
     require("zstandard", "data", f"{path}: a .zst source")
     return io.BufferedReader(ZstdStream(path), READ_BYTES)
+
+
+COMPRESSED = (".gz", ".zst")  # what open_any decompresses, by the file's name
+
+
+def open_any(path: str):
+    """A file's bytes as a binary stream: decompressed for a .gz or .zst name (a file cut short
+    raises EOFError, a bad one OSError), else as they are."""
+    import gzip
+
+    name = path.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if name.endswith(".zst"):
+        return open_zstd(path)  # every frame; a file cut short is an EOFError, as gzip's
+    return open(path, "rb")  # noqa: SIM115 (the caller closes it)

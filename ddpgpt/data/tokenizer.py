@@ -13,6 +13,7 @@ so ordinary text tokenizes as with an uncapped tokenizer.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -200,6 +201,37 @@ def fingerprint(kind: str, directory: str | Path) -> str:
         reason = e.strerror if isinstance(e, OSError) else "missing"
         raise DataError(f"{files.where('tokenizer.json')}: cannot read the bpe tokenizer "
                         f"({reason}); re-run ddpgpt prepare") from None
+
+
+GPT2_IDS = {"<|endoftext|>": 50256, "\u0120the": 262}  # " the": GPT-2's byte-level vocabulary
+GPT2_VOCAB = 50257
+
+
+def folder_tokenizer(folder: Path, where: str) -> str | None:
+    """The fingerprint (as `fingerprint`) of the tokenizer saved in a transformers directory:
+    its config.json's `ddpgpt` entry (`ddpgpt export` writes it), gpt2 for GPT-2's vocabulary
+    (tokenizer.json or vocab.json), else its tokenizer.json's (bpe); None when none of them
+    says. `where`: who asks, to name in the line of a file that cannot be read."""
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "config.json").read_text()) \
+            if (folder / "config.json").is_file() else {}
+        marker = (config.get("ddpgpt") or {}).get("tokenizer")
+        if marker:
+            return marker
+        if (folder / "tokenizer.json").is_file():
+            tok = json.loads((folder / "tokenizer.json").read_text())
+            vocab = dict(tok["model"]["vocab"])
+            vocab.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
+        elif (folder / "vocab.json").is_file():
+            vocab = json.loads((folder / "vocab.json").read_text())
+        else:
+            return None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{where}: cannot read its tokenizer ({e})") from None
+    if len(vocab) == GPT2_VOCAB and all(vocab.get(t) == i for t, i in GPT2_IDS.items()):
+        return "gpt2"
+    return fingerprint("bpe", folder) if (folder / "tokenizer.json").is_file() else None
 
 
 def load_tokenizer(data_dir: str | Path, kind: str):

@@ -29,7 +29,7 @@ HUB = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
        "gpt2-medium": ("openai-community/gpt2-medium", 24, 16, 1024),
        "gpt2-large": ("openai-community/gpt2-large", 36, 20, 1280),
        "gpt2-xl": ("openai-community/gpt2-xl", 48, 25, 1600)}
-GPT2_VOCAB, GPT2_POSITIONS = 50257, 1024
+GPT2_POSITIONS = 1024  # and 50,257 ids: data/tokenizer.py GPT2_VOCAB
 CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # stored (in, out)
 # ours <- theirs, per block
 BLOCK_NAMES = {"ln1": "ln_1", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",

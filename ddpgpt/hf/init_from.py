@@ -31,15 +31,14 @@ from pathlib import Path
 import torch
 
 from ddpgpt.config.checks import ConfigError
-from ddpgpt.config.model import ARCHS
+from ddpgpt.config.model import ARCHS, Pieces
 from ddpgpt.config.schema import TrainConfig, padded_vocab
-from ddpgpt.data.tokenizer import fingerprint
+from ddpgpt.data.tokenizer import GPT2_VOCAB, fingerprint, folder_tokenizer
 from ddpgpt.errors import UserError, warn
 from ddpgpt.hf import gpt2, llama
 
 HUB_FILES = ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
              "tokenizer_config.json", "vocab.json", "merges.txt"]
-GPT2_THE = ("\u0120the", 262)  # " the" in GPT-2's byte-level vocabulary
 
 
 def locate(spec: str) -> Path:
@@ -117,7 +116,7 @@ def weights_shape(spec: str) -> dict:
     if spec in gpt2.HUB:
         _, n_layer, n_head, n_embd = gpt2.HUB[spec]
         return {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd,
-                "block_size": gpt2.GPT2_POSITIONS, "vocab": gpt2.GPT2_VOCAB, "bias": True,
+                "block_size": gpt2.GPT2_POSITIONS, "vocab": GPT2_VOCAB, "bias": True,
                 "gelu": "tanh"}
     path = locate(spec)
     config = read_config(path)
@@ -184,6 +183,33 @@ def apply_shape(cfg: TrainConfig, explicit: dict[str, str]) -> TrainConfig:
     return dataclasses.replace(cfg, model=model)
 
 
+def shape_note(before: TrainConfig, after: TrainConfig) -> str:
+    """The line that says what the weights of --init-from changed of the config the preset, file
+    and flags made (`before`: its model section, as `after`'s was before the weights' shape):
+    each model field, and T with the tokens per step when the context length moved (T is the
+    data's: data.seq_len, or the block size)."""
+    mine, theirs = before.model.resolved(), after.model.resolved()
+    skip = {"init_from", "vocab_limit"}
+    if mine.arch != theirs.arch:  # its pieces, and the widths that follow them, with it
+        skip |= {*Pieces._fields, "mlp_hidden", "n_kv_head", "head_dim"}
+    fields = [f"{name} {getattr(mine, name)} -> {getattr(theirs, name)}"
+              for name in dataclasses.asdict(mine) if name not in skip and getattr(mine, name)
+              and getattr(mine, name) != getattr(theirs, name)]
+    line = f"ddpgpt: --init-from {after.model.init_from}: "
+    line += ("the model's shape from its weights: " + ", ".join(fields) if fields else
+             "the model's shape is its weights'")
+    G, T0, T = after.data.global_batch, after.data.seq_len or mine.block_size, after.seq_len
+    if T != T0:
+        line += f"; T {T0} -> {T}: G={G} × T={T} = {G * T:,} tokens per step (was {G * T0:,})"
+    return line
+
+
+def loaded(spec: str, state: dict[str, torch.Tensor]) -> str:
+    """The line that says what --init-from read."""
+    count = sum(t.numel() for t in state.values())
+    return f"ddpgpt: started from the weights of {spec}: {count / 1e6:.2f}M parameters"
+
+
 ASSUMED_GPT2 = "no tokenizer files beside the weights; their 50,257 ids taken for GPT-2's"
 
 
@@ -194,49 +220,33 @@ def weights_tokenizer(spec: str) -> tuple[str | None, str]:
         return "gpt2", ""
     path = Path(spec)
     folder = path if path.is_dir() else path.parent
-    config = read_config(path) or {}
-    marker = (config.get("ddpgpt") or {}).get("tokenizer")
-    if marker:
-        return marker, ""
-    vocab = _vocab(folder)
-    if vocab is not None:
-        if len(vocab) == gpt2.GPT2_VOCAB and vocab.get("<|endoftext|>") == gpt2.GPT2_VOCAB - 1 \
-                and vocab.get(GPT2_THE[0]) == GPT2_THE[1]:
-            return "gpt2", ""
-        if (folder / "tokenizer.json").is_file():
-            return fingerprint("bpe", folder), ""
-        return None, ""
-    if weights_shape(spec)["vocab"] == gpt2.GPT2_VOCAB:
+    read_config(path)  # a config.json that is not JSON: its own line
+    found = folder_tokenizer(folder, f"--init-from {folder}")
+    if found is not None or any((folder / n).is_file() for n in ("tokenizer.json", "vocab.json")):
+        return found, ""
+    if weights_shape(spec)["vocab"] == GPT2_VOCAB:
         return "gpt2", ASSUMED_GPT2
     return None, ""
 
 
-def _vocab(folder: Path) -> dict | None:
-    """The token -> id map of the tokenizer files in `folder` (tokenizer.json or vocab.json)."""
-    try:
-        if (folder / "tokenizer.json").is_file():
-            tok = json.loads((folder / "tokenizer.json").read_text())
-            vocab = dict(tok["model"]["vocab"])
-            vocab.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
-            return vocab
-        if (folder / "vocab.json").is_file():
-            return json.loads((folder / "vocab.json").read_text())
-    except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"--init-from {folder}: cannot read its tokenizer ({e})") from None
-    return None
-
-
 def check_tokenizer(cfg: TrainConfig, dataset) -> None:
-    """The dataset was made with the tokenizer of the --init-from weights, or one line."""
+    """The dataset was made with the tokenizer of the --init-from weights, or one line. The
+    tokenizer.json saved beside them is theirs too: a dataset prepared with it (`prepare
+    --tokenizer-from` the directory) fits, whatever the fingerprint config.json records (`ddpgpt
+    export` saves the run's tokenizer through transformers, which writes it anew)."""
     spec = cfg.model.init_from
     (theirs, note), ours = weights_tokenizer(spec), dataset.tokenizer_fingerprint
+    folder = Path(spec) if Path(spec).is_dir() else Path(spec).parent
     if theirs is None:
         raise UserError(f"--init-from {spec}: no tokenizer beside the weights (tokenizer.json or "
                         "vocab.json) tells what their ids mean; put the one they were trained "
                         "with there (ddpgpt export does)")
-    if theirs != ours:
+    beside = fingerprint("bpe", folder) if spec not in gpt2.HUB and \
+        (folder / "tokenizer.json").is_file() else None
+    if ours not in (theirs, beside):
         how = ("prepare the data with --tokenizer gpt2" if theirs == "gpt2" else
-               f"prepare the data with the tokenizer saved in {spec}")
+               f"prepare the data with theirs: ddpgpt prepare SOURCES --tokenizer-from {folder} "
+               "--out DIR")
         raise UserError(f"--init-from {spec}: the weights' tokenizer ({_short(theirs)}"
                         f"{'; ' + note if note else ''}) is not the one of data.dir = "
                         f"{cfg.data.dir} ({_short(ours)}): its ids would mean other text; {how}")

@@ -25,7 +25,7 @@ import torch
 from ddpgpt.checkpoint import store
 from ddpgpt.config.io import START_FIELDS
 from ddpgpt.config.schema import TrainConfig
-from ddpgpt.distributed.group import detect
+from ddpgpt.distributed.group import detect, under_launcher
 from ddpgpt.errors import UserError
 from ddpgpt.evals.tasks import for_run
 from ddpgpt.guard.health import EXIT_PREEMPTED, resume_hint
@@ -45,8 +45,27 @@ def check_nproc(nproc: int, device: str) -> None:
                         "use --nproc <= that, or --device cpu")
 
 
-def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
-    """Checks, locks and starts `nproc` training workers; returns the exit code."""
+def continuing_nproc(run_dir, device: str, adopt: bool) -> tuple[int | None, str]:
+    """A run continued from its config.json without --nproc, not under a launcher: with
+    `adopt` (`--run-dir R` without --data), the number of processes it last trained on
+    (configs.jsonl), when more than one and this machine can start them (on CUDA, a GPU each);
+    else None. And the line that says why, when that is not what it last trained on."""
+    world = RunDir(run_dir).last_world_size()
+    if world is None or world == 1 or detect().world_size > 1 or under_launcher():
+        return None, ""
+    last = f"ddpgpt: run {run_dir} last trained on {world} processes"
+    if not adopt:
+        return None, f"{last}; given --data, this start runs on 1 (--nproc {world} for {world})"
+    if device != "cpu" and torch.cuda.is_available() and world > torch.cuda.device_count():
+        return None, (f"{last}, more than this machine's {torch.cuda.device_count()} GPUs: "
+                      "continuing on 1 process (--nproc N, or torchrun, for more)")
+    return world, (f"ddpgpt: continuing run {run_dir} on {world} processes, as it last trained "
+                   "(--nproc N for another number)")
+
+
+def train(cfg: TrainConfig, nproc: int, max_restarts: int, note: str = "") -> int:
+    """Checks, locks and starts `nproc` training workers; returns the exit code. `note`: lines
+    to say before they start (what the command line made of the config, why this many)."""
     check_nproc(nproc, cfg.run.device)
     cfg, dataset = preflight(cfg, nproc, nproc)
     for_run(cfg.run)  # bad task files: one line here, before the run dir is touched
@@ -55,7 +74,9 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
     cfg, first = resume.plan(cfg, run_dir, dataset)
     if resume.report_finished(cfg, run_dir, first):  # no worker needed to find that out
         return 0
-    with run_dir.locked():
+    with run_dir.locked():  # held: another run's lock is the one line, before any note
+        if note:
+            print(note, file=sys.stderr)
         run_dir.write_config(cfg.to_dict(), first.step, nproc)
         started = time.time()
         # What belongs to this start and not to the run (config.io.START_FIELDS) goes as flags.

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from ddpgpt.errors import say
 from ddpgpt.evals.kinds import headlines
+from ddpgpt.evals.loss import val_text
 from ddpgpt.files import WriteError, describe, replace_text
 from ddpgpt.progress import bar
 from ddpgpt.run.trackers import kept_rows
@@ -150,7 +151,7 @@ class Metrics:
         if self.enabled:
             self._write(row)
             self.bar.set_postfix(loss="skipped" if loss is None else f"{loss:.4f}",
-                                 tok_s=f"{tps:,.0f}", refresh=False)
+                                 lr=f"{lr:.3g}", tok_s=f"{tps:,.0f}", refresh=False)
             self.bar.update(step - self.bar.n)
         return row
 
@@ -168,12 +169,23 @@ class Metrics:
 
     @contextlib.contextmanager
     def paused(self):
-        """Time inside (evaluation, checkpoints) does not count against tokens_per_s."""
+        """Time inside (evaluation, checkpoints, samples) counts neither against tokens_per_s nor
+        in the bar's time per step: the bar's clock is moved on by as much."""
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.mark += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            self.mark += spent
+            if self.enabled and not self.bar.disable:
+                self.bar.start_t += spent
+                self.bar.last_print_t += spent
+
+    def finish_bar(self) -> None:
+        """The bar at its last step, closed with its time per step as it is, before the final
+        evaluation shows its own progress."""
+        if self.enabled:
+            self.bar.close()
 
     def log_eval(self, step: int, val_loss: float, val_bpb: float | None = None,
                  **fields) -> None:
@@ -188,9 +200,7 @@ class Metrics:
             tasks = "".join(f", {name} {fields[key]:.4f}"
                             for name, key in headlines(fields).items())
             train = fields.get("train_eval_loss")
-            each = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in fields.items()
-                             if k.startswith("val_loss/"))
-            self.bar.write(f"step {step}: val_loss {val_loss:.4f}" + (each and f" ({each})")
+            self.bar.write(f"step {step}: {val_text({'val_loss': val_loss, **fields})}"
                            + ("" if val_bpb is None else f", val_bpb {val_bpb:.4f}")
                            + ("" if train is None else f", train_eval_loss {train:.4f}") + tasks)
 
@@ -207,7 +217,7 @@ class Metrics:
     def write(self, line: str) -> None:
         """A line on stderr (rank 0's) that does not tear the progress bar."""
         if self.enabled:
-            self.bar.write(line, file=sys.stderr)
+            say(line)
 
     def rewind(self, step: int) -> None:
         """Back to `step` (a rollback): the rows after it go, as on resume, and the bar with

@@ -4,10 +4,10 @@ at once, with one line, before anything is written:
     cfg, dataset = preflight(cfg, world_size=2, local_world_size=2)
 
 Every `auto` is resolved here, once: the device kind, the backend, the precision, the sequence
-length, the vocabulary size, the attention of masks (model.attention) and the CPU threads.
-Resolving a resolved config changes nothing, so the `--nproc` launcher resolves it, writes it as
-the run's config.json, and its workers start from that file. The accumulation A = G / (W·b)
-is derived here too, the one place that checks it.
+length, the vocabulary size, the attention of masks (model.attention), the CPU threads and whether
+to evaluate before the first step. Resolving a resolved config changes nothing, so the `--nproc`
+launcher resolves it, writes it as the run's config.json, and its workers start from that file.
+The accumulation A = G / (W·b) is derived here too, the one place that checks it.
 """
 
 from __future__ import annotations
@@ -35,9 +35,13 @@ def accum_steps(cfg: TrainConfig, world_size: int) -> int:
     """A = G / (W·b), or a ConfigError naming all four numbers."""
     G, b, W = cfg.data.global_batch, cfg.data.micro_batch, world_size
     if G % (W * b):
+        # W processes cannot share G sequences evenly: no micro-batch helps, other W do
+        fix = "or change the micro-batch" if G % W == 0 else (
+            f"or run on a number of processes that divides {G} "
+            f"({', '.join(str(w) for w in range(1, G + 1) if G % w == 0 and w <= 64)})")
         raise ConfigError(f"data.global_batch = {G} is not divisible by world size {W} × "
                           f"data.micro_batch {b} = {W * b}; make the global batch a multiple of "
-                          f"{W * b} or change the micro-batch")
+                          f"{W * b} {fix}")
     return G // (W * b)
 
 
@@ -78,7 +82,9 @@ def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> T
         precision = "bf16" if device == "cuda" else "fp32"
     check_mode(cfg, precision)
     threads = cfg.run.threads or max(1, len(os.sched_getaffinity(0)) // local_world_size)
+    first = bool(cfg.model.init_from) if cfg.run.eval_at_start is None else cfg.run.eval_at_start
     run = dataclasses.replace(cfg.run, device=device, precision=precision, threads=threads,
+                              eval_at_start=first,
                               backend=(default_backend(device) if cfg.run.backend == "auto"
                                        else cfg.run.backend))
     ns_dtype = cfg.optim.muon_ns_dtype
@@ -157,3 +163,47 @@ def shared(cfg: TrainConfig) -> dict:
     if cfg.run.checkpoint_url:
         del values["run"]["dir"]
     return values
+
+
+def print_config(cfg: TrainConfig, nproc: int | None) -> None:
+    """`train --print-config`: what `train` would run with, as TOML. Every `auto` is resolved as
+    the run would resolve it; without the dataset (not prepared yet), the values that depend on
+    it stay as given, and a comment says so; a dataset that is there but will not do is its one
+    line. What belongs to one start (config.io.START_FIELDS: the threads, --reset) is printed
+    at its default, with this start's value in a comment: the file, given to --config, would
+    otherwise pin it for every start, on every machine."""
+    from pathlib import Path
+
+    from ddpgpt.config.io import START_FIELDS, to_toml
+    from ddpgpt.distributed.group import detect
+    from ddpgpt.errors import DataError
+    from ddpgpt.run import resume
+    from ddpgpt.run.run_dir import RunDir
+
+    here = detect()
+    world = nproc or here.world_size
+    try:
+        cfg, dataset = preflight(cfg, world, nproc or here.local_world_size)
+    except DataError as e:
+        if all(Path(d).exists() for d, _ in cfg.data.sources()):
+            raise  # there, and wrong: an error, not a config to print
+        print(f"# not resolved (model.vocab_size, data.seq_len, run.*: auto): {e}")
+    else:
+        cfg, start = resume.plan(cfg, RunDir(cfg.run.dir, cfg.run.checkpoint_url), dataset)
+        where = f"resuming {start.path}" if start.path else "from scratch"
+        print(f"# resolved for {world} process{'es' if world > 1 else ''}, {where}")
+    fresh, own = TrainConfig(), {}
+    for section, names in START_FIELDS.items():
+        mine, theirs = getattr(cfg, section), getattr(fresh, section)
+        own.update({(section, n): getattr(mine, n) for n in names
+                    if getattr(mine, n) != getattr(theirs, n)})
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(
+            mine, **{n: getattr(theirs, n) for n in names})})
+    lines, section = [], None
+    for line in to_toml(cfg).splitlines():
+        section = line[1:-1] if line.startswith("[") else section
+        name = line.partition(" = ")[0]
+        if (section, name) in own:
+            line += f"  # this start's: {own[section, name]!r} (each start decides its own)"
+        lines.append(line)
+    print("\n".join(lines) + "\n", end="")

@@ -35,7 +35,7 @@ from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
 from ddpgpt.guard.health import Unhealthy
-from ddpgpt.optim.schedule import extends_flat
+from ddpgpt.optim.schedule import extends_flat, lr_at
 from ddpgpt.run.run_dir import RunDir
 
 # What a checkpoint's weights are made of: a resume must keep them (the architecture's pieces
@@ -248,6 +248,35 @@ def changes(saved: dict, cfg: TrainConfig) -> dict[str, list]:
             if key not in NOT_TRAINING and old != value:
                 out[key] = [old, value]
     return out
+
+
+# What decides a step's lr (optim/schedule.py): a change to any of them is followed, in the line
+# that announces it, by the lr it gives.
+LR_FIELDS = {"optim.lr", "optim.min_lr", "optim.muon_lr", "optim.schedule", "optim.warmup_steps",
+             "optim.decay_steps", "optim.decay_fraction", "run.steps"}
+
+
+def lr_note(cfg: TrainConfig, step: int, factor: float, changed: dict) -> str:
+    """For the changed-settings line of a resume at `step` (`cfg` settled, `factor` the spike
+    guard's rollback factor): the lr the next step takes and, where the schedule has ended
+    (every later step at optim.min_lr, whatever optim.lr says), how to schedule anew; "" when
+    nothing that decides the lr changed."""
+    if not LR_FIELDS & set(changed) or step >= cfg.run.steps:
+        return ""
+    optim = cfg.optim
+
+    def lr(o) -> str:
+        value = lr_at(step, o, cfg.run.steps) * factor
+        muon = f", muon_lr {value / o.lr * o.muon_lr:.3g}" if o.name == "muon" else ""
+        return f"lr {value:.3g}{muon}"
+
+    note = f"; from step {step + 1}: {lr(optim)}"
+    if optim.schedule != "constant" and step >= optim.decay_steps:
+        anew = dataclasses.replace(optim, decay_steps=cfg.run.steps)
+        note += (f" (optim.min_lr: the schedule ended at step {optim.decay_steps}, "
+                 f"optim.decay_steps; --optim.decay-steps {cfg.run.steps} schedules anew: "
+                 f"{lr(anew)} at step {step + 1}, optim.min_lr at step {cfg.run.steps})")
+    return note
 
 
 def finished(cfg: TrainConfig, start: Start) -> bool:

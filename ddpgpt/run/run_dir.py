@@ -35,12 +35,24 @@ from pathlib import Path
 
 from ddpgpt.checkpoint import location
 from ddpgpt.data import storage
-from ddpgpt.errors import UserError, warn
+from ddpgpt.errors import UserError, beside, warn
 from ddpgpt.files import WriteError, describe, move, replace_text
 
 
 class RunDirBusy(UserError):
     """Another run holds the run directory's lock."""
+
+
+def check_continues(path: Path) -> None:
+    """`train --run-dir R` without --data (nor --preset, --config) continues the run in R: one
+    line, with the run meant, when R holds none (a mistyped name would train a new run from the
+    defaults)."""
+    if location.is_remote(location.at(path)) or (Path(path) / "config.json").is_file():
+        return
+    there = "does not exist" if not Path(path).exists() else "holds no run (no config.json)"
+    raise UserError(f"run dir {path} {there}{beside(path, 'config.json', 'runs')}; to "
+                    "continue a run, give its --run-dir; to start a new one there, give its "
+                    "--data (and a --preset)")
 
 
 class RunDir:
@@ -271,6 +283,16 @@ class RunDir:
                                         "world_size": world_size, "config": config}) + "\n")
             except OSError as e:
                 raise WriteError(f"cannot write {history}: {describe(e)}") from None
+
+    def last_world_size(self) -> int | None:
+        """The number of processes the run's latest start trained on (configs.jsonl's last
+        entry: a start that changed nothing adds none), or None when nothing says."""
+        try:
+            lines = self.configs.read_text().splitlines()
+            world = json.loads(lines[-1])["world_size"]
+        except (OSError, ValueError, IndexError, KeyError, TypeError):
+            return None
+        return world if isinstance(world, int) and world >= 1 else None
 
     def write_data_files(self, dataset_dir: Path, meta_bytes: bytes,
                          sources: list[dict] | None = None) -> None:

@@ -99,3 +99,41 @@ def test_changed_weights_on_resume_at_another_w_are_applied_and_recorded(runs, t
     assert [r["mix/tiny"] for r in train_rows[K:]] == [0.5] * (STEPS - K)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["data"]["dir"] == mixture(tiny_data, prose, 0.5, 0.5)
+
+
+def test_a_mixture_runs_plot_shows_its_sources_and_the_change(runs, tiny_data, prose, tmp_path,
+                                                              monkeypatch):
+    """The run of weights changed on resume, drawn: each source's val and train-sample loss as
+    metrics.jsonl holds them, the shares, the change marked at its step; its eval lines say the
+    headline is the weighted sum, with the weights in force."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from ddpgpt.cli import main
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs[1], run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / f"step_{STEPS:07d}")
+    results = train(tiny_data, prose, run_dir, 1, weights={"a": 0.5, "b": 0.5})
+    rows, evals = read_metrics(run_dir)
+    last = evals[-1]
+    assert (f"step {STEPS}: val_loss {last['val_loss']:.4f} = 0.5 × tiny "
+            f"{last['val_loss/tiny']:.4f} + 0.5 × zen {last['val_loss/zen']:.4f}, ") \
+        in results[0].stdout, results[0].stdout
+    assert [(e["weight/tiny"], e["weight/zen"]) for e in evals] == [(0.7, 0.3), (0.5, 0.5)]
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    main(["plot", str(run_dir), "--out", str(tmp_path / "mix.png")])
+    fig = figures[0]
+    lines = {line.get_gid(): line for axis in fig.axes[-2:] for line in axis.lines}
+    for name in ("tiny", "zen"):
+        np.testing.assert_array_equal(lines[f"val {name}"].get_xdata(), [K, STEPS])
+        np.testing.assert_array_equal(lines[f"val {name}"].get_ydata(),
+                                      [e[f"val_loss/{name}"] for e in evals])
+        np.testing.assert_array_equal(lines[f"train sample {name}"].get_ydata(),
+                                      [e[f"train_eval_loss/{name}"] for e in evals])
+        shares = [(r["step"], r[f"mix/{name}"]) for r in rows if f"mix/{name}" in r]
+        np.testing.assert_array_equal(lines[f"share {name}"].get_xdata(), [s for s, _ in shares])
+        assert len(shares) >= STEPS - 1
+    (mark,) = fig.axes[0].texts  # (the copied run's run.dir changed too)
+    assert mark.get_text().startswith(" tiny 0.7→0.5, zen 0.3→0.5")

@@ -37,16 +37,49 @@ def test_a_run_continues_from_its_directory_alone(tiny_data, tmp_path):
 
     r = _ok(run_cli("train", "--run-dir", run, "--run.steps", "6", cwd=tmp_path, timeout=120))
     assert f"resuming from {run / 'checkpoints' / 'step_0000004'} (step 4," in r.stderr
-    assert ("ddpgpt: resuming with changed settings (applied from step 4): run.steps 4 -> 6\n"
-            in r.stderr), r.stderr
+    # the schedule ended at step 4: the line says what the lr is, and how to get another
+    assert ("ddpgpt: resuming with changed settings (applied from step 4): run.steps 4 -> 6; "
+            "from step 5: lr 0.0001 (optim.min_lr: the schedule ended at step 4, "
+            "optim.decay_steps; --optim.decay-steps 6 schedules anew: lr 0.00258 at step 5, "
+            "optim.min_lr at step 6)\n" in r.stderr), r.stderr
+    assert [x["lr"] for x in read_metrics(run)[0][4:]] == [1e-4, 1e-4]
     assert "--reset" not in r.stderr and not list(run.glob("reset-*"))
 
     r = _ok(run_cli("train", "--resolved-config", run / "config.json", "--run.steps", "8",
                     cwd=tmp_path, timeout=120))
-    assert "run.steps 6 -> 8\n" in r.stderr
+    assert "run.steps 6 -> 8; from step 7: lr 0.0001 (optim.min_lr: " in r.stderr
     assert [x["step"] for x in read_metrics(run)[0]] == list(range(1, 9))
+    # the advice followed: a new schedule's lr, as its line says
+    r = _ok(run_cli("train", "--run-dir", run, "--run.steps", "10", "--optim.decay-steps", "10",
+                    cwd=tmp_path, timeout=120))
+    assert "optim.decay_steps 4 -> 10" in r.stderr, r.stderr
+    told = r.stderr.split("; from step 9: lr ")[1].split("\n")[0]
+    assert f"{read_metrics(run)[0][8]['lr']:.3g}" == told and float(told) > 1e-4
     config = json.loads((run / "config.json").read_text())
     # the run's data, T and schedule (the cosine kept at its first length); this start's threads
     assert (config["data"]["dir"], config["data"]["seq_len"], config["run"]["steps"],
             config["optim"]["decay_steps"], config["run"]["threads"]) == (
-        str(tiny_data), 16, 8, 4, len(os.sched_getaffinity(0)))
+        str(tiny_data), 16, 10, 10, len(os.sched_getaffinity(0)))
+    saved = json.loads((run / "configs.jsonl").read_text().splitlines()[-2])["config"]
+    assert (saved["run"]["steps"], saved["optim"]["decay_steps"]) == (8, 4)  # kept until then
+
+
+def test_a_run_continues_on_the_processes_it_last_trained_on(tiny_data, tmp_path):
+    """Made on 2 processes: `train --run-dir R` alone continues on 2, and says so; given its
+    --data (the command restated), on 1 as any command without --nproc, and that is said too;
+    then, last trained on 1, alone on 1 with nothing to say."""
+    run = tmp_path / "run"
+    _ok(run_cli(*tiny_train_args(tiny_data, run, steps=2)[2:], "--nproc", "2", timeout=180))
+    r = _ok(run_cli("train", "--run-dir", run, "--run.steps", "3", timeout=180))
+    assert (f"ddpgpt: continuing run {run} on 2 processes, as it last trained (--nproc N for "
+            "another number)\n") in r.stderr, r.stderr
+    assert "ddpgpt: training on 2 processes" in r.stderr
+    r = _ok(run_cli("train", "--run-dir", run, "--data", tiny_data, "--run.steps", "4",
+                    timeout=120))
+    assert (f"ddpgpt: run {run} last trained on 2 processes; given --data, this start runs on "
+            "1 (--nproc 2 for 2)\n") in r.stderr, r.stderr
+    assert "ddpgpt: training on 1 process," in r.stderr
+    r = _ok(run_cli("train", "--run-dir", run, "--run.steps", "5", timeout=120))
+    assert "ddpgpt: training on 1 process," in r.stderr and "processes" not in r.stderr
+    worlds = [json.loads(line)["world_size"] for line in (run / "configs.jsonl").open()]
+    assert worlds[-3:] == [2, 1, 1]

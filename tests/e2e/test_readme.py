@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -136,6 +137,22 @@ def test_every_readme_command_runs_or_says_why_not(tmp_path):
         assert (tmp_path / "data" / data / "meta.json").is_file(), data
     assert ((tmp_path / "data" / "edu10b" / "train_000000.bin").read_bytes()
             == (tmp_path / "data" / "edu10b-merged" / "train_000000.bin").read_bytes())
+
+
+def test_what_readmes_commands_write_git_ignores():
+    """Every --out and --run-dir of README's commands (datasets, runs, parts, exports; not the
+    object storage's): a clone where they were run stays clean."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    paths = set()
+    for command in commands((REPO / "README.md").read_text()):
+        words = shlex.split(command)
+        paths |= {words[words.index(f) + 1] for f in ("--out", "--run-dir")
+                  if f in words and "://" not in words[words.index(f) + 1]}  # not a URL's
+    assert {"data/mine", "runs/mine", "parts/1", "exported/mine"} <= paths
+    ignored = subprocess.run(["git", "check-ignore", *sorted(paths)], cwd=REPO,
+                             capture_output=True, text=True, timeout=60).stdout.split()
+    assert ignored == sorted(paths)
 
 
 def anchor(heading: str) -> str:

@@ -294,11 +294,16 @@ def test_accum_steps(G, b, W, A):
     assert accum_steps(_batch(G, b), W) == A
 
 
-@pytest.mark.parametrize("G, b, W", [(32, 8, 3), (32, 8, 8), (48, 4, 5)])
-def test_accum_steps_indivisible(G, b, W):
+@pytest.mark.parametrize("G, b, W, fix", [
+    (32, 8, 8, "or change the micro-batch"),  # 4 sequences a process: a micro-batch of 4 does
+    (32, 8, 3, "or run on a number of processes that divides 32 (1, 2, 4, 8, 16, 32)"),
+    (48, 4, 5, "or run on a number of processes that divides 48 (1, 2, 3, 4, 6, 8, 12, 16, 24, "
+               "48)")])
+def test_accum_steps_indivisible(G, b, W, fix):
+    """When W cannot divide G, no micro-batch can help: the line says which W can."""
     assert _error(accum_steps, _batch(G, b), W) == (
         f"data.global_batch = {G} is not divisible by world size {W} × data.micro_batch {b} = "
-        f"{W * b}; make the global batch a multiple of {W * b} or change the micro-batch")
+        f"{W * b}; make the global batch a multiple of {W * b} {fix}")
 
 
 @pytest.fixture
@@ -436,7 +441,8 @@ def test_print_config_is_the_resolved_config_as_toml_that_config_reads(dataset, 
     (tmp_path / "printed.toml").write_text(text)
     expected, _ = preflight(_parse_train(flags), 2, 2)
     expected = dataclasses.replace(expected, optim=dataclasses.replace(expected.optim,
-                                                                       decay_steps=200))
+                                                                       decay_steps=200),
+                                   run=dataclasses.replace(expected.run, threads=0))  # a start's
     assert resolve(None, str(tmp_path / "printed.toml"), {}) == expected
     assert not (tmp_path / "run").exists()  # nothing written
 

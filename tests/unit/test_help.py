@@ -62,6 +62,16 @@ def test_the_top_level_help_speaks_to_users(capsys):
     assert all(f" {name} " in text for name in ["prepare", "train", *cli.COMMANDS])
 
 
+def test_ddpgpt_alone_shows_the_commands_and_version_says_the_version(capsys):
+    """`ddpgpt` alone and `ddpgpt --version` are questions, not errors ("the following
+    arguments are required: command")."""
+    from ddpgpt import __version__
+
+    cli.main([])
+    assert capsys.readouterr().out == _help(["--help"], capsys)
+    assert _help(["--version"], capsys) == f"ddpgpt {__version__}\n"
+
+
 def test_every_command_is_in_the_parser():
     sub = next(a for a in cli._build_parser()._actions
                if isinstance(a, argparse._SubParsersAction))

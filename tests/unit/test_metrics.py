@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
+import sys
+import time
 
 from ddpgpt.run.metrics import Metrics
 
@@ -46,19 +49,21 @@ class Tracker:
 
 def test_eval_rows_and_line_hold_train_eval_loss_and_each_source(tmp_path, capsys):
     """What an evaluation of a mixture writes: every figure in metrics.jsonl and the tracker,
-    the total and each source's val loss and the train sample's loss on the line."""
+    and on the line the total as the weighted sum it is (the weights in force: it moves when
+    they change), each source's val loss, and the train sample's loss."""
     tracker = Tracker()
     metrics = Metrics(True, tmp_path / "metrics.jsonl", 0, 10, 1000, 6.0, peak=1e9,
                       world_size=1, tracker=tracker)
-    row = {"val_loss": 2.5, "val_bpb": None, "val_loss/a": 2.0, "train_eval_loss/a": 1.9,
-           "val_loss/b": 3.0, "train_eval_loss/b": 2.9, "train_eval_loss": 2.4}
+    row = {"val_loss": 2.3, "val_bpb": None, "val_loss/a": 2.0, "train_eval_loss/a": 1.9,
+           "val_loss/b": 3.0, "train_eval_loss/b": 2.9, "train_eval_loss": 2.2,
+           "weight/a": 0.7, "weight/b": 0.3}
     metrics.log_eval(5, **row)
     metrics.close()
     written = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert written == {"step": 5, **{k: v for k, v in row.items() if v is not None}}
     assert tracker.rows == [(5, written)]
-    assert ("step 5: val_loss 2.5000 (a 2.0000, b 3.0000), train_eval_loss 2.4000"
-            in capsys.readouterr().out)
+    assert ("step 5: val_loss 2.3000 = 0.7 × a 2.0000 + 0.3 × b 3.0000, train_eval_loss "
+            "2.2000\n" in capsys.readouterr().out)
 
 
 def test_step_rows_hold_the_realized_proportions_since_the_previous_row(tmp_path):
@@ -71,3 +76,47 @@ def test_step_rows_hold_the_realized_proportions_since_the_previous_row(tmp_path
     assert (second["mix/a"], second["mix/b"]) == (0.5, 0.5)
     rewound = metrics.log_step(2, 1.0, 1e-3, 1.0, 1.0, {"a": 9, "b": 5})  # after a rollback
     assert "mix/a" not in rewound and metrics.taken_mark == {"a": 9, "b": 5}
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_bar_says_the_lr_and_leaves_paused_time_out(tmp_path, monkeypatch):
+    """On a terminal: the step line holds the lr; the seconds inside paused() (an evaluation, a
+    checkpoint, a sample) are in neither the bar's elapsed time nor its rate; finish_bar closes
+    it before the final evaluation draws its own."""
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    metrics = Metrics(True, tmp_path / "metrics.jsonl", 0, 10, 1000, 6.0, peak=1e9,
+                      world_size=1)
+    metrics.log_step(1, 2.0, 3e-4, 1.0, 1.0)
+    with metrics.paused():
+        time.sleep(0.6)
+    time.sleep(0.15)  # the step's own time
+    metrics.log_step(2, 2.0, 2.5e-4, 1.0, 1.0)
+    shown = metrics.bar.format_dict
+    assert shown["elapsed"] < 0.45 and shown["rate"] > 3, shown  # 0.75 s and < 1.4 step/s
+    assert "lr=0.00025" in str(metrics.bar)
+    metrics.finish_bar()
+    assert metrics.bar.disable and term.getvalue().endswith("\n")
+    metrics.close()
+
+
+def test_a_status_line_is_written_above_the_bar_not_over_it(tmp_path, monkeypatch):
+    """errors.say, the one way a status line reaches stderr while a bar is drawn: the bar is
+    taken away first (a carriage return), the line written whole, the bar drawn again."""
+    from ddpgpt.errors import say, warn
+
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    metrics = Metrics(True, tmp_path / "metrics.jsonl", 0, 10, 1000, 6.0, peak=1e9,
+                      world_size=1)
+    metrics.log_step(1, 2.0, 3e-4, 1.0, 1.0)
+    for line in ("ddpgpt: resuming with changed settings", "ddpgpt: warning: x"):
+        say(line) if "warning" not in line else warn("x")
+        before, after = term.getvalue().rsplit(line, 1)
+        assert before.endswith("\r") and "train:" in before, repr(before[-200:])
+        assert after.startswith("\n") and "train:" in after  # drawn again below
+    metrics.close()

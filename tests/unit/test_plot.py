@@ -35,12 +35,15 @@ def test_plot_draws_runs_next_to_the_first(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("missing", "{p}: no metrics.jsonl; give run dirs that `ddpgpt train` wrote"),
+    ("missing", "{p}: no such run dir; give run dirs that `ddpgpt train` wrote"),
+    ("empty", "{p}: no metrics.jsonl; give run dirs that `ddpgpt train` wrote"),
     ("damaged", "{p}/metrics.jsonl: line 1 is not JSON; the file is damaged (restore it, or "
                 "plot other runs)"),
 ])
 def test_what_cannot_be_drawn_is_one_line(case, message, tmp_path, capsys):
     path = tmp_path / "run"
+    if case == "empty":
+        path.mkdir()
     if case == "damaged":
         fake_run(path, "adamw")
         text = (path / "metrics.jsonl").read_text()
@@ -50,6 +53,15 @@ def test_what_cannot_be_drawn_is_one_line(case, message, tmp_path, capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err == f"ddpgpt: error: {message.format(p=path)}\n"
     assert not (tmp_path / "run.png").exists()
+
+
+def test_a_mistyped_run_names_the_run_meant(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fake_run(tmp_path / "runs" / "mix", "adamw")
+    with pytest.raises(SystemExit):
+        main(["plot", "runs/mxi"])
+    assert capsys.readouterr().err == ("ddpgpt: error: runs/mxi: no such run dir (did you mean "
+                                       "runs/mix?); give run dirs that `ddpgpt train` wrote\n")
 
 
 def test_without_matplotlib_it_says_how_to_install(tmp_path, capsys, monkeypatch):
@@ -209,3 +221,51 @@ def test_a_run_is_labelled_by_the_world_size_it_trained_most_steps_at(tmp_path):
     assert load_run(str(a))["label"] == "a (adamw, ddp, W=4)"
     (a / "configs.jsonl").write_text('{"step": 0, "config": {}}\n')
     assert load_run(str(a))["label"] == "a (adamw, ddp, W=1)"
+
+
+def test_a_mixture_is_drawn_source_by_source_with_its_shares_and_changes(tmp_path, monkeypatch):
+    """A mixture's run, its weights changed on resume at step 10: each source's val and
+    train-sample loss as written, the realized shares and the weights, and a mark at 10 that
+    says what changed (the weights, and the lr) beside the unchanged mark of a stop."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    a = fake_run(tmp_path / "a", "adamw")
+    weight = {s: (0.7, 0.3) if s <= 10 else (0.5, 0.5) for s in range(21)}
+    rewrite_rows(a, lambda rows: [
+        {**r, "mix/web": weight[r["step"]][0], "mix/code": weight[r["step"]][1]}
+        if "loss" in r else
+        {**r, "val_loss/web": r["val_loss"] - 1, "val_loss/code": r["val_loss"] + 1,
+         "train_eval_loss/web": r["val_loss"] - 2, "train_eval_loss/code": r["val_loss"],
+         "weight/web": weight[r["step"]][0], "weight/code": weight[r["step"]][1]}
+        for r in rows] + [
+        {"step": 10, "event": "mixture_change", "checkpoint": "c",
+         "old": {"web": 0.7, "code": 0.3}, "new": {"web": 0.5, "code": 0.5}},
+        {"step": 10, "event": "config_change", "checkpoint": "c",
+         "changes": {"data.dir": ["w:0.7,c:0.3", "w:0.5,c:0.5"], "optim.lr": [0.3, 30.0]}},
+        {"step": 4, "event": "stop", "message": "stopped", "exit_code": 75}])
+    (a / "configs.jsonl").write_text('{"step": 0, "config": {}}\n{"step": 10, "config": {}}\n')
+    main(["plot", str(a), "--smooth", "0"])
+    fig = figures[0]
+    by_step, per_source, shares = fig.axes[0], fig.axes[-2], fig.axes[-1]
+    lines = {line.get_gid(): line for line in per_source.lines + shares.lines}
+    evals = [5, 10, 15, 20]
+    for name, offset in (("web", -1), ("code", 1)):
+        np.testing.assert_array_equal(lines[f"val {name}"].get_xdata(), evals)
+        np.testing.assert_allclose(lines[f"val {name}"].get_ydata(),
+                                   [8 - s / 9 + offset for s in evals])
+        np.testing.assert_allclose(lines[f"train sample {name}"].get_ydata(),
+                                   [8 - s / 9 + offset - 1 for s in evals])
+    np.testing.assert_allclose(lines["share web"].get_ydata(),
+                               [0.7] * 10 + [0.5] * 10)  # --smooth 0: as logged
+    np.testing.assert_allclose(lines["weight code"].get_ydata(), [0.3, 0.3, 0.5, 0.5])
+    vertical = {(line.get_xdata()[0], str(line.get_linestyle())) for line in by_step.lines
+                if len(set(line.get_xdata())) == 1 and len(line.get_xdata()) == 2}
+    assert vertical == {(4, "--"), (10, "-")}  # the resume at 10 is a change, not a restart
+    assert [t.get_text() for t in by_step.texts] == [
+        " web 0.7→0.5, code 0.3→0.5; optim.lr 0.3→30"]
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "settings changed" in labels and "restarted" not in labels
+    assert "val loss (a mixture's: weighted by its weights then)" in labels

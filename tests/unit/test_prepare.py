@@ -210,3 +210,18 @@ def test_cli_prepare_and_verify(corpus, tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith(f"ddpgpt: error: {shard}: sha256 mismatch (file ")
     assert result.stderr.count("\n") == 1
+
+
+def test_a_val_split_of_a_few_documents_is_warned_of(tmp_path, capsys):
+    """2 documents in val of 6: the val loss will be theirs alone, said once on stderr; 10 of
+    20 is enough to say nothing."""
+    for n in range(20):
+        (tmp_path / "src" / str(n < 6)).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / str(n < 6) / f"{n:02d}.txt").write_text(f"document {n}\n" * 9)
+    run(tmp_path / "src" / "True", tmp_path / "few", tokenizer="byte", val_fraction=0.3)
+    assert capsys.readouterr().err == (
+        "ddpgpt: warning: the val split is 2 documents (--val-fraction 0.3 of 6): its loss is "
+        "theirs alone and says little of the rest; a larger --val-fraction holds out more\n")
+    run(tmp_path / "src", tmp_path / "enough", tokenizer="byte", val_fraction=0.5)
+    said = capsys.readouterr()
+    assert "10 val)" in said.out and said.err == ""

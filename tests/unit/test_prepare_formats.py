@@ -293,7 +293,8 @@ def test_tokenizer_from_a_dataset_or_a_run_reuses_its_tokenizer(tmp_path, capsys
     with pytest.raises(UserError) as e:
         run([tmp_path / "b"], tmp_path / "x", tokenizer_from=str(tmp_path / "b"))
     assert str(e.value) == (f"--tokenizer-from {tmp_path}/b: neither a prepared dataset "
-                            "(meta.json) nor a run directory (data_meta.json); give one of them")
+                            "(meta.json), a run directory (data_meta.json) nor a transformers "
+                            "directory (config.json); give one of them")
 
 
 def test_a_copy_of_tokenizer_from_cut_short_is_never_taken_for_the_tokenizer(tmp_path):

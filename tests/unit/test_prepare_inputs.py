@@ -54,6 +54,27 @@ def test_every_frame_of_a_zst_is_read(tmp_path):
     assert_stream(ds, byte_oracle(first + second, 0.25))
 
 
+def test_compressed_text_is_text(tmp_path, capsys):
+    """notes.txt.gz and notes.md.zst are their text, one document each, not skipped as binary
+    (their bytes hold NULs); a .gz cut short is one line naming it."""
+    import gzip
+
+    docs = ["first notes\n" * 50, "ünïcode notes\n" * 300_000, "third\n"]  # one past a piece
+    (tmp_path / "a.txt").write_text(docs[0])
+    (tmp_path / "b.txt.gz").write_bytes(gzip.compress(docs[1].encode()))
+    (tmp_path / "c.md.zst").write_bytes(zstandard.ZstdCompressor().compress(docs[2].encode()))
+    sources = [tmp_path / n for n in ("a.txt", "b.txt.gz", "c.md.zst")]
+    ds = run(sources, tmp_path / "o", tokenizer="byte", val_fraction=0.25)
+    assert "skipped 0 binary and 0 empty files" in capsys.readouterr().out
+    assert_stream(ds, byte_oracle(docs, 0.25))
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "b.txt.gz").write_bytes(gzip.compress(docs[1].encode())[:5000])
+    assert refused([cut / "b.txt.gz"], cut).startswith(
+        f"{cut}/b.txt.gz: cannot be read (EOFError: Compressed file ended before the "
+        "end-of-stream marker was reached); download it again")
+
+
 # --- sources named twice -------------------------------------------------------------------------
 
 

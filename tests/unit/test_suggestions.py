@@ -42,6 +42,9 @@ def test_a_flag_like_no_other_gets_no_guess():
     (["train", "--data", "d", "--preset", "tinny"],
      "unknown preset 'tinny' (did you mean tiny?); choose one of tiny, speedrun, small, "
      "gpt2-124m, gpt2-350m"),
+    (["train", "--data", "d", "--preset", "tyni"],  # letters swapped: difflib's ratio 0.5
+     "unknown preset 'tyni' (did you mean tiny?); choose one of tiny, speedrun, small, "
+     "gpt2-124m, gpt2-350m"),
     (["train", "--data", "d", "--run.precision", "bf61"],
      "invalid config: run.precision = 'bf61' (did you mean bf16?); choose one of auto, fp32, "
      "bf16, fp16"),
@@ -91,3 +94,28 @@ def test_a_mistyped_command_names_the_command_meant(capsys):
     assert capsys.readouterr().err == (
         "ddpgpt: error: unknown command 'trian' (did you mean train?); the commands: prepare, "
         "train, sample, eval, doctor, bench, plot, export, check, rendezvous (ddpgpt --help)\n")
+
+
+def test_a_mistyped_run_to_continue_names_the_run_meant(tmp_path, monkeypatch, capsys):
+    """`train --run-dir R` without --data continues R: a name that holds no run is refused,
+    with the run meant, instead of training a new run from the defaults into it."""
+    monkeypatch.chdir(tmp_path)
+    tokens = np.arange(64, dtype=np.uint16) % 7
+    write_dataset(tmp_path / "data" / "stdlib", tokens, tokens, vocab_size=7)  # the default
+    (tmp_path / "runs" / "mix").mkdir(parents=True)
+    (tmp_path / "runs" / "mix" / "config.json").write_text("{}")
+    (tmp_path / "runs" / "empty").mkdir()
+    lines = []
+    for argv in (["train", "--run-dir", "runs/mxi", "--run.steps", "60"],
+                 ["train", "--run-dir", "runs/empty"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        lines.append(capsys.readouterr().err)
+    fix = ("to continue a run, give its --run-dir; to start a new one there, give its --data "
+           "(and a --preset)\n")
+    assert lines == [
+        f"ddpgpt: error: run dir runs/mxi does not exist (did you mean runs/mix?); {fix}",
+        f"ddpgpt: error: run dir runs/empty holds no run (no config.json) (runs beside it: "
+        f"runs/mix); {fix}"]
+    assert not (tmp_path / "runs" / "mxi").exists()

@@ -8,12 +8,11 @@ skipped.
 
 from __future__ import annotations
 
-import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from ddpgpt.data.compressed import open_zstd
+from ddpgpt.data.compressed import open_any
 from ddpgpt.data.formats import base
 from ddpgpt.data.formats.base import Format, Unit, UnitStats, first_line
 from ddpgpt.errors import UserError
@@ -71,7 +70,7 @@ def _jsonl_lines(unit: Unit) -> Iterator[tuple[int, bytes]]:
     """(line number within the unit, line) for the lines that start in the unit's byte range."""
     path = unit.paths[0]
     try:
-        with _open_jsonl(path) as f:
+        with open_any(path) as f:
             if unit.end < 0:
                 yield from enumerate(f, 1)
                 return
@@ -111,13 +110,6 @@ def _count_newlines(f, limit: int) -> int:
     return count
 
 
-def _open_jsonl(path: str):
-    name = path.lower()
-    if name.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if name.endswith(".zst"):
-        return open_zstd(path)  # every frame; a file cut short is an EOFError, as gzip's
-    return open(path, "rb")
 
 
 

@@ -1,4 +1,5 @@
-"""Text files: each file is one document. Invalid UTF-8 is decoded with replacement (counted) for
+"""Text files: each file is one document (a .gz or .zst one decompressed: `notes.txt.gz`; a
+.jsonl.gz is jsonl's). Invalid UTF-8 is decoded with replacement (counted) for
 bpe and gpt2, kept exactly by the byte tokenizer; files with NUL bytes are skipped as binary, empty
 ones as empty. A long file is scanned for NUL bytes first and decoded incrementally, in pieces of
 at most `base.PIECE_CHARS`. Small files share a unit (up to `base.UNIT_BYTES` or
@@ -11,8 +12,10 @@ import codecs
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from ddpgpt.data.compressed import COMPRESSED, open_any
 from ddpgpt.data.formats import base
-from ddpgpt.data.formats.base import Format, Unit, UnitStats
+from ddpgpt.data.formats.base import Format, Unit, UnitStats, first_line
+from ddpgpt.errors import UserError
 
 
 class Text(Format):
@@ -44,10 +47,11 @@ def _text_file(path: Path, stats: UnitStats, raw: bool) -> Iterator[tuple[bool, 
 
 
 def read_bytes_or_text(path: Path, raw: bool, stats) -> Iterable[str | bytes] | None:
-    """A text file's contents in chunks, or None when it holds a NUL byte (binary). `raw`: its
-    bytes, exactly; else its text, invalid UTF-8 replaced by U+FFFD and counted in
-    `stats.replaced`."""
-    if path.stat().st_size <= base.PIECE_CHARS:  # most files: one read
+    """A text file's contents in chunks (a .gz or .zst one's decompressed), or None when it
+    holds a NUL byte (binary). `raw`: its bytes, exactly; else its text, invalid UTF-8 replaced
+    by U+FFFD and counted in `stats.replaced`."""
+    compressed = path.name.lower().endswith(COMPRESSED)
+    if not compressed and path.stat().st_size <= base.PIECE_CHARS:  # most files: one read
         data = path.read_bytes()
         if b"\x00" in data:
             return None
@@ -79,9 +83,13 @@ def _decode_pairs(blocks: Iterable[bytes]) -> Iterator[tuple[str, bytes]]:
 
 
 def _blocks(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as f:
-        while block := f.read(base.PIECE_CHARS):
-            yield block
+    try:
+        with open_any(str(path)) as f:
+            while block := f.read(base.PIECE_CHARS):
+                yield block
+    except (OSError, EOFError) as e:  # a compressed file cut short, or not what its name says
+        raise UserError(f"{path}: cannot be read ({first_line(e)}); download it again or remove "
+                        "it from the sources") from None
 
 
 ROW = Text()

@@ -13,7 +13,7 @@ from ddpgpt.data.prepare.assemble import Assembler
 from ddpgpt.data.prepare.build import Build
 from ddpgpt.data.shards import META_FORMAT_VERSION, ShardInfo
 from ddpgpt.data.verify import record_shards
-from ddpgpt.errors import UserError
+from ddpgpt.errors import UserError, warn
 
 ORDER = "sources in the order given, files sorted by path, rows in file order"
 PART_FILE = "part.json"
@@ -105,6 +105,9 @@ def make_meta(tok, dtype: str, shards: dict[str, list[ShardInfo]], source: dict,
     return meta
 
 
+FEW_VAL_DOCUMENTS = 10  # fewer in the val split: its loss is that of a handful of documents
+
+
 def _summary(meta: dict, asm: Assembler, tok, note: str | None, row):
     """The summary, as a function of --out, the seconds taken and the output's MB."""
     tokens = {s: sum(i["tokens"] for i in meta["shards"][s]) for s in ("train", "val")}
@@ -125,8 +128,13 @@ def _summary(meta: dict, asm: Assembler, tok, note: str | None, row):
         extra.append(f"split by token position: {note}")
     if asm.full:
         extra.append(f"stopped at --max-tokens {asm.max_tokens:,}")
+    few = row is None and not note and docs["val"] < FEW_VAL_DOCUMENTS
 
     def text(out: Path, seconds: float, size: float) -> str:
+        if few:  # said last, on stderr, after the work's own lines
+            warn(f"the val split is {docs['val']} document{'s' if docs['val'] > 1 else ''} "
+                 f"(--val-fraction {asm.val_fraction:g} of {n_docs:,}): its loss is theirs "
+                 "alone and says little of the rest; a larger --val-fraction holds out more")
         return "\n".join([
             f"prepared {out}: {what}, {total:,} tokens ({tokens['train']:,} train, "
             f"{tokens['val']:,} val), {meta['tokenizer']} vocab {meta['vocab_size']}",

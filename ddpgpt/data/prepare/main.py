@@ -50,7 +50,14 @@ from ddpgpt.data.prepare.finish import PART_FILE, finish_dataset, finish_part
 from ddpgpt.data.prepare.output import CleanExit, Lock, check_out, make_partial, partial_of, publish
 from ddpgpt.data.prepare.sources import resolve_sources
 from ddpgpt.data.shards import TokenDataset, dtype_for_vocab
-from ddpgpt.data.tokenizer import BPETokenizer, TokenizerSpec, fingerprint, load_tokenizer
+from ddpgpt.data.tokenizer import (
+    EOT_TEXT,
+    BPETokenizer,
+    TokenizerSpec,
+    fingerprint,
+    folder_tokenizer,
+    load_tokenizer,
+)
 from ddpgpt.data.verify import check_all
 from ddpgpt.errors import UserError
 from ddpgpt.files import copy_file
@@ -167,8 +174,9 @@ def _tokenizer_choice(cfg: PrepareConfig, plan: Plan) -> dict:
 
 
 def tokenizer_from(path: Path) -> tuple[str, Path]:
-    """The tokenizer kind of a prepared dataset (meta.json) or a run (data_meta.json), and the
-    directory that holds its tokenizer.json."""
+    """The tokenizer kind of a prepared dataset (meta.json), a run (data_meta.json) or a
+    transformers directory (config.json: `ddpgpt export`'s, or GPT-2's), and the directory that
+    holds its tokenizer.json."""
     for name in ("meta.json", "data_meta.json"):
         meta = path / name
         if meta.is_file():
@@ -181,8 +189,27 @@ def tokenizer_from(path: Path) -> tuple[str, Path]:
                 raise UserError(f"--tokenizer-from {path}: no tokenizer.json beside {meta}; "
                                 "give a prepared dataset or a run directory")
             return kind, path
-    raise UserError(f"--tokenizer-from {path}: neither a prepared dataset (meta.json) nor a run "
-                    "directory (data_meta.json); give one of them")
+    if (path / "config.json").is_file():  # the tokenizer saved beside a model's weights
+        return _weights_tokenizer(path)
+    raise UserError(f"--tokenizer-from {path}: neither a prepared dataset (meta.json), a run "
+                    "directory (data_meta.json) nor a transformers directory (config.json); give "
+                    "one of them")
+
+
+def _weights_tokenizer(path: Path) -> tuple[str, Path]:
+    """A transformers directory's tokenizer, as what `--init-from` that directory takes."""
+    found = folder_tokenizer(path, f"--tokenizer-from {path}")
+    kind = (found or "").partition(":")[0]
+    if kind == "bpe" and (path / "tokenizer.json").is_file():
+        if BPETokenizer.load(path).eot_id is not None:
+            return kind, path
+        raise UserError(f"--tokenizer-from {path}: its tokenizer.json has no {EOT_TEXT} token, "
+                        "which ddpgpt's documents end with; give a tokenizer that has one")
+    if kind in ("byte", "gpt2"):
+        return kind, path
+    raise UserError(f"--tokenizer-from {path}: no tokenizer ddpgpt reads beside the weights (a "
+                    "tokenizer.json, or GPT-2's vocab.json); give a directory `ddpgpt export` "
+                    "wrote, or a prepared dataset or run")
 
 
 def _merge_job(cfg: PrepareConfig) -> tuple[PrepareConfig, dict]:
