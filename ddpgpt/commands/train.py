@@ -30,8 +30,7 @@ from ddpgpt.checkpoint import store
 from ddpgpt.checkpoint.saver import SaveFailed, Saver
 from ddpgpt.checkpoint.saver import token as saver_token
 from ddpgpt.config.schema import RunConfig, TrainConfig
-from ddpgpt.data import verify
-from ddpgpt.data.mixture import MixedDataset, MixtureLoader, datasets, one_document_notes
+from ddpgpt.data.mixture import MixedDataset, MixtureLoader, one_document_notes
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.distributed import collectives
@@ -63,6 +62,7 @@ from ddpgpt.run.preflight import preflight, shared
 from ddpgpt.run.rollback import apply_rollback, roll_back, spike_fields
 from ddpgpt.run.run_dir import RunDir
 from ddpgpt.run.samples import Sampler
+from ddpgpt.run.verify import verify_data
 from ddpgpt.trainer import Trainer
 
 
@@ -321,20 +321,6 @@ def settle(trainer, saver: Saver, run_dir: RunDir) -> None:
 def taken_now(loader) -> dict[str, int] | None:
     """A mixture's rows so far per source (metrics' mix/NAME); None for one dataset."""
     return loader.taken_now() if isinstance(loader, MixtureLoader) else None
-
-
-def verify_data(env: DistEnv, data: TokenDataset | MixedDataset) -> None:
-    """data.verify: the sha256 of the shards that verified.json does not vouch for, 1/W of the
-    shards per rank (data/verify.py); every rank's new entries recorded by each node's first.
-    A mixture: each dataset in turn."""
-    for dataset in datasets(data):
-        mine = collectives.together(env, lambda ds=dataset: verify.hash_share(ds, env.rank,
-                                                                              env.world_size))
-        entries = {}
-        for text in collectives.all_gather_text(env, json.dumps(mine)):
-            entries.update(json.loads(text))
-        if env.local_rank == 0:
-            verify.record(dataset.files, entries, quiet=not env.is_main)
 
 
 def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset | MixedDataset,
