@@ -65,7 +65,11 @@ def test_the_dev_extra_holds_every_other_but_hfs_datasets_eval_and_gcsfs():
 def test_a_url_asks_for_its_filesystem(monkeypatch, url, package, extra):
     from ddpgpt.data import storage
 
+    from fsspec.registry import _registry
+
     monkeypatch.setitem(sys.modules, package, None)
+    # A filesystem class another test already loaded stays in fsspec's registry: drop it too.
+    monkeypatch.delitem(_registry, url.split("://")[0], raising=False)
     with pytest.raises(UserError) as e:
         storage.filesystem(url)
     assert named_extra(str(e.value)) == extra and package in packages(extra), str(e.value)
