@@ -63,9 +63,9 @@ def test_the_dev_extra_holds_every_other_but_hfs_datasets_eval_and_gcsfs():
 @pytest.mark.parametrize("url, package, extra", [("s3://bucket/data", "s3fs", "cloud"),
                                                  ("gs://bucket/data", "gcsfs", "gcs")])
 def test_a_url_asks_for_its_filesystem(monkeypatch, url, package, extra):
-    from ddpgpt.data import storage
-
     from fsspec.registry import _registry
+
+    from ddpgpt.data import storage
 
     monkeypatch.setitem(sys.modules, package, None)
     # A filesystem class another test already loaded stays in fsspec's registry: drop it too.
