@@ -61,7 +61,9 @@ def in_terminal(argv: list[str], cwd, timeout: float = 180) -> tuple[int, str]:
 def console(tiny_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("console")
     run, straight = root / "run", root / "straight"
-    flags = dict(model__dropout=0.1)
+    # the schedule of 4 steps from the start: a run of 2 continued to 4 would otherwise hold
+    # min_lr after its schedule ended, and differ from the straight run by the lr
+    flags = dict(model__dropout=0.1, optim__decay_steps=4)
     made = run_cli(*tiny_train_args(tiny_data, run, steps=2, **flags)[2:], timeout=120)
     assert made.returncode == 0, made.stderr
     code, shown = in_terminal(["-m", "ddpgpt", "train", "--run-dir", run, "--run.steps", "4",
