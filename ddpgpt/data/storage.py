@@ -29,6 +29,7 @@ as a local file rewritten gets a new (size, mtime, inode).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import os
@@ -43,6 +44,7 @@ URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 PACKAGES = {"s3": ("s3fs", "cloud"), "s3a": ("s3fs", "cloud"), "gs": ("gcsfs", "gcs"),
             "gcs": ("gcsfs", "gcs")}
 HASH_BLOCK = 8 << 20  # bytes read at a time when hashing an object
+PART = 50 << 20  # an upload's part size (s3fs's multipart put_file): its ETag depends on it
 
 
 def is_url(where) -> bool:
@@ -255,8 +257,9 @@ class Objects:
         self._listing = None
 
     def upload(self, local: Path, name: str) -> None:
+        extra = {"chunksize": PART} if self.url.startswith(("s3://", "s3a://")) else {}
         with failing(self.where(name), "uploading"):
-            self.fs.put_file(str(local), self.key(name))
+            self.fs.put_file(str(local), self.key(name), **extra)
         self._listing = None
 
     def delete(self, names: list[str]) -> None:
@@ -267,6 +270,45 @@ class Objects:
 
     def reader(self, cache: str = "") -> RemoteReader:
         return RemoteReader(self, cache)
+
+
+def same(info: dict | None, local: Path) -> bool:
+    """The object that fsspec's `info` describes (a listing's entry) has the bytes of the local
+    file `local`: its ETag is their MD5 as S3 computes it for `Objects.upload` (of the whole, or
+    of its PART-byte parts), or GCS's md5Hash is. False when its checksum is of another kind
+    (server-side encryption with KMS, say): then it cannot be told, and the caller sends it
+    again."""
+    if info is None or int(info["size"]) != local.stat().st_size:
+        return False
+    if info.get("md5Hash"):  # GCS: base64 of the whole object's MD5
+        return base64.b64encode(_md5s(local, None)[0]).decode() == info["md5Hash"]
+    tag = str(info.get("ETag") or info.get("etag") or "").strip('"')
+    return bool(tag) and tag == etag(local)
+
+
+def _md5s(path: Path, part: int | None) -> list[bytes]:
+    """The MD5 digest of each `part`-byte piece of the file at `path` (of the whole: None)."""
+    digests, digest, filled = [], hashlib.md5(), 0
+    with open(path, "rb") as f:
+        while block := f.read(min(HASH_BLOCK, (part - filled) if part else HASH_BLOCK)):
+            digest.update(block)
+            filled += len(block)
+            if part and filled == part:
+                digests.append(digest.digest())
+                digest, filled = hashlib.md5(), 0
+    if filled or not digests:
+        digests.append(digest.digest())
+    return digests
+
+
+def etag(path: Path) -> str:
+    """The ETag S3 gives the object that `Objects.upload` makes of the file at `path`: the MD5
+    of its bytes when sent in one PUT (under 2 PARTs), else the MD5 of its parts' MD5s, "-" and
+    the number of parts."""
+    if path.stat().st_size < 2 * PART:
+        return _md5s(path, None)[0].hex()
+    parts = _md5s(path, PART)
+    return f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
 
 
 def open_dir(where: str | os.PathLike) -> Directory | Objects:
