@@ -12,9 +12,11 @@ unlink ...), so the store's code is one path; what differs is here, decided by t
     delete             renamed away, then removed         meta.json first (unpublished), then
                                                           the rest
     set aside          renamed                            copied server-side, then deleted
-    verify on load     every file's sha256                every object's size (one listing);
-                                                          the small files' sha256 on the bytes
-                                                          read (read.read_verified)
+    verify on load     every file's sha256                every object's size and ETag, as
+                                                          meta.json recorded them at commit
+                                                          (one listing); the small files'
+                                                          sha256 on the bytes read
+                                                          (read.read_verified)
 
 A step prefix in object storage is never renamed: DCP's writers put their objects straight under
 `step_NNNNNNN/`, rank 0 writes meta.json last, and a reader takes a step only with its
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import os
 import shutil
 import socket
@@ -240,10 +243,31 @@ def move(source: Path | Remote, target: Path | Remote) -> None:
             source.fs.copy(source.key, target.key)
             source.unlink()
             return
-        files = sorted(_walk(source), key=lambda p: p.name == "meta.json")
+        files = [f for f in _walk(source) if f.name != "meta.json"]
         for f in files:
             source.fs.copy(f.key, target.key + f.key[len(source.key):])
+        _copy_meta(source, target)  # last: it publishes the copy
     delete_checkpoint(source, "moved")
+
+
+def _copy_meta(source: Remote, target: Remote) -> None:
+    """A checkpoint's meta.json copied after its objects, with the ETags of the copies (a server
+    side copy of an object uploaded in parts gets another): each one carried over only where the
+    source's object still had the ETag recorded, so a replaced object stays refused."""
+    try:
+        data = (source / "meta.json").read_bytes()
+    except FileNotFoundError:
+        return  # not a complete checkpoint: moved as it is
+    try:
+        meta = json.loads(data)
+    except ValueError:  # corrupt: refused where it is copied to as where it was
+        meta = {}
+    if isinstance(meta, dict) and meta.get("etags"):
+        was, now = listed(source), listed(target)
+        meta["etags"] = {name: now[name][1] if name in now and was.get(name, (0, ""))[1] == tag
+                         else tag for name, tag in meta["etags"].items()}
+        data = (json.dumps(meta, indent=1) + "\n").encode()
+    write_file(target / "meta.json", data)
 
 
 def sha256(path: Path | Remote) -> str:
@@ -258,12 +282,19 @@ def sha256(path: Path | Remote) -> str:
     return digest.hexdigest()
 
 
+def listed(directory: Path | Remote) -> dict[str, tuple[int, str]]:
+    """{name: (bytes, tag)} of the files in a checkpoint directory, from one listing of a
+    prefix: an object's tag is its ETag or version (storage.tag), which a rewrite changes even
+    at the same size; a local file's is "" (its sha256 is what a load checks)."""
+    if isinstance(directory, Remote):
+        return {info["name"].rstrip("/").rsplit("/", 1)[-1]: (int(info["size"]), storage.tag(info))
+                for info in directory._listing() if info.get("type") == "file"}
+    return {p.name: (p.stat().st_size, "") for p in Path(directory).iterdir() if p.is_file()}
+
+
 def sizes(directory: Path | Remote) -> dict[str, int]:
     """{name: bytes} of the files in a checkpoint directory (one listing of a prefix)."""
-    if isinstance(directory, Remote):
-        return {info["name"].rstrip("/").rsplit("/", 1)[-1]: int(info["size"])
-                for info in directory._listing() if info.get("type") == "file"}
-    return {p.name: p.stat().st_size for p in Path(directory).iterdir() if p.is_file()}
+    return {name: size for name, (size, _) in listed(directory).items()}
 
 
 def check_writable(url: str) -> None:

@@ -205,11 +205,13 @@ def commit(tmp: Path, final: Path, files: dict[str, str], rest: dict, meta: dict
     data = _torch_bytes(rest)
     location.write_file(tmp / "trainer.pt", data)
     files = {**files, "trainer.pt": hashlib.sha256(data).hexdigest()}
-    on_disk = location.sizes(tmp)
+    there = location.listed(tmp)
     meta = {"format_version": FORMAT_VERSION, "step": int(final.name.split("_")[1]),
-            "files": files, "sizes": {name: on_disk.get(name) for name in files},
+            "files": files, "sizes": {name: there.get(name, (None,))[0] for name in files},
             "ddpgpt_version": __version__, "torch_version": torch.__version__,
             "saved_at": time.time(), **meta}
+    if location.is_remote(tmp):  # what a load compares: an object replaced gets another
+        meta["etags"] = {name: there[name][1] for name in files if name in there}
     # last: it marks the checkpoint complete (and, in object storage, publishes it)
     location.write_file(tmp / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
     location.sync(tmp)
@@ -272,8 +274,8 @@ def remove_temporaries(root: Path) -> list[Path]:
 
 def read_meta(path: Path, verify: bool = True) -> dict:
     """A checkpoint's meta.json, validated: present, parseable, a format we read, and (`verify`)
-    every file present with the sha256 meta.json lists (in object storage: with the size it
-    lists, from one listing; the files read whole are checked on their bytes: read.py)."""
+    every file present with the sha256 meta.json lists (in object storage: with the size and
+    ETag it lists, from one listing; the files read whole are checked on their bytes: read.py)."""
     path = location.at(path)
     meta_path = path / "meta.json"
     try:
@@ -291,7 +293,7 @@ def read_meta(path: Path, verify: bool = True) -> dict:
                                      f"than this ddpgpt reads ({FORMAT_VERSION}); upgrade ddpgpt "
                                      "(pip install -U ddpgpt)")
     if verify and location.is_remote(path) and meta.get("sizes"):
-        _check_sizes(path, meta)
+        _check_objects(path, meta)
         return meta
     for name, expected in files.items() if verify else ():
         try:
@@ -306,18 +308,24 @@ def read_meta(path: Path, verify: bool = True) -> dict:
     return meta
 
 
-def _check_sizes(path, meta: dict) -> None:
-    """Every object meta.json lists is there with its size (an object appears whole or not at
-    all, so this finds a missing or replaced one)."""
-    there = location.sizes(path)
+def _check_objects(path, meta: dict) -> None:
+    """Every object meta.json lists is there with its size and the ETag (or version) it had when
+    the checkpoint was committed, from one listing: an object appears whole or not at all, so
+    this finds a missing one, and a replaced one even of the same size."""
+    there = location.listed(path)
     if not there:
         raise CheckpointGone(f"{path}: deleted while being read")
+    tags = meta.get("etags") or {}
     for name, size in meta["sizes"].items():
         if name not in there:
             raise CheckpointError(f"{path}: {name} is missing")
-        if size is not None and there[name] != size:
-            raise CheckpointError(f"{path}: {name} has {there[name]} bytes, meta.json says {size} "
-                                  "(replaced or corrupt)")
+        if size is not None and there[name][0] != size:
+            raise CheckpointError(f"{path}: {name} has {there[name][0]} bytes, meta.json says "
+                                  f"{size} (replaced or corrupt)")
+        if tags.get(name) and there[name][1] != tags[name]:
+            raise CheckpointError(f"{path}: {name} is not the object that was saved (its ETag is "
+                                  f"{there[name][1] or 'none'}, meta.json says {tags[name]}: "
+                                  "replaced since)")
 
 
 def find_latest(root: Path, quiet: bool = False) -> tuple[Path, dict] | None:

@@ -224,9 +224,7 @@ class Objects:
     def identity(self, name: str) -> list:
         """[size, ETag or version]: a rewritten object gets another."""
         info = self.listing()[name]
-        tag = info.get("VersionId") or info.get("ETag") or info.get("etag") or \
-            info.get("md5Hash") or info.get("generation") or ""
-        return [int(info["size"]), str(tag).strip('"')]
+        return [int(info["size"]), tag(info)]
 
     def sha256(self, name: str) -> str:
         digest = hashlib.sha256()
@@ -270,6 +268,14 @@ class Objects:
 
     def reader(self, cache: str = "") -> RemoteReader:
         return RemoteReader(self, cache)
+
+
+def tag(info: dict) -> str:
+    """What changes when an object is rewritten, from fsspec's `info` of it (a listing's entry):
+    its version id, else its ETag (S3), MD5 or generation (GCS); "" when the server gives none."""
+    found = info.get("VersionId") or info.get("ETag") or info.get("etag") or \
+        info.get("md5Hash") or info.get("generation") or ""
+    return str(found).strip('"')
 
 
 def same(info: dict | None, local: Path) -> bool:

@@ -72,6 +72,49 @@ def test_a_replaced_object_is_found_by_its_size(s3, root):
         store.read_meta(path)
 
 
+def test_a_replaced_object_of_the_same_size_is_refused_by_its_etag(s3, root):
+    """meta.json records each object's ETag at commit; an object rewritten with other bytes of
+    the same size is refused in one line, and the newest checkpoint before it is loaded."""
+    save(root, 2)
+    path = save(root, 3)
+    key = f"{root[5:]}/step_0000003/__0_0.distcp"
+    data = bytearray(s3.fs().cat_file(key))
+    data[-1] ^= 1
+    s3.fs().pipe_file(key, bytes(data))
+    meta = json.loads((path / "meta.json").read_text())
+    assert set(meta["etags"]) == set(meta["files"])
+    line = (rf"^{path}: __0_0\.distcp is not the object that was saved \(its ETag is \w+, "
+            r"meta\.json says \w+: replaced since\)$")
+    with pytest.raises(store.CheckpointError, match=line):
+        store.read_meta(path)
+    found, _ = store.find_latest(root, quiet=True)
+    assert found.name == "step_0000002"
+
+
+def test_a_checkpoint_moved_keeps_its_etags_and_a_replaced_object_stays_refused(
+        s3, root, monkeypatch):
+    """A server-side copy of an object uploaded in parts gets another ETag: the copy's meta.json
+    records the copies' ETags, except where the source's object had been replaced."""
+    for step in (1, 2):
+        save(root, step)
+    real = location.listed
+
+    def multipart(directory):  # as the server would list copies of multipart uploads
+        got = real(directory)
+        if "aside" in str(directory):
+            got = {n: (size, tag + "-2") for n, (size, tag) in got.items()}
+        return got
+
+    monkeypatch.setattr(location, "listed", multipart)
+    location.move(location.at(f"{root}/step_0000001"), location.at(f"{root}/aside/step_0000001"))
+    assert store.read_meta(location.at(f"{root}/aside/step_0000001"))["step"] == 1
+    key = f"{root[5:]}/step_0000002/__0_0.distcp"
+    s3.fs().pipe_file(key, bytes(reversed(s3.fs().cat_file(key))))
+    location.move(location.at(f"{root}/step_0000002"), location.at(f"{root}/aside/step_0000002"))
+    with pytest.raises(store.CheckpointError, match=r"__0_0\.distcp is not the object that was"):
+        store.read_meta(location.at(f"{root}/aside/step_0000002"))
+
+
 def test_keep_last_k_and_a_rollback_record_at_a_url(s3, root):
     for step in (1, 2, 3, 4):
         save(root, step, keep=2)
