@@ -9,6 +9,9 @@ unlink ...), so the store's code is one path; what differs is here, decided by t
     write a file       write + fsync (files.write_bytes)  one PUT: whole or absent
     publish            a temporary directory renamed      meta.json written last: a step
                                                           prefix without it is not a checkpoint
+                                                          (a step there complete already: the
+                                                          new one beside it, then copied in,
+                                                          store._publish)
     delete             renamed away, then removed         meta.json first (unpublished), then
                                                           the rest
     set aside          renamed                            copied server-side, then deleted
@@ -19,8 +22,8 @@ unlink ...), so the store's code is one path; what differs is here, decided by t
                                                           (read.read_verified)
 
 A step prefix in object storage is never renamed: DCP's writers put their objects straight under
-`step_NNNNNNN/`, rank 0 writes meta.json last, and a reader takes a step only with its
-meta.json. An upload cut short (a killed writer, the server gone) leaves objects without one:
+`step_NNNNNNN/` (a step saved again: beside it, store.temporary), rank 0 writes meta.json last,
+and a reader takes a step only with its meta.json. An upload cut short (a killed writer, the server gone) leaves objects without one:
 never loaded, and removed at the next start (store.remove_temporaries) or by the next save of
 that step. Object stores give read-after-write consistency (S3 since 2020, GCS, MinIO), which
 this relies on: a meta.json seen means every object it lists is there.

@@ -51,6 +51,7 @@ from ddpgpt.files import (
 FORMAT_VERSION = 3
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 TEMPORARY = (".tmp-step_*", ".old-step_*", ".del-step_*")
+RESAVE = re.compile(r"^\.tmp-step_(\d{7,})-")  # a step saved again in object storage, until swapped
 ROLLBACK = "rollback.json"  # a rollback decided, until a checkpoint of the history it goes on with
 
 
@@ -75,10 +76,29 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     """(step, path) of every `step_NNNNNNN` directory in `root`, oldest first; complete or not;
     never one that a pending rollback has superseded (see record_rollback)."""
     root = location.at(root)
-    found = sorted(((int(m.group(1)), p) for p in location.children(root)
-                    if (m := STEP_DIR.match(p.name)) and p.is_dir()), key=lambda f: f[0])
+    found = _listed_steps(root)
     record = pending_rollback(root, found) if found else None
     return found if record is None else [(s, p) for s, p in found if not _abandoned(s, p, record)]
+
+
+def _listed_steps(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every step directory in `root`, oldest first. In object storage, a re-save
+    of a step cut during its swap (`_publish`) is complete under its temporary prefix while
+    step_NNNNNNN has no meta.json: that prefix is then the step's checkpoint."""
+    listed = location.children(root)
+    found = {int(m.group(1)): p for p in listed if (m := STEP_DIR.match(p.name)) and p.is_dir()}
+    for step, tmp in _swaps(root, listed):
+        if step not in found or not (found[step] / "meta.json").is_file():
+            found[step] = tmp
+    return sorted(found.items(), key=lambda f: f[0])
+
+
+def _swaps(root: Path, listed: list) -> list[tuple[int, Path]]:
+    """(step, prefix) of the complete re-saves under a temporary prefix in object storage."""
+    if not location.is_remote(root):
+        return []
+    return [(int(m.group(1)), p) for p in listed if (m := RESAVE.match(p.name)) and p.is_dir()
+            and (p / "meta.json").is_file()]
 
 
 # ---- a rollback's decision ---------------------------------------------------------------------
@@ -114,8 +134,7 @@ def pending_rollback(root: Path, found: list | None = None) -> dict | None:
                               "rollback after a loss spike: move it away to resume from the "
                               "newest checkpoint instead") from None
     if found is None:
-        found = sorted(((int(m.group(1)), p) for p in location.children(location.at(root))
-                        if (m := STEP_DIR.match(p.name)) and p.is_dir()), key=lambda f: f[0])
+        found = _listed_steps(location.at(root))
     spent = any(_rollbacks_in(p) >= record["rollbacks"] for _, p in found)
     return None if spent else record
 
@@ -123,11 +142,11 @@ def pending_rollback(root: Path, found: list | None = None) -> dict | None:
 def superseded(root: Path) -> list[Path]:
     """The checkpoints a pending rollback has superseded (to be moved out of the way)."""
     root = location.at(root)
-    found = [p for p in location.children(root) if STEP_DIR.match(p.name) and p.is_dir()]
-    record = pending_rollback(root) if found else None
+    found = _listed_steps(root)
+    record = pending_rollback(root, found) if found else None
     if record is None:
         return []
-    return [p for p in found if _abandoned(int(STEP_DIR.match(p.name).group(1)), p, record)]
+    return [p for step, p in found if _abandoned(step, p, record)]
 
 
 def _abandoned(step: int, path: Path, record: dict) -> bool:
@@ -157,11 +176,25 @@ def spend_rollback(root: Path, rollbacks: int) -> None:
 
 def temporary(root: Path, step: int, token: str) -> Path:
     """Where checkpoint `step` is written before it is published; `token` (rank 0's PID) is the
-    same on every rank and differs from any earlier run's. In object storage, its own prefix:
-    published by its meta.json, never renamed (location.py)."""
-    if location.is_remote(location.at(root)):
-        return step_dir(root, step)
-    return Path(root) / f".tmp-{step_dir(root, step).name}-{token}"
+    same on every rank and differs from any earlier run's. In object storage, its own prefix,
+    published by its meta.json (location.py); unless that step is there complete already (saved
+    again): then beside it, swapped in once complete (`_publish`). Every rank asks: no save is in
+    flight, so all see the same."""
+    root = location.at(root)
+    final = step_dir(root, step)
+    if location.is_remote(root):
+        return final if not (final / "meta.json").is_file() else root / f".tmp-{final.name}-{token}"
+    return root / f".tmp-{final.name}-{token}"
+
+
+def discard(tmp: Path, final: Path) -> None:
+    """What a failed save wrote goes, unless it is a complete re-save in object storage whose
+    swap was cut after the previous copy was unpublished: that one is now the step's checkpoint
+    (_listed_steps)."""
+    if tmp != final and location.is_remote(tmp) and (tmp / "meta.json").is_file() \
+            and not (final / "meta.json").is_file():
+        return
+    location.remove_tree(tmp)
 
 
 def save(root: Path, step: int, state: dict, meta: dict, keep: int,
@@ -179,7 +212,7 @@ def save(root: Path, step: int, state: dict, meta: dict, keep: int,
         commit(tmp, final, hash_files(tmp, writer.files + [sharded.INDEX], writer.digests), rest,
                {"world_size": 1, **meta})
     except BaseException as e:
-        location.remove_tree(tmp)
+        discard(tmp, final)
         cause = os_error_in(e)
         if cause is None:
             raise
@@ -232,9 +265,16 @@ def _torch_bytes(obj) -> bytes:
 
 def _publish(tmp: Path, final: Path) -> None:
     """The same step saved again (e.g. a resumed run's end) replaces it; if the new copy cannot
-    take its place, the previous one stays the checkpoint. In object storage the checkpoint was
-    written in place: its meta.json has published it."""
+    take its place, the previous one stays the checkpoint. In object storage, one saved again
+    beside the previous one (`temporary`) replaces it: the previous one unpublished (meta.json
+    first), the new one copied in server-side (meta.json last). At every moment one of them is
+    complete and listed: the previous one, the new one under its temporary prefix
+    (_listed_steps), then the new one in place."""
     if tmp == final:
+        return
+    if location.is_remote(final):
+        location.delete_checkpoint(final, "")
+        location.move(tmp, final)
         return
     publish_dir(tmp, final, aside=final.with_name(f".old-{final.name}-{os.getpid()}"))
 
@@ -259,9 +299,12 @@ def remove_temporaries(root: Path) -> list[Path]:
     """Deletes what interrupted saves and deletes left behind (run at startup, under the run's
     lock, so no save is in progress). Returns what was removed."""
     root = location.at(root)
-    if location.is_remote(root):  # step prefixes an upload left without a meta.json
-        leftovers = [p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()
-                     and "meta.json" not in location.sizes(p)]
+    if location.is_remote(root):  # prefixes an upload left without a meta.json, and re-saves
+        listed = root.iterdir()   # whose swap was cut (the one still standing for its step stays)
+        standing = {p for _, p in _listed_steps(root)}
+        leftovers = [p for p in listed if p.is_dir() and (
+            RESAVE.match(p.name) and p not in standing
+            or STEP_DIR.match(p.name) and "meta.json" not in location.sizes(p))]
     else:
         leftovers = [p for pattern in TEMPORARY for p in root.glob(pattern)] \
             if root.is_dir() else []

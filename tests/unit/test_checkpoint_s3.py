@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -131,3 +135,64 @@ def test_keep_last_k_and_a_rollback_record_at_a_url(s3, root):
     assert [s for s, _ in store.step_dirs(root)] == [3, 4]
     assert json.loads((location.at(root) / "step_0000004" / "meta.json").read_text())[
         "rollbacks"] == 1
+
+
+# A re-save of step 4 (other weights: seed 40) that SIGKILLs its own process just before its
+# KILL_AT-th request that changes the bucket; prints how many it made when it is not killed.
+RESAVE = """
+import os, signal, sys
+import s3fs
+from ddpgpt.checkpoint import store
+from tests.unit.test_checkpoint_s3 import model
+CHANGING = ("put_object", "delete_object", "delete_objects", "copy_object",
+            "create_multipart_upload", "upload_part", "complete_multipart_upload")
+made, real = [0], s3fs.S3FileSystem._call_s3
+async def counting(self, method, *args, **kwargs):
+    if method in CHANGING:
+        made[0] += 1
+        if made[0] == int(sys.argv[2]):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return await real(self, method, *args, **kwargs)
+s3fs.S3FileSystem._call_s3 = counting
+store.save(sys.argv[1], 4, {"model": model(40).state_dict(), "optimizer": {"step": 4}},
+           {"config": {}}, 10)
+print(made[0])
+"""
+
+
+def resave(s3, url, kill_at):
+    return subprocess.run([sys.executable, "-c", RESAVE, url, str(kill_at)], text=True,
+                          capture_output=True, timeout=120, env={**os.environ, **s3.env()})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # a process started for each of ~15 requests
+def test_a_step_saved_again_always_has_a_complete_checkpoint_even_killed_mid_save(s3):
+    """Step 4 at the URL is saved again (a rollback re-trained it) and the writer is killed
+    before each of the save's requests in turn: the newest complete checkpoint is step 4 at every
+    one of them, its weights the old copy's or the new one's, whole, before and after the next
+    start's clean-up; an uninterrupted re-save leaves the new copy alone in place."""
+    def seeded(url):
+        for step in (2, 4):
+            save(url, step)
+        return url
+
+    url = seeded(s3.bucket("resave") + "/run")
+    whole = resave(s3, url, 0)
+    assert whole.returncode == 0, whole.stderr
+    assert names(s3, url) == [f"step_000000{step}/{n}" for step in (2, 4) for n in (
+        ".metadata", "__0_0.distcp", "meta.json", "trainer.pt")]
+    assert int(whole.stdout) >= 10  # the writes, then the swap's deletes and copies
+    copies = {seed: model(seed).state_dict() for seed in (4, 40)}
+    for kill_at in range(1, int(whole.stdout) + 1):
+        url = seeded(s3.bucket("resave") + "/run")
+        out = resave(s3, url, kill_at)
+        assert out.returncode == -signal.SIGKILL, (kill_at, out.stderr)
+        for restart in (False, True):
+            if restart:
+                store.remove_temporaries(url)
+            path, meta = store.find_latest(url)
+            weights = read.load(path, meta, weights_only=True)["model"]
+            assert meta["step"] == 4 and any(
+                all(torch.equal(weights[k], v) for k, v in copy.items())
+                for copy in copies.values()), (kill_at, restart, str(path))
