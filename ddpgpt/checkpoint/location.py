@@ -300,9 +300,26 @@ def sizes(directory: Path | Remote) -> dict[str, int]:
     return {name: size for name, (size, _) in listed(directory).items()}
 
 
+def check_url(url: str, flag: str = "--run.checkpoint-url") -> None:
+    """A URL of object storage with a bucket (s3://BUCKET/PREFIX, gs://...), or one line: a
+    local path, a scheme that is not object storage (a typo: s4://, https://) or no bucket."""
+    scheme, _, rest = url.partition("://") if storage.is_url(url) else ("", "", "")
+    give = "give s3://BUCKET/PREFIX (or gs://BUCKET/PREFIX)"
+    if not scheme:
+        raise UserError(f"{flag} {url}: not a URL of object storage; {give}, or leave it out to "
+                        "keep the checkpoints in the run dir (--run-dir)")
+    if scheme.lower() not in storage.PACKAGES:
+        raise UserError(f"{flag} {url}: {scheme}:// is not object storage ddpgpt knows "
+                        f"({', '.join(f'{s}://' for s in storage.PACKAGES)}); {give}")
+    if not rest.split("/", 1)[0]:
+        raise UserError(f"{flag} {url}: no bucket; {give}")
+
+
 def check_writable(url: str) -> None:
-    """run.checkpoint_url, before anything trains: its bucket exists, the credentials work and may
-    write and delete there (a probe object written and removed), or one line saying which."""
+    """run.checkpoint_url, before anything trains: a URL of object storage (check_url), its bucket
+    exists, the credentials work and may write and delete there (a probe object written and
+    removed), or one line saying which."""
+    check_url(url)
     root = at(url)
     root.iterdir()  # the bucket, the credentials, the endpoint
     probe = root / f".probe-{socket.gethostname()}-{os.getpid()}"

@@ -99,3 +99,26 @@ def test_no_permission_to_write_the_checkpoints(guarded, tmp_path):
     assert re.fullmatch(rf"ddpgpt: error: writing {url}/run/\.probe-[^:]+: access denied "
                         rf"\(Access Denied\): {re.escape(CREDENTIALS)} write there", line), line
     assert not server.fs(server.writer).exists(f"{url[5:]}/run")
+
+
+@pytest.mark.parametrize("url, why", [
+    ("s4://ckpt/run", r"s4:// is not object storage ddpgpt knows \(s3://, s3a://, gs://, gcs://\); "
+                      r"give s3://BUCKET/PREFIX \(or gs://BUCKET/PREFIX\)"),
+    ("ckpt/run", r"not a URL of object storage; give s3://BUCKET/PREFIX \(or gs://BUCKET/PREFIX\), "
+                 r"or leave it out to keep the checkpoints in the run dir \(--run-dir\)"),
+    ("s3:///run", r"no bucket; give s3://BUCKET/PREFIX \(or gs://BUCKET/PREFIX\)")])
+def test_a_checkpoint_url_that_is_not_one(s3, s3_data, tmp_path, url, why):
+    """A typo'd scheme, a local path or no bucket: one line before anything is made, also on a
+    new machine (no --data: the URL would be read for the run's config)."""
+    for args in (train(s3_data, tmp_path, "--run.checkpoint-url", url),
+                 ["train", "--run-dir", tmp_path / "new", "--run.checkpoint-url", url]):
+        line = fails(args, s3.env())
+        assert re.fullmatch(rf"ddpgpt: error: --run\.checkpoint-url {re.escape(url)}: {why}",
+                            line), line
+    assert not (tmp_path / "run").exists() and not (tmp_path / "new").exists()
+
+
+def test_a_typo_in_the_flag_is_the_usual_did_you_mean(s3, s3_data, tmp_path):
+    line = fails(train(s3_data, tmp_path, "--run.checkpoint-urll", "s3://ckpt/run"), s3.env())
+    assert line == ("ddpgpt: error: unrecognized arguments: --run.checkpoint-urll s3://ckpt/run "
+                    "(did you mean --run.checkpoint-url?)"), line
