@@ -23,10 +23,11 @@ unlink ...), so the store's code is one path; what differs is here, decided by t
 
 A step prefix in object storage is never renamed: DCP's writers put their objects straight under
 `step_NNNNNNN/` (a step saved again: beside it, store.temporary), rank 0 writes meta.json last,
-and a reader takes a step only with its meta.json. An upload cut short (a killed writer, the server gone) leaves objects without one:
-never loaded, and removed at the next start (store.remove_temporaries) or by the next save of
-that step. Object stores give read-after-write consistency (S3 since 2020, GCS, MinIO), which
-this relies on: a meta.json seen means every object it lists is there.
+and a reader takes a step only with its meta.json. An upload cut short (a killed writer, the
+server gone) leaves objects without one: never loaded, and removed at the next start
+(store.remove_temporaries) or by the next save of that step. Object stores give
+read-after-write consistency (S3 since 2020, GCS, MinIO), which this relies on: a meta.json seen
+means every object it lists is there.
 """
 
 from __future__ import annotations
