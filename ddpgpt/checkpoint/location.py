@@ -105,13 +105,17 @@ class Remote:
         return self
 
     def _listing(self) -> list[dict]:
+        """fsspec's info of what is under this prefix: nothing for a plain object (which a
+        listing of its key answers with itself) or a prefix with nothing under it."""
         with storage.failing(self.url, "listing", UserError):
             try:
-                return self.fs.ls(self.key, detail=True, refresh=True)
+                found = self.fs.ls(self.key, detail=True, refresh=True)
             except FileNotFoundError as e:
                 if "bucket" in str(e).lower():
                     raise
                 return []
+        inside = self.key.rstrip("/") + "/"
+        return [i for i in found if i["name"].startswith(inside)]
 
     def iterdir(self) -> list[Remote]:
         out = []

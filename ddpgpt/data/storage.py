@@ -204,8 +204,9 @@ class Objects:
                     if "bucket" in str(e).lower():
                         raise
                     found = []
+            inside = self.root.rstrip("/") + "/"  # not the object itself, if the URL names one
             self._listing = {i["name"].rstrip("/").rsplit("/", 1)[-1]: i for i in found
-                             if i.get("type") == "file"}
+                             if i.get("type") == "file" and i["name"].startswith(inside)}
         return self._listing
 
     def exists(self) -> bool:
@@ -213,6 +214,13 @@ class Objects:
 
     def has(self, name: str) -> bool:
         return name in self.listing()
+
+    def beside(self) -> str:
+        """For a prefix with nothing under it that names an object (a dataset's meta.json, say):
+        " (did you mean PREFIX?)", the prefix that object is in; else ""."""
+        with failing(self.url, "reading"):
+            named = self.fs.isfile(self.root)
+        return f" (did you mean {self.url.rsplit('/', 1)[0]}? it names an object)" if named else ""
 
     def read(self, name: str) -> bytes:
         with failing(self.where(name), "reading"):

@@ -196,3 +196,17 @@ def test_a_step_saved_again_always_has_a_complete_checkpoint_even_killed_mid_sav
             assert meta["step"] == 4 and any(
                 all(torch.equal(weights[k], v) for k, v in copy.items())
                 for copy in copies.values()), (kill_at, restart, str(path))
+
+
+def test_an_object_is_a_file_and_not_a_directory(s3, root):
+    """A listing of an object's key answers with the object itself: that is not a directory,
+    nor something in one."""
+    save(root, 1)
+    obj, prefix = location.at(f"{root}/step_0000001/meta.json"), location.at(f"{root}/step_0000001")
+    assert (obj.is_file(), obj.is_dir(), obj.iterdir()) == (True, False, [])
+    assert (prefix.is_file(), prefix.is_dir()) == (False, True)
+    assert sorted(p.name for p in prefix.iterdir()) == [".metadata", "__0_0.distcp", "meta.json",
+                                                        "trainer.pt"]
+    assert location.sizes(obj) == {} and not location.at(f"{root}/nothing").is_dir()
+    location.move(obj, location.at(f"{root}/moved.json"))  # an object moves as one
+    assert sorted(s3.fs().ls(root[5:])) == [f"{root[5:]}/moved.json", f"{root[5:]}/step_0000001"]

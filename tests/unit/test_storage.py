@@ -153,6 +153,9 @@ def test_a_prefix_without_meta_json_and_an_unknown_bucket_are_one_line(s3):
         TokenDataset(url)
     with pytest.raises(DataError, match=rf"^dataset {url}-not does not exist; create it with: "):
         TokenDataset(url + "-not")
+    with pytest.raises(DataError, match=rf"^dataset {url}/train_000000.bin does not exist \(did "
+                                        rf"you mean {url}\? it names an object\); create it "):
+        TokenDataset(f"{url}/train_000000.bin")  # an object: not a prefix with itself in it
     with pytest.raises(DataError, match=r"^listing s3://no-such-bucket/x: the bucket "
                                         r"no-such-bucket does not exist at http://127.0.0.1:\d+; "
                                         r"create it, or fix the URL \(or AWS_ENDPOINT_URL\)$"):
