@@ -24,7 +24,8 @@ read it from the local disk; a block is fetched whole, so with the cache a rank 
 around its windows, not only the windows.
 
 An object's identity is its size and ETag (or version id): an object rewritten gets a new one,
-as a local file rewritten gets a new (size, mtime, inode).
+as a local file rewritten gets a new (size, mtime, inode); a file:// URL's file (no ETag) has
+the local file's.
 """
 
 from __future__ import annotations
@@ -129,6 +130,19 @@ def failing(where: str, doing: str, kind: type[UserError] = DataError):
 
 # ---- a directory of files ------------------------------------------------------------------
 
+def file_identity(path: str | os.PathLike) -> list:
+    """A local file's [size, mtime_ns, ctime_ns, inode]: a file rewritten gets another, even one
+    rewritten in place with its modification time set back (the change time is the kernel's)."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def _local(fs) -> bool:
+    """fsspec's filesystem of local files (a file:// URL)."""
+    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "file" in protocol
+
+
 class Directory:
     """A local dataset directory."""
 
@@ -157,10 +171,7 @@ class Directory:
         return (self.path / name).stat().st_size
 
     def identity(self, name: str) -> list:
-        """[size, mtime_ns, ctime_ns, inode]: a file rewritten gets another, even one rewritten
-        in place with its modification time set back (the change time is the kernel's)."""
-        st = os.stat(self.path / name)
-        return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        return file_identity(self.path / name)
 
     def sha256(self, name: str) -> str:
         return sha256(self.path / name)
@@ -230,7 +241,10 @@ class Objects:
         return int(self.listing()[name]["size"])
 
     def identity(self, name: str) -> list:
-        """[size, ETag or version]: a rewritten object gets another."""
+        """[size, ETag or version]: a rewritten object gets another. A file:// URL's file (which
+        has no ETag) has a local file's identity."""
+        if _local(self.fs):
+            return file_identity(self.key(name))
         info = self.listing()[name]
         return [int(info["size"]), tag(info)]
 

@@ -5,6 +5,7 @@ bad prefixes and buckets as one line."""
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import numpy as np
@@ -138,6 +139,27 @@ def test_an_object_rewritten_is_hashed_again_and_its_change_is_one_line(s3, tiny
     data = bytearray(fs.cat_file(f"{url[5:]}/{name}"))
     data[HEADER_BYTES] ^= 1  # same size, another byte: another ETag
     fs.pipe_file(f"{url[5:]}/{name}", bytes(data))
+    again = TokenDataset(url)
+    assert [i.file for i in verify.stale(again)] == [name]
+    with pytest.raises(DataError, match=rf"^{url}/{name}: sha256 mismatch \(file "):
+        verify.hash_share(again)
+
+
+def test_a_file_url_has_the_identity_of_its_local_file(tiny_data, tmp_path):
+    """A dataset named by a file:// URL (fsspec's local files: no ETag) is checked by its files'
+    size, times and inode, as at its path: a shard rewritten in place, same size, is hashed
+    again and its change is one line."""
+    local = tmp_path / "tiny"
+    shutil.copytree(tiny_data, local, ignore=shutil.ignore_patterns("verified.json"))
+    url = f"file://{local}"
+    ds = TokenDataset(url)
+    name = ds.shards["train"][0].file
+    assert ds.files.identity(name) == storage.Directory(local).identity(name)
+    assert verify.record(ds.files, verify.hash_share(ds)) and verify.stale(TokenDataset(url)) == []
+    data = bytearray((local / name).read_bytes())
+    data[HEADER_BYTES] ^= 1
+    with open(local / name, "r+b") as f:  # in place: the same inode and size
+        f.write(bytes(data))
     again = TokenDataset(url)
     assert [i.file for i in verify.stale(again)] == [name]
     with pytest.raises(DataError, match=rf"^{url}/{name}: sha256 mismatch \(file "):
