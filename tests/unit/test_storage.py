@@ -6,7 +6,7 @@ bad prefixes and buckets as one line."""
 from __future__ import annotations
 
 import shutil
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -105,24 +105,27 @@ def test_the_cache_keeps_what_was_read(s3_data, tmp_path):
 
 
 def test_the_next_step_is_fetched_while_this_one_computes(s3_data, monkeypatch):
-    """Each ranged read takes 0.4 s: the first step waits for its windows (in one concurrent
-    batch, not one after another); the next, fetched during 0.6 s of "compute", does not wait."""
-    real = storage.Objects.ranges
+    """Counted, not timed: the first step's windows are fetched in one concurrent batch (not one
+    request after another); while it computes, the next step's are fetched in the background,
+    so that step makes no request of its own."""
+    real, calls = storage.Objects.ranges, []
 
-    def slow(self, requests):
-        time.sleep(0.4)
+    def noting(self, requests):
+        calls.append((threading.current_thread() is threading.main_thread(), len(requests)))
         return real(self, requests)
 
-    monkeypatch.setattr(storage.Objects, "ranges", slow)
+    monkeypatch.setattr(storage.Objects, "ranges", noting)
     loader = loaders(TokenDataset(s3_data), 1, 0)
-    start = time.perf_counter()
+    per_step = len(set(loader.mine(loader.order(loader.epoch).items(0, loader.global_batch))))
+    calls.clear()  # (opening the dataset read the shards' headers)
     list(loader.next_step())
-    first = time.perf_counter() - start
-    time.sleep(0.6)  # the step's forward and backward
-    start = time.perf_counter()
+    assert calls[0][1] == per_step, calls  # the first step: its windows in one batch
+    settle(loader)  # the step's forward and backward: the fetch ahead has finished meanwhile
+    first = len(calls)
+    assert first == 2 and calls[1] == (False, per_step), calls  # the next step's, behind
     list(loader.next_step())
-    second = time.perf_counter() - start
-    assert 0.4 <= first < 1.2 and second < 0.2, (first, second)
+    settle(loader)
+    assert calls[first:] == [(False, per_step)], calls  # only the one after it, behind
 
 
 def test_an_object_rewritten_is_hashed_again_and_its_change_is_one_line(s3, tiny_data):
