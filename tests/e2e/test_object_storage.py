@@ -41,10 +41,10 @@ def straight(tiny_data, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def in_s3(s3, s3_data, tmp_path_factory):
+def in_s3(s3_server, s3_dataset, tmp_path_factory):
     """6 of the 8 steps at W=2, the dataset in S3 and the checkpoints to S3."""
-    run_dir, url = tmp_path_factory.mktemp("s3run") / "run", s3.bucket("ckpt") + "/run"
-    out = train(s3_data, run_dir, FIRST, "--run.checkpoint-url", url)
+    run_dir, url = tmp_path_factory.mktemp("s3run") / "run", s3_server.bucket("ckpt") + "/run"
+    out = train(s3_dataset, run_dir, FIRST, "--run.checkpoint-url", url, env=s3_server.env())
     assert out.returncode == 0, out.stderr
     return run_dir, url
 

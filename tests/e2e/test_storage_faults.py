@@ -19,7 +19,7 @@ CREDENTIALS = ("the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or
 
 
 @pytest.fixture(scope="module")
-def guarded(tmp_path_factory, s3_data):
+def guarded(tmp_path_factory, tiny_data):
     """A server that checks every request's signature and policy; a bucket with the tiny
     dataset, uploaded by the writer."""
     server = S3Server.start(tmp_path_factory.mktemp("guarded"), auth=True)
@@ -27,15 +27,10 @@ def guarded(tmp_path_factory, s3_data):
         fs = server.fs(server.writer)
         url = server.bucket("guarded")
         for name in ("train_000000.bin", "val_000000.bin", "meta.json"):
-            fs.pipe_file(f"{url[5:]}/tiny/{name}", _s3_bytes(s3_data, name))
+            fs.put_file(str(tiny_data / name), f"{url[5:]}/tiny/{name}")
         yield server, url
     finally:
         server.stop()
-
-
-def _s3_bytes(url: str, name: str) -> bytes:
-    from ddpgpt.data.storage import Objects
-    return Objects(url).read(name)
 
 
 def fails(args, env, code=2) -> str:

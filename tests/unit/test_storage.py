@@ -5,6 +5,7 @@ bad prefixes and buckets as one line."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 
@@ -206,3 +207,9 @@ def test_requests_orphaned_by_a_cut_transfer_are_not_printed_as_tracebacks(caplo
         handler(loop, {"message": "something else", "exception": ConnectionResetError("x")})
     assert [r.getMessage().split("\n")[0] for r in caplog.records] == [orphan, "something else"]
     assert all(r.name == asyncio.log.logger.name for r in caplog.records)
+
+
+def test_the_servers_variables_are_only_for_the_tests_that_ask_for_them(s3_server):
+    """The tests above had the server's variables (the `s3` fixture); this one, after them, asks
+    for the server alone: nothing in its environment points at it."""
+    assert os.environ.get("AWS_ENDPOINT_URL") != s3_server.endpoint
