@@ -82,33 +82,38 @@ def _orphaned_requests(loop, context: dict) -> None:
         loop.default_exception_handler(context)
 
 
-def endpoint() -> str:
-    """The S3 endpoint this process uses, as messages name it."""
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or \
-        "the default endpoint (AWS_ENDPOINT_URL unset)"
+def endpoint(where: str = "s3://") -> str:
+    """Where the requests for `where` go, as messages name it: for s3:// the S3 endpoint that
+    AWS_ENDPOINT_URL names (MinIO, Ceph, R2 or AWS itself), AWS S3 when it is unset; GCS."""
+    if where.split("://", 1)[0].lower() in ("gs", "gcs"):
+        return "GCS"
+    url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return f"the S3 endpoint {url}" if url else "AWS S3 (AWS_ENDPOINT_URL unset)"
 
 
 def explain(error: BaseException, where: str, doing: str) -> str | None:
     """One line for a failure of object storage while `doing` (reading, writing, listing) at
-    `where`, or None when `error` is not one (a bug keeps its traceback)."""
+    `where`, naming the endpoint and the variables that set it, or None when `error` is not one
+    (a bug keeps its traceback)."""
     name, text = type(error).__name__, str(error).strip().splitlines()[0] if str(error) else ""
     bucket = where.split("://", 1)[-1].split("/", 1)[0]
+    at, s3 = endpoint(where), endpoint(where) != "GCS"
+    keys, alt = (("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", "~/.aws/credentials") if s3 else
+                 ("GOOGLE_APPLICATION_CREDENTIALS", "gcloud auth application-default login"))
     if isinstance(error, FileNotFoundError) and "bucket" in text.lower():
-        return (f"{doing} {where}: the bucket {bucket} does not exist at {endpoint()}; create "
-                "it, or fix the URL (or AWS_ENDPOINT_URL)")
+        return (f"{doing} {where}: the bucket {bucket} does not exist at {at}; create it, or fix "
+                f"the URL{' (or AWS_ENDPOINT_URL)' if s3 else ''}")
     if isinstance(error, PermissionError):
         may = "write" if doing.startswith(("writ", "delet", "upload")) else "read"
-        return (f"{doing} {where}: access denied ({text or 'Forbidden'}): the credentials "
-                "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or ~/.aws/credentials) are wrong, "
-                f"or may not {may} there")
+        return (f"{doing} {where}: access denied by {at} ({text or 'Forbidden'}): the "
+                f"credentials ({keys}, or {alt}) are wrong, or may not {may} there")
     if name in ("NoCredentialsError", "PartialCredentialsError"):
-        return (f"{doing} {where}: no credentials ({text}); set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY (or ~/.aws/credentials)")
+        return f"{doing} {where}: no credentials for {at} ({text}); set {keys} (or {alt})"
     if name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
                 "ConnectionClosedError", "ClientConnectorError", "ServerDisconnectedError") \
             or isinstance(error, ConnectionError):
-        return (f"{doing} {where}: cannot reach the storage at {endpoint()} ({text or name}); "
-                "check AWS_ENDPOINT_URL and that the server is up")
+        return (f"{doing} {where}: cannot reach {at} ({text or name}); check "
+                f"{'AWS_ENDPOINT_URL and ' if s3 else ''}that the server is up")
     if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
         return f"{doing} {where}: {text or name}"
     return None

@@ -106,7 +106,7 @@ def test_the_server_gone_mid_upload_publishes_nothing_and_the_run_resumes(
     assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
     assert errors[0].startswith(f"ddpgpt: error: step 4: cannot write checkpoint "
                                 f"{url}/step_0000004: "), errors[0]
-    assert f"cannot reach the storage at {cut.endpoint}" in errors[0]
+    assert f"cannot reach the S3 endpoint {cut.endpoint}" in errors[0]
     assert errors[0].endswith("; what was uploaded of it has no meta.json and is never loaded. "
                               "The last complete checkpoint (step 2) is intact: once the storage "
                               "answers, then run the same command to resume"), errors[0]

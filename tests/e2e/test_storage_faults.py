@@ -13,7 +13,7 @@ from tests.helpers import free_port, run_cli, tiny_train_args
 from tests.s3 import S3Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
-ENDPOINT = r"http://127\.0\.0\.1:\d+"
+ENDPOINT = r"the S3 endpoint http://127\.0\.0\.1:\d+"
 CREDENTIALS = ("the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
                "~/.aws/credentials) are wrong, or may not")
 
@@ -67,12 +67,13 @@ def test_no_credentials_and_wrong_ones(guarded, tmp_path):
     server, url = guarded
     env = {**server.env(), "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""}
     line = fails(train(f"{url}/tiny", tmp_path), env)
-    assert line == (f"ddpgpt: error: listing {url}/tiny: no credentials (Unable to locate "
-                    "credentials); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
-                    "~/.aws/credentials)"), line
+    assert line == (f"ddpgpt: error: listing {url}/tiny: no credentials for the S3 endpoint "
+                    f"{server.endpoint} (Unable to locate credentials); set AWS_ACCESS_KEY_ID and "
+                    "AWS_SECRET_ACCESS_KEY (or ~/.aws/credentials)"), line
     wrong = server.env({"AccessKeyId": "AKIAWRONGWRONGWRONG", "SecretAccessKey": "nope"})
     line = fails(train(f"{url}/tiny", tmp_path), wrong)
-    assert line.startswith(f"ddpgpt: error: listing {url}/tiny: access denied (") and \
+    assert line.startswith(f"ddpgpt: error: listing {url}/tiny: access denied by the S3 "
+                           f"endpoint {server.endpoint} (") and \
         line.endswith(f"{CREDENTIALS} read there"), line
 
 
@@ -80,7 +81,7 @@ def test_a_wrong_endpoint(s3_data, s3, tmp_path):
     env = {**s3.env(), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
            "AWS_MAX_ATTEMPTS": "1"}
     line = fails(train(s3_data, tmp_path), env)
-    assert re.fullmatch(rf"ddpgpt: error: listing {s3_data}: cannot reach the storage at "
+    assert re.fullmatch(rf"ddpgpt: error: listing {s3_data}: cannot reach "
                         rf"{ENDPOINT} \(.*\); check AWS_ENDPOINT_URL and that the server is up",
                         line), line
 
@@ -91,8 +92,9 @@ def test_no_permission_to_write_the_checkpoints(guarded, tmp_path):
     server, url = guarded
     line = fails(train(f"{url}/tiny", tmp_path, "--run.checkpoint-url", f"{url}/run"),
                  server.env(server.reader), code=1)
-    assert re.fullmatch(rf"ddpgpt: error: writing {url}/run/\.probe-[^:]+: access denied "
-                        rf"\(Access Denied\): {re.escape(CREDENTIALS)} write there", line), line
+    assert re.fullmatch(rf"ddpgpt: error: writing {url}/run/\.probe-[^:]+: access denied by "
+                        rf"{ENDPOINT} \(Access Denied\): {re.escape(CREDENTIALS)} write there",
+                        line), line
     assert not server.fs(server.writer).exists(f"{url[5:]}/run")
 
 

@@ -183,9 +183,28 @@ def test_a_prefix_without_meta_json_and_an_unknown_bucket_are_one_line(s3):
                                         rf"you mean {url}\? it names an object\); create it "):
         TokenDataset(f"{url}/train_000000.bin")  # an object: not a prefix with itself in it
     with pytest.raises(DataError, match=r"^listing s3://no-such-bucket/x: the bucket "
-                                        r"no-such-bucket does not exist at http://127.0.0.1:\d+; "
+                                        r"no-such-bucket does not exist at the S3 endpoint "
+                                        r"http://127.0.0.1:\d+; "
                                         r"create it, or fix the URL \(or AWS_ENDPOINT_URL\)$"):
         TokenDataset("s3://no-such-bucket/x")
+
+
+@pytest.mark.parametrize("error", [FileNotFoundError("The specified bucket does not exist"),
+                                   PermissionError("Forbidden"), ConnectionError("refused"),
+                                   type("NoCredentialsError", (Exception,), {})("none")])
+def test_a_failure_names_the_storage_the_url_went_to(error, monkeypatch):
+    """Every one-line failure at an s3:// URL names the S3 endpoint it went to (MinIO, Ceph ...:
+    AWS_ENDPOINT_URL), or AWS S3 when none is set; at a gs:// URL, GCS and its own
+    credentials, never AWS's."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio.local:9000")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    line = storage.explain(error, "s3://b/x", "listing")
+    assert line.startswith("listing s3://b/x: ")
+    assert "the S3 endpoint http://minio.local:9000" in line, line
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    assert "AWS S3 (AWS_ENDPOINT_URL unset)" in storage.explain(error, "s3://b/x", "listing")
+    line = storage.explain(error, "gs://b/x", "listing")
+    assert "GCS" in line and "AWS" not in line and "aws" not in line, line
 
 
 def test_requests_orphaned_by_a_cut_transfer_are_not_printed_as_tracebacks(caplog):
