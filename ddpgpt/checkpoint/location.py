@@ -33,7 +33,6 @@ means every object it lists is there.
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import json
 import os
 import shutil
@@ -45,8 +44,6 @@ from ddpgpt.errors import UserError
 from ddpgpt.files import WriteError, atomic_write, fsync, write_bytes
 from ddpgpt.files import move as move_path
 from ddpgpt.files import sha256 as sha256_file
-
-HASH_BLOCK = 8 << 20  # bytes read at a time when hashing an object
 
 
 class Remote:
@@ -105,17 +102,8 @@ class Remote:
         return self
 
     def _listing(self) -> list[dict]:
-        """fsspec's info of what is under this prefix: nothing for a plain object (which a
-        listing of its key answers with itself) or a prefix with nothing under it."""
-        with storage.failing(self.url, "listing", UserError):
-            try:
-                found = self.fs.ls(self.key, detail=True, refresh=True)
-            except FileNotFoundError as e:
-                if "bucket" in str(e).lower():
-                    raise
-                return []
-        inside = self.key.rstrip("/") + "/"
-        return [i for i in found if i["name"].startswith(inside)]
+        """fsspec's info of what is under this prefix (none for a plain object)."""
+        return storage.list_under(self.fs, self.key, self.url, UserError)
 
     def iterdir(self) -> list[Remote]:
         out = []
@@ -281,13 +269,9 @@ def _copy_meta(source: Remote, target: Remote) -> None:
 def sha256(path: Path | Remote) -> str:
     if not isinstance(path, Remote):
         return sha256_file(path)
-    digest = hashlib.sha256()
     with storage.failing(path.url, "reading", UserError):
         size = path.fs.size(path.key)
-        for start in range(0, size, HASH_BLOCK):
-            digest.update(path.fs.cat_file(path.key, start=start,
-                                           end=min(size, start + HASH_BLOCK)))
-    return digest.hexdigest()
+    return storage.hash_object(path.fs, path.key, size, path.url, UserError)
 
 
 def listed(directory: Path | Remote) -> dict[str, tuple[int, str]]:

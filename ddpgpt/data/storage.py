@@ -133,6 +133,32 @@ def failing(where: str, doing: str, kind: type[UserError] = DataError):
         raise kind(line) from None
 
 
+# ---- what a dataset's and a checkpoint's prefixes share (checkpoint/location.py) ------------
+
+def list_under(fs, key: str, url: str, kind: type[UserError] = DataError) -> list[dict]:
+    """fsspec's info of what is right under the prefix `key` (of `url`, which messages name):
+    nothing when there is nothing, or when `key` names an object (a listing of an object's key
+    answers with the object itself); an unknown bucket or another failure as one line (`kind`)."""
+    with failing(url, "listing", kind):
+        try:
+            found = fs.ls(key, detail=True, refresh=True)
+        except FileNotFoundError as e:
+            if "bucket" in str(e).lower():
+                raise
+            return []
+    inside = key.rstrip("/") + "/"
+    return [i for i in found if i["name"].startswith(inside)]
+
+
+def hash_object(fs, key: str, size: int, url: str, kind: type[UserError] = DataError) -> str:
+    """The sha256 of an object's `size` bytes, read HASH_BLOCK bytes at a time."""
+    digest = hashlib.sha256()
+    with failing(url, "reading", kind):
+        for start in range(0, size, HASH_BLOCK):
+            digest.update(fs.cat_file(key, start=start, end=min(size, start + HASH_BLOCK)))
+    return digest.hexdigest()
+
+
 # ---- a directory of files ------------------------------------------------------------------
 
 def file_identity(path: str | os.PathLike) -> list:
@@ -213,16 +239,9 @@ class Objects:
     def listing(self, fresh: bool = False) -> dict[str, dict]:
         """{name: fsspec's info} of the objects right under the prefix."""
         if self._listing is None or fresh:
-            with failing(self.url, "listing"):
-                try:
-                    found = self.fs.ls(self.root, detail=True, refresh=True)
-                except FileNotFoundError as e:
-                    if "bucket" in str(e).lower():
-                        raise
-                    found = []
-            inside = self.root.rstrip("/") + "/"  # not the object itself, if the URL names one
-            self._listing = {i["name"].rstrip("/").rsplit("/", 1)[-1]: i for i in found
-                             if i.get("type") == "file" and i["name"].startswith(inside)}
+            self._listing = {i["name"].rstrip("/").rsplit("/", 1)[-1]: i
+                             for i in list_under(self.fs, self.root, self.url)
+                             if i.get("type") == "file"}
         return self._listing
 
     def exists(self) -> bool:
@@ -254,13 +273,7 @@ class Objects:
         return [int(info["size"]), tag(info)]
 
     def sha256(self, name: str) -> str:
-        digest = hashlib.sha256()
-        size = self.size(name)
-        with failing(self.where(name), "reading"):
-            for start in range(0, size, HASH_BLOCK):
-                digest.update(self.fs.cat_file(self.key(name), start=start,
-                                               end=min(size, start + HASH_BLOCK)))
-        return digest.hexdigest()
+        return hash_object(self.fs, self.key(name), self.size(name), self.where(name))
 
     def ranges(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
         """The bytes of each (name, start, end), fetched concurrently."""
