@@ -22,8 +22,9 @@ warning that names what was wrong. Deleting renames a checkpoint away first, so 
 sees one half deleted; keep-last-k also keeps the one checkpoint the caller names as the newest
 known healthy (a loss spike's rollback target). A rollback after a loss spike supersedes the
 checkpoints written after its target in one durable write (`record_rollback`, below), so that no
-restart can go on from the history it abandoned. Formats 1 and 2 (model.safetensors +
-trainer.pt, written whole by rank 0) still load.
+restart can go on from the history it abandoned. A step saved again is replaced so that it
+always has a complete copy, even through a kill (`_publish`, `remove_temporaries`). Formats 1
+and 2 (model.safetensors + trainer.pt, written whole by rank 0) still load.
 """
 
 from __future__ import annotations
@@ -87,18 +88,12 @@ def _listed_steps(root: Path) -> list[tuple[int, Path]]:
     step_NNNNNNN has no meta.json: that prefix is then the step's checkpoint."""
     listed = location.children(root)
     found = {int(m.group(1)): p for p in listed if (m := STEP_DIR.match(p.name)) and p.is_dir()}
-    for step, tmp in _swaps(root, listed):
+    resaved = [(int(m.group(1)), p) for p in listed if location.is_remote(root)
+               and (m := RESAVE.match(p.name)) and p.is_dir() and (p / "meta.json").is_file()]
+    for step, tmp in resaved:
         if step not in found or not (found[step] / "meta.json").is_file():
             found[step] = tmp
     return sorted(found.items(), key=lambda f: f[0])
-
-
-def _swaps(root: Path, listed: list) -> list[tuple[int, Path]]:
-    """(step, prefix) of the complete re-saves under a temporary prefix in object storage."""
-    if not location.is_remote(root):
-        return []
-    return [(int(m.group(1)), p) for p in listed if (m := RESAVE.match(p.name)) and p.is_dir()
-            and (p / "meta.json").is_file()]
 
 
 # ---- a rollback's decision ---------------------------------------------------------------------
@@ -180,10 +175,9 @@ def temporary(root: Path, step: int, token: str) -> Path:
     published by its meta.json (location.py); unless that step is there complete already (saved
     again): then beside it, swapped in once complete (`_publish`). Every rank asks: no save is in
     flight, so all see the same."""
-    root = location.at(root)
-    final = step_dir(root, step)
-    if location.is_remote(root):
-        return final if not (final / "meta.json").is_file() else root / f".tmp-{final.name}-{token}"
+    root, final = location.at(root), step_dir(root, step)
+    if location.is_remote(root) and not (final / "meta.json").is_file():
+        return final
     return root / f".tmp-{final.name}-{token}"
 
 
@@ -305,7 +299,11 @@ def remove_temporaries(root: Path) -> list[Path]:
         leftovers = [p for p in listed if p.is_dir() and (
             RESAVE.match(p.name) and p not in standing
             or STEP_DIR.match(p.name) and "meta.json" not in location.sizes(p))]
-    else:
+    else:  # a re-save killed between publish_dir's renames: the previous copy goes back
+        for old in root.glob(".old-step_*") if root.is_dir() else []:
+            final = root / old.name[len(".old-"):].rsplit("-", 1)[0]
+            if not final.exists() and (old / "meta.json").is_file():
+                os.rename(old, final)
         leftovers = [p for pattern in TEMPORARY for p in root.glob(pattern)] \
             if root.is_dir() else []
     for path in leftovers:
