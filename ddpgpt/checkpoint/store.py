@@ -45,6 +45,7 @@ from ddpgpt.errors import UserError, warn
 from ddpgpt.files import (
     WriteError,
     describe,
+    move,
     os_error_in,
     publish_dir,
 )
@@ -303,7 +304,7 @@ def remove_temporaries(root: Path) -> list[Path]:
         for old in root.glob(".old-step_*") if root.is_dir() else []:
             final = root / old.name[len(".old-"):].rsplit("-", 1)[0]
             if not final.exists() and (old / "meta.json").is_file():
-                os.rename(old, final)
+                move(old, final)
         leftovers = [p for pattern in TEMPORARY for p in root.glob(pattern)] \
             if root.is_dir() else []
     for path in leftovers:
