@@ -210,3 +210,34 @@ def test_an_object_is_a_file_and_not_a_directory(s3, root):
     assert location.sizes(obj) == {} and not location.at(f"{root}/nothing").is_dir()
     location.move(obj, location.at(f"{root}/moved.json"))  # an object moves as one
     assert sorted(s3.fs().ls(root[5:])) == [f"{root[5:]}/moved.json", f"{root[5:]}/step_0000001"]
+
+
+def test_the_background_saver_swaps_a_step_saved_again_in(s3, root, monkeypatch):
+    """The training's saver (asynchronous, DCP's writer at the URL) saving step 4 twice: the
+    second copy is written beside the first, which is whole until the second is complete, and
+    ends in its place, nothing else left behind."""
+    from ddpgpt.checkpoint import sharded
+    from ddpgpt.checkpoint.saver import Saver
+    from ddpgpt.distributed.group import DistEnv
+
+    seen, real = [], store._publish
+
+    def publishing(tmp, final):  # the new copy complete: the previous one is still whole
+        meta = store.read_meta(final)
+        seen.append(read.load(final, meta, weights_only=True)["model"])
+        real(tmp, final)
+
+    monkeypatch.setattr(store, "_publish", publishing)
+    saver = Saver(DistEnv(), location.at(root), None, "t", keep=5)
+    try:
+        for seed in (4, 40):
+            held = {f"model.{k}": sharded.whole(v) for k, v in model(seed).state_dict().items()}
+            saver.save(4, held, set(held), {"optimizer": {"step": 4}}, {"config": {}}, wait=True)
+    finally:
+        saver.close()
+    assert names(s3, root) == [f"step_0000004/{n}" for n in (".metadata", "__0_0.distcp",
+                                                              "meta.json", "trainer.pt")]
+    path, meta = store.find_latest(root)
+    weights = read.load(path, meta, weights_only=True)["model"]
+    assert all(torch.equal(weights[k], v) for k, v in model(40).state_dict().items())
+    assert all(torch.equal(seen[-1][k], v) for k, v in model(4).state_dict().items())
