@@ -50,11 +50,13 @@ def test_an_unknown_bucket_for_the_data_or_the_checkpoints(s3, s3_data, tmp_path
     assert re.fullmatch(rf"ddpgpt: error: listing s3://no-such-bucket/tiny: the bucket "
                         rf"no-such-bucket does not exist at {ENDPOINT}; create it, or fix the URL "
                         r"\(or AWS_ENDPOINT_URL\)", line), line
-    line = fails(train(s3_data, tmp_path, "--run.checkpoint-url", "s3://no-such-bucket/run"),
-                 s3.env())
-    assert re.fullmatch(rf"ddpgpt: error: listing s3://no-such-bucket/run: the bucket "
-                        rf"no-such-bucket does not exist at {ENDPOINT}; .*", line), line
-    assert not (tmp_path / "run").exists()
+    for args in (train(s3_data, tmp_path, "--run.checkpoint-url", "s3://no-such-bucket/run"),
+                 ["train", "--run-dir", tmp_path / "new", "--run.checkpoint-url",
+                  "s3://no-such-bucket/run"]):  # a new machine: the URL read for the config
+        line = fails(args, s3.env())
+        assert re.fullmatch(rf"ddpgpt: error: listing s3://no-such-bucket/run: the bucket "
+                            rf"no-such-bucket does not exist at {ENDPOINT}; .*", line), line
+    assert not (tmp_path / "run").exists() and not (tmp_path / "new").exists()
 
 
 def test_a_dataset_prefix_without_meta_json(s3, s3_data, tmp_path):
