@@ -328,20 +328,20 @@ def same(info: dict | None, local: Path) -> bool:
         return False
     if info.get("md5Hash"):  # GCS: base64 of the whole object's MD5
         return base64.b64encode(_md5s(local, None)[0]).decode() == info["md5Hash"]
-    tag = str(info.get("ETag") or info.get("etag") or "").strip('"')
-    return bool(tag) and tag == etag(local)
+    there = str(info.get("ETag") or info.get("etag") or "").strip('"')
+    return bool(there) and there == etag(local)
 
 
 def _md5s(path: Path, part: int | None) -> list[bytes]:
     """The MD5 digest of each `part`-byte piece of the file at `path` (of the whole: None)."""
-    digests, digest, filled = [], hashlib.md5(), 0
+    digests, digest, filled = [], hashlib.md5(usedforsecurity=False), 0
     with open(path, "rb") as f:
         while block := f.read(min(HASH_BLOCK, (part - filled) if part else HASH_BLOCK)):
             digest.update(block)
             filled += len(block)
             if part and filled == part:
                 digests.append(digest.digest())
-                digest, filled = hashlib.md5(), 0
+                digest, filled = hashlib.md5(usedforsecurity=False), 0
     if filled or not digests:
         digests.append(digest.digest())
     return digests
@@ -354,7 +354,7 @@ def etag(path: Path) -> str:
     if path.stat().st_size < 2 * PART:
         return _md5s(path, None)[0].hex()
     parts = _md5s(path, PART)
-    return f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
+    return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
 
 
 def open_dir(where: str | os.PathLike) -> Directory | Objects:
