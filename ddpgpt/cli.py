@@ -230,6 +230,9 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int, str]:
         saved = run_dir / "config.json"
         continuing = "run.dir" in values and "data.dir" not in values and not whole
         url = values.get("run.checkpoint_url")
+        if url:  # read below, before the preflight checks it: a typo is one line
+            from ddpgpt.checkpoint.location import check_url
+            check_url(url)
         if continuing and not url:  # (with a URL, the run may be there: _from_checkpoints)
             from ddpgpt.run.run_dir import check_continues
             check_continues(run_dir)  # `--run-dir R` without --data continues R

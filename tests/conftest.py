@@ -29,31 +29,44 @@ def tiny_data(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def s3(tmp_path_factory):
-    """A real S3 server (moto's, tests/s3.py) on a free localhost port for the whole session;
-    this process and its subprocesses reach it through AWS_ENDPOINT_URL and its keys."""
+def s3_server(tmp_path_factory):
+    """A real S3 server (moto's, tests/s3.py) on a free localhost port for the whole session.
+    Nothing points at it unless a test asks for `s3`."""
     from tests.s3 import S3Server
 
     server = S3Server.start(tmp_path_factory.mktemp("s3"))
-    saved = {k: os.environ.get(k) for k in server.env()}
-    os.environ.update(server.env())
     try:
         yield server
     finally:
         server.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """The S3 server, and for this test only its variables (AWS_ENDPOINT_URL, its keys ...) in
+    this process and the subprocesses it starts; s3fs's cached clients are dropped on the way in
+    and out, so none made under other variables is used here, nor one made here later."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    yield s3_server
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture(scope="session")
-def s3_data(s3, tiny_data) -> str:
-    """tiny_data uploaded as it is (meta.json last): the URL of a prepared dataset in S3."""
-    url = s3.bucket("data") + "/tiny"
-    fs = s3.fs()
+def s3_dataset(s3_server, tiny_data) -> str:
+    """tiny_data uploaded as it is (meta.json last), once: the URL of a prepared dataset in S3."""
+    url = s3_server.bucket("data") + "/tiny"
+    fs = s3_server.fs()
     for path in sorted(tiny_data.iterdir(), key=lambda p: p.name == "meta.json"):
         if path.is_file() and path.name != "verified.json":
             fs.put_file(str(path), f"{url[5:]}/{path.name}")
     return url
+
+
+@pytest.fixture
+def s3_data(s3, s3_dataset) -> str:
+    """s3_dataset's URL, for a test that reads it (with the server's variables: `s3`)."""
+    return s3_dataset

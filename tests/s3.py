@@ -1,6 +1,7 @@
 """A real S3-compatible server for the tests: moto's standalone server (`moto[server]`, in the dev
-extra), started by the fixtures on a free localhost port, with the ecosystem's variables
-(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) pointing this process and its subprocesses at it.
+extra), started by the fixtures on a free localhost port; `env()` holds the ecosystem's variables
+(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) that point a client at it, which the `s3` fixture
+sets for the one test that asks for it (and so for the subprocesses that test starts).
 
     server = S3Server.start()           # fails loudly if it never answers
     url = server.bucket("data")         # s3://data-<n>, a new bucket
@@ -34,7 +35,9 @@ BASE_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
 ALL = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
 READ = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Resource": "*", "Action": [
     "s3:GetObject", "s3:ListBucket", "s3:GetBucketLocation"]}]}
-SETUP_ACTIONS = 6  # the unauthenticated requests `_users` makes
+USERS = (("writer", ALL), ("reader", READ))
+SETUP_CALLS = ("create_user", "create_access_key", "put_user_policy")  # `_users`, per user
+SETUP_ACTIONS = len(USERS) * len(SETUP_CALLS)  # the requests moto lets through unauthenticated
 
 
 class S3Server:
@@ -71,7 +74,11 @@ class S3Server:
                                        ) from None
                 time.sleep(0.05)
         if auth:
-            server.writer, server.reader = server._users()
+            try:
+                server.writer, server.reader = server._users()
+            except BaseException:
+                server.stop()
+                raise
         return server
 
     def env(self, keys: dict | None = None) -> dict[str, str]:
@@ -100,16 +107,38 @@ class S3Server:
         return f"s3://{bucket}"
 
     def _users(self) -> tuple[dict, dict]:
+        """The writer and the reader made with SETUP_ACTIONS requests, counted as they are sent
+        (no retries); then a request signed with no one's keys must be refused, or the server
+        would let some tests through unauthenticated."""
         import boto3
+        from botocore.config import Config
+        from botocore.exceptions import ClientError
 
         iam = boto3.client("iam", endpoint_url=self.endpoint, region_name="us-east-1",
-                           aws_access_key_id="testing", aws_secret_access_key="testing")
-        keys = []
-        for user, policy in (("writer", ALL), ("reader", READ)):
-            iam.create_user(UserName=user)
-            keys.append(iam.create_access_key(UserName=user)["AccessKey"])
-            iam.put_user_policy(UserName=user, PolicyName=user, PolicyDocument=json.dumps(policy))
-        return keys[0], keys[1]
+                           aws_access_key_id="testing", aws_secret_access_key="testing",
+                           config=Config(retries={"total_max_attempts": 1}))
+        sent = []
+        iam.meta.events.register("before-send", lambda **_: sent.append(1))
+        made = {}
+        for user, policy in USERS:
+            args = {"create_user": {"UserName": user}, "create_access_key": {"UserName": user},
+                    "put_user_policy": {"UserName": user, "PolicyName": user,
+                                        "PolicyDocument": json.dumps(policy)}}
+            for call in SETUP_CALLS:
+                made[user, call] = getattr(iam, call)(**args[call])
+        if len(sent) != SETUP_ACTIONS:
+            raise RuntimeError(f"setting up the users took {len(sent)} requests, not "
+                               f"SETUP_ACTIONS = {SETUP_ACTIONS}")
+        s3 = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                          aws_access_key_id="AKIANOBODYNOBODY", aws_secret_access_key="x")
+        try:
+            s3.list_buckets()
+        except ClientError:
+            pass
+        else:
+            raise RuntimeError("the S3 server accepts a request signed with no user's keys "
+                               "after its setup: SETUP_ACTIONS does not count its requests")
+        return tuple(made[user, "create_access_key"]["AccessKey"] for user, _ in USERS)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -9,25 +9,31 @@ unlink ...), so the store's code is one path; what differs is here, decided by t
     write a file       write + fsync (files.write_bytes)  one PUT: whole or absent
     publish            a temporary directory renamed      meta.json written last: a step
                                                           prefix without it is not a checkpoint
+                                                          (a step there complete already: the
+                                                          new one beside it, then copied in,
+                                                          store._publish)
     delete             renamed away, then removed         meta.json first (unpublished), then
                                                           the rest
     set aside          renamed                            copied server-side, then deleted
-    verify on load     every file's sha256                every object's size (one listing);
-                                                          the small files' sha256 on the bytes
-                                                          read (read.read_verified)
+    verify on load     every file's sha256                every object's size and ETag, as
+                                                          meta.json recorded them at commit
+                                                          (one listing); the small files'
+                                                          sha256 on the bytes read
+                                                          (read.read_verified)
 
 A step prefix in object storage is never renamed: DCP's writers put their objects straight under
-`step_NNNNNNN/`, rank 0 writes meta.json last, and a reader takes a step only with its
-meta.json. An upload cut short (a killed writer, the server gone) leaves objects without one:
-never loaded, and removed at the next start (store.remove_temporaries) or by the next save of
-that step. Object stores give read-after-write consistency (S3 since 2020, GCS, MinIO), which
-this relies on: a meta.json seen means every object it lists is there.
+`step_NNNNNNN/` (a step saved again: beside it, store.temporary), rank 0 writes meta.json last,
+and a reader takes a step only with its meta.json. An upload cut short (a killed writer, the
+server gone) leaves objects without one: never loaded, and removed at the next start
+(store.remove_temporaries) or by the next save of that step. Object stores give
+read-after-write consistency (S3 since 2020, GCS, MinIO), which this relies on: a meta.json seen
+means every object it lists is there.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import hashlib
+import json
 import os
 import shutil
 import socket
@@ -38,8 +44,6 @@ from ddpgpt.errors import UserError
 from ddpgpt.files import WriteError, atomic_write, fsync, write_bytes
 from ddpgpt.files import move as move_path
 from ddpgpt.files import sha256 as sha256_file
-
-HASH_BLOCK = 8 << 20  # bytes read at a time when hashing an object
 
 
 class Remote:
@@ -98,13 +102,8 @@ class Remote:
         return self
 
     def _listing(self) -> list[dict]:
-        with storage.failing(self.url, "listing", UserError):
-            try:
-                return self.fs.ls(self.key, detail=True, refresh=True)
-            except FileNotFoundError as e:
-                if "bucket" in str(e).lower():
-                    raise
-                return []
+        """fsspec's info of what is under this prefix (none for a plain object)."""
+        return storage.list_under(self.fs, self.key, self.url, UserError)
 
     def iterdir(self) -> list[Remote]:
         out = []
@@ -240,35 +239,76 @@ def move(source: Path | Remote, target: Path | Remote) -> None:
             source.fs.copy(source.key, target.key)
             source.unlink()
             return
-        files = sorted(_walk(source), key=lambda p: p.name == "meta.json")
+        files = [f for f in _walk(source) if f.name != "meta.json"]
         for f in files:
             source.fs.copy(f.key, target.key + f.key[len(source.key):])
+        _copy_meta(source, target)  # last: it publishes the copy
     delete_checkpoint(source, "moved")
+
+
+def _copy_meta(source: Remote, target: Remote) -> None:
+    """A checkpoint's meta.json copied after its objects, with the ETags of the copies (a server
+    side copy of an object uploaded in parts gets another): each one carried over only where the
+    source's object still had the ETag recorded, so a replaced object stays refused."""
+    try:
+        data = (source / "meta.json").read_bytes()
+    except FileNotFoundError:
+        return  # not a complete checkpoint: moved as it is
+    try:
+        meta = json.loads(data)
+    except ValueError:  # corrupt: refused where it is copied to as where it was
+        meta = {}
+    if isinstance(meta, dict) and meta.get("etags"):
+        was, now = listed(source), listed(target)
+        meta["etags"] = {name: now[name][1] if name in now and was.get(name, (0, ""))[1] == tag
+                         else tag for name, tag in meta["etags"].items()}
+        data = (json.dumps(meta, indent=1) + "\n").encode()
+    write_file(target / "meta.json", data)
 
 
 def sha256(path: Path | Remote) -> str:
     if not isinstance(path, Remote):
         return sha256_file(path)
-    digest = hashlib.sha256()
     with storage.failing(path.url, "reading", UserError):
         size = path.fs.size(path.key)
-        for start in range(0, size, HASH_BLOCK):
-            digest.update(path.fs.cat_file(path.key, start=start,
-                                           end=min(size, start + HASH_BLOCK)))
-    return digest.hexdigest()
+    return storage.hash_object(path.fs, path.key, size, path.url, UserError)
+
+
+def listed(directory: Path | Remote) -> dict[str, tuple[int, str]]:
+    """{name: (bytes, tag)} of the files in a checkpoint directory, from one listing of a
+    prefix: an object's tag is its ETag or version (storage.tag), which a rewrite changes even
+    at the same size; a local file's is "" (its sha256 is what a load checks)."""
+    if isinstance(directory, Remote):
+        return {info["name"].rstrip("/").rsplit("/", 1)[-1]: (int(info["size"]), storage.tag(info))
+                for info in directory._listing() if info.get("type") == "file"}
+    return {p.name: (p.stat().st_size, "") for p in Path(directory).iterdir() if p.is_file()}
 
 
 def sizes(directory: Path | Remote) -> dict[str, int]:
     """{name: bytes} of the files in a checkpoint directory (one listing of a prefix)."""
-    if isinstance(directory, Remote):
-        return {info["name"].rstrip("/").rsplit("/", 1)[-1]: int(info["size"])
-                for info in directory._listing() if info.get("type") == "file"}
-    return {p.name: p.stat().st_size for p in Path(directory).iterdir() if p.is_file()}
+    return {name: size for name, (size, _) in listed(directory).items()}
+
+
+def check_url(url: str, flag: str = "--run.checkpoint-url") -> None:
+    """A URL of object storage with a bucket (s3://BUCKET/PREFIX, gs://...), or one line: a
+    local path, a scheme that is not object storage (a typo: s4://, https://) or no bucket."""
+    scheme, _, rest = url.partition("://") if storage.is_url(url) else ("", "", "")
+    give = "give s3://BUCKET/PREFIX (or gs://BUCKET/PREFIX)"
+    if not scheme:
+        raise UserError(f"{flag} {url}: not a URL of object storage; {give}, or leave it out to "
+                        "keep the checkpoints in the run dir (--run-dir)")
+    if scheme.lower() not in storage.PACKAGES:
+        raise UserError(f"{flag} {url}: {scheme}:// is not object storage ddpgpt knows "
+                        f"({', '.join(f'{s}://' for s in storage.PACKAGES)}); {give}")
+    if not rest.split("/", 1)[0]:
+        raise UserError(f"{flag} {url}: no bucket; {give}")
 
 
 def check_writable(url: str) -> None:
-    """run.checkpoint_url, before anything trains: its bucket exists, the credentials work and may
-    write and delete there (a probe object written and removed), or one line saying which."""
+    """run.checkpoint_url, before anything trains: a URL of object storage (check_url), its bucket
+    exists, the credentials work and may write and delete there (a probe object written and
+    removed), or one line saying which."""
+    check_url(url)
     root = at(url)
     root.iterdir()  # the bucket, the credentials, the endpoint
     probe = root / f".probe-{socket.gethostname()}-{os.getpid()}"

@@ -227,7 +227,7 @@ class Saver:
                        else self._publish(tmp, final, gathered, rest, meta))
         outcome = self._broadcast(outcome)
         if outcome is not None:
-            location.remove_tree(tmp)
+            store.discard(tmp, final)
             remote = location.is_remote(final)
             left = ("what was uploaded of it has no meta.json and is never loaded" if remote
                     else "its temporary files were removed")

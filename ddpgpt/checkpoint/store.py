@@ -22,8 +22,9 @@ warning that names what was wrong. Deleting renames a checkpoint away first, so 
 sees one half deleted; keep-last-k also keeps the one checkpoint the caller names as the newest
 known healthy (a loss spike's rollback target). A rollback after a loss spike supersedes the
 checkpoints written after its target in one durable write (`record_rollback`, below), so that no
-restart can go on from the history it abandoned. Formats 1 and 2 (model.safetensors +
-trainer.pt, written whole by rank 0) still load.
+restart can go on from the history it abandoned. A step saved again is replaced so that it
+always has a complete copy, even through a kill (`_publish`, `remove_temporaries`). Formats 1
+and 2 (model.safetensors + trainer.pt, written whole by rank 0) still load.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from ddpgpt.errors import UserError, warn
 from ddpgpt.files import (
     WriteError,
     describe,
+    move,
     os_error_in,
     publish_dir,
 )
@@ -51,6 +53,7 @@ from ddpgpt.files import (
 FORMAT_VERSION = 3
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 TEMPORARY = (".tmp-step_*", ".old-step_*", ".del-step_*")
+RESAVE = re.compile(r"^\.tmp-step_(\d{7,})-")  # a step saved again in object storage, until swapped
 ROLLBACK = "rollback.json"  # a rollback decided, until a checkpoint of the history it goes on with
 
 
@@ -75,10 +78,23 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     """(step, path) of every `step_NNNNNNN` directory in `root`, oldest first; complete or not;
     never one that a pending rollback has superseded (see record_rollback)."""
     root = location.at(root)
-    found = sorted(((int(m.group(1)), p) for p in location.children(root)
-                    if (m := STEP_DIR.match(p.name)) and p.is_dir()), key=lambda f: f[0])
+    found = _listed_steps(root)
     record = pending_rollback(root, found) if found else None
     return found if record is None else [(s, p) for s, p in found if not _abandoned(s, p, record)]
+
+
+def _listed_steps(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every step directory in `root`, oldest first. In object storage, a re-save
+    of a step cut during its swap (`_publish`) is complete under its temporary prefix while
+    step_NNNNNNN has no meta.json: that prefix is then the step's checkpoint."""
+    listed = location.children(root)
+    found = {int(m.group(1)): p for p in listed if (m := STEP_DIR.match(p.name)) and p.is_dir()}
+    resaved = [(int(m.group(1)), p) for p in listed if location.is_remote(root)
+               and (m := RESAVE.match(p.name)) and p.is_dir() and (p / "meta.json").is_file()]
+    for step, tmp in resaved:
+        if step not in found or not (found[step] / "meta.json").is_file():
+            found[step] = tmp
+    return sorted(found.items(), key=lambda f: f[0])
 
 
 # ---- a rollback's decision ---------------------------------------------------------------------
@@ -114,8 +130,7 @@ def pending_rollback(root: Path, found: list | None = None) -> dict | None:
                               "rollback after a loss spike: move it away to resume from the "
                               "newest checkpoint instead") from None
     if found is None:
-        found = sorted(((int(m.group(1)), p) for p in location.children(location.at(root))
-                        if (m := STEP_DIR.match(p.name)) and p.is_dir()), key=lambda f: f[0])
+        found = _listed_steps(location.at(root))
     spent = any(_rollbacks_in(p) >= record["rollbacks"] for _, p in found)
     return None if spent else record
 
@@ -123,11 +138,11 @@ def pending_rollback(root: Path, found: list | None = None) -> dict | None:
 def superseded(root: Path) -> list[Path]:
     """The checkpoints a pending rollback has superseded (to be moved out of the way)."""
     root = location.at(root)
-    found = [p for p in location.children(root) if STEP_DIR.match(p.name) and p.is_dir()]
-    record = pending_rollback(root) if found else None
+    found = _listed_steps(root)
+    record = pending_rollback(root, found) if found else None
     if record is None:
         return []
-    return [p for p in found if _abandoned(int(STEP_DIR.match(p.name).group(1)), p, record)]
+    return [p for step, p in found if _abandoned(step, p, record)]
 
 
 def _abandoned(step: int, path: Path, record: dict) -> bool:
@@ -157,11 +172,24 @@ def spend_rollback(root: Path, rollbacks: int) -> None:
 
 def temporary(root: Path, step: int, token: str) -> Path:
     """Where checkpoint `step` is written before it is published; `token` (rank 0's PID) is the
-    same on every rank and differs from any earlier run's. In object storage, its own prefix:
-    published by its meta.json, never renamed (location.py)."""
-    if location.is_remote(location.at(root)):
-        return step_dir(root, step)
-    return Path(root) / f".tmp-{step_dir(root, step).name}-{token}"
+    same on every rank and differs from any earlier run's. In object storage, its own prefix,
+    published by its meta.json (location.py); unless that step is there complete already (saved
+    again): then beside it, swapped in once complete (`_publish`). Every rank asks: no save is in
+    flight, so all see the same."""
+    root, final = location.at(root), step_dir(root, step)
+    if location.is_remote(root) and not (final / "meta.json").is_file():
+        return final
+    return root / f".tmp-{final.name}-{token}"
+
+
+def discard(tmp: Path, final: Path) -> None:
+    """What a failed save wrote goes, unless it is a complete re-save in object storage whose
+    swap was cut after the previous copy was unpublished: that one is now the step's checkpoint
+    (_listed_steps)."""
+    if tmp != final and location.is_remote(tmp) and (tmp / "meta.json").is_file() \
+            and not (final / "meta.json").is_file():
+        return
+    location.remove_tree(tmp)
 
 
 def save(root: Path, step: int, state: dict, meta: dict, keep: int,
@@ -179,7 +207,7 @@ def save(root: Path, step: int, state: dict, meta: dict, keep: int,
         commit(tmp, final, hash_files(tmp, writer.files + [sharded.INDEX], writer.digests), rest,
                {"world_size": 1, **meta})
     except BaseException as e:
-        location.remove_tree(tmp)
+        discard(tmp, final)
         cause = os_error_in(e)
         if cause is None:
             raise
@@ -205,11 +233,13 @@ def commit(tmp: Path, final: Path, files: dict[str, str], rest: dict, meta: dict
     data = _torch_bytes(rest)
     location.write_file(tmp / "trainer.pt", data)
     files = {**files, "trainer.pt": hashlib.sha256(data).hexdigest()}
-    on_disk = location.sizes(tmp)
+    there = location.listed(tmp)
     meta = {"format_version": FORMAT_VERSION, "step": int(final.name.split("_")[1]),
-            "files": files, "sizes": {name: on_disk.get(name) for name in files},
+            "files": files, "sizes": {name: there.get(name, (None,))[0] for name in files},
             "ddpgpt_version": __version__, "torch_version": torch.__version__,
             "saved_at": time.time(), **meta}
+    if location.is_remote(tmp):  # what a load compares: an object replaced gets another
+        meta["etags"] = {name: there[name][1] for name in files if name in there}
     # last: it marks the checkpoint complete (and, in object storage, publishes it)
     location.write_file(tmp / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
     location.sync(tmp)
@@ -230,9 +260,16 @@ def _torch_bytes(obj) -> bytes:
 
 def _publish(tmp: Path, final: Path) -> None:
     """The same step saved again (e.g. a resumed run's end) replaces it; if the new copy cannot
-    take its place, the previous one stays the checkpoint. In object storage the checkpoint was
-    written in place: its meta.json has published it."""
+    take its place, the previous one stays the checkpoint. In object storage, one saved again
+    beside the previous one (`temporary`) replaces it: the previous one unpublished (meta.json
+    first), the new one copied in server-side (meta.json last). At every moment one of them is
+    complete and listed: the previous one, the new one under its temporary prefix
+    (_listed_steps), then the new one in place."""
     if tmp == final:
+        return
+    if location.is_remote(final):
+        location.delete_checkpoint(final, "")
+        location.move(tmp, final)
         return
     publish_dir(tmp, final, aside=final.with_name(f".old-{final.name}-{os.getpid()}"))
 
@@ -257,10 +294,17 @@ def remove_temporaries(root: Path) -> list[Path]:
     """Deletes what interrupted saves and deletes left behind (run at startup, under the run's
     lock, so no save is in progress). Returns what was removed."""
     root = location.at(root)
-    if location.is_remote(root):  # step prefixes an upload left without a meta.json
-        leftovers = [p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()
-                     and "meta.json" not in location.sizes(p)]
-    else:
+    if location.is_remote(root):  # prefixes an upload left without a meta.json, and re-saves
+        listed = root.iterdir()   # whose swap was cut (the one still standing for its step stays)
+        standing = {p for _, p in _listed_steps(root)}
+        leftovers = [p for p in listed if p.is_dir() and (
+            RESAVE.match(p.name) and p not in standing
+            or STEP_DIR.match(p.name) and "meta.json" not in location.sizes(p))]
+    else:  # a re-save killed between publish_dir's renames: the previous copy goes back
+        for old in root.glob(".old-step_*") if root.is_dir() else []:
+            final = root / old.name[len(".old-"):].rsplit("-", 1)[0]
+            if not final.exists() and (old / "meta.json").is_file():
+                move(old, final)
         leftovers = [p for pattern in TEMPORARY for p in root.glob(pattern)] \
             if root.is_dir() else []
     for path in leftovers:
@@ -272,8 +316,8 @@ def remove_temporaries(root: Path) -> list[Path]:
 
 def read_meta(path: Path, verify: bool = True) -> dict:
     """A checkpoint's meta.json, validated: present, parseable, a format we read, and (`verify`)
-    every file present with the sha256 meta.json lists (in object storage: with the size it
-    lists, from one listing; the files read whole are checked on their bytes: read.py)."""
+    every file present with the sha256 meta.json lists (in object storage: with the size and
+    ETag it lists, from one listing; the files read whole are checked on their bytes: read.py)."""
     path = location.at(path)
     meta_path = path / "meta.json"
     try:
@@ -291,7 +335,7 @@ def read_meta(path: Path, verify: bool = True) -> dict:
                                      f"than this ddpgpt reads ({FORMAT_VERSION}); upgrade ddpgpt "
                                      "(pip install -U ddpgpt)")
     if verify and location.is_remote(path) and meta.get("sizes"):
-        _check_sizes(path, meta)
+        _check_objects(path, meta)
         return meta
     for name, expected in files.items() if verify else ():
         try:
@@ -306,18 +350,24 @@ def read_meta(path: Path, verify: bool = True) -> dict:
     return meta
 
 
-def _check_sizes(path, meta: dict) -> None:
-    """Every object meta.json lists is there with its size (an object appears whole or not at
-    all, so this finds a missing or replaced one)."""
-    there = location.sizes(path)
+def _check_objects(path, meta: dict) -> None:
+    """Every object meta.json lists is there with its size and the ETag (or version) it had when
+    the checkpoint was committed, from one listing: an object appears whole or not at all, so
+    this finds a missing one, and a replaced one even of the same size."""
+    there = location.listed(path)
     if not there:
         raise CheckpointGone(f"{path}: deleted while being read")
+    tags = meta.get("etags") or {}
     for name, size in meta["sizes"].items():
         if name not in there:
             raise CheckpointError(f"{path}: {name} is missing")
-        if size is not None and there[name] != size:
-            raise CheckpointError(f"{path}: {name} has {there[name]} bytes, meta.json says {size} "
-                                  "(replaced or corrupt)")
+        if size is not None and there[name][0] != size:
+            raise CheckpointError(f"{path}: {name} has {there[name][0]} bytes, meta.json says "
+                                  f"{size} (replaced or corrupt)")
+        if tags.get(name) and there[name][1] != tags[name]:
+            raise CheckpointError(f"{path}: {name} is not the object that was saved (its ETag is "
+                                  f"{there[name][1] or 'none'}, meta.json says {tags[name]}: "
+                                  "replaced since)")
 
 
 def find_latest(root: Path, quiet: bool = False) -> tuple[Path, dict] | None:

@@ -187,7 +187,8 @@ class TokenDataset:
         meta_where = self.files.where("meta.json")
         if not self.files.has("meta.json"):
             if not self.files.exists():
-                near = "" if self.remote else beside(self.path, "meta.json", "prepared")
+                near = self.files.beside() if self.remote else \
+                    beside(self.path, "meta.json", "prepared")
                 raise DataError(f"dataset {self.path} does not exist{near}; create it with: "
                                 f"ddpgpt prepare --out {self.path}")
             raise DataError(f"dataset {self.path} has no meta.json (not prepared, or prepare did "

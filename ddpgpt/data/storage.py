@@ -24,11 +24,13 @@ read it from the local disk; a block is fetched whole, so with the cache a rank 
 around its windows, not only the windows.
 
 An object's identity is its size and ETag (or version id): an object rewritten gets a new one,
-as a local file rewritten gets a new (size, mtime, inode).
+as a local file rewritten gets a new (size, mtime, inode); a file:// URL's file (no ETag) has
+the local file's.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import os
@@ -43,6 +45,7 @@ URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 PACKAGES = {"s3": ("s3fs", "cloud"), "s3a": ("s3fs", "cloud"), "gs": ("gcsfs", "gcs"),
             "gcs": ("gcsfs", "gcs")}
 HASH_BLOCK = 8 << 20  # bytes read at a time when hashing an object
+PART = 50 << 20  # an upload's part size (s3fs's multipart put_file): its ETag depends on it
 
 
 def is_url(where) -> bool:
@@ -79,33 +82,38 @@ def _orphaned_requests(loop, context: dict) -> None:
         loop.default_exception_handler(context)
 
 
-def endpoint() -> str:
-    """The S3 endpoint this process uses, as messages name it."""
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or \
-        "the default endpoint (AWS_ENDPOINT_URL unset)"
+def endpoint(where: str = "s3://") -> str:
+    """Where the requests for `where` go, as messages name it: for s3:// the S3 endpoint that
+    AWS_ENDPOINT_URL names (MinIO, Ceph, R2 or AWS itself), AWS S3 when it is unset; GCS."""
+    if where.split("://", 1)[0].lower() in ("gs", "gcs"):
+        return "GCS"
+    url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return f"the S3 endpoint {url}" if url else "AWS S3 (AWS_ENDPOINT_URL unset)"
 
 
 def explain(error: BaseException, where: str, doing: str) -> str | None:
     """One line for a failure of object storage while `doing` (reading, writing, listing) at
-    `where`, or None when `error` is not one (a bug keeps its traceback)."""
+    `where`, naming the endpoint and the variables that set it, or None when `error` is not one
+    (a bug keeps its traceback)."""
     name, text = type(error).__name__, str(error).strip().splitlines()[0] if str(error) else ""
     bucket = where.split("://", 1)[-1].split("/", 1)[0]
+    at, s3 = endpoint(where), endpoint(where) != "GCS"
+    keys, alt = (("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", "~/.aws/credentials") if s3 else
+                 ("GOOGLE_APPLICATION_CREDENTIALS", "gcloud auth application-default login"))
     if isinstance(error, FileNotFoundError) and "bucket" in text.lower():
-        return (f"{doing} {where}: the bucket {bucket} does not exist at {endpoint()}; create "
-                "it, or fix the URL (or AWS_ENDPOINT_URL)")
+        return (f"{doing} {where}: the bucket {bucket} does not exist at {at}; create it, or fix "
+                f"the URL{' (or AWS_ENDPOINT_URL)' if s3 else ''}")
     if isinstance(error, PermissionError):
         may = "write" if doing.startswith(("writ", "delet", "upload")) else "read"
-        return (f"{doing} {where}: access denied ({text or 'Forbidden'}): the credentials "
-                "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or ~/.aws/credentials) are wrong, "
-                f"or may not {may} there")
+        return (f"{doing} {where}: access denied by {at} ({text or 'Forbidden'}): the "
+                f"credentials ({keys}, or {alt}) are wrong, or may not {may} there")
     if name in ("NoCredentialsError", "PartialCredentialsError"):
-        return (f"{doing} {where}: no credentials ({text}); set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY (or ~/.aws/credentials)")
+        return f"{doing} {where}: no credentials for {at} ({text}); set {keys} (or {alt})"
     if name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
                 "ConnectionClosedError", "ClientConnectorError", "ServerDisconnectedError") \
             or isinstance(error, ConnectionError):
-        return (f"{doing} {where}: cannot reach the storage at {endpoint()} ({text or name}); "
-                "check AWS_ENDPOINT_URL and that the server is up")
+        return (f"{doing} {where}: cannot reach {at} ({text or name}); check "
+                f"{'AWS_ENDPOINT_URL and ' if s3 else ''}that the server is up")
     if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
         return f"{doing} {where}: {text or name}"
     return None
@@ -125,7 +133,46 @@ def failing(where: str, doing: str, kind: type[UserError] = DataError):
         raise kind(line) from None
 
 
+# ---- what a dataset's and a checkpoint's prefixes share (checkpoint/location.py) ------------
+
+def list_under(fs, key: str, url: str, kind: type[UserError] = DataError) -> list[dict]:
+    """fsspec's info of what is right under the prefix `key` (of `url`, which messages name):
+    nothing when there is nothing, or when `key` names an object (a listing of an object's key
+    answers with the object itself); an unknown bucket or another failure as one line (`kind`)."""
+    with failing(url, "listing", kind):
+        try:
+            found = fs.ls(key, detail=True, refresh=True)
+        except FileNotFoundError as e:
+            if "bucket" in str(e).lower():
+                raise
+            return []
+    inside = key.rstrip("/") + "/"
+    return [i for i in found if i["name"].startswith(inside)]
+
+
+def hash_object(fs, key: str, size: int, url: str, kind: type[UserError] = DataError) -> str:
+    """The sha256 of an object's `size` bytes, read HASH_BLOCK bytes at a time."""
+    digest = hashlib.sha256()
+    with failing(url, "reading", kind):
+        for start in range(0, size, HASH_BLOCK):
+            digest.update(fs.cat_file(key, start=start, end=min(size, start + HASH_BLOCK)))
+    return digest.hexdigest()
+
+
 # ---- a directory of files ------------------------------------------------------------------
+
+def file_identity(path: str | os.PathLike) -> list:
+    """A local file's [size, mtime_ns, ctime_ns, inode]: a file rewritten gets another, even one
+    rewritten in place with its modification time set back (the change time is the kernel's)."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def _local(fs) -> bool:
+    """fsspec's filesystem of local files (a file:// URL)."""
+    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "file" in protocol
+
 
 class Directory:
     """A local dataset directory."""
@@ -155,10 +202,7 @@ class Directory:
         return (self.path / name).stat().st_size
 
     def identity(self, name: str) -> list:
-        """[size, mtime_ns, ctime_ns, inode]: a file rewritten gets another, even one rewritten
-        in place with its modification time set back (the change time is the kernel's)."""
-        st = os.stat(self.path / name)
-        return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        return file_identity(self.path / name)
 
     def sha256(self, name: str) -> str:
         return sha256(self.path / name)
@@ -195,14 +239,8 @@ class Objects:
     def listing(self, fresh: bool = False) -> dict[str, dict]:
         """{name: fsspec's info} of the objects right under the prefix."""
         if self._listing is None or fresh:
-            with failing(self.url, "listing"):
-                try:
-                    found = self.fs.ls(self.root, detail=True, refresh=True)
-                except FileNotFoundError as e:
-                    if "bucket" in str(e).lower():
-                        raise
-                    found = []
-            self._listing = {i["name"].rstrip("/").rsplit("/", 1)[-1]: i for i in found
+            self._listing = {i["name"].rstrip("/").rsplit("/", 1)[-1]: i
+                             for i in list_under(self.fs, self.root, self.url)
                              if i.get("type") == "file"}
         return self._listing
 
@@ -212,6 +250,13 @@ class Objects:
     def has(self, name: str) -> bool:
         return name in self.listing()
 
+    def beside(self) -> str:
+        """For a prefix with nothing under it that names an object (a dataset's meta.json, say):
+        " (did you mean PREFIX?)", the prefix that object is in; else ""."""
+        with failing(self.url, "reading"):
+            named = self.fs.isfile(self.root)
+        return f" (did you mean {self.url.rsplit('/', 1)[0]}? it names an object)" if named else ""
+
     def read(self, name: str) -> bytes:
         with failing(self.where(name), "reading"):
             return self.fs.cat_file(self.key(name))
@@ -220,20 +265,15 @@ class Objects:
         return int(self.listing()[name]["size"])
 
     def identity(self, name: str) -> list:
-        """[size, ETag or version]: a rewritten object gets another."""
+        """[size, ETag or version]: a rewritten object gets another. A file:// URL's file (which
+        has no ETag) has a local file's identity."""
+        if _local(self.fs):
+            return file_identity(self.key(name))
         info = self.listing()[name]
-        tag = info.get("VersionId") or info.get("ETag") or info.get("etag") or \
-            info.get("md5Hash") or info.get("generation") or ""
-        return [int(info["size"]), str(tag).strip('"')]
+        return [int(info["size"]), tag(info)]
 
     def sha256(self, name: str) -> str:
-        digest = hashlib.sha256()
-        size = self.size(name)
-        with failing(self.where(name), "reading"):
-            for start in range(0, size, HASH_BLOCK):
-                digest.update(self.fs.cat_file(self.key(name), start=start,
-                                               end=min(size, start + HASH_BLOCK)))
-        return digest.hexdigest()
+        return hash_object(self.fs, self.key(name), self.size(name), self.where(name))
 
     def ranges(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
         """The bytes of each (name, start, end), fetched concurrently."""
@@ -255,8 +295,9 @@ class Objects:
         self._listing = None
 
     def upload(self, local: Path, name: str) -> None:
+        extra = {"chunksize": PART} if self.url.startswith(("s3://", "s3a://")) else {}
         with failing(self.where(name), "uploading"):
-            self.fs.put_file(str(local), self.key(name))
+            self.fs.put_file(str(local), self.key(name), **extra)
         self._listing = None
 
     def delete(self, names: list[str]) -> None:
@@ -267,6 +308,53 @@ class Objects:
 
     def reader(self, cache: str = "") -> RemoteReader:
         return RemoteReader(self, cache)
+
+
+def tag(info: dict) -> str:
+    """What changes when an object is rewritten, from fsspec's `info` of it (a listing's entry):
+    its version id, else its ETag (S3), MD5 or generation (GCS); "" when the server gives none."""
+    found = info.get("VersionId") or info.get("ETag") or info.get("etag") or \
+        info.get("md5Hash") or info.get("generation") or ""
+    return str(found).strip('"')
+
+
+def same(info: dict | None, local: Path) -> bool:
+    """The object that fsspec's `info` describes (a listing's entry) has the bytes of the local
+    file `local`: its ETag is their MD5 as S3 computes it for `Objects.upload` (of the whole, or
+    of its PART-byte parts), or GCS's md5Hash is. False when its checksum is of another kind
+    (server-side encryption with KMS, say): then it cannot be told, and the caller sends it
+    again."""
+    if info is None or int(info["size"]) != local.stat().st_size:
+        return False
+    if info.get("md5Hash"):  # GCS: base64 of the whole object's MD5
+        return base64.b64encode(_md5s(local, None)[0]).decode() == info["md5Hash"]
+    there = str(info.get("ETag") or info.get("etag") or "").strip('"')
+    return bool(there) and there == etag(local)
+
+
+def _md5s(path: Path, part: int | None) -> list[bytes]:
+    """The MD5 digest of each `part`-byte piece of the file at `path` (of the whole: None)."""
+    digests, digest, filled = [], hashlib.md5(usedforsecurity=False), 0
+    with open(path, "rb") as f:
+        while block := f.read(min(HASH_BLOCK, (part - filled) if part else HASH_BLOCK)):
+            digest.update(block)
+            filled += len(block)
+            if part and filled == part:
+                digests.append(digest.digest())
+                digest, filled = hashlib.md5(usedforsecurity=False), 0
+    if filled or not digests:
+        digests.append(digest.digest())
+    return digests
+
+
+def etag(path: Path) -> str:
+    """The ETag S3 gives the object that `Objects.upload` makes of the file at `path`: the MD5
+    of its bytes when sent in one PUT (under 2 PARTs), else the MD5 of its parts' MD5s, "-" and
+    the number of parts."""
+    if path.stat().st_size < 2 * PART:
+        return _md5s(path, None)[0].hex()
+    parts = _md5s(path, PART)
+    return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
 
 
 def open_dir(where: str | os.PathLike) -> Directory | Objects:

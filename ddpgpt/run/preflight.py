@@ -172,8 +172,6 @@ def print_config(cfg: TrainConfig, nproc: int | None) -> None:
     line. What belongs to one start (config.io.START_FIELDS: the threads, --reset) is printed
     at its default, with this start's value in a comment: the file, given to --config, would
     otherwise pin it for every start, on every machine."""
-    from pathlib import Path
-
     from ddpgpt.config.io import START_FIELDS, to_toml
     from ddpgpt.distributed.group import detect
     from ddpgpt.errors import DataError
@@ -185,8 +183,10 @@ def print_config(cfg: TrainConfig, nproc: int | None) -> None:
     try:
         cfg, dataset = preflight(cfg, world, nproc or here.local_world_size)
     except DataError as e:
-        if all(Path(d).exists() for d, _ in cfg.data.sources()):
-            raise  # there, and wrong: an error, not a config to print
+        # there (a directory, or objects under a URL's prefix), and wrong: an error, not a
+        # config to print; a bucket that is not there, or not ours, is its own line
+        if all(storage.open_dir(d).exists() for d, _ in cfg.data.sources()):
+            raise
         print(f"# not resolved (model.vocab_size, data.seq_len, run.*: auto): {e}")
     else:
         cfg, start = resume.plan(cfg, RunDir(cfg.run.dir, cfg.run.checkpoint_url), dataset)

@@ -41,10 +41,10 @@ def straight(tiny_data, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def in_s3(s3, s3_data, tmp_path_factory):
+def in_s3(s3_server, s3_dataset, tmp_path_factory):
     """6 of the 8 steps at W=2, the dataset in S3 and the checkpoints to S3."""
-    run_dir, url = tmp_path_factory.mktemp("s3run") / "run", s3.bucket("ckpt") + "/run"
-    out = train(s3_data, run_dir, FIRST, "--run.checkpoint-url", url)
+    run_dir, url = tmp_path_factory.mktemp("s3run") / "run", s3_server.bucket("ckpt") + "/run"
+    out = train(s3_dataset, run_dir, FIRST, "--run.checkpoint-url", url, env=s3_server.env())
     assert out.returncode == 0, out.stderr
     return run_dir, url
 
@@ -106,7 +106,7 @@ def test_the_server_gone_mid_upload_publishes_nothing_and_the_run_resumes(
     assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
     assert errors[0].startswith(f"ddpgpt: error: step 4: cannot write checkpoint "
                                 f"{url}/step_0000004: "), errors[0]
-    assert f"cannot reach the storage at {cut.endpoint}" in errors[0]
+    assert f"cannot reach the S3 endpoint {cut.endpoint}" in errors[0]
     assert errors[0].endswith("; what was uploaded of it has no meta.json and is never loaded. "
                               "The last complete checkpoint (step 2) is intact: once the storage "
                               "answers, then run the same command to resume"), errors[0]

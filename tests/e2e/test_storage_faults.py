@@ -13,13 +13,13 @@ from tests.helpers import free_port, run_cli, tiny_train_args
 from tests.s3 import S3Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
-ENDPOINT = r"http://127\.0\.0\.1:\d+"
+ENDPOINT = r"the S3 endpoint http://127\.0\.0\.1:\d+"
 CREDENTIALS = ("the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
                "~/.aws/credentials) are wrong, or may not")
 
 
 @pytest.fixture(scope="module")
-def guarded(tmp_path_factory, s3_data):
+def guarded(tmp_path_factory, tiny_data):
     """A server that checks every request's signature and policy; a bucket with the tiny
     dataset, uploaded by the writer."""
     server = S3Server.start(tmp_path_factory.mktemp("guarded"), auth=True)
@@ -27,15 +27,10 @@ def guarded(tmp_path_factory, s3_data):
         fs = server.fs(server.writer)
         url = server.bucket("guarded")
         for name in ("train_000000.bin", "val_000000.bin", "meta.json"):
-            fs.pipe_file(f"{url[5:]}/tiny/{name}", _s3_bytes(s3_data, name))
+            fs.put_file(str(tiny_data / name), f"{url[5:]}/tiny/{name}")
         yield server, url
     finally:
         server.stop()
-
-
-def _s3_bytes(url: str, name: str) -> bytes:
-    from ddpgpt.data.storage import Objects
-    return Objects(url).read(name)
 
 
 def fails(args, env, code=2) -> str:
@@ -55,11 +50,13 @@ def test_an_unknown_bucket_for_the_data_or_the_checkpoints(s3, s3_data, tmp_path
     assert re.fullmatch(rf"ddpgpt: error: listing s3://no-such-bucket/tiny: the bucket "
                         rf"no-such-bucket does not exist at {ENDPOINT}; create it, or fix the URL "
                         r"\(or AWS_ENDPOINT_URL\)", line), line
-    line = fails(train(s3_data, tmp_path, "--run.checkpoint-url", "s3://no-such-bucket/run"),
-                 s3.env())
-    assert re.fullmatch(rf"ddpgpt: error: listing s3://no-such-bucket/run: the bucket "
-                        rf"no-such-bucket does not exist at {ENDPOINT}; .*", line), line
-    assert not (tmp_path / "run").exists()
+    for args in (train(s3_data, tmp_path, "--run.checkpoint-url", "s3://no-such-bucket/run"),
+                 ["train", "--run-dir", tmp_path / "new", "--run.checkpoint-url",
+                  "s3://no-such-bucket/run"]):  # a new machine: the URL read for the config
+        line = fails(args, s3.env())
+        assert re.fullmatch(rf"ddpgpt: error: listing s3://no-such-bucket/run: the bucket "
+                            rf"no-such-bucket does not exist at {ENDPOINT}; .*", line), line
+    assert not (tmp_path / "run").exists() and not (tmp_path / "new").exists()
 
 
 def test_a_dataset_prefix_without_meta_json(s3, s3_data, tmp_path):
@@ -72,12 +69,13 @@ def test_no_credentials_and_wrong_ones(guarded, tmp_path):
     server, url = guarded
     env = {**server.env(), "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""}
     line = fails(train(f"{url}/tiny", tmp_path), env)
-    assert line == (f"ddpgpt: error: listing {url}/tiny: no credentials (Unable to locate "
-                    "credentials); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
-                    "~/.aws/credentials)"), line
+    assert line == (f"ddpgpt: error: listing {url}/tiny: no credentials for the S3 endpoint "
+                    f"{server.endpoint} (Unable to locate credentials); set AWS_ACCESS_KEY_ID and "
+                    "AWS_SECRET_ACCESS_KEY (or ~/.aws/credentials)"), line
     wrong = server.env({"AccessKeyId": "AKIAWRONGWRONGWRONG", "SecretAccessKey": "nope"})
     line = fails(train(f"{url}/tiny", tmp_path), wrong)
-    assert line.startswith(f"ddpgpt: error: listing {url}/tiny: access denied (") and \
+    assert line.startswith(f"ddpgpt: error: listing {url}/tiny: access denied by the S3 "
+                           f"endpoint {server.endpoint} (") and \
         line.endswith(f"{CREDENTIALS} read there"), line
 
 
@@ -85,7 +83,7 @@ def test_a_wrong_endpoint(s3_data, s3, tmp_path):
     env = {**s3.env(), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
            "AWS_MAX_ATTEMPTS": "1"}
     line = fails(train(s3_data, tmp_path), env)
-    assert re.fullmatch(rf"ddpgpt: error: listing {s3_data}: cannot reach the storage at "
+    assert re.fullmatch(rf"ddpgpt: error: listing {s3_data}: cannot reach "
                         rf"{ENDPOINT} \(.*\); check AWS_ENDPOINT_URL and that the server is up",
                         line), line
 
@@ -96,6 +94,30 @@ def test_no_permission_to_write_the_checkpoints(guarded, tmp_path):
     server, url = guarded
     line = fails(train(f"{url}/tiny", tmp_path, "--run.checkpoint-url", f"{url}/run"),
                  server.env(server.reader), code=1)
-    assert re.fullmatch(rf"ddpgpt: error: writing {url}/run/\.probe-[^:]+: access denied "
-                        rf"\(Access Denied\): {re.escape(CREDENTIALS)} write there", line), line
+    assert re.fullmatch(rf"ddpgpt: error: writing {url}/run/\.probe-[^:]+: access denied by "
+                        rf"{ENDPOINT} \(Access Denied\): {re.escape(CREDENTIALS)} write there",
+                        line), line
     assert not server.fs(server.writer).exists(f"{url[5:]}/run")
+
+
+@pytest.mark.parametrize("url, why", [
+    ("s4://ckpt/run", r"s4:// is not object storage ddpgpt knows \(s3://, s3a://, gs://, gcs://\); "
+                      r"give s3://BUCKET/PREFIX \(or gs://BUCKET/PREFIX\)"),
+    ("ckpt/run", r"not a URL of object storage; give s3://BUCKET/PREFIX \(or gs://BUCKET/PREFIX\), "
+                 r"or leave it out to keep the checkpoints in the run dir \(--run-dir\)"),
+    ("s3:///run", r"no bucket; give s3://BUCKET/PREFIX \(or gs://BUCKET/PREFIX\)")])
+def test_a_checkpoint_url_that_is_not_one(s3, s3_data, tmp_path, url, why):
+    """A typo'd scheme, a local path or no bucket: one line before anything is made, also on a
+    new machine (no --data: the URL would be read for the run's config)."""
+    for args in (train(s3_data, tmp_path, "--run.checkpoint-url", url),
+                 ["train", "--run-dir", tmp_path / "new", "--run.checkpoint-url", url]):
+        line = fails(args, s3.env())
+        assert re.fullmatch(rf"ddpgpt: error: --run\.checkpoint-url {re.escape(url)}: {why}",
+                            line), line
+    assert not (tmp_path / "run").exists() and not (tmp_path / "new").exists()
+
+
+def test_a_typo_in_the_flag_is_the_usual_did_you_mean(s3, s3_data, tmp_path):
+    line = fails(train(s3_data, tmp_path, "--run.checkpoint-urll", "s3://ckpt/run"), s3.env())
+    assert line == ("ddpgpt: error: unrecognized arguments: --run.checkpoint-urll s3://ckpt/run "
+                    "(did you mean --run.checkpoint-url?)"), line

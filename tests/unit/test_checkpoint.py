@@ -192,6 +192,23 @@ def test_a_failed_replacement_keeps_the_previous_copy(tmp_path, monkeypatch):
     assert torch.equal(loaded.wte.weight, model(1).wte.weight)
 
 
+def test_a_resave_killed_between_its_renames_keeps_the_previous_copy(tmp_path):
+    """Saving a step that exists renames the previous copy aside, then the new one into place:
+    a process killed between the two renames leaves no step_0000003; the next start puts the
+    previous copy back instead of deleting it with the temporaries."""
+    save(tmp_path, 2)
+    save(tmp_path, 3, seed=1)
+    root = tmp_path / "checkpoints"
+    os.rename(root / "step_0000003", root / ".old-step_0000003-77")  # the state a kill leaves
+    shutil.copytree(root / "step_0000002", root / ".tmp-step_0000003-77")
+    store.remove_temporaries(root)
+    assert sorted(p.name for p in root.iterdir()) == ["step_0000002", "step_0000003"]
+    path, meta = find_latest(tmp_path)
+    loaded = model(seed=99)
+    load_into(path, loaded)
+    assert meta["step"] == 3 and torch.equal(loaded.wte.weight, model(1).wte.weight)
+
+
 def test_a_parent_that_cannot_be_synced_after_the_rename_is_a_warning(tmp_path, monkeypatch,
                                                                       capsys):
     """The rename published the checkpoint: a failed fsync of its parent afterwards is said, and

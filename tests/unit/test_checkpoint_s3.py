@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -72,6 +76,49 @@ def test_a_replaced_object_is_found_by_its_size(s3, root):
         store.read_meta(path)
 
 
+def test_a_replaced_object_of_the_same_size_is_refused_by_its_etag(s3, root):
+    """meta.json records each object's ETag at commit; an object rewritten with other bytes of
+    the same size is refused in one line, and the newest checkpoint before it is loaded."""
+    save(root, 2)
+    path = save(root, 3)
+    key = f"{root[5:]}/step_0000003/__0_0.distcp"
+    data = bytearray(s3.fs().cat_file(key))
+    data[-1] ^= 1
+    s3.fs().pipe_file(key, bytes(data))
+    meta = json.loads((path / "meta.json").read_text())
+    assert set(meta["etags"]) == set(meta["files"])
+    line = (rf"^{path}: __0_0\.distcp is not the object that was saved \(its ETag is \w+, "
+            r"meta\.json says \w+: replaced since\)$")
+    with pytest.raises(store.CheckpointError, match=line):
+        store.read_meta(path)
+    found, _ = store.find_latest(root, quiet=True)
+    assert found.name == "step_0000002"
+
+
+def test_a_checkpoint_moved_keeps_its_etags_and_a_replaced_object_stays_refused(
+        s3, root, monkeypatch):
+    """A server-side copy of an object uploaded in parts gets another ETag: the copy's meta.json
+    records the copies' ETags, except where the source's object had been replaced."""
+    for step in (1, 2):
+        save(root, step)
+    real = location.listed
+
+    def multipart(directory):  # as the server would list copies of multipart uploads
+        got = real(directory)
+        if "aside" in str(directory):
+            got = {n: (size, tag + "-2") for n, (size, tag) in got.items()}
+        return got
+
+    monkeypatch.setattr(location, "listed", multipart)
+    location.move(location.at(f"{root}/step_0000001"), location.at(f"{root}/aside/step_0000001"))
+    assert store.read_meta(location.at(f"{root}/aside/step_0000001"))["step"] == 1
+    key = f"{root[5:]}/step_0000002/__0_0.distcp"
+    s3.fs().pipe_file(key, bytes(reversed(s3.fs().cat_file(key))))
+    location.move(location.at(f"{root}/step_0000002"), location.at(f"{root}/aside/step_0000002"))
+    with pytest.raises(store.CheckpointError, match=r"__0_0\.distcp is not the object that was"):
+        store.read_meta(location.at(f"{root}/aside/step_0000002"))
+
+
 def test_keep_last_k_and_a_rollback_record_at_a_url(s3, root):
     for step in (1, 2, 3, 4):
         save(root, step, keep=2)
@@ -88,3 +135,109 @@ def test_keep_last_k_and_a_rollback_record_at_a_url(s3, root):
     assert [s for s, _ in store.step_dirs(root)] == [3, 4]
     assert json.loads((location.at(root) / "step_0000004" / "meta.json").read_text())[
         "rollbacks"] == 1
+
+
+# A re-save of step 4 (other weights: seed 40) that SIGKILLs its own process just before its
+# KILL_AT-th request that changes the bucket; prints how many it made when it is not killed.
+RESAVE = """
+import os, signal, sys
+import s3fs
+from ddpgpt.checkpoint import store
+from tests.unit.test_checkpoint_s3 import model
+CHANGING = ("put_object", "delete_object", "delete_objects", "copy_object",
+            "create_multipart_upload", "upload_part", "complete_multipart_upload")
+made, real = [0], s3fs.S3FileSystem._call_s3
+async def counting(self, method, *args, **kwargs):
+    if method in CHANGING:
+        made[0] += 1
+        if made[0] == int(sys.argv[2]):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return await real(self, method, *args, **kwargs)
+s3fs.S3FileSystem._call_s3 = counting
+store.save(sys.argv[1], 4, {"model": model(40).state_dict(), "optimizer": {"step": 4}},
+           {"config": {}}, 10)
+print(made[0])
+"""
+
+
+def resave(s3, url, kill_at):
+    return subprocess.run([sys.executable, "-c", RESAVE, url, str(kill_at)], text=True,
+                          capture_output=True, timeout=120, env={**os.environ, **s3.env()})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # a process started for each of ~15 requests
+def test_a_step_saved_again_always_has_a_complete_checkpoint_even_killed_mid_save(s3):
+    """Step 4 at the URL is saved again (a rollback re-trained it) and the writer is killed
+    before each of the save's requests in turn: the newest complete checkpoint is step 4 at every
+    one of them, its weights the old copy's or the new one's, whole, before and after the next
+    start's clean-up; an uninterrupted re-save leaves the new copy alone in place."""
+    def seeded(url):
+        for step in (2, 4):
+            save(url, step)
+        return url
+
+    url = seeded(s3.bucket("resave") + "/run")
+    whole = resave(s3, url, 0)
+    assert whole.returncode == 0, whole.stderr
+    assert names(s3, url) == [f"step_000000{step}/{n}" for step in (2, 4) for n in (
+        ".metadata", "__0_0.distcp", "meta.json", "trainer.pt")]
+    assert int(whole.stdout) >= 10  # the writes, then the swap's deletes and copies
+    copies = {seed: model(seed).state_dict() for seed in (4, 40)}
+    for kill_at in range(1, int(whole.stdout) + 1):
+        url = seeded(s3.bucket("resave") + "/run")
+        out = resave(s3, url, kill_at)
+        assert out.returncode == -signal.SIGKILL, (kill_at, out.stderr)
+        for restart in (False, True):
+            if restart:
+                store.remove_temporaries(url)
+            path, meta = store.find_latest(url)
+            weights = read.load(path, meta, weights_only=True)["model"]
+            assert meta["step"] == 4 and any(
+                all(torch.equal(weights[k], v) for k, v in copy.items())
+                for copy in copies.values()), (kill_at, restart, str(path))
+
+
+def test_an_object_is_a_file_and_not_a_directory(s3, root):
+    """A listing of an object's key answers with the object itself: that is not a directory,
+    nor something in one."""
+    save(root, 1)
+    obj, prefix = location.at(f"{root}/step_0000001/meta.json"), location.at(f"{root}/step_0000001")
+    assert (obj.is_file(), obj.is_dir(), obj.iterdir()) == (True, False, [])
+    assert (prefix.is_file(), prefix.is_dir()) == (False, True)
+    assert sorted(p.name for p in prefix.iterdir()) == [".metadata", "__0_0.distcp", "meta.json",
+                                                        "trainer.pt"]
+    assert location.sizes(obj) == {} and not location.at(f"{root}/nothing").is_dir()
+    location.move(obj, location.at(f"{root}/moved.json"))  # an object moves as one
+    assert sorted(s3.fs().ls(root[5:])) == [f"{root[5:]}/moved.json", f"{root[5:]}/step_0000001"]
+
+
+def test_the_background_saver_swaps_a_step_saved_again_in(s3, root, monkeypatch):
+    """The training's saver (asynchronous, DCP's writer at the URL) saving step 4 twice: the
+    second copy is written beside the first, which is whole until the second is complete, and
+    ends in its place, nothing else left behind."""
+    from ddpgpt.checkpoint import sharded
+    from ddpgpt.checkpoint.saver import Saver
+    from ddpgpt.distributed.group import DistEnv
+
+    seen, real = [], store._publish
+
+    def publishing(tmp, final):  # the new copy complete: the previous one is still whole
+        meta = store.read_meta(final)
+        seen.append(read.load(final, meta, weights_only=True)["model"])
+        real(tmp, final)
+
+    monkeypatch.setattr(store, "_publish", publishing)
+    saver = Saver(DistEnv(), location.at(root), None, "t", keep=5)
+    try:
+        for seed in (4, 40):
+            held = {f"model.{k}": sharded.whole(v) for k, v in model(seed).state_dict().items()}
+            saver.save(4, held, set(held), {"optimizer": {"step": 4}}, {"config": {}}, wait=True)
+    finally:
+        saver.close()
+    assert names(s3, root) == [f"step_0000004/{n}" for n in (".metadata", "__0_0.distcp",
+                                                              "meta.json", "trainer.pt")]
+    path, meta = store.find_latest(root)
+    weights = read.load(path, meta, weights_only=True)["model"]
+    assert all(torch.equal(weights[k], v) for k, v in model(40).state_dict().items())
+    assert all(torch.equal(seen[-1][k], v) for k, v in model(4).state_dict().items())

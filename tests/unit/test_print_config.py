@@ -48,3 +48,23 @@ def test_a_mixture_that_will_not_do_is_an_error_not_a_config(tmp_path, capsys):
     assert code == 0
     assert out.startswith("# not resolved (model.vocab_size, data.seq_len, run.*: auto): "
                           f"dataset {tmp_path / 'c'} does not exist")
+
+
+def test_a_url_is_looked_at_through_the_storage(s3, tmp_path, capsys):
+    """--data s3://...: objects under the prefix that are not a dataset are an error, as a
+    local directory that is there; an empty prefix is a dataset not prepared yet (the config is
+    printed as given); a bucket that is not there is its own line."""
+    url = s3.bucket("print") + "/half"
+    argv = ["--run-dir", str(tmp_path / "r"), *SMALL]
+    code, out, _ = _printed(["--data", url, *argv], capsys)
+    assert code == 0
+    assert out.startswith("# not resolved (model.vocab_size, data.seq_len, run.*: auto): "
+                          f"dataset {url} does not exist")
+    s3.fs().pipe_file(f"{url[5:]}/train_000000.bin", b"x")
+    code, out, err = _printed(["--data", url, *argv], capsys)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"ddpgpt: error: dataset {url} has no meta.json"), err
+    code, out, err = _printed(["--data", "s3://no-such-bucket/x", *argv], capsys)
+    assert (code, out) == (2, "")
+    assert err.startswith("ddpgpt: error: listing s3://no-such-bucket/x: the bucket "
+                          "no-such-bucket does not exist at "), err

@@ -5,7 +5,9 @@ bad prefixes and buckets as one line."""
 
 from __future__ import annotations
 
-import time
+import os
+import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -104,24 +106,27 @@ def test_the_cache_keeps_what_was_read(s3_data, tmp_path):
 
 
 def test_the_next_step_is_fetched_while_this_one_computes(s3_data, monkeypatch):
-    """Each ranged read takes 0.4 s: the first step waits for its windows (in one concurrent
-    batch, not one after another); the next, fetched during 0.6 s of "compute", does not wait."""
-    real = storage.Objects.ranges
+    """Counted, not timed: the first step's windows are fetched in one concurrent batch (not one
+    request after another); while it computes, the next step's are fetched in the background,
+    so that step makes no request of its own."""
+    real, calls = storage.Objects.ranges, []
 
-    def slow(self, requests):
-        time.sleep(0.4)
+    def noting(self, requests):
+        calls.append((threading.current_thread() is threading.main_thread(), len(requests)))
         return real(self, requests)
 
-    monkeypatch.setattr(storage.Objects, "ranges", slow)
+    monkeypatch.setattr(storage.Objects, "ranges", noting)
     loader = loaders(TokenDataset(s3_data), 1, 0)
-    start = time.perf_counter()
+    per_step = len(set(loader.mine(loader.order(loader.epoch).items(0, loader.global_batch))))
+    calls.clear()  # (opening the dataset read the shards' headers)
     list(loader.next_step())
-    first = time.perf_counter() - start
-    time.sleep(0.6)  # the step's forward and backward
-    start = time.perf_counter()
+    assert calls[0][1] == per_step, calls  # the first step: its windows in one batch
+    settle(loader)  # the step's forward and backward: the fetch ahead has finished meanwhile
+    first = len(calls)
+    assert first == 2 and calls[1] == (False, per_step), calls  # the next step's, behind
     list(loader.next_step())
-    second = time.perf_counter() - start
-    assert 0.4 <= first < 1.2 and second < 0.2, (first, second)
+    settle(loader)
+    assert calls[first:] == [(False, per_step)], calls  # only the one after it, behind
 
 
 def test_an_object_rewritten_is_hashed_again_and_its_change_is_one_line(s3, tiny_data):
@@ -144,6 +149,27 @@ def test_an_object_rewritten_is_hashed_again_and_its_change_is_one_line(s3, tiny
         verify.hash_share(again)
 
 
+def test_a_file_url_has_the_identity_of_its_local_file(tiny_data, tmp_path):
+    """A dataset named by a file:// URL (fsspec's local files: no ETag) is checked by its files'
+    size, times and inode, as at its path: a shard rewritten in place, same size, is hashed
+    again and its change is one line."""
+    local = tmp_path / "tiny"
+    shutil.copytree(tiny_data, local, ignore=shutil.ignore_patterns("verified.json"))
+    url = f"file://{local}"
+    ds = TokenDataset(url)
+    name = ds.shards["train"][0].file
+    assert ds.files.identity(name) == storage.Directory(local).identity(name)
+    assert verify.record(ds.files, verify.hash_share(ds)) and verify.stale(TokenDataset(url)) == []
+    data = bytearray((local / name).read_bytes())
+    data[HEADER_BYTES] ^= 1
+    with open(local / name, "r+b") as f:  # in place: the same inode and size
+        f.write(bytes(data))
+    again = TokenDataset(url)
+    assert [i.file for i in verify.stale(again)] == [name]
+    with pytest.raises(DataError, match=rf"^{url}/{name}: sha256 mismatch \(file "):
+        verify.hash_share(again)
+
+
 def test_a_prefix_without_meta_json_and_an_unknown_bucket_are_one_line(s3):
     url = s3.bucket("partial") + "/half"
     s3.fs().pipe_file(f"{url[5:]}/train_000000.bin", b"x")
@@ -153,10 +179,32 @@ def test_a_prefix_without_meta_json_and_an_unknown_bucket_are_one_line(s3):
         TokenDataset(url)
     with pytest.raises(DataError, match=rf"^dataset {url}-not does not exist; create it with: "):
         TokenDataset(url + "-not")
+    with pytest.raises(DataError, match=rf"^dataset {url}/train_000000.bin does not exist \(did "
+                                        rf"you mean {url}\? it names an object\); create it "):
+        TokenDataset(f"{url}/train_000000.bin")  # an object: not a prefix with itself in it
     with pytest.raises(DataError, match=r"^listing s3://no-such-bucket/x: the bucket "
-                                        r"no-such-bucket does not exist at http://127.0.0.1:\d+; "
+                                        r"no-such-bucket does not exist at the S3 endpoint "
+                                        r"http://127.0.0.1:\d+; "
                                         r"create it, or fix the URL \(or AWS_ENDPOINT_URL\)$"):
         TokenDataset("s3://no-such-bucket/x")
+
+
+@pytest.mark.parametrize("error", [FileNotFoundError("The specified bucket does not exist"),
+                                   PermissionError("Forbidden"), ConnectionError("refused"),
+                                   type("NoCredentialsError", (Exception,), {})("none")])
+def test_a_failure_names_the_storage_the_url_went_to(error, monkeypatch):
+    """Every one-line failure at an s3:// URL names the S3 endpoint it went to (MinIO, Ceph ...:
+    AWS_ENDPOINT_URL), or AWS S3 when none is set; at a gs:// URL, GCS and its own
+    credentials, never AWS's."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio.local:9000")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    line = storage.explain(error, "s3://b/x", "listing")
+    assert line.startswith("listing s3://b/x: ")
+    assert "the S3 endpoint http://minio.local:9000" in line, line
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    assert "AWS S3 (AWS_ENDPOINT_URL unset)" in storage.explain(error, "s3://b/x", "listing")
+    line = storage.explain(error, "gs://b/x", "listing")
+    assert "GCS" in line and "AWS" not in line and "aws" not in line, line
 
 
 def test_requests_orphaned_by_a_cut_transfer_are_not_printed_as_tracebacks(caplog):
@@ -178,3 +226,9 @@ def test_requests_orphaned_by_a_cut_transfer_are_not_printed_as_tracebacks(caplo
         handler(loop, {"message": "something else", "exception": ConnectionResetError("x")})
     assert [r.getMessage().split("\n")[0] for r in caplog.records] == [orphan, "something else"]
     assert all(r.name == asyncio.log.logger.name for r in caplog.records)
+
+
+def test_the_servers_variables_are_only_for_the_tests_that_ask_for_them(s3_server):
+    """The tests above had the server's variables (the `s3` fixture); this one, after them, asks
+    for the server alone: nothing in its environment points at it."""
+    assert os.environ.get("AWS_ENDPOINT_URL") != s3_server.endpoint

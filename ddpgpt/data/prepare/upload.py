@@ -8,9 +8,10 @@ uploaded with its marker last, so that it is visible only when complete.
 The staging directory is `DDPGPT_CACHE_DIR/prepare/<hash of the URL>/` (~/.cache/ddpgpt by
 default): the prepare runs there exactly as for a local --out (resumable, in .NAME.partial);
 once it is finished, `staged.json` records its settings and every file but the marker is
-uploaded (a shard whose object is already there with the same size is not sent again: an
-object appears whole or not at all), then verified.json (the shards' hashes under their objects'
-identities, so a training start hashes none), then the marker. An upload cut short (Ctrl-C,
+uploaded (an object already there with the same bytes is not sent again: its ETag is their MD5,
+storage.same; one of the same size but other bytes, from a dataset replaced with --force, is),
+then verified.json (the shards' hashes under their objects' identities, so a training start
+hashes none), then the marker. An upload cut short (Ctrl-C,
 SIGKILL, the server gone) leaves the staging finished and no marker at the URL: the same command
 uploads what is missing, and the objects are the same bytes whatever was cut. Merging parts at
 URLs downloads them into the staging directory first.
@@ -79,9 +80,8 @@ def publish(tmp: Path, url: str) -> float:
     if marker in there:
         objects.delete([marker])
     for name in names:
-        if name in there and int(there[name]["size"]) == (tmp / name).stat().st_size \
-                and name.endswith(".bin"):
-            continue  # uploaded by an earlier run whose upload was cut short
+        if storage.same(there.get(name), tmp / name):
+            continue  # these bytes are there (an earlier run's upload, cut short): not sent again
         objects.upload(tmp / name, name)
     for sub in ("units",):  # a part's unit files
         if (tmp / sub).is_dir():

@@ -1,0 +1,79 @@
+"""`prepare --out URL`'s upload (data/prepare/upload.py) against a real S3 server (moto's,
+tests/s3.py): an object is skipped only when it holds the staged file's bytes (its ETag, which
+the server computes, equals the MD5 we compute), so a dataset replaced by one whose shard has the
+same size but other bytes is uploaded whole and verified.json vouches for what is there."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+
+from ddpgpt.data import storage, verify
+from ddpgpt.data.prepare import upload
+from ddpgpt.data.shards import HEADER_BYTES, TokenDataset
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def staged(tiny_data, tmp_path):
+    """A finished staging directory: a copy of the tiny dataset."""
+    out = tmp_path / "staged"
+    shutil.copytree(tiny_data, out, ignore=shutil.ignore_patterns("verified.json"))
+    return out
+
+
+def uploads(monkeypatch) -> list[str]:
+    """The names Objects.upload sends, from now on."""
+    sent, real = [], storage.Objects.upload
+
+    def noting(self, local, name):
+        sent.append(name)
+        return real(self, local, name)
+
+    monkeypatch.setattr(storage.Objects, "upload", noting)
+    return sent
+
+
+def test_a_replaced_shard_of_the_same_size_is_uploaded_and_verified(s3, staged, monkeypatch):
+    url = s3.bucket("same") + "/tiny"
+    upload.publish(staged, url)
+    meta = json.loads((staged / "meta.json").read_text())
+    shard = meta["shards"]["train"][0]
+    path = staged / shard["file"]
+    data = bytearray(path.read_bytes())
+    data[HEADER_BYTES] ^= 1  # the same size, another token
+    path.write_bytes(bytes(data))
+    shard["sha256"] = hashlib.sha256(data).hexdigest()
+    (staged / "meta.json").write_text(json.dumps(meta))
+    sent = uploads(monkeypatch)
+    upload.publish(staged, url)  # --force over the old dataset, or a rerun after a change
+    assert sent == [shard["file"], "meta.json"]  # what changed, and the marker
+    fs = s3.fs()
+    for local in staged.iterdir():
+        if local.is_file() and local.name not in (upload.STAGED, "verified.json"):
+            assert fs.cat_file(f"{url[5:]}/{local.name}") == local.read_bytes(), local.name
+    ds = TokenDataset(url)
+    assert verify.stale(ds) == []  # verified.json vouches for the objects as they are
+    verify.hash_share(ds)  # and they hash to meta.json's sha256
+
+
+def test_the_etag_of_an_upload_is_the_md5_computed_here(s3, tmp_path, monkeypatch):
+    """The oracle is the server's ETag: of one PUT, and of a multipart upload (3 parts)."""
+    monkeypatch.setattr(storage, "PART", 5 * MiB)  # S3's smallest part
+    url = s3.bucket("etag") + "/x"
+    objects = storage.Objects(url)
+    for name, size in (("small", 1000), ("multi", 11 * MiB)):
+        (tmp_path / name).write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+        objects.upload(tmp_path / name, name)
+    there = objects.listing(fresh=True)
+    assert there["multi"]["ETag"].strip('"').endswith("-3")
+    for name in ("small", "multi"):
+        assert storage.etag(tmp_path / name) == there[name]["ETag"].strip('"'), name
+        assert storage.same(there[name], tmp_path / name)
+    (tmp_path / "small").write_bytes(b"y" * 1000)
+    assert not storage.same(there["small"], tmp_path / "small")  # same size, other bytes
+    assert not storage.same({**there["small"], "ETag": '"abc"'}, tmp_path / "small")
