@@ -2,13 +2,18 @@
 real S3 server that enforces a reader-only user's policy (moto's with IAM, tests/s3.py): the
 first start hashes every shard and keeps the entries on this machine, since verified.json
 cannot be written there; the second start hashes nothing; a shard rewritten at the URL (another
-ETag) is hashed again. Counted in bytes hashed, the oracle being the objects' sizes."""
+ETag) is hashed again. Its packing (data.align bos) is made by one of a node's ranks, which
+reads the split once, and read by the others; a second start reads no token for it. Counted in
+bytes hashed and read, the oracle being the objects' sizes and the local dataset's packing."""
 
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import pytest
 
-from ddpgpt.data import storage, verify
+from ddpgpt.data import packing, storage, verify
 from ddpgpt.data.shards import HEADER_BYTES, TokenDataset
 from tests.s3 import S3Server
 
@@ -80,3 +85,40 @@ def test_a_read_only_bucket_is_hashed_once_per_machine(reader, hashed):
         start(url)
     assert sum(hashed) == every + len(data)
 
+
+def test_a_read_only_buckets_packing_is_read_once_per_node(reader, tiny_data, monkeypatch):
+    """Four ranks of one node open the bos packing of the train split at once: one of them reads
+    the split's tokens, once; a second start reads none; the rows are the local dataset's."""
+    _, url = reader
+    got, real = [], storage.Objects.ranges
+
+    def counting(self, requests):
+        data = real(self, requests)  # tokens: what lies past a shard's header
+        got.append(sum(len(d) for (_, start, _), d in zip(requests, data)
+                       if start >= HEADER_BYTES))
+        return data
+
+    monkeypatch.setattr(storage.Objects, "ranges", counting)
+    T, rows, errors = 31, {}, []
+
+    def rank(r):
+        try:
+            rows[r] = packing.row_source(TokenDataset(url), "train", T, "bos")
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    ranks = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(120)
+    assert not errors and len(rows) == 4, errors
+    split = rows[0].stream.num_tokens * rows[0].stream.dtype.itemsize
+    assert sum(got) == split  # the split read once by the node's four ranks, not four times
+    assert not storage.Objects(url).has(f"packing-train-{T + 1}.npz")  # nothing at the URL
+    again = packing.row_source(TokenDataset(url), "train", T, "bos")
+    assert sum(got) == split  # the next start: no token read to pack
+    local = packing.row_source(TokenDataset(tiny_data), "train", T, "bos")
+    for made in (*rows.values(), again):
+        for name in ("piece_start", "piece_len", "row_ptr"):
+            np.testing.assert_array_equal(getattr(made, name), getattr(local, name))
