@@ -16,7 +16,8 @@
                          are at that URL instead (checkpoint/location.py), beside copies of
                          data_meta.json and tokenizer.json, so that `eval`, `sample` and `export`
                          --run-dir URL need nothing local; job.json is kept there too, where
-                         every node's launchers see it
+                         every node's launchers see it, and lease.json while a job trains
+                         into it (checkpoint/lease.py: one job at a time)
       tensorboard/, wandb/, tracker.json    run.tracker's files (see trackers.py)
       reset-<time>/      what --reset set aside; rewind-<time>/ what --resume PATH set aside
 """

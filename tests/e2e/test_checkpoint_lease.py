@@ -38,10 +38,11 @@ def steps_at(s3, url) -> list[str]:
     return sorted(p.rsplit("/", 1)[-1] for p in s3.fs().ls(url[5:]) if "step_" in p)
 
 
-def test_a_second_job_on_a_live_lease_refuses_in_one_line(s3, tiny_data, tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_second_job_on_a_live_lease_refuses_in_one_line(s3, tiny_data, tmp_path, nproc):
     url = s3.bucket("lease") + "/run"
     held = foreign(url)
-    out = train(tiny_data, tmp_path / "second", url)
+    out = train(tiny_data, tmp_path / "second", url, *(["--nproc", "2"] if nproc > 1 else []))
     lines = [line for line in out.stderr.splitlines() if line.startswith("ddpgpt:")]
     assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
     assert re.fullmatch(
