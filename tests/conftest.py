@@ -19,6 +19,15 @@ CORPUS = ["textwrap.py", "shlex.py", "bisect.py", "heapq.py", "fnmatch.py", "glo
           "colorsys.py", "keyword.py"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_cache(tmp_path_factory):
+    """DDPGPT_CACHE_DIR of this session alone (tests and their subprocesses): what a start
+    keeps on the machine for a dataset at a URL (its shards' hashes, its packing) is found
+    again only by the tests of the session that made it, not by a later session whose server
+    reuses the same bucket names."""
+    os.environ["DDPGPT_CACHE_DIR"] = str(tmp_path_factory.mktemp("ddpgpt-cache"))
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """~90 KB of standard-library source as a byte-level dataset (2 val documents)."""

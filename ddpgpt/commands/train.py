@@ -290,6 +290,9 @@ def save(trainer, saver: Saver, run_dir: RunDir, reason: str, wait: bool) -> Non
             "tokenizer_fingerprint": ds.tokenizer_fingerprint, "origin": trainer.origin,
             "rollbacks": len(spikes.rollbacks), "healthy_checkpoint": spikes.newest_healthy,
             "unhealthy": ended.line if ended else None}
+    if run_dir.remote:  # the lease still ours (rank 0 checks), before writing there
+        collectives.together(trainer.env, lambda: run_dir.lease and run_dir.lease.renew(),
+                             main_only=True)
     with saved(trainer, saver, run_dir):
         saver.save(trainer.step, held, replicated, rest, meta, wait)
 

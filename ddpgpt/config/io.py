@@ -199,7 +199,7 @@ def from_dict(values: dict, source: str = "config.json") -> TrainConfig:
 # first-start rule (a --reset applies once), the CPU threads and the data's local cache (each
 # node's own), and leave to resume on another dataset (a switch is allowed by the start that
 # asks for it, not by every start after it).
-START_FIELDS = {"run": ("resume", "threads"), "data": ("cache", "allow_switch")}
+START_FIELDS = {"run": ("resume", "threads", "take_over"), "data": ("cache", "allow_switch")}
 # What an `auto` resolved from run.device: resolved again when a start names another device.
 FROM_DEVICE = {"run": ("precision", "backend"), "optim": ("muon_ns_dtype",),
                "model": ("attention",)}

@@ -51,9 +51,8 @@ class DataConfig:
     align: choices.Align = "stream"
     """Where a training or validation row of seq_len + 1 tokens starts. stream: anywhere in the
     concatenated documents (windows seq_len apart). bos: at a document start; documents are
-    packed best-fit into rows, and what does not fit is carried into the next row, not cropped
-    (data/packing.py; the packing is cached beside the shards). With bos, model.doc_mask is on
-    unless set."""
+    packed best-fit into rows, what does not fit carried into the next row, not cropped (data/
+    packing.py; cached beside the shards). With bos, model.doc_mask is on unless set."""
     eval_windows: int = 256
     """Validation windows per evaluation, evenly spaced over the val split; 0 uses all."""
     train_eval_windows: int = -1
@@ -158,8 +157,7 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global (all-ranks) gradient norm to this; 0 disables clipping."""
     muon_lr: float = 0.02
-    """Muon's peak learning rate (updates have an RMS of 0.2 before it); it follows lr's warmup
-    and cosine in proportion."""
+    """Muon's peak learning rate (updates of RMS 0.2 before it); follows lr's warmup and cosine."""
     muon_momentum: float = 0.95
     """Muon's momentum (Nesterov) after its warmup."""
     muon_momentum_start: float = 0.85
@@ -250,10 +248,14 @@ class RunConfig:
     checkpoint_every: int = 100
     """Save a checkpoint every this many steps (and at the end); 0: end only."""
     checkpoint_url: str = field(default="", metadata={"alias": "--checkpoint-url"})
-    """Write the checkpoints to this URL of object storage (s3://BUCKET/PREFIX; needs the cloud
-    extra) instead of the run dir's checkpoints/: each rank uploads its share, meta.json last.
-    The run dir stays local (logs, config.json) and records it; on another machine, train
-    --run-dir NEW --run.checkpoint-url URL goes on from its newest checkpoint with its config."""
+    """Write the checkpoints to this URL of object storage (s3://BUCKET/PREFIX; the cloud extra)
+    instead of the run dir's checkpoints/ (which stays local, with the logs); on another machine,
+    train --run-dir NEW --run.checkpoint-url URL goes on from its newest checkpoint."""
+    lease_stale_s: float = 3600.0
+    """Another job's lease of checkpoint_url, renewed at each checkpoint, is taken over when
+    not renewed for this many seconds (its job taken as dead): longer than between checkpoints."""
+    take_over: bool = False
+    """Take over another job's lease of checkpoint_url: that job is dead (this start only)."""
     keep_checkpoints: int = 3
     """Keep the newest this many checkpoints, deleting older ones."""
     checkpoint_async: bool = True

@@ -28,9 +28,14 @@ Memory: three int64 arrays (each piece's start and length, each row's first piec
 (documents + rows) · 16 bytes, built once per (split, T) and kept beside the shards as
 `packing-SPLIT-{T+1}.npz` (keyed by the dataset's fingerprint and its shards' identities,
 storage's `identity`, so a shard rewritten in place is packed again; written atomically, or as
-one object in object storage; a dataset that cannot be written is packed again at each start:
-for a dataset in object storage that reads the whole split once per rank, so give the first
-start write access, or prepare the packing once with a start that has it). No Python object per
+one object in object storage). What packing reads: the whole split's tokens once (doc_starts,
+in SCAN_BLOCK reads), then nothing while a cache of it is found. A local dataset that cannot be
+written is packed again at each start, by every rank. A dataset at a URL is also kept on each
+machine (storage.kept_here: DDPGPT_CACHE_DIR/packing/...), and the node's ranks take turns on a
+lock there: the first packs and writes both copies, the others read one. So a URL's split is
+read once per node at its first start (nodes starting together may each read it once; a later
+node reads the URL's copy, if the dataset could be written), and never again on that node. No
+Python object per
 document is held: the scan for document starts reads the shards in blocks, and the pool holds
 LOOKAHEAD documents.
 """
@@ -38,16 +43,21 @@ LOOKAHEAD documents.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
+import os
 import zipfile
 from array import array
 from bisect import bisect_right, insort
+from pathlib import Path
 
 import numpy as np
 
+from ddpgpt.data import storage
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.stream import TokenStream
 from ddpgpt.errors import UserError
+from ddpgpt.files import atomic_write
 
 VERSION = 2  # of the packing: a cache file of another version is packed again (2: documents)
 LOOKAHEAD = 1000  # documents the best fit chooses among (nanochat's buffer)
@@ -178,23 +188,64 @@ def row_source(dataset: TokenDataset, split: str, seq_len: int,
 def _index(dataset: TokenDataset, stream: TokenStream) -> tuple[np.ndarray, ...]:
     """The packing of `stream` and its number of documents, from its cache file beside the
     shards (a local directory's or an object's) if that is of this data, its shards' identities,
-    version and T."""
+    version and T; for a dataset at a URL, else from this machine's copy (storage.kept_here),
+    made by the first of the node's ranks to get here while the others wait for it."""
     span = stream.seq_len + 1
     name = f"packing-{stream.split}-{span}.npz"
     files = [dataset.files.identity(info.file) for info in dataset.shards[stream.split]]
     key = f"{VERSION} {dataset.fingerprint} {span} {files}"
+    if dataset.files.has(name) and (found := _load(lambda: dataset.files.read(name), key)):
+        return found
+    if not dataset.files.remote:
+        return _build(dataset, stream, key, name)
+    here = storage.kept_here("packing", dataset.files, name)
+    with _node_lock(here):  # one rank per node reads the split; the others then read its copy
+        if here.is_file() and (found := _load(here.read_bytes, key)):
+            return found
+        return _build(dataset, stream, key, name, here)
+
+
+def _load(read, key: str) -> tuple[np.ndarray, ...] | None:
     with contextlib.suppress(OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile,
                              UserError):
-        if dataset.files.has(name):
-            with np.load(io.BytesIO(dataset.files.read(name))) as saved:
-                if str(saved["key"]) == key:
-                    return (saved["piece_start"], saved["piece_len"], saved["row_ptr"],
-                            int(saved["documents"]))
+        with np.load(io.BytesIO(read())) as saved:
+            if str(saved["key"]) == key:
+                return (saved["piece_start"], saved["piece_len"], saved["row_ptr"],
+                        int(saved["documents"]))
+    return None
+
+
+def _build(dataset: TokenDataset, stream: TokenStream, key: str, name: str,
+           here: Path | None = None) -> tuple[np.ndarray, ...]:
+    """The packing made (the whole split read once), kept beside the shards when they can be
+    written, and in `here` (this machine's copy of a URL's)."""
     starts = doc_starts(stream, dataset.eot_id)
-    arrays = pack(starts, stream.num_tokens, span)
+    arrays = pack(starts, stream.num_tokens, stream.seq_len + 1)
     data = io.BytesIO()
     np.savez(data, key=np.array(key), piece_start=arrays[0], piece_len=arrays[1],
              row_ptr=arrays[2], documents=np.array(len(starts)))
     with contextlib.suppress(OSError, UserError):  # a read-only dataset: packed again next time
         dataset.files.write(name, data.getvalue())
+    if here is not None:
+        with contextlib.suppress(OSError):  # no cache here: packed again next time
+            with atomic_write(here) as f:
+                f.write(data.getvalue())
     return (*arrays, len(starts))
+
+
+@contextlib.contextmanager
+def _node_lock(here: Path):
+    """An exclusive flock on HERE.lock, held while this process reads or makes the packing (the
+    node's other ranks wait here, as long as one pack of the split takes: it ends, or that
+    process dies and its lock with it); none where the cache cannot be made."""
+    try:
+        here.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(here.with_name(here.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

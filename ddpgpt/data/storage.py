@@ -375,3 +375,11 @@ def check_cache(cache: str) -> None:
     """data.cache: a directory this process can write (created), or one line."""
     if cache:
         writable_dir(Path(cache), "--data.cache")
+
+
+def kept_here(kind: str, where, name: str) -> Path:
+    """Where this machine keeps `name` for a dataset at a URL that it may not be able to write
+    there (`kind`: "verified", "packing"): DDPGPT_CACHE_DIR (else ~/.cache/ddpgpt) / KIND /
+    <sha256 of the URL, 16 hex> / NAME."""
+    home = Path(os.environ.get("DDPGPT_CACHE_DIR") or Path.home() / ".cache" / "ddpgpt")
+    return home / kind / hashlib.sha256(str(where).rstrip("/").encode()).hexdigest()[:16] / name

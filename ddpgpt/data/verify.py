@@ -15,6 +15,13 @@ dataset directory:
 In object storage the identity is [size, ETag or version id] (storage.Objects.identity) and
 the cache is one object beside the shards; `prepare --out URL` writes it after the upload.
 
+A dataset at a URL this job may not write (a read-only bucket, a dataset others prepared) keeps
+its entries in a local record instead, on each machine (storage.kept_here: DDPGPT_CACHE_DIR,
+else ~/.cache/ddpgpt, / verified / <sha256 of the URL, 16 hex> / verified.json), in the same
+format; an entry counts only while the object has the size and ETag (or version) it recorded,
+so a shard rewritten at the URL is hashed again. Every start reads both; the local record is
+written as well as the one at the URL, so a node's second start hashes nothing.
+
 `prepare` writes it for the shards it has just written and hashed; a start that finds a shard
 with no entry, another identity or another sha256 than meta.json's hashes it (the ranks split the
 work), and the entries are added. What the cache cannot see is a change that does not go
@@ -27,11 +34,12 @@ hash every shard, as before (a warning says so, once per start).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from ddpgpt.data import storage
 from ddpgpt.data.shards import REPREPARE, ShardInfo, TokenDataset
 from ddpgpt.errors import DataError, UserError, warn
-from ddpgpt.files import WriteError, describe
+from ddpgpt.files import WriteError, atomic_write, describe
 
 CACHE = "verified.json"
 CACHE_VERSION = 2  # 1: identities without the change time, hashed again once
@@ -42,11 +50,11 @@ def _files(where) -> storage.Directory | storage.Objects:
     return where if hasattr(where, "identity") else storage.open_dir(where)
 
 
-def read_cache(directory) -> dict[str, dict]:
+def read_cache(directory, name: str = CACHE) -> dict[str, dict]:
     """The cache's entries by file name; none when it is missing or unreadable."""
     files = _files(directory)
     try:
-        cache = json.loads(files.read(CACHE))
+        cache = json.loads(files.read(name))
         if int(cache["version"]) != CACHE_VERSION:
             return {}
         return {str(k): dict(v) for k, v in cache["files"].items()}
@@ -54,18 +62,36 @@ def read_cache(directory) -> dict[str, dict]:
         return {}
 
 
+def local_record(files) -> Path | None:
+    """Where this machine keeps the entries of a dataset at a URL (None: a local directory,
+    whose verified.json is beside the shards)."""
+    return storage.kept_here("verified", files, CACHE) if isinstance(files, storage.Objects) \
+        else None
+
+
+def _read_local(files) -> dict[str, dict]:
+    path = local_record(files)
+    if path is None or not path.is_file():
+        return {}
+    return read_cache(storage.Directory(path.parent), path.name)
+
+
 def stale(dataset: TokenDataset) -> list[ShardInfo]:
-    """The shards whose bytes this cache does not vouch for: no entry, another identity, or
-    another sha256 than meta.json lists."""
+    """The shards whose bytes no cache vouches for (the one beside the shards, or this
+    machine's record of a URL's): no entry, another identity, or another sha256 than meta.json
+    lists."""
     files = dataset.files
-    cache = read_cache(files) if files.has(CACHE) else {}
+    caches = [read_cache(files) if files.has(CACHE) else {}, _read_local(files)]
     out = []
     for info in (i for infos in dataset.shards.values() for i in infos):
-        entry = cache.get(info.file)
-        if entry is None or entry.get("sha256") != info.sha256 or \
-                entry.get("identity") != files.identity(info.file):
+        if not any(_vouches(c.get(info.file), info, files) for c in caches):
             out.append(info)
     return out
+
+
+def _vouches(entry: dict | None, info: ShardInfo, files) -> bool:
+    return entry is not None and entry.get("sha256") == info.sha256 and \
+        entry.get("identity") == files.identity(info.file)
 
 
 def hash_share(dataset: TokenDataset, part: int = 0, parts: int = 1,
@@ -103,6 +129,7 @@ def record(directory, entries: dict[str, dict], quiet: bool = False) -> bool:
     if not entries:
         return True
     files = _files(directory)
+    kept = _record_local(files, entries)
     cached = read_cache(files)
     cached.update(entries)
     data = (json.dumps({"version": CACHE_VERSION, "files": cached}, indent=0) + "\n").encode()
@@ -112,9 +139,26 @@ def record(directory, entries: dict[str, dict], quiet: bool = False) -> bool:
         except OSError as e:
             raise WriteError(f"cannot write {files.where(CACHE)}: {describe(e)}") from None
     except UserError as e:
-        if not quiet:
+        if not quiet and not kept:
             warn(f"{e}: the shards' hashes are not remembered, so every start re-hashes them "
                  "(--data.verify false skips that)")
+        return kept
+    return True
+
+
+def _record_local(files, entries: dict[str, dict]) -> bool:
+    """A URL's entries added to this machine's record of it (local_record); False for a local
+    directory, or when the record cannot be written."""
+    path = local_record(files)
+    if path is None:
+        return False
+    cached = _read_local(files)
+    cached.update(entries)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_write(path) as f:
+            f.write((json.dumps({"version": CACHE_VERSION, "files": cached}) + "\n").encode())
+    except OSError:
         return False
     return True
 

@@ -16,7 +16,8 @@
                          are at that URL instead (checkpoint/location.py), beside copies of
                          data_meta.json and tokenizer.json, so that `eval`, `sample` and `export`
                          --run-dir URL need nothing local; job.json is kept there too, where
-                         every node's launchers see it
+                         every node's launchers see it, and lease.json while a job trains
+                         into it (checkpoint/lease.py: one job at a time)
       tensorboard/, wandb/, tracker.json    run.tracker's files (see trackers.py)
       reset-<time>/      what --reset set aside; rewind-<time>/ what --resume PATH set aside
 """
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 from ddpgpt.checkpoint import location
+from ddpgpt.checkpoint.lease import Lease
 from ddpgpt.data import storage
 from ddpgpt.errors import UserError, beside, warn
 from ddpgpt.files import WriteError, describe, move, replace_text
@@ -66,6 +68,7 @@ class RunDir:
             checkpoint_url = str(path) if location.is_remote(self.path) else self._saved_url()
         self.url = checkpoint_url or ""
         self._lock_fd: int | None = None
+        self.lease: Lease | None = None  # held while this start trains into self.url
 
     def _saved_url(self) -> str:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -227,7 +230,16 @@ class RunDir:
             return False
         return info.get("pid") == os.getppid() and info.get("host") == socket.gethostname()
 
+    def take_lease(self, restart: bool, take_over: bool, stale_s: float) -> None:
+        """With checkpoint_url: this job's lease of it (checkpoint/lease.py), or LeaseHeld."""
+        if self.remote:
+            self.lease = Lease(self.remote, self.path)
+            self.lease.acquire(restart, take_over, stale_s)
+
     def unlock(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None

@@ -339,7 +339,7 @@ def test_allow_switch_applies_to_the_start_that_gives_it(run, monkeypatch):
         assert resume.choose(again, run, True, FP).data_switch
         assert "data.allow_switch" not in resume.changes(again.to_dict(), cfg)
     assert start_flags(switched) == ["--run.resume", "auto", "--run.threads", "0",
-                                     "--data.allow-switch", "true"]
+                                     "--run.take-over", "false", "--data.allow-switch", "true"]
 
 
 # ---- what a changed setting does to the lr -------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,27 @@ def test_the_etag_of_an_upload_is_the_md5_computed_here(s3, tmp_path, monkeypatc
     (tmp_path / "small").write_bytes(b"y" * 1000)
     assert not storage.same(there["small"], tmp_path / "small")  # same size, other bytes
     assert not storage.same({**there["small"], "ETag": '"abc"'}, tmp_path / "small")
+
+
+def test_merge_downloads_a_part_again_when_its_objects_changed(s3, tmp_path, monkeypatch):
+    """--merge with a part at a URL keeps its download in the staging directory: reused while
+    the part's objects are the same (names, sizes, ETags), downloaded again once a prepare wrote
+    the part again, even at the same size; the oracle is the bytes at the URL."""
+    monkeypatch.setenv("DDPGPT_CACHE_DIR", str(tmp_path / "cache"))
+    url, fs = s3.bucket("parts") + "/p/0", s3.fs()
+    fs.pipe_file(f"{url[5:]}/train_000000.bin", b"a" * 100)
+    fs.pipe_file(f"{url[5:]}/part.json", b'{"part": 0}')
+    got, real = [], type(fs).get_file
+
+    def noting(self, rpath, lpath, **kw):
+        got.append(rpath.rsplit("/", 1)[-1])
+        return real(self, rpath, lpath, **kw)
+
+    monkeypatch.setattr(type(fs), "get_file", noting)
+    (local,) = upload.fetch_parts([url])
+    assert got == ["train_000000.bin", "part.json"]  # the marker last
+    assert upload.fetch_parts([url]) == [local] and len(got) == 2  # unchanged: not again
+    fs.pipe_file(f"{url[5:]}/train_000000.bin", b"b" * 100)  # prepared again: same size
+    assert upload.fetch_parts([url]) == [local]
+    assert got[2:] == ["train_000000.bin", "part.json"]
+    assert (Path(local) / "train_000000.bin").read_bytes() == b"b" * 100

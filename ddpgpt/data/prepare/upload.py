@@ -14,7 +14,8 @@ then verified.json (the shards' hashes under their objects' identities, so a tra
 hashes none), then the marker. An upload cut short (Ctrl-C,
 SIGKILL, the server gone) leaves the staging finished and no marker at the URL: the same command
 uploads what is missing, and the objects are the same bytes whatever was cut. Merging parts at
-URLs downloads them into the staging directory first.
+URLs downloads them into the staging directory first, again whenever a part's objects (names,
+sizes, ETags) are not those its copy there was downloaded from (fetch_part).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ddpgpt.files import atomic_write
 
 MARKERS = ("meta.json", "part.json")  # what marks a dataset, or a part, complete
 STAGED = "staged.json"
+FETCHED = ".fetched.json"  # a downloaded part's objects (fetch_part)
 
 
 def cache_dir() -> Path:
@@ -113,18 +115,34 @@ def fetch_parts(specs: list[str]) -> list[str]:
         with storage.failing(spec, "listing", UserError):
             found = sorted(fs.glob(path)) if glob.has_magic(spec) else [path]
         for part in found:
-            url = f"{scheme}://{part}"
-            local = staging(url)
-            if not (local / "part.json").is_file():
-                shutil.rmtree(local, ignore_errors=True)
-                with storage.failing(url, "downloading", UserError):
-                    if not fs.isfile(f"{part}/part.json"):
-                        raise UserError(f"--merge: {url} is not a finished part (no part.json); "
-                                        "prepare it with --part I/N first")
-                    files = sorted(fs.find(part), key=lambda f: f.endswith("/part.json"))
-                    for f in files:  # part.json last: a download cut short is done again
-                        target = local / f[len(part) + 1:]
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        fs.get_file(f, str(target))
-            out.append(str(local))
+            out.append(str(fetch_part(fs, part, f"{scheme}://{part}")))
     return out
+
+
+def fetch_part(fs, part: str, url: str) -> Path:
+    """One part at a URL, downloaded into its staging directory unless the copy there is of
+    the objects the URL holds now: the part's listing (every object's name, size and ETag or
+    version, one request) is recorded beside the copy (FETCHED), so a part prepared again at
+    the same URL is downloaded again, and an unchanged one is not."""
+    local = staging(url)
+    with storage.failing(url, "downloading", UserError):
+        listing = fs.find(part, detail=True)
+        if f"{part}/part.json" not in listing:
+            raise UserError(f"--merge: {url} is not a finished part (no part.json); "
+                            "prepare it with --part I/N first")
+        identity = sorted([name[len(part) + 1:], int(info.get("size") or 0), storage.tag(info)]
+                          for name, info in listing.items() if info.get("type") != "directory")
+        try:
+            kept = json.loads((local / FETCHED).read_text())
+        except (OSError, ValueError):
+            kept = None
+        if kept == identity and (local / "part.json").is_file():
+            return local
+        shutil.rmtree(local, ignore_errors=True)
+        for name, _, _ in sorted(identity, key=lambda e: e[0] == "part.json"):
+            target = local / name  # part.json last, then FETCHED: a cut download is redone
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(f"{part}/{name}", str(target))
+    with atomic_write(local / FETCHED) as f:
+        f.write(json.dumps(identity).encode())
+    return local
