@@ -61,8 +61,7 @@ class DataConfig:
     by data.seed, the same windows at any W and after a resume. -1: as many as the val loss
     scores (data.eval_windows; the val split's count when that is 0); 0: off."""
     verify: bool = True
-    """Re-hash every shard against meta.json at startup (the ranks share the work); turn off to
-    start faster on very large datasets."""
+    """Re-hash every shard against meta.json at startup (the ranks share the work); off: faster."""
     cache: str = ""
     """A local directory (per node) that keeps what is read of a dataset in object storage,
     in blocks of 1 MiB: later epochs and restarts read it from the disk. Empty: none (each
@@ -252,8 +251,8 @@ class RunConfig:
     instead of the run dir's checkpoints/ (which stays local, with the logs); on another machine,
     train --run-dir NEW --run.checkpoint-url URL goes on from its newest checkpoint."""
     lease_stale_s: float = 3600.0
-    """Another job's lease of checkpoint_url, renewed at each checkpoint, is taken over when
-    not renewed for this many seconds (its job taken as dead): longer than between checkpoints."""
+    """Seconds after which another job's lease of checkpoint_url (renewed at each checkpoint) is
+    taken over, its job taken as dead: longer than between checkpoints."""
     take_over: bool = False
     """Take over another job's lease of checkpoint_url: that job is dead (this start only)."""
     keep_checkpoints: int = 3
@@ -352,6 +351,7 @@ class RunConfig:
         for name in ("spike_window", "spike_patience", "rollback_window"):
             _require(getattr(self, name) >= 1, f"run.{name} = {getattr(self, name)} must be >= 1")
         _require(self.max_rollbacks >= 0, f"run.max_rollbacks = {self.max_rollbacks} must be >= 0")
+        _require(self.lease_stale_s > 0, f"run.lease_stale_s = {self.lease_stale_s:g} must be > 0")
         _choice("run", "tracker", self.tracker, choices.Tracker)
         _require(0 < self.dist_timeout_s <= MAX_TIMEOUT_S,
                  f"run.dist_timeout_s = {self.dist_timeout_s:g} must be in (0, {MAX_TIMEOUT_S}] "

@@ -184,6 +184,7 @@ def test_unknown_flag_is_a_one_line_user_error():
     (lambda: RunConfig(precision="fp8"),
      "run.precision = 'fp8'; choose one of auto, fp32, bf16, fp16"),
     (lambda: RunConfig(steps=0), "run.steps = 0 must be >= 1"),
+    (lambda: RunConfig(lease_stale_s=-1), "run.lease_stale_s = -1 must be > 0"),
 ])
 def test_out_of_range(build, message):
     assert _error(build) == f"invalid config: {message}"
