@@ -18,7 +18,8 @@ gradients accumulated) and the optimizer's step:
   matrices, AdamW for the rest) and its two micro-batches of 8: the step the preset trains.
 
 A ddpgpt variant takes model settings after a colon, to price one piece of the model:
-`modern-adamw:norm=layernorm`, `modern-adamw:qk_norm=false,rope=false`.
+`modern-adamw:norm=layernorm`, `modern-adamw:qk_norm=false,rope=false`; and `micro=N`, the
+micro-batches a step of 16 sequences is cut into (`modern-muon:micro=1`).
 
 Every variant is built first, then they take turns a step at a time, `--steps` turns (the first
 `--warmup` dropped); a variant's figure is the median over its steps (wall seconds, and this
@@ -80,7 +81,9 @@ def build(name: str, args):
     name, _, changes = name.partition(":")  # e.g. modern-adamw:norm=layernorm,qk_norm=false
     pieces = dict(c.split("=", 1) for c in changes.split(",") if c)
     pieces = {k: {"true": True, "false": False}.get(v, v) for k, v in pieces.items()}
-    return _ddpgpt(name.split("-")[0], args.vocab, name.endswith("muon"), pieces)
+    micro = int(pieces.pop("micro", 0))
+    model, opt, default = _ddpgpt(name.split("-")[0], args.vocab, name.endswith("muon"), pieces)
+    return model, opt, micro or default
 
 
 def step(model, opt, micro: int, x: torch.Tensor, y: torch.Tensor) -> None:
