@@ -23,8 +23,7 @@ from ddpgpt.config.model import ModelConfig
 from ddpgpt.config.schema import OptimConfig
 from ddpgpt.distributed.group import DistEnv
 from ddpgpt.model.gpt import GPT
-from ddpgpt.optim import optimizer
-from ddpgpt.optim import muon
+from ddpgpt.optim import muon, optimizer
 from ddpgpt.optim.muon import (
     NS_COEFFICIENTS,
     NS_NORM_SCALE,
