@@ -28,7 +28,9 @@ over the turns of the ratio within a turn (both saw the same load). The 1-minute
 average is printed at the start and end. `--compile` adds each variant compiled
 (torch.compile of the model, before its first step) and reports its first step (the compile)
 apart. `--profile VARIANT` prints torch.profiler's table of a few steps of that variant by op
-(self CPU time), and the share of forward, backward and optimizer.
+(self CPU time), and the share of forward, backward and optimizer. `--newton-schulz` times
+Muon's iteration alone over the shape's matrices, the x-form against the Gram form
+(optim/muon.py), taking turns.
 """
 
 from __future__ import annotations
@@ -141,6 +143,30 @@ def profile(name: str, args) -> None:
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 
+def newton_schulz_turns(args) -> None:
+    """Newton-Schulz in fp32 over the speedrun shape's Muon matrices (per layer: qkv 768 x 256,
+    proj 256 x 256, gate and fc 704 x 256, proj 256 x 704; four layers), one step's worth: the
+    x-form everywhere against the Gram form where it applies, taking turns `--steps` times."""
+    from ddpgpt.optim import muon
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(768, 256), (256, 256), (704, 256), (704, 256), (256, 704)] * LAYERS
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    polys = muon.ns_polynomials("quintic", 5)
+    ratios = {"x-form": float("inf"), "gram": muon.GRAM_RATIO}
+    times: dict[str, list[float]] = {k: [] for k in ratios}
+    for _ in range(args.steps):
+        for name, ratio in ratios.items():
+            muon.GRAM_RATIO = ratio
+            start = time.process_time()
+            for g in grads:
+                muon.newton_schulz(g, polys, 1e-7)
+            times[name].append(time.process_time() - start)
+    muon.GRAM_RATIO = ratios["gram"]
+    for name, t in times.items():
+        print(f"| Newton-Schulz, fp32, {name} | {statistics.median(t[args.warmup:]) * 1e3:.1f} ms "
+              "CPU a step |")
+
+
 def load() -> str:
     return f"{os.getloadavg()[0]:.2f}"
 
@@ -157,15 +183,20 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="each variant compiled as well")
     parser.add_argument("--profile", metavar="VARIANT", help="torch.profiler's table, by op")
     parser.add_argument("--rows", type=int, default=25, help="--profile: rows of the table")
+    parser.add_argument("--newton-schulz", action="store_true",
+                        help="Muon's iteration alone: the x-form against the Gram form")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     variants = args.variants.split(",")
-    needs = [args.profile] if args.profile else variants
+    needs = [args.profile] if args.profile else [] if args.newton_schulz else variants
     if args.nanogpt is None and "nanogpt" in needs:
         raise SystemExit("bench_step: nanogpt needs --nanogpt DIR (a clone of "
                          "github.com/karpathy/nanoGPT) or $NANOGPT; or leave it out of --variants")
     if args.profile:
         profile(args.profile, args)
+        return
+    if args.newton_schulz:
+        newton_schulz_turns(args)
         return
     keys = [(v, False) for v in variants] + ([(v, True) for v in variants] if args.compile
                                               else [])
