@@ -20,7 +20,8 @@ class RMSNorm(nn.RMSNorm):
     autocast) and returned in the input's dtype, as transformers' Qwen3RMSNorm does."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        eps = self.eps if self.eps is not None else torch.finfo(torch.float32).eps  # torch's
+        return rms_norm(x, self.weight, eps)
 
 
 def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
