@@ -52,6 +52,8 @@ LEVERS = {
     "adamw-lr-8e-3": ["--optim.lr", "8e-3", "--optim.min-lr", "8e-4"],
     "muon-lr-0.03": ["--optim.muon-lr", "0.03"],
     "muon-lr-0.015": ["--optim.muon-lr", "0.015"],
+    # Muon's orthogonalizer: Polar Express's polynomials instead of the quintic's
+    "polar": ["--optim.muon-ns", "polar"],
     # the schedule's shape and its length
     "wsd-0.2": ["--optim.schedule", "wsd", "--optim.decay-fraction", "0.2"],
     "wsd-0.4": ["--optim.schedule", "wsd", "--optim.decay-fraction", "0.4"],

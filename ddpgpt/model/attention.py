@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ddpgpt.config.model import ModelConfig
 from ddpgpt.model import flex
-from ddpgpt.model.layers import RMSNorm, rotate
+from ddpgpt.model.layers import RMSNorm, rms_norm, rotate
 
 
 class KVCache:
@@ -123,14 +123,19 @@ class CausalSelfAttention(nn.Module):
         where attention is allowed, or a BlockMask (`flex.block_mask`: FlexAttention), instead of
         the causal mask."""
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).split(self.sizes, dim=2)
-        q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
-        k, v = (t.view(B, T, self.n_kv, self.head_dim) for t in (k, v))  # (B, T, H_kv, D)
+        H, H_kv, D = self.n_head, self.n_kv, self.head_dim
+        qkv = self.qkv(x)  # (B, T, (H + 2·H_kv)·D)
+        # Queries and keys side by side, (B, T, H + H_kv, D): QK-norm and the rotary turn go over
+        # both in one pass each.
+        qk, v = qkv.split([(H + H_kv) * D, H_kv * D], dim=2)  # split: its backward is one cat
+        qk, v = qk.view(B, T, H + H_kv, D), v.view(B, T, H_kv, D)
         if self.qk_norm:  # per head, before the rotary turn (as Qwen3)
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+            gains = torch.cat([self.q_norm.weight.expand(H, D), self.k_norm.weight.expand(H_kv, D)])
+            qk = rms_norm(qk, gains, self.q_norm.eps)  # (B, T, H + H_kv, D)
         if rotary is not None:
-            q, k = rotate(q, *rotary), rotate(k, *rotary)
+            qk = rotate(qk, *(t[:, None] for t in rotary))  # angles (T, 1, D)
+        q, k = qk.split([H, H_kv], dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D), (B, H_kv, T, D)
         if cache is not None:
             # A prompt attends among itself (causal, or the band); after it one token at a
             # time attends to every held one, so no mask is needed.

@@ -20,7 +20,47 @@ class RMSNorm(nn.RMSNorm):
     autocast) and returned in the input's dtype, as transformers' Qwen3RMSNorm does."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.float()).type_as(x)
+        eps = self.eps if self.eps is not None else torch.finfo(torch.float32).eps  # torch's
+        return rms_norm(x, self.weight, eps)
+
+
+def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x², last dim) + eps) · gain, in fp32, returned in x's dtype. `gain`: the
+    last dim's (D,), or any shape that broadcasts against x's trailing dims (the queries' and
+    keys' gains side by side, (heads, D)). On a CPU `_RMSNorm` (torch's rms_norm there is a chain
+    of unfused passes, forward and backward: ~5x LayerNorm's time); elsewhere torch's."""
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        return _RMSNorm.apply(x, gain, eps)
+    if gain.dim() == 1:
+        return F.rms_norm(x.float(), gain.shape, gain, eps).type_as(x)
+    return (F.rms_norm(x.float(), x.shape[-1:], None, eps) * gain).type_as(x)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm with its backward written out: three passes over x forward, five back (torch's
+    composite takes about twice that, each pass a fresh tensor). For y = x̂·g, x̂ = x·r, r =
+    (mean(x²) + eps)^-1/2: dx = r·(dy·g - x̂·mean(dy·g·x̂)), dg = Σ dy·x̂ over the leading dims."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 in fp32, fp64 as it is
+        r = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.size(-1))
+        r = r.add_(eps).rsqrt_()  # (..., 1)
+        ctx.save_for_backward(xf, r, gain)
+        return (xf * r).mul_(gain).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        xf, r, gain = ctx.saved_tensors
+        xhat = xf * r
+        dg = None
+        if ctx.needs_input_grad[1]:
+            lead = xhat.dim() - gain.dim()
+            dg = (dy * xhat).sum(dim=tuple(range(lead))).to(gain.dtype)
+        dyg = dy.to(xf.dtype) * gain
+        dot = torch.linalg.vecdot(dyg, xhat).unsqueeze_(-1).div_(xf.size(-1))  # mean(dy·g·x̂)
+        dx = dyg.sub_(xhat.mul_(dot)).mul_(r)
+        return dx.to(dy.dtype), dg, None
 
 
 def norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -50,11 +90,44 @@ def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, H, T, D) turned by the angles of its positions; in the dtype x came in."""
+    """x (..., D) turned by the angles of its positions (cos and sin broadcast against x: (T, D)
+    for (B, H, T, D), (T, 1, D) for (B, T, H, D)); in the dtype x came in. `_Rotate`: no
+    rotate_half copy (a negation and a cat) and a backward that is the same turn backwards;
+    compiled, the formula as it reads (the compiler fuses it, and traces no writes into views)."""
+    if torch.compiler.is_compiling():
+        half = x.size(-1) // 2
+        turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # rotate_half
+        return (x * cos + turned * sin).type_as(x)
+    return _Rotate.apply(x, cos, sin)
+
+
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x·cos + rotate_half(x)·sin, where rotate_half(x) = (-x₂, x₁) for the halves x₁, x₂ of the
+    last dim: each half of the result written in place from the halves of x (cos and sin are the
+    same on both halves, `rotary`). In fp32 (cos and sin's), returned in x's dtype."""
     half = x.size(-1) // 2
     x1, x2 = x[..., :half], x[..., half:]
-    turned = torch.cat([-x2, x1], dim=-1)  # rotate_half
-    return (x * cos + turned * sin).type_as(x)
+    c, s = cos[..., :half], sin[..., :half]
+    shape = torch.broadcast_shapes(x.shape, cos.shape)
+    out = torch.empty(shape, dtype=torch.result_type(x, cos), device=x.device)
+    torch.mul(x1, c, out=out[..., :half]).addcmul_(x2, s, value=-1)  # x₁·cos - x₂·sin
+    torch.mul(x2, c, out=out[..., half:]).addcmul_(x1, s)            # x₂·cos + x₁·sin
+    return out.to(x.dtype)
+
+
+class _Rotate(torch.autograd.Function):
+    """The rotary turn, a rotation of each pair (x₁ᵢ, x₂ᵢ) by its angle; the gradient is the
+    rotation by minus that angle (cos and sin are constants: positions, not parameters)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _turn(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _turn(grad, cos, -sin), None, None
 
 
 # ---- MLPs ---------------------------------------------------------------------------------------

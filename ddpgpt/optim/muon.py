@@ -228,17 +228,45 @@ def ns_polynomials(name: str, steps: int) -> list[tuple[float, float, float]]:
 def newton_schulz(g: torch.Tensor, polys: list[tuple[float, float, float]], eps: float,
                   dtype: torch.dtype = torch.float32, norm_scale: float = 1.0) -> torch.Tensor:
     """torch's _zeropower_via_newtonschulz in `dtype`: U·f(S)·Vᵀ for g = U·S·Vᵀ, f(σ) ~ 1; one
-    iteration per (a, b, c) of `polys` (ns_polynomials)."""
+    iteration per (a, b, c) of `polys` (ns_polynomials). In fp32 or fp64, a matrix whose long side
+    is at least GRAM_RATIO times its short one iterates on its Gram matrix (`_gram_iterations`:
+    the same polynomials, ~30% fewer multiply-adds at 256 × 704)."""
     x = g.to(dtype, copy=True)
     tall = g.size(0) > g.size(1)
     if tall:  # iterate on the smaller Gram matrix
         x = x.T
     x.div_((x.norm() * norm_scale).clamp(min=eps))  # every singular value into (0, 1]
-    for a, b, c in polys:
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b·gram + c·gram²
-        x = torch.addmm(x, poly, x, beta=a)                     # a·x + poly·x
+    if dtype in (torch.float32, torch.float64) and x.size(1) >= GRAM_RATIO * x.size(0):
+        x = _gram_iterations(x, polys)
+    else:
+        for a, b, c in polys:
+            gram = x @ x.T
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b·gram + c·gram²
+            x = torch.addmm(x, poly, x, beta=a)                     # a·x + poly·x
     return x.T if tall else x
+
+
+# Long side over short side from which the Gram form costs less: 2·m²n + 17·m³ multiply-adds for
+# five iterations of an m × n matrix (m <= n), against 10·m²n + 5·m³, so from n = 1.5·m.
+GRAM_RATIO = 1.5
+
+
+def _gram_iterations(x: torch.Tensor, polys: list[tuple[float, float, float]]) -> torch.Tensor:
+    """The iterations x <- q(A)·x, q(A) = a·I + b·A + c·A², A = x·xᵀ, for x (m, n), m <= n, carried
+    on m × m matrices alone: with x_k = P_k·x_0, A_{k+1} = q_k·A_k·q_k (q_k is a polynomial in A_k,
+    so it is symmetric and commutes with it) and P_{k+1} = q_k·P_k; x_0·xᵀ_0 and P·x_0 are the
+    only products with n. Exact in exact arithmetic; in fp32 within ~1e-6 of the fp64 iteration
+    on Gaussian matrices and ~1e-5 on ones of condition number 100, where the x-form is within
+    ~5e-7 (entries ~0.2; torch's bf16 iteration rounds at ~1e-2)."""
+    gram = x @ x.T  # (m, m)
+    p = None
+    for i, (a, b, c) in enumerate(polys):
+        q = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
+        q.diagonal().add_(a)                                 # + a·I
+        p = q if p is None else q @ p
+        if i < len(polys) - 1:
+            gram = q @ gram @ q
+    return p @ x  # (m, n)
 
 
 class Muon(torch.optim.Muon):

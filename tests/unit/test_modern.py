@@ -101,6 +101,25 @@ def test_the_pieces_compute_the_forward_written_by_hand(fields):
         assert logits.abs().max() < fields["logit_softcap"]
 
 
+@pytest.mark.parametrize("fields", [{}, {"n_kv_head": 1}])
+def test_every_gradient_is_that_of_the_forward_written_by_hand(fields):
+    """The backward passes written out (RMSNorm on a CPU, the rotary turn, QK-norm and the turn
+    over queries and keys together) give autograd's gradients through the forward by hand, for
+    every parameter: the QK-norm gains included, which reach the queries and the keys apart."""
+    model = _randomize(GPT(dataclasses.replace(MODERN, **fields), seed=0))
+    idx = _tokens(2, SMALL.block_size)
+    weight = torch.randn(2, SMALL.block_size, SMALL.vocab_size,
+                         generator=torch.Generator().manual_seed(4))
+    grads = []
+    for forward in (lambda: model(idx)[0], lambda: _by_hand(model, idx)):
+        model.zero_grad(set_to_none=True)
+        (forward() * weight).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, want in grads[1].items():
+        torch.testing.assert_close(grads[0][name], want, rtol=0,
+                                   atol=2e-5 * max(want.abs().max().item(), 1.0), msg=name)
+
+
 def test_modern_is_causal_and_has_no_position_embedding():
     model = _randomize(GPT(MODERN, seed=0)).eval()
     assert model.wpe is None and "wpe.weight" not in model.state_dict()

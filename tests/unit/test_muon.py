@@ -23,7 +23,7 @@ from ddpgpt.config.model import ModelConfig
 from ddpgpt.config.schema import OptimConfig
 from ddpgpt.distributed.group import DistEnv
 from ddpgpt.model.gpt import GPT
-from ddpgpt.optim import optimizer
+from ddpgpt.optim import muon, optimizer
 from ddpgpt.optim.muon import (
     NS_COEFFICIENTS,
     NS_NORM_SCALE,
@@ -83,6 +83,27 @@ def test_polar_express_keeps_singular_vectors_in_a_tighter_band_than_quintic(nam
     assert spread < ((u.T @ quintic @ vh.T).diagonal()[well] - 1).abs().max(), name
     if well.all():  # closer to the oracle U·Vᵀ than quintic
         assert (polar - u @ vh).norm() < (quintic - u @ vh).norm(), name
+
+
+@pytest.mark.parametrize("ns", ["quintic", "polar"])
+@pytest.mark.parametrize("shape", [(32, 96), (96, 32)])  # wide, tall: long side 3x the short
+@pytest.mark.parametrize("cond", [1.0, 1e2])
+def test_the_gram_form_is_the_iteration(monkeypatch, ns, shape, cond):
+    """Newton-Schulz on the Gram matrix (fp32 and fp64, long side >= GRAM_RATIO x short): in fp64
+    the x-form's result to 1e-12; in fp32 within 3e-5 of it (the x-form in fp32: ~1e-6)."""
+    gen = torch.Generator().manual_seed(5)
+    m, n = min(shape), max(shape)
+    s = torch.logspace(0, -math.log10(cond), m)
+    g = orthogonal(m, gen) @ torch.diag(s) @ orthogonal(n, gen)[:m]  # (m, n)
+    g = g if shape[0] == m else g.T
+    polys, scale = ns_polynomials(ns, 5), NS_NORM_SCALE[ns]
+    got = {d: newton_schulz(g, polys, 1e-7, d, scale) for d in (torch.float64, torch.float32)}
+    monkeypatch.setattr(muon, "GRAM_RATIO", float("inf"))  # the x-form everywhere
+    want = newton_schulz(g, polys, 1e-7, torch.float64, scale)
+    x_form32 = newton_schulz(g, polys, 1e-7, torch.float32, scale)
+    torch.testing.assert_close(got[torch.float64], want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got[torch.float32].double(), want, rtol=0, atol=3e-5)
+    assert (x_form32.double() - want).abs().max() < 3e-6
 
 
 def test_polar_schedules_are_made_for_their_length():

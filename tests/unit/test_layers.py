@@ -1,0 +1,77 @@
+"""The hand-written backward passes of model/layers.py (RMSNorm on a CPU, the rotary turn)
+against autograd through the plain formulas, in float64 and float32, and their dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddpgpt.model.layers import rms_norm, rotary, rotate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _plain_rms(x, gain, eps):
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * gain).to(x.dtype)
+
+
+def _plain_turn(x, cos, sin):
+    half = x.size(-1) // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + turned * sin).to(x.dtype)
+
+
+def _grads(fn, *inputs, seed=3):
+    """fn's output and the gradients of a random linear function of it w.r.t. each input."""
+    inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = fn(*inputs)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed),
+                         dtype=torch.float64).to(out.dtype)
+    (out * weight).sum().backward()
+    return out.detach(), [t.grad for t in inputs if t.requires_grad]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("gain_shape", [(16,), (3, 16)])  # one gain, or one per head
+def test_rms_norm_and_its_gradients_are_the_formula(dtype, tol, gain_shape):
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(2, 5, 3, 16, generator=gen)).to(dtype)
+    gain = (1 + 0.3 * torch.randn(gain_shape, generator=gen)).to(dtype)
+    got, got_grads = _grads(lambda a, g: rms_norm(a, g, 1e-5), x, gain)
+    want, want_grads = _grads(lambda a, g: _plain_rms(a, g, 1e-5), x, gain)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("layout", ["BHTD", "BTHD"])
+def test_the_rotary_turn_and_its_gradient_are_the_formula(dtype, tol, layout):
+    gen = torch.Generator().manual_seed(1)
+    cos, sin = rotary(torch.arange(7), 8, 100.0)  # (T, D) each
+    if layout == "BTHD":
+        x, cos, sin = torch.randn(2, 7, 3, 8, generator=gen), cos[:, None], sin[:, None]
+    else:
+        x = torch.randn(2, 3, 7, 8, generator=gen)
+    x, cos, sin = x.to(dtype), cos.to(dtype), sin.to(dtype)
+    got, (got_grad,) = _grads(lambda a: rotate(a, cos, sin), x)
+    want, (want_grad,) = _grads(lambda a: _plain_turn(a, cos, sin), x)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got_grad, want_grad, rtol=tol, atol=tol)
+    # a turn keeps each pair's length: the angles are applied, not scaled
+    half = x.size(-1) // 2
+    length = got[..., :half] ** 2 + got[..., half:] ** 2
+    torch.testing.assert_close(length, x[..., :half] ** 2 + x[..., half:] ** 2)
+
+
+def test_bf16_inputs_come_back_in_bf16_computed_in_fp32():
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(2)).bfloat16()
+    gain = torch.ones(16)
+    got = rms_norm(x, gain, 1e-5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, _plain_rms(x, gain, 1e-5), rtol=0, atol=0)
+    cos, sin = rotary(torch.arange(4), 16, 10000.0)
+    turned = rotate(x, cos, sin)
+    assert turned.dtype == torch.bfloat16
+    torch.testing.assert_close(turned, _plain_turn(x, cos, sin), rtol=0, atol=1e-2)
