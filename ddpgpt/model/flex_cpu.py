@@ -70,6 +70,7 @@ def attention_backward(q, k, v, out, d_out, mask):
     k_, v_ = (_pad(t.to(dtype).repeat_interleave(group, dim=1), n_kv * KB)
               .view(B, H, n_kv, KB, D) for t in (k, v))  # (B, H, n_kv, KB, D)
     delta = (do_ * out_).sum(-1, keepdim=True)  # (B, H, n_q·QB, 1): rowsum(dO · O)
+    q_ = q_ * scale  # scaled once: S = (Q·scale) K^T, dK = dS^T (Q·scale)
     dq = torch.zeros_like(q_)
     dk, dv = torch.zeros_like(k_), torch.zeros_like(v_)
     b = torch.arange(B, device=q.device)[:, None, None]  # (B, 1, 1)
@@ -82,15 +83,15 @@ def attention_backward(q, k, v, out, d_out, mask):
         rows = slice(m * QB, (m + 1) * QB)
         qm, dom = q_[:, :, rows], do_[:, :, rows]  # (B, H, QB, D)
         km, vm = (t[b, h, blocks].flatten(2, 3) for t in (k_, v_))  # (B, H, W·KB, D)
-        s = (qm @ km.mT * scale).masked_fill_(~allowed, float("-inf"))  # (B, H, QB, W·KB)
-        lse = s.logsumexp(-1, keepdim=True)  # (B, H, QB, 1); -inf where a row attends nothing
-        p = (s - lse.masked_fill(lse.isinf(), 0)).exp_()  # (B, H, QB, W·KB)
-        ds = p * (dom @ vm.mT - delta[:, :, rows])  # (B, H, QB, W·KB)
+        s = (qm @ km.mT).masked_fill_(~allowed, float("-inf"))  # (B, H, QB, W·KB)
+        p = torch.softmax(s, -1)  # (B, H, QB, W·KB): exp(S - logsumexp(S))
+        if not allowed.any(-1).all():
+            p.nan_to_num_(0.0)  # a row that attends nothing: no output, no gradient
+        ds = (dom @ vm.mT).sub_(delta[:, :, rows]).mul_(p)  # (B, H, QB, W·KB)
         dq[:, :, rows] = ds @ km * scale
         # The blocks of one row are distinct (padding slots add zeros), so the sums are each
         # key block's, in the order of the rows: deterministic.
-        dk.index_put_((b, h, blocks), (ds.mT @ qm * scale).unflatten(2, (-1, KB)),
-                      accumulate=True)
+        dk.index_put_((b, h, blocks), (ds.mT @ qm).unflatten(2, (-1, KB)), accumulate=True)
         dv.index_put_((b, h, blocks), (p.mT @ dom).unflatten(2, (-1, KB)), accumulate=True)
     dk, dv = (t.flatten(2, 3)[:, :, :S].unflatten(1, (H_kv, group)).sum(2)  # (B, H_kv, S, D)
               for t in (dk, dv))
@@ -106,7 +107,7 @@ def _block_row(mask, m: int, T: int, S: int):
     lists = [(mask.kv_num_blocks, mask.kv_indices, True)]
     if mask.full_kv_num_blocks is not None:
         lists.append((mask.full_kv_num_blocks, mask.full_kv_indices, False))
-    i = m * QB + torch.arange(QB, device=device)[:, None]  # (QB, 1): query positions
+    i = (m * QB + torch.arange(QB, device=device)[:, None]).clamp(max=T - 1)  # (QB, 1)
     blocks, allowed = [], []
     for counts, indices, partial in lists:
         counts = counts[:, :, m, None].long()  # (Bm, Hm, 1)
@@ -115,13 +116,15 @@ def _block_row(mask, m: int, T: int, S: int):
         taken = slots < counts  # (Bm, Hm, W)
         idx = indices[:, :, m, :width].long().masked_fill(~taken, 0)  # (Bm, Hm, W)
         j = (idx[..., None] * KB + torch.arange(KB, device=device)).flatten(2)  # (Bm, Hm, W·KB)
-        ok = (taken.repeat_interleave(KB, -1) & (j < S))[:, :, None] & (i < T)
+        # Rows past T (padding: zero queries and output gradients, so they add nothing) attend
+        # as row T - 1 does: a row that attends nothing is the mask's own.
+        ok = (taken.repeat_interleave(KB, -1) & (j < S))[:, :, None]  # (Bm, Hm, 1, W·KB)
         if partial:  # mask_mod within the block, on positions clamped into the rows
             bm, hm = (torch.arange(n, device=device) for n in idx.shape[:2])
-            ok = ok & mask.mask_mod(bm[:, None, None, None], hm[None, :, None, None],
-                                    i.clamp(max=T - 1), j.clamp(max=S - 1)[:, :, None])
+            ok = ok & mask.mask_mod(bm[:, None, None, None], hm[None, :, None, None], i,
+                                    j.clamp(max=S - 1)[:, :, None])
         blocks.append(idx)
-        allowed.append(ok)  # (Bm, Hm, QB, W·KB)
+        allowed.append(ok.expand(-1, -1, QB, -1))  # (Bm, Hm, QB, W·KB)
     return torch.cat(blocks, -1), torch.cat(allowed, -1)
 
 
