@@ -141,3 +141,21 @@ def test_the_backward_is_the_same_bits_every_time():
     got = [torch.autograd.grad(flex_cpu.attention(q, k, v, mask, False, _eager_forward).sum(),
                                (q, k, v)) for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
+@pytest.mark.slow
+def test_a_compiled_model_trains_through_it(monkeypatch):
+    """run.compile: the backward's call is a graph break (its block lists are read as data),
+    torch's compiled kernel the forward; the gradients are still SDPA's (a minute to compile)."""
+    cfg = dataclasses.replace(ARCHS["modern"], n_head=4, n_kv_head=2, block_size=160)
+    idx = rows(2, 160, 30, seed=1)
+    grads = {}
+    monkeypatch.delitem(flex._uncompiled, "cpu")  # compiled, as a run compiles it
+    for attention in ("sdpa", "flex"):
+        model = perturbed(GPT(dataclasses.replace(cfg, attention=attention), seed=3))
+        _, loss = torch.compile(model)(idx, idx.roll(-1, 1))
+        loss.backward()
+        grads[attention] = [p.grad for p in model.parameters()]
+    assert "cpu" not in flex._uncompiled
+    assert max(((a - b).abs().max() / b.abs().max()).item()
+               for a, b in zip(grads["flex"], grads["sdpa"])) <= 1e-5
