@@ -35,6 +35,7 @@ _loaded = None                      # the module, once imported
 _compiled: dict[str, object] = {}   # device type -> torch.compile(flex_attention)
 _uncompiled: dict[str, str] = {}    # device type -> why its kernel could not be compiled
 _native: dict[str, bool] = {}       # device type -> whether torch has a backward there
+CPU_FLEX_FROM = 2048                # auto's flex on a CPU: masked rows at least this long
 
 
 def _module():
@@ -84,15 +85,22 @@ def _probe(device_type: str) -> bool:
     return True
 
 
-def choose(setting: str, device_type: str, dropout: float = 0.0) -> str:
-    """model.attention as `device_type` runs it: auto is flex on CUDA where torch has
-    FlexAttention and no attention dropout is asked for (FlexAttention has none), else sdpa: on a
-    CPU torch cannot train with it (`trains_on`), and its forward pays off only at long rows once
-    compiled (docs/performance.md). sdpa and flex stay as set (`refusal` says where flex cannot
-    train)."""
+def choose(setting: str, device_type: str, dropout: float = 0.0, rows: int = 0,
+           masked: bool = False) -> str:
+    """model.attention as `device_type` runs it: auto is flex where torch has FlexAttention and
+    no attention dropout is asked for (FlexAttention has none) on CUDA, and on a CPU for masked
+    (`masked`: model.doc_mask) rows of CPU_FLEX_FROM tokens or more, else sdpa. On a CPU, from
+    docs/performance.md's figures: at 2,048 tokens flex (torch's compiled forward, flex_cpu's
+    backward) trains a layer faster than the dense mask whatever the documents' length; at 1,024
+    it wins with short documents and loses with long ones, at 256 it loses. sdpa and flex stay
+    as set (`refusal` says where flex cannot train)."""
     if setting != "auto":
         return setting
-    return "flex" if device_type == "cuda" and not dropout and not unavailable() else "sdpa"
+    if dropout or unavailable():
+        return "sdpa"
+    if device_type == "cuda":
+        return "flex"
+    return "flex" if device_type == "cpu" and masked and rows >= CPU_FLEX_FROM else "sdpa"
 
 
 def refusal(device_type: str, dropout: float) -> str:

@@ -257,6 +257,23 @@ def test_flex_with_dropout_is_refused_in_one_line_before_anything_is_written(dat
     assert not run.exists()
 
 
+def test_auto_on_a_cpu_is_flex_for_masked_rows_from_2048_tokens(dataset):
+    """Where flex trained a layer faster than the dense mask at every document length measured
+    (docs/performance.md); never for unmasked rows (nothing to skip) or with dropout."""
+    assert flex.CPU_FLEX_FROM == 2048
+    assert [flex.choose("auto", "cpu", 0.0, T, True) for T in (256, 1024, 2047, 2048, 4096)] == \
+        ["sdpa"] * 3 + ["flex"] * 2
+    assert flex.choose("auto", "cpu", 0.0, 4096, False) == "sdpa"
+    assert flex.choose("auto", "cpu", 0.1, 4096, True) == "sdpa"
+    cfg = TrainConfig()
+    cfg.model = dataclasses.replace(SMALL, vocab_size=0, block_size=2048)
+    for align, want in (("bos", "flex"), ("stream", "sdpa")):
+        cfg.data.align = align
+        assert resolve(cfg, dataset, 1).model.attention == want
+    model = GPT(dataclasses.replace(ARCHS["gpt2"], block_size=2048, attention="auto"))
+    assert model.flex_on == {"cpu", "cuda"}  # a checkpoint's model, on this device or CUDA
+
+
 def test_a_config_saved_before_the_setting_reads_as_auto(dataset):
     saved = TrainConfig().to_dict()
     del saved["model"]["attention"]
