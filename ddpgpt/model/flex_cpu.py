@@ -70,6 +70,7 @@ def attention_backward(q, k, v, out, d_out, mask):
     k_, v_ = (_pad(t.to(dtype).repeat_interleave(group, dim=1) if group > 1 else t.to(dtype),
                    n_kv * KB).reshape(B, H, n_kv, KB, D) for t in (k, v))  # (B, H, n_kv, KB, D)
     delta = (do_ * out_).sum(-1, keepdim=True)  # (B, H, n_q·QB, 1): rowsum(dO · O)
+    q_ = q_ * scale  # scaled once (T·D values, not T·N): S = (Q·scale) K^T, dK = dS^T (Q·scale)
     dq = torch.zeros_like(q_)
     dk, dv = torch.zeros_like(k_), torch.zeros_like(v_)
     b = torch.arange(B, device=q.device)[:, None, None]  # (B, 1, 1)
@@ -82,7 +83,7 @@ def attention_backward(q, k, v, out, d_out, mask):
         rows = slice(m * QB, (m + 1) * QB)
         qm, dom = q_[:, :, rows], do_[:, :, rows]  # (B, H, QB, D)
         km, vm = (t[b, h, blocks].flatten(2, 3) for t in (k_, v_))  # (B, H, W·KB, D)
-        s = (qm @ km.mT).mul_(scale).masked_fill_(~allowed, float("-inf"))  # (B, H, QB, W·KB)
+        s = (qm @ km.mT).masked_fill_(~allowed, float("-inf"))  # (B, H, QB, W·KB)
         p = torch.softmax(s, -1)  # (B, H, QB, W·KB): exp(S - logsumexp(S))
         if not allowed.any(-1).all():
             p.nan_to_num_(0.0)  # a row that attends nothing: no output, no gradient
@@ -90,8 +91,7 @@ def attention_backward(q, k, v, out, d_out, mask):
         dq[:, :, rows] = ds @ km * scale
         # The blocks of one row are distinct (padding slots add zeros), so the sums are each
         # key block's, in the order of the rows: deterministic.
-        dk.index_put_((b, h, blocks), (ds.mT @ qm).mul_(scale).unflatten(2, (-1, KB)),
-                      accumulate=True)
+        dk.index_put_((b, h, blocks), (ds.mT @ qm).unflatten(2, (-1, KB)), accumulate=True)
         dv.index_put_((b, h, blocks), (p.mT @ dom).unflatten(2, (-1, KB)), accumulate=True)
     dk, dv = (t.flatten(2, 3)[:, :, :S].unflatten(1, (H_kv, group)).sum(2)  # (B, H_kv, S, D)
               for t in (dk, dv))
