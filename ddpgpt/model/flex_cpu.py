@@ -16,11 +16,12 @@ The row's logsumexp is recomputed from the same blocks rather than saved by the 
 2.13's compiled CPU kernel refuses return_lse ("only supports inference"), and its uncompiled one
 materializes every score, which is what the block mask is there to avoid. Grouped-query heads:
 keys and values are expanded to the query heads and their gradients summed back over each group.
-Costs: one more Q K^T per visited block than FlashAttention's backward (the logsumexp), and
-(B, H, QB, W·KB) floats live at a time, W the widest block row's count of blocks.
+Costs: FlashAttention-2's five matmuls per visited block, a softmax over each block row where it
+reads a saved logsumexp, and (B, H, QB, W·KB) floats live at a time, W the widest block row's
+count of blocks (docs/performance.md measures it against SDPA's fused backward).
 
 `mask.mask_mod` is evaluated on index tensors that broadcast (b: (Bm, 1, 1, 1), h: (1, Hm, 1, 1),
-q_idx: (1, 1, QB, 1), kv_idx: (Bm, Hm, 1, N)), not through vmap: written with elementwise
+q_idx: (QB, 1), kv_idx: (Bm, Hm, 1, N)), not through vmap: written with elementwise
 operations and indexing, as flex.block_mask's is, it takes them as they are.
 """
 
