@@ -7,10 +7,10 @@ several lengths and document lengths (docs/performance.md, "Attention that skips
 
 Each row holds `tokens` tokens (B = tokens / T rows of T), with documents of geometric lengths
 (mean `docs`) that cross row starts. Measured: one attention layer (the preset's width and heads,
-its input requiring a gradient) and the whole model (its loss), forward and backward where the
-kernel has a backward on the device (torch 2.13 has no FlexAttention backward on a CPU: those
-cells say so) and forward alone (no_grad); the median of `repeats` after a warm-up (a compile
-included), the kernels taking turns so that the machine's drift reaches each. Peak memory: on
+its input requiring a gradient) and the whole model (its loss), forward and backward (flex's
+backward on a CPU is model/flex_cpu.py's, torch 2.13 having none there) and forward alone
+(no_grad); the median of `repeats` after a warm-up (a compile included), the kernels taking
+turns so that the machine's drift reaches each. Peak memory: on
 CUDA the allocator's peak above what was allocated before; on a CPU the rise of the process's
 peak resident set (VmHWM, reset through /proc/self/clear_refs) in one more call. And what the mask
 costs to build per step: the dense (B, 1, T, T) mask and the block mask, shared by every layer.
@@ -91,24 +91,21 @@ def run(kernel: str, fn, device):
     return fn()
 
 
-def measure(calls: dict, device, repeats: int, backward: bool) -> dict:
-    """{kernel: (median ms, peak MB), or None where the device has no backward for it} of each
-    kernel's call, after a warm-up (and its compile), the kernels taking turns. (Not even tried
-    there: each compile that fails counts towards dynamo's recompile limit.)"""
-    alive = {k: fn for k, fn in calls.items()
-             if not (backward and k.startswith("flex") and not flex.trains_on(device.type))}
-    for k, fn in alive.items():  # the warm-up
+def measure(calls: dict, device, repeats: int) -> dict:
+    """{kernel: (median ms, peak MB)} of each kernel's call, after a warm-up (and its compile),
+    the kernels taking turns."""
+    for k, fn in calls.items():  # the warm-up
         run(k, fn, device)
-    times: dict[str, list] = {k: [] for k in alive}
+    times: dict[str, list] = {k: [] for k in calls}
     for _ in range(repeats):
-        for k, fn in alive.items():
+        for k, fn in calls.items():
             sync(device)
             start = clock()
             run(k, fn, device)
             sync(device)
             times[k].append((clock() - start) * 1e3)
-    return {k: (statistics.median(times[k]), peak_mb(lambda k=k: run(k, alive[k], device), device))
-            if k in alive else None for k in calls}
+    return {k: (statistics.median(times[k]), peak_mb(lambda k=k: run(k, calls[k], device), device))
+            for k in calls}
 
 
 def layer_calls(cfg, idx: torch.Tensor, backward: bool, device) -> dict:
@@ -148,7 +145,7 @@ def model_calls(cfg, idx: torch.Tensor, backward: bool, device) -> dict:
 
 
 def cell(result) -> str:
-    return "no backward" if result is None else f"{result[0]:,.1f} ms · {result[1]:,.0f} MB"
+    return f"{result[0]:,.1f} ms · {result[1]:,.0f} MB"
 
 
 def table(title: str, make, cfg, args, device) -> None:
@@ -161,10 +158,8 @@ def table(title: str, make, cfg, args, device) -> None:
         for docs in args.docs:
             idx = rows(B, T, docs, device)
             for backward in (True, False):
-                got = measure(make(shaped, idx, backward, device), device, args.repeats,
-                              backward)
-                ratio = (f"{got['flex'][0] / got['causal'][0]:.2f}x" if got["flex"]
-                         else "—")
+                got = measure(make(shaped, idx, backward, device), device, args.repeats)
+                ratio = f"{got['flex'][0] / got['causal'][0]:.2f}x"
                 print(f"| {T} × {B} | ~{docs} | {'fwd+bwd' if backward else 'fwd'} | "
                       + " | ".join(cell(got[k]) for k in KERNELS) + f" | {ratio} |", flush=True)
 

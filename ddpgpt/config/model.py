@@ -113,10 +113,10 @@ class ModelConfig:
     """How masked attention (model.doc_mask's documents; sampling's sliding band) is computed:
     sdpa (scaled_dot_product_attention with a dense (B, 1, T, T) mask, which computes every masked
     block) or flex (FlexAttention, torch >= 2.5: one block mask per batch, shared by every layer;
-    the kernel skips the blocks it rules out; on a CPU torch has no backward for it). Unmasked
+    the kernel skips the blocks it rules out; on a CPU its backward is ddpgpt's). Unmasked
     attention is SDPA's causal kernel either way, and the weights are the same: a run resumes
-    with the other. auto: flex on CUDA, sdpa on a CPU (docs/performance.md, "Attention that
-    skips what it masks")."""
+    with the other. auto: flex on CUDA; on a CPU flex for document-masked rows of 2,048 tokens
+    or more, sdpa below (docs/performance.md, "Attention that skips what it masks")."""
     dropout: float = 0.0
     """Dropout probability on attention, residual and embedding outputs (0 for pretraining)."""
     gelu: Gelu = "tanh"

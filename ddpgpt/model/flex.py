@@ -11,9 +11,9 @@ What torch's FlexAttention (torch.nn.attention.flex_attention, torch >= 2.5) doe
 - CUDA: forward and backward, compiled by torch.compile into Triton kernels (what torch
   documents; `ddpgpt check` measures it where a GPU is lent);
 - CPU (torch 2.13, measured): the forward only, compiled into a C++ kernel (inductor, the
-  system's C compiler). torch refuses its backward on a CPU, eager or compiled, so a CPU run
-  cannot train with it: `refusal` says so (preflight refuses model.attention flex there) and
-  `choose` picks SDPA;
+  system's C compiler). torch refuses its backward on a CPU, eager or compiled, so where a
+  gradient is asked for on a device without one (`native_backward`), `attend` runs torch's
+  forward through model/flex_cpu.py, whose backward is written there, block-sparse like it;
 - uncompiled, flex_attention materializes every score (on a CPU 2-5x the time of a causal
   layer's forward and up to 20x its memory). Where torch.compile cannot build the kernel (no C
   compiler, no Triton), `attend` says so in one line and runs that: the same numbers, slowly.
@@ -28,10 +28,14 @@ import warnings
 
 import torch
 
+from ddpgpt.model import flex_cpu
+
 MODULE = "torch.nn.attention.flex_attention"
 _loaded = None                      # the module, once imported
 _compiled: dict[str, object] = {}   # device type -> torch.compile(flex_attention)
 _uncompiled: dict[str, str] = {}    # device type -> why its kernel could not be compiled
+_native: dict[str, bool] = {}       # device type -> whether torch has a backward there
+CPU_FLEX_FROM = 2048                # auto's flex on a CPU: masked rows at least this long
 
 
 def _module():
@@ -57,42 +61,54 @@ def unavailable() -> str:
     return ""
 
 
-def trains_on(device_type: str) -> bool:
-    """Whether torch runs FlexAttention's backward on this device, asked of torch: a 16-token
-    forward and backward, which torch 2.13 refuses on a CPU at once (NotImplementedError; an
-    older torch may refuse the device itself)."""
+def native_backward(device_type: str) -> bool:
+    """Whether torch runs FlexAttention's own backward on this device (else `attend` trains
+    through flex_cpu's). CUDA does; elsewhere torch is asked, once a device."""
     if device_type == "cuda":
         return True
+    if device_type not in _native:
+        _native[device_type] = _probe(device_type)
+    return _native[device_type]
+
+
+@torch.compiler.disable  # a forward and a backward: run, never traced into a compiled model
+def _probe(device_type: str) -> bool:
+    """A 16-token forward and backward, which torch 2.13 refuses on a CPU at once
+    (NotImplementedError; an older torch may refuse the device itself)."""
     q = torch.zeros(1, 1, 16, 16, device=device_type, requires_grad=True)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "called without torch.compile": it is a probe
             _module().flex_attention(q, q, q).sum().backward()
-    except Exception:  # noqa: BLE001 -- whatever torch raises, it does not train here
+    except Exception:  # noqa: BLE001 -- whatever torch raises, it has no backward here
         return False
     return True
 
 
-def choose(setting: str, device_type: str, dropout: float = 0.0) -> str:
-    """model.attention as `device_type` runs it: auto is flex on CUDA where torch has
-    FlexAttention and no attention dropout is asked for (FlexAttention has none), else sdpa: on a
-    CPU torch cannot train with it (`trains_on`), and its forward pays off only at long rows once
-    compiled (docs/performance.md). sdpa and flex stay as set (`refusal` says where flex cannot
-    train)."""
+def choose(setting: str, device_type: str, dropout: float = 0.0, rows: int = 0,
+           masked: bool = False) -> str:
+    """model.attention as `device_type` runs it: auto is flex where torch has FlexAttention and
+    no attention dropout is asked for (FlexAttention has none) on CUDA, and on a CPU for masked
+    (`masked`: model.doc_mask) rows of CPU_FLEX_FROM tokens or more, else sdpa. On a CPU, from
+    docs/performance.md's figures: at 2,048 tokens flex (torch's compiled forward, flex_cpu's
+    backward) trains a layer faster than the dense mask whatever the documents' length; at 1,024
+    it wins with short documents and loses with long ones, at 256 it loses. sdpa and flex stay
+    as set (`refusal` says where flex cannot train)."""
     if setting != "auto":
         return setting
-    return "flex" if device_type == "cuda" and not dropout and not unavailable() else "sdpa"
+    if dropout or unavailable():
+        return "sdpa"
+    if device_type == "cuda":
+        return "flex"
+    return "flex" if device_type == "cpu" and masked and rows >= CPU_FLEX_FROM else "sdpa"
 
 
 def refusal(device_type: str, dropout: float) -> str:
-    """Why a run cannot train with model.attention flex on this device ("" when it can)."""
+    """Why a run cannot train with model.attention flex on this device ("" when it can): every
+    device trains through it, with torch's backward or flex_cpu's (`attend`)."""
     why = unavailable()
     if why:
         return f"model.attention = flex: {why}, or use model.attention sdpa (or auto)"
-    if not trains_on(device_type):
-        return (f"model.attention = flex cannot train on {device_type}: torch "
-                f"{torch.__version__} has no FlexAttention backward there; use model.attention "
-                f"sdpa (or auto: sdpa on {device_type}, flex on CUDA)")
     if dropout:
         return (f"model.attention = flex has no attention dropout, and model.dropout = "
                 f"{dropout:g}; use model.attention sdpa (or auto), or model.dropout 0")
@@ -121,10 +137,26 @@ def block_mask(idx: torch.Tensor, bos_id: int | None, window: int = 0):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
-    """flex_attention of q (B, H, T, D) over k, v (B, H_kv, T, D) under the BlockMask `mask`,
-    compiled (inside a compiled model, traced into its graph). Where torch.compile cannot build
-    the kernel on this device, one line says so and the uncompiled FlexAttention runs from then
-    on; inputs at fault fail the same way uncompiled, and raise."""
+    """flex_attention of q (B, H, T, D) over k, v (B, H_kv, T, D) under the BlockMask `mask`
+    (`forward`), differentiable through flex_cpu's backward where a gradient is asked for and
+    torch has none on this device."""
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and \
+            not native_backward(q.device.type):
+        if torch.is_grad_enabled():
+            return _with_own_backward(q, k, v, mask, gqa)
+        q, k, v = q.detach(), k.detach(), v.detach()  # torch refuses them even under no_grad
+    return forward(q, k, v, mask, gqa)
+
+
+@torch.compiler.disable  # in a compiled model, a graph break: the block lists are read as data
+def _with_own_backward(q, k, v, mask, gqa: bool) -> torch.Tensor:
+    return flex_cpu.attention(q, k, v, mask, gqa, forward)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
+    """torch's flex_attention, compiled (inside a compiled model, traced into its graph). Where
+    torch.compile cannot build the kernel on this device, one line says so and the uncompiled
+    FlexAttention runs from then on; inputs at fault fail the same way uncompiled, and raise."""
     flex = _module()
     kwargs = {"block_mask": mask, "enable_gqa": gqa}
     if torch.compiler.is_compiling():

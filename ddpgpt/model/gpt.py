@@ -56,7 +56,8 @@ class GPT(nn.Module):
         # The devices whose masks go through FlexAttention (model.attention, decided here once
         # for each: the model is built before it is moved).
         self.flex_on = frozenset(d for d in ("cpu", "cuda")
-                                 if flex.choose(cfg.attention, d, cfg.dropout) == "flex")
+                                 if flex.choose(cfg.attention, d, cfg.dropout, cfg.block_size,
+                                                cfg.doc_mask) == "flex")
         if self.flex_on and flex.unavailable():
             raise ValueError(f"model.attention = flex: {flex.unavailable()}, or use "
                              "model.attention sdpa (or auto)")

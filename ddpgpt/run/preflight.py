@@ -91,7 +91,8 @@ def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> T
     if ns_dtype == "auto":
         ns_dtype = "fp32" if precision == "fp32" else "bf16"
     doc_mask = cfg.data.align == "bos" if cfg.model.doc_mask is None else cfg.model.doc_mask
-    attention = flex.choose(cfg.model.attention, device, cfg.model.dropout)
+    attention = flex.choose(cfg.model.attention, device, cfg.model.dropout, cfg.seq_len,
+                            doc_mask)
     if attention == "flex" and flex.refusal(device, cfg.model.dropout):
         raise ConfigError(flex.refusal(device, cfg.model.dropout))
     model = dataclasses.replace(cfg.model.resolved(), vocab_size=vocab,  # the arch's pieces set

@@ -1,7 +1,7 @@
-"""model.attention flex on CUDA (skipped without): what a CPU cannot check, torch having no
-FlexAttention backward there. Gradients under the block mask against the dense mask's, and a
-training run on rows that start at documents, through flex, against the same run through SDPA,
-resumed across the two (tests/unit/test_flex.py holds the forward on a CPU)."""
+"""model.attention flex on CUDA (skipped without): torch's own FlexAttention backward, which a CPU
+lacks (there tests/unit/test_flex_cpu.py checks model/flex_cpu.py's). Gradients under the block
+mask against the dense mask's, and a training run on rows that start at documents, through flex,
+against the same run through SDPA, resumed across the two."""
 
 import pytest
 import torch

@@ -3,8 +3,9 @@ same model and rows (documents that cross row starts; the sliding band), its log
 gradient; and what it costs against unmasked causal attention at T=1,024, where the point of it
 is to stay within 1.2× of the causal kernel when the dense mask costs several times it.
 
-They run where torch trains through FlexAttention (CUDA); elsewhere (a CPU: torch has no
-FlexAttention backward there) they are listed as not run, saying what is missing."""
+The equality rows run wherever torch has FlexAttention (on a CPU its backward is
+model/flex_cpu.py's); the speed row on CUDA only, its goal being a GPU kernel's (a CPU's figures
+are in docs/performance.md). Elsewhere they are listed as not run, saying what is missing."""
 
 from __future__ import annotations
 
@@ -76,6 +77,10 @@ def rows(device: str, selected, say) -> list[Row]:
                           missing) for c in checks]
     out = []
     for check in checks:
+        if check == SPEED and device != "cuda":
+            out.append(Row.needs(SPEED, device, 1, "causal attention, no mask",
+                                 f"CUDA (its goal is a GPU kernel's, not {device}'s)"))
+            continue
         start = time.perf_counter()
         try:
             out.append(speed(device) if check == SPEED else same(check, device))

@@ -16,9 +16,9 @@ Rows (matrix.py says what each is compared with, and how closely):
 3. the commands, as a user runs them (commands.py): a checkpoint written on this device resumed
    on the CPU and the reverse, a stop by SIGTERM (exit 75) resumed bitwise, `eval`, `sample` and
    `export` of a checkpoint of this device.
-A row that needs what this machine lacks (CUDA memory statistics, a second GPU, transformers, a
-FlexAttention backward) says so; it never passes. device-check.md and device-check.json go to
---out; the exit code is 1 when any row fails.
+A row that needs what this machine lacks (CUDA memory statistics, a second GPU, transformers,
+FlexAttention, CUDA for a GPU kernel's speed goal) says so; it never passes. device-check.md and
+device-check.json go to --out; the exit code is 1 when any row fails.
 
 Under torchrun (or as the workers this command starts for W > 1) it runs the training rows at
 that world size and rank 0 writes them to OUT/rows-wN.json.

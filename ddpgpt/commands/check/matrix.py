@@ -168,7 +168,7 @@ def modern(device: str, world: int, quick: bool) -> list[Spec]:
 def documents(device: str) -> list[Spec]:
     """Rows that start at documents (data.align bos, the document mask) trained through
     FlexAttention's block mask, against the same run under SDPA's dense mask: the same numbers
-    by another kernel. (Where torch has no FlexAttention backward, a CPU, they are not run.)"""
+    by another kernel (on a CPU through model/flex_cpu.py's backward, torch having none)."""
     specs = []
     for optim, precision, arch in (("adamw", "fp32", "gpt2"), ("adamw", "bf16", "gpt2"),
                                    ("muon", "fp32", "modern")):
