@@ -164,37 +164,7 @@ class SwiGLU(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(swiglu(self.gate(x), self.fc(x))))  # (B, T, hidden) between
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) · up. On a CPU `_SwiGLU` (autograd's keeps silu(gate) as well as both inputs,
-    and allocates each of its five passes a fresh tensor); compiled or elsewhere the formula."""
-    if gate.device.type == "cpu" and not torch.compiler.is_compiling():
-        return _SwiGLU.apply(gate, up)
-    return F.silu(gate) * up
-
-
-class _SwiGLU(torch.autograd.Function):
-    """silu(a)·b with its backward written out, saving only a and b: two passes forward into one
-    new tensor; back, da = dy·b·silu'(a) in two passes (aten's silu_backward, into dy·b's tensor)
-    and db = dy·silu(a) in two (into silu(a)'s). Autograd's: the same passes, a tensor each."""
-
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(a, b)
-        return F.silu(a).mul_(b)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        a, b = ctx.saved_tensors
-        da = db = None
-        if ctx.needs_input_grad[0]:
-            da = dy * b
-            da = torch.ops.aten.silu_backward.grad_input(da, a, grad_input=da)  # in place
-        if ctx.needs_input_grad[1]:
-            db = F.silu(a).mul_(dy)
-        return da, db
+        return self.drop(self.proj(F.silu(self.gate(x)) * self.fc(x)))
 
 
 MLPS = {"gelu": MLP, "relu2": MLP, "swiglu": SwiGLU}  # model.mlp -> its module

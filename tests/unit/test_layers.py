@@ -1,12 +1,12 @@
-"""The hand-written backward passes of model/layers.py (RMSNorm and SwiGLU on a CPU, the rotary
-turn) against autograd through the plain formulas, in float64 and float32, and their dtypes."""
+"""The hand-written backward passes of model/layers.py (RMSNorm on a CPU, the rotary turn)
+against autograd through the plain formulas, in float64 and float32, and their dtypes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ddpgpt.model.layers import rms_norm, rotary, rotate, swiglu
+from ddpgpt.model.layers import rms_norm, rotary, rotate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -63,28 +63,6 @@ def test_the_rotary_turn_and_its_gradient_are_the_formula(dtype, tol, layout):
     half = x.size(-1) // 2
     length = got[..., :half] ** 2 + got[..., half:] ** 2
     torch.testing.assert_close(length, x[..., :half] ** 2 + x[..., half:] ** 2)
-
-
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
-def test_swiglu_and_its_gradients_are_the_formula(dtype, tol):
-    gen = torch.Generator().manual_seed(5)
-    gate = (4 * torch.randn(2, 5, 24, generator=gen)).to(dtype)  # both tails of the sigmoid
-    up = torch.randn(2, 5, 24, generator=gen).to(dtype)
-    got, got_grads = _grads(swiglu, gate, up)
-    want, want_grads = _grads(lambda a, b: torch.nn.functional.silu(a) * b, gate, up)
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    for g, w in zip(got_grads, want_grads):
-        torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item())
-    # one input without a gradient: the other's is the same
-    _, (got_up,) = _grads(lambda b: swiglu(gate, b), up)
-    torch.testing.assert_close(got_up, want_grads[1], rtol=tol, atol=tol)
-
-
-def test_swiglu_passes_gradcheck_in_float64():
-    gen = torch.Generator().manual_seed(6)
-    gate, up = (torch.randn(3, 7, generator=gen, dtype=torch.float64).requires_grad_()
-                for _ in range(2))
-    assert torch.autograd.gradcheck(swiglu, (gate, up))
 
 
 def test_bf16_inputs_come_back_in_bf16_computed_in_fp32():
