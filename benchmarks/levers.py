@@ -49,11 +49,19 @@ LEVERS = {
     "adamw-lr-1e-3": ["--optim.lr", "1e-3", "--optim.min-lr", "1e-4"],
     "adamw-lr-2e-3": ["--optim.lr", "2e-3", "--optim.min-lr", "2e-4"],
     "adamw-lr-4e-3": ["--optim.lr", "4e-3", "--optim.min-lr", "4e-4"],
+    "adamw-lr-6e-3": ["--optim.lr", "6e-3", "--optim.min-lr", "6e-4"],
     "adamw-lr-8e-3": ["--optim.lr", "8e-3", "--optim.min-lr", "8e-4"],
     "muon-lr-0.03": ["--optim.muon-lr", "0.03"],
     "muon-lr-0.015": ["--optim.muon-lr", "0.015"],
     # Muon's orthogonalizer: Polar Express's polynomials instead of the quintic's
     "polar": ["--optim.muon-ns", "polar"],
+    # Muon's update around the orthogonalizer: MuonEq-R's rows, the norm snapped after it
+    "muon-eq": ["--optim.muon-eq", "true"],
+    "muon-snap": ["--optim.muon-snap", "true"],
+    "muon-eq-snap": ["--optim.muon-eq", "true", "--optim.muon-snap", "true"],
+    # Muon's momentum and its warmup
+    "momentum-flat": ["--optim.muon-momentum-warmup", "0"],
+    "momentum-0.9": ["--optim.muon-momentum", "0.9"],
     # the schedule's shape and its length
     "wsd-0.2": ["--optim.schedule", "wsd", "--optim.decay-fraction", "0.2"],
     "wsd-0.4": ["--optim.schedule", "wsd", "--optim.decay-fraction", "0.4"],
@@ -106,7 +114,7 @@ def table(corpus: str, target: float | None, runs: dict[str, list[dict]]) -> lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", default="bytes",
-                        help="bytes, bpe, prose, a prepared dataset dir or a dir of text")
+                        help="bytes, bpe, prose, perl, a prepared dataset dir or a dir of text")
     parser.add_argument("--tokenizer", default="bpe", choices=("bpe", "byte"))
     parser.add_argument("--levers", default=",".join(LEVERS),
                         help=f"comma-separated, of {', '.join(LEVERS)}")

@@ -5,9 +5,10 @@
     python -m benchmarks.speedrun --nanogpt ~/src/nanoGPT --corpus prose   # Vim's help, bpe
     python -m benchmarks.speedrun --corpus data/mytext --target 3.9        # no nanoGPT
 
-`--corpus`: bytes or bpe (the stdlib's sources as byte or bpe-4096 tokens), prose (Vim's help,
-benchmarks/prose.py's jsonl, as bpe-4096 tokens), a prepared dataset directory (meta.json), or a
-directory of text (`ddpgpt prepare` reads it; `--tokenizer`). Whatever is prepared here is cached
+`--corpus`: bytes or bpe (the stdlib's sources as byte or bpe-4096 tokens), prose (Vim's help) or
+perl (Perl's documentation), benchmarks/prose.py's jsonl as bpe-4096 tokens, a prepared dataset
+directory (meta.json), or a directory of text (`ddpgpt prepare` reads it; `--tokenizer`).
+Whatever is prepared here is cached
 under the work dir and prepared again only when the text's files (names, sizes, mtimes) change.
 
 nanoGPT (a clone of github.com/karpathy/nanoGPT, passed by path and run unmodified) trains its
@@ -74,15 +75,16 @@ RECIPES = {
 }
 DEFAULT_RECIPES = "adamw,muon,speedrun"
 PACE_STEPS, PACE_SKIP = 30, 5
-BUILTIN = {"bytes": ("stdlib", "byte"), "bpe": ("stdlib", "bpe"), "prose": (None, "bpe")}
+BUILTIN = {"bytes": ("stdlib", "byte"), "bpe": ("stdlib", "bpe"), "prose": (None, "bpe"),
+           "perl": (None, "bpe")}
 
 
 def prepare(corpus: str, work: Path, tokenizer: str = "bpe") -> tuple[str, Path]:
     """The corpus's name and its prepared dataset (module docstring), prepared once."""
     if corpus in BUILTIN:
         source, tokenizer = BUILTIN[corpus]
-        if source is None:  # prose: built from Vim's help
-            source = str(prose.build(work / "prose-text"))
+        if source is None:  # prose or perl: benchmarks/prose.py builds it
+            source = str(prose.build(work / f"{corpus}-text", source=corpus))
         name = corpus
     else:
         path = Path(corpus).expanduser()
@@ -314,7 +316,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=None,
                         help="the val loss to reach when nanoGPT is not run")
     parser.add_argument("--corpus", default="bytes",
-                        help="bytes, bpe, prose, a prepared dataset dir or a dir of text")
+                        help="bytes, bpe, prose, perl, a prepared dataset dir or a dir of text")
     parser.add_argument("--tokenizer", default="bpe", choices=("bpe", "byte"),
                         help="how a directory of text is prepared")
     parser.add_argument("--recipes", default=DEFAULT_RECIPES,

@@ -168,6 +168,11 @@ class OptimConfig:
     muon_ns: choices.NewtonSchulz = "quintic"
     """The Newton-Schulz polynomials: quintic (torch's, the same every iteration) or polar (Polar
     Express: one per iteration, closer to orthogonal in fewer; docs/muon.md)."""
+    muon_eq: bool = False
+    """MuonEq-R: each row of Muon's update divided by its L2 norm before Newton-Schulz."""
+    muon_snap: bool = False
+    """Muon's orthogonalized update rescaled to an orthogonal matrix's Frobenius norm,
+    sqrt(min(rows, cols)), after Newton-Schulz (whatever spread of singular values it left)."""
     muon_ns_dtype: choices.NewtonSchulzDtype = "auto"
     """The dtype Newton-Schulz iterates in: auto (fp32 under run.precision fp32, so that runs
     compare exactly; bf16 otherwise, as torch), fp32 or bf16 (faster where the CPU or GPU has

@@ -271,16 +271,20 @@ def _gram_iterations(x: torch.Tensor, polys: list[tuple[float, float, float]]) -
 
 class Muon(torch.optim.Muon):
     """torch.optim.Muon; its step as torch's unless the Newton-Schulz iteration runs in another
-    dtype (`ns_dtype` float32) or with another polynomial schedule (`ns` polar)."""
+    dtype (`ns_dtype` float32) or with another polynomial schedule (`ns` polar), or the update is
+    reshaped around it: `eq` (MuonEq-R: each row of the Nesterov update divided by its L2 norm
+    before the iteration, so that no row's scale dominates the orthogonalization) or `snap` (the
+    iteration's result rescaled to the Frobenius norm sqrt(min(rows, cols)) of an exactly
+    orthogonal matrix, whatever the polynomials left)."""
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, ns: str = "quintic",
-                 **kwargs):
+                 eq: bool = False, snap: bool = False, **kwargs):
         super().__init__(params, **kwargs)
-        self.ns_dtype, self.ns = ns_dtype, ns
+        self.ns_dtype, self.ns, self.eq, self.snap = ns_dtype, ns, eq, snap
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.ns_dtype == torch.bfloat16 and self.ns == "quintic":
+        if self.ns_dtype == torch.bfloat16 and self.ns == "quintic" and not (self.eq or self.snap):
             return super().step(closure)
         loss = None
         if closure is not None:
@@ -294,8 +298,12 @@ class Muon(torch.optim.Muon):
             for p, grad, buf in zip(params, grads, buffers):
                 buf.lerp_(grad, 1 - m)
                 update = grad.lerp(buf, m) if group["nesterov"] else buf
+                if self.eq:
+                    update = update / update.norm(dim=1, keepdim=True).clamp(min=group["eps"])
                 update = newton_schulz(update, polys, group["eps"], self.ns_dtype,
                                        NS_NORM_SCALE[self.ns])
+                if self.snap:
+                    update.mul_(min(p.shape) ** 0.5 / update.norm().clamp(min=group["eps"]))
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
         return loss

@@ -79,7 +79,8 @@ class Optimizer:
             [{"params": p, "weight_decay": g.weight_decay, "lr_scale": g.lr_scale,
               "kind": "muon"} for g, p in muon],
             lr=cfg.muon_lr, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
-            adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype, ns=cfg.muon_ns) if muon else None
+            adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype, ns=cfg.muon_ns, eq=cfg.muon_eq,
+            snap=cfg.muon_snap) if muon else None
         self.matrices = [t for _, p in muon for t in p]  # what Muon steps (Matrices.mine order)
         self.held = [{"params": list(held), "kind": "held", "lr": 0.0}] if held else []
 

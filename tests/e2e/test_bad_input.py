@@ -324,7 +324,7 @@ CASES = [
                   "weight_decay, beta1, "
                   "beta2, eps, "
                   "grad_clip, muon_lr, muon_momentum, muon_momentum_start, muon_momentum_warmup, "
-                  "muon_ns_steps, muon_ns, muon_ns_dtype"),
+                  "muon_ns_steps, muon_ns, muon_eq, muon_snap, muon_ns_dtype"),
     row("cli-wrong-type", copied, lambda c: train(c, run__steps="ten"),
         lambda c: f"{E}command line: run.steps: expected an integer, got 'ten'"),
     row("cli-out-of-range", copied, lambda c: train(c, optim__warmup_steps=-1),

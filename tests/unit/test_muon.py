@@ -136,6 +136,36 @@ def test_a_step_with_another_iteration_is_the_update_of_that_iteration(ns, ns_dt
     assert torch.allclose(p.detach(), expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("eq, snap", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_muoneq_rows_and_the_norm_snap_reshape_the_update_around_the_iteration(eq, snap,
+                                                                               ns_dtype):
+    """eq: the Nesterov update's rows divided by their L2 norms before Newton-Schulz; snap: its
+    result rescaled to sqrt(min(rows, cols)) in Frobenius norm. By hand from the same gradient,
+    with rows of very different scales (what MuonEq-R evens out)."""
+    gen = torch.Generator().manual_seed(4)
+    w0 = torch.randn(24, 40, generator=gen)
+    grad = torch.randn(24, 40, generator=gen) * torch.logspace(-2, 1, 24).unsqueeze(1)
+    p = torch.nn.Parameter(w0.clone())
+    p.grad = grad.clone()
+    lr, wd, m = 0.05, 0.1, 0.9
+    Muon([p], ns_dtype=ns_dtype, eq=eq, snap=snap, lr=lr, weight_decay=wd, momentum=m,
+         adjust_lr_fn="match_rms_adamw").step()
+    update = grad.lerp((1 - m) * grad, m)
+    if eq:
+        update = update / update.norm(dim=1, keepdim=True)
+    ortho = newton_schulz(update, [COEFFICIENTS] * 5, 1e-7, ns_dtype)
+    if snap:  # in the iteration's dtype
+        ortho = ortho * (math.sqrt(24) / ortho.norm())
+    expected = w0 * (1 - lr * wd) - lr * 0.2 * math.sqrt(40) * ortho.float()
+    assert torch.allclose(p.detach(), expected, atol=1e-6)
+    plain = torch.nn.Parameter(w0.clone())
+    plain.grad = grad.clone()
+    Muon([plain], ns_dtype=ns_dtype, lr=lr, weight_decay=wd, momentum=m,
+         adjust_lr_fn="match_rms_adamw").step()
+    assert (plain.detach() - p.detach()).abs().max() > 1e-3  # each changes the step
+
+
 @pytest.mark.parametrize("name, g", list(matrices()), ids=IDS)
 def test_newton_schulz_fp32_keeps_singular_vectors_and_equalizes_values(name, g):
     out = newton_schulz(g, [COEFFICIENTS] * 5, 1e-7)
