@@ -3,6 +3,7 @@ corpus with several seeds, against the base at equal steps.
 
     python -m benchmarks.levers --corpus bpe --seeds 2                    # every lever
     python -m benchmarks.levers --corpus prose --levers base,no-rope,relu2 --target 4.25
+    python -m benchmarks.levers --corpus bpe --levers muon-eq,muon-eq+muon-snap   # a+b: both
 
 The figures depend neither on the machine's load nor on its speed (a config gives the same losses
 on every run at one thread count on one process): the val loss at every evaluation (all val
@@ -71,13 +72,23 @@ LEVERS = {
     "steps-175": ["--run.steps", "175"],
     "steps-250": ["--run.steps", "250"],
     "warmup-0": ["--optim.warmup-steps", "0"],
+    # the batch in tokens: 8 sequences a step for as many tokens (twice the steps, warmups and
+    # evaluations spaced as far apart in tokens)
+    "batch-8": ["--data.global-batch", "8", "--data.micro-batch", "8", "--run.steps", "400",
+                "--optim.warmup-steps", "40", "--optim.muon-momentum-warmup", "200",
+                "--run.eval-every", "50"],
 }
+
+
+def flags(name: str) -> list[str]:
+    """A lever's flags; `a+b` is levers a and b together."""
+    return [flag for part in name.split("+") for flag in LEVERS[part]]
 
 
 def run_lever(name: str, data: Path, run: Path, seed: int, args) -> dict:
     """One lever's run for one seed, trained or, when `run` finished the same resolved config,
     read (benchmarks/speedrun.py's ddpgpt)."""
-    return speedrun.ddpgpt([*BASE, *LEVERS[name]], data, run, args.threads, 1, args.eval_every,
+    return speedrun.ddpgpt([*BASE, *flags(name)], data, run, args.threads, 1, args.eval_every,
                            seed)
 
 
@@ -125,7 +136,7 @@ def main() -> None:
     parser.add_argument("--work", default="bench/speedrun")
     args = parser.parse_args()
     names = ["base"] + [n for n in args.levers.split(",") if n and n != "base"]
-    unknown = [n for n in names if n not in LEVERS]
+    unknown = [part for n in names for part in n.split("+") if part not in LEVERS]
     if unknown:
         raise SystemExit(f"levers: unknown lever {unknown[0]!r}; choose from {', '.join(LEVERS)}")
     work = Path(args.work)

@@ -40,7 +40,8 @@ the same round) / 500: the time ratio from figures that do not depend on the loa
 per-step ratio measured under one load, for a machine whose load moves during the full runs.
 
 Without a snapshot (no `--nanogpt`, no $NANOGPT) nanoGPT is skipped with one line, and `--target`
-stands in for its loss. Runs go into WORK/<corpus>/<seed>/ (the paced ones into
+stands in for its loss; with both, `--target` is the loss to reach (nanoGPT's mean recorded
+earlier, say) and nanoGPT runs only for `--pace`. Runs go into WORK/<corpus>/<seed>/ (the paced ones into
 WORK/<corpus>/pace/); the table is printed as Markdown and written with every figure to
 WORK/<corpus>.json. docs/performance.md ("Time to a loss") holds the results.
 """
@@ -117,14 +118,16 @@ def _read(path: Path) -> str | None:
 
 def train_command(recipe: list[str], data: Path, run: Path, threads: int, nproc: int,
                   eval_every: int, seed: int = 0) -> list[str]:
-    """`ddpgpt train` for one recipe, seeded `seed` (module docstring), evaluated on every val
-    window every `eval_every` steps."""
+    """`ddpgpt train` for one recipe, seeded `seed` (module docstring), its val loss evaluated on
+    every val window every `eval_every` steps; 16 sequences a step unless the recipe says
+    otherwise (its flags come last)."""
     return [sys.executable, "-m", "ddpgpt", "train", "--data", str(data), "--run-dir", str(run),
-            "--device", "cpu", *recipe, "--data.global-batch", "16",
+            "--device", "cpu", "--data.global-batch", "16",
             "--data.micro-batch", str(16 // nproc), "--nproc", str(nproc),
             "--run.threads", str(max(1, threads // nproc)), "--data.eval-windows", "0",
-            "--run.eval-every", str(eval_every), "--run.checkpoint-every", "0",
-            "--run.seed", str(1337 + seed), "--data.seed", str(1337 + seed)]
+            "--data.train-eval-windows", "0", "--run.eval-every", str(eval_every),
+            "--run.checkpoint-every", "0",
+            "--run.seed", str(1337 + seed), "--data.seed", str(1337 + seed), *recipe]
 
 
 def ddpgpt(recipe: list[str], data: Path, run: Path, threads: int, nproc: int,
@@ -314,7 +317,8 @@ def main() -> None:
     parser.add_argument("--nanogpt", default=os.environ.get("NANOGPT"),
                         help="a nanoGPT checkout (train.py, model.py, configurator.py)")
     parser.add_argument("--target", type=float, default=None,
-                        help="the val loss to reach when nanoGPT is not run")
+                        help="the val loss to reach, instead of nanoGPT's full runs' mean (with "
+                        "--nanogpt, nanoGPT then runs for --pace alone)")
     parser.add_argument("--corpus", default="bytes",
                         help="bytes, bpe, prose, perl, a prepared dataset dir or a dir of text")
     parser.add_argument("--tokenizer", default="bpe", choices=("bpe", "byte"),
@@ -349,7 +353,7 @@ def main() -> None:
     ng_runs, results = [], {r: [] for r in recipes}
     for seed in range(args.seeds):
         base = work / corpus / str(seed)
-        if snapshot is not None:
+        if snapshot is not None and args.target is None:
             run = nanogpt_run(snapshot, data, base / "nanogpt", args.threads, seed)
             ng_runs.append(run)
             print(f"nanoGPT seed {seed}: val {run['final_val']:.4f} after {run['train_s']:.1f} s",
