@@ -34,7 +34,7 @@ from ddpgpt.config.io import from_dict
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.guard.health import EXIT_PREEMPTED
 from ddpgpt.model.gpt import GPT
-from tests.dist.test_recovery import mount_namespace
+from tests.dist.test_recovery_one_node import mount_namespace
 from tests.helpers import (
     Launch,
     codes,

@@ -1,6 +1,6 @@
 """The real command line end to end: prepare, train --nproc 2, resume, eval, sample, a deliberate
 switch of dataset. (Two launchers forming one job through c10d rendezvous, as two nodes would:
-tests/dist/test_recovery.py.)"""
+tests/dist/test_recovery_nodes.py.)"""
 
 import hashlib
 import json

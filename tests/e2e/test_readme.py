@@ -32,7 +32,7 @@ SKIPPED = {
     r"^source \.venv/bin/activate$": "this test runs in that environment",
     r"--init-from gpt2 ": "downloads GPT-2's weights (network); the config it builds is checked "
                           "offline in tests/unit/test_config.py, --init-from a local directory "
-                          "in tests/e2e/test_hf.py",
+                          "in tests/e2e/test_hf_gpt2.py",
     r"--preset gpt2-124m --compile$": "a GPU",
     r"^torchrun --standalone --nproc_per_node 8 ": "8 GPUs",
     r"^torchrun --nnodes 2 ": "two machines of 8 GPUs",

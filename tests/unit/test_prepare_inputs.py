@@ -215,7 +215,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_space(tmp_path, size_kb
     the assembler's shard does, in its fourth unit (three are committed). One line: the file,
     the space free, about how much more the dataset needs; exit 1; no traceback; what was done
     is kept (and only then said to be)."""
-    from tests.dist.test_recovery import mount_namespace
+    from tests.dist.test_recovery_one_node import mount_namespace
 
     prefix = mount_namespace()
     if prefix is None:

@@ -1,99 +1,44 @@
-"""The bad-input catalogue, end to end: for each broken state the real command line exits non-zero
+"""The bad-input catalogue of the config, the run dir and the launch, end to end: for each
+broken state (a config that cannot be, a run dir that cannot be written, a checkpoint that cannot
+be resumed, a port or a GPU count the launch cannot use) the real command line exits non-zero
 within seconds with exactly one line on stderr, "ddpgpt: error: " + what is wrong, where (file,
 field or rank) and what to do; no traceback, nothing on stdout, and nothing written, overwritten or
 deleted in the data dir or the run dir.
 
-One row per case: an id, a setup that builds the broken state in tmp_path (from a copy of the
-session's `tiny_data`, never the fixture itself), the command line and the expected line. Every
-case exits with 2, the code for bad input.
+The rows and the check they go through: tests/e2e/bad_input_cases.py; the dataset:
+tests/e2e/test_bad_input_data.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import json
 import os
 import shutil
 import socket
-import time
-from collections.abc import Callable
-from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from ddpgpt.data.shards import HEADER_BYTES
 from ddpgpt.errors import UserError
-from tests.helpers import json_error, run_cli, tiny_train_args
+from tests.e2e.bad_input_cases import (
+    Case,
+    Ctx,
+    E,
+    check,
+    copied,
+    row,
+    sha256,
+    train,
+    truncate_half,
+)
+from tests.helpers import run_cli, tiny_train_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 # the only checkpoint of `trained_run`: 2 steps, checkpoint_every 3 -> the end
 CKPT = "step_0000002"
-SHARD = "train_000000.bin"
-REPREPARE = "re-run ddpgpt prepare"
-
-
-@dataclass
-class Ctx:
-    """What a setup may use: its own tmp dir, the shared dataset (to copy), fixtures on demand and
-    an ExitStack for resources held while the command runs (a listening socket)."""
-
-    tmp: Path
-    tiny_data: Path
-    request: pytest.FixtureRequest
-    stack: ExitStack
-
-    def trained_run(self) -> Path:
-        return self.request.getfixturevalue("trained_run")
-
-
-@dataclass
-class Case:
-    """The broken state: the --data and --run-dir of the command (either may not exist), the
-    environment, and facts the expected line quotes (sizes, hashes, a parser's message, a port)."""
-
-    tmp: Path
-    data: Path
-    run: Path
-    env: dict = field(default_factory=dict)
-    facts: dict = field(default_factory=dict)
-
-
-def train(c: Case, *before: str | Path, **overrides) -> list:
-    """`train [BEFORE...] <tiny_train_args for 2 steps>` with `overrides` replacing its flags."""
-    return ["train", *before, *tiny_train_args(c.data, c.run, steps=2, **overrides)[3:]]
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def snapshot(root: Path) -> tuple[set[str], dict[str, tuple[int, str]]] | None:
-    """(directories, {file: (size, sha256)}) under `root`, relative; None when it does not exist."""
-    if not root.exists():
-        return None
-    paths = sorted(root.rglob("*"))
-    dirs = {str(p.relative_to(root)) for p in paths if p.is_dir()}
-    files = {str(p.relative_to(root)): (p.stat().st_size, sha256(p)) for p in paths if p.is_file()}
-    return dirs, files
-
-
-def train_tokens(c: Case) -> int:
-    """Tokens in the dataset's train split, as its meta.json lists them."""
-    return sum(s["tokens"]
-               for s in json.loads((c.data / "meta.json").read_text())["shards"]["train"])
-
-
-def truncate_half(path: Path) -> str:
-    """Cuts a JSON file to its first half (a write cut short); returns the parse error it now
-    has."""
-    text = path.read_text()
-    path.write_text(text[: len(text) // 2])
-    return json_error(text[: len(text) // 2])
 
 
 @pytest.fixture(scope="module")
@@ -108,78 +53,9 @@ def trained_run(tiny_data, tmp_path_factory) -> Path:
 
 # ---- setups: each builds one broken state in ctx.tmp ---------------------------------------
 
-def copied(ctx: Ctx) -> Case:
-    """An intact copy of the dataset and a run dir that does not exist yet."""
-    shutil.copytree(ctx.tiny_data, ctx.tmp / "data")
-    return Case(ctx.tmp, ctx.tmp / "data", ctx.tmp / "run")
-
-
 def elastic_worker(ctx: Ctx) -> Case:
     """A worker of `torchrun --nnodes 1:4 --nproc-per-node 1`, as its environment says."""
     return dataclasses.replace(copied(ctx), env={"TORCHELASTIC_RUN_ID": "job", "PET_NNODES": "1:4"})
-
-
-def missing_dataset(ctx: Ctx) -> Case:
-    return Case(ctx.tmp, ctx.tmp / "missing", ctx.tmp / "run")
-
-
-def mixture_with_a_missing_dataset(ctx: Ctx) -> Case:
-    """--data a:0.7,b:0.3 where b was never prepared (the mixture used to be read as one
-    directory named "a:0.7,b:0.3", and the advice was to prepare that)."""
-    c = copied(ctx)
-    c.facts["missing"] = missing = ctx.tmp / "elsewhere" / "prose"
-    return dataclasses.replace(c, data=Path(f"{c.data}:0.7,{missing}:0.3"))
-
-
-def mixture_of_two_tokenizers(ctx: Ctx) -> Case:
-    """A mixture of the byte-level dataset and one under another tokenizer."""
-    c = copied(ctx)
-    other = ctx.tmp / "gpt2"
-    shutil.copytree(ctx.tiny_data, other)
-    meta = json.loads((other / "meta.json").read_text())
-    (other / "meta.json").write_text(json.dumps({**meta, "tokenizer": "gpt2"}))
-    c.facts["other"] = other
-    return dataclasses.replace(c, data=Path(f"{c.data}:0.5,{other}:0.5"))
-
-
-def empty_dataset(ctx: Ctx) -> Case:
-    (ctx.tmp / "empty").mkdir()
-    return Case(ctx.tmp, ctx.tmp / "empty", ctx.tmp / "run")
-
-
-def bad_magic(ctx: Ctx) -> Case:
-    c = copied(ctx)
-    with open(c.data / SHARD, "r+b") as f:
-        f.write(b"NOTASHRD")
-    return c
-
-
-def truncated_shard(ctx: Ctx) -> Case:
-    c = copied(ctx)
-    tokens = train_tokens(c)  # one train shard
-    size = HEADER_BYTES + 2 * tokens  # uint16: the byte vocabulary (257) fits
-    assert (c.data / SHARD).stat().st_size == size
-    os.truncate(c.data / SHARD, size - 100)
-    c.facts.update(tokens=tokens, size=size)
-    return c
-
-
-def flipped_byte(ctx: Ctx) -> Case:
-    """One payload bit flipped: header, size and token count still agree; only the hash does not."""
-    c = copied(ctx)
-    shard = c.data / SHARD
-    listed = sha256(shard)
-    raw = bytearray(shard.read_bytes())
-    raw[HEADER_BYTES + 1000] ^= 0x01
-    shard.write_bytes(bytes(raw))
-    c.facts.update(file=sha256(shard)[:16], meta=listed[:16])
-    return c
-
-
-def corrupt_dataset_meta(ctx: Ctx) -> Case:
-    c = copied(ctx)
-    c.facts["error"] = truncate_half(c.data / "meta.json")
-    return c
 
 
 def toml_unknown_key(ctx: Ctx) -> Case:
@@ -269,42 +145,7 @@ def port_in_use(ctx: Ctx) -> Case:
 
 # ---- the catalogue ------------------------------------------------------------------------
 
-def row(id_: str, setup: Callable[[Ctx], Case], command: Callable[[Case], list],
-        expected: Callable[[Case], str]):
-    return pytest.param(setup, command, expected, id=id_)
-
-
-E = "ddpgpt: error: "
-
 CASES = [
-    row("missing-dataset", missing_dataset, train,
-        lambda c: f"{E}dataset {c.data} does not exist; create it with: "
-                  f"ddpgpt prepare --out {c.data}"),
-    row("mixture-missing-dataset", mixture_with_a_missing_dataset, train,
-        lambda c: f"{E}dataset {c.facts['missing']} does not exist; create it with: "
-                  f"ddpgpt prepare --out {c.facts['missing']}"),
-    row("mixture-two-tokenizers", mixture_of_two_tokenizers, train,
-        lambda c: f"{E}data.dir: {c.tmp / 'data'} and {c.facts['other']} have different "
-                  f"tokenizers (byte, gpt2): a mixture's ids must mean the same text; prepare "
-                  f"{c.facts['other']} again with --tokenizer-from {c.tmp / 'data'}"),
-    row("empty-dataset", empty_dataset, train,
-        lambda c: f"{E}dataset {c.data} has no meta.json (not prepared, or prepare did not "
-                  f"finish); {REPREPARE} --out {c.data}"),
-    row("shard-bad-magic", bad_magic, train,
-        lambda c: f"{E}{c.data / SHARD}: not a ddpgpt shard (bad magic b'NOTASHRD'); {REPREPARE}"),
-    row("shard-truncated", truncated_shard, train,
-        lambda c: f"{E}{c.data / SHARD}: truncated: header says {c.facts['tokens']} uint16 tokens "
-                  f"({c.facts['size']} bytes) but the file has {c.facts['size'] - 100} bytes; "
-                  f"{REPREPARE}"),
-    row("shard-checksum", flipped_byte, train,
-        lambda c: f"{E}{c.data / SHARD}: sha256 mismatch (file {c.facts['file']}, "
-                  f"meta.json {c.facts['meta']}): the shard changed after prepare; {REPREPARE}"),
-    row("dataset-meta-corrupt", corrupt_dataset_meta, train,
-        lambda c: f"{E}{c.data / 'meta.json'}: corrupt or incomplete meta.json "
-                  f"({c.facts['error']}); {REPREPARE}"),
-    row("vocab-above-model", copied, lambda c: train(c, model__vocab_size=64),
-        lambda c: f"{E}dataset {c.data} has a vocabulary of 257 but model.vocab_size = 64; "
-                  "set model.vocab_size >= 257 (or 0 to follow the dataset)"),
     row("seq-len-above-block-size", copied,
         lambda c: train(c, data__seq_len=64, model__block_size=32),
         lambda c: f"{E}invalid config: data.seq_len = 64 exceeds model.block_size = 32; "
@@ -358,10 +199,6 @@ CASES = [
                   f"{c.run / 'checkpoints' / CKPT / 'meta.json'}: corrupt meta.json "
                   f"({c.facts['error']}); move the bad ones away, or pass --reset to set them "
                   "aside and start over"),
-    row("dataset-below-global-batch", copied, lambda c: train(c, data__global_batch=4096),
-        lambda c: f"{E}dataset {c.data}: the train split has {(train_tokens(c) - 1) // 32} "
-                  "windows of 33 tokens, fewer than one global batch of 4096; use a larger "
-                  "dataset, or a smaller data.seq_len / data.global_batch"),
     row("run-dir-below-a-file", run_dir_below_a_file, train,
         lambda c: f"{E}run dir {c.run}: {c.tmp / 'file'} is a file, not a directory; "
                   "give another --run-dir"),
@@ -384,26 +221,7 @@ CASES = [
 
 @pytest.mark.parametrize(("setup", "command", "expected"), CASES)
 def test_bad_input(setup, command, expected, tiny_data, tmp_path, request):
-    with ExitStack() as stack:
-        c = setup(Ctx(tmp_path, tiny_data, request, stack))
-        before = snapshot(c.data), snapshot(c.run)
-        start = time.monotonic()
-        r = run_cli(*command(c), env=c.env, timeout=60)
-        elapsed = time.monotonic() - start
-    output = (f"exit {r.returncode} after {elapsed:.1f} s\nstdout: {r.stdout!r}\n"
-              f"stderr: {r.stderr!r}")
-    assert "Traceback" not in r.stdout + r.stderr, output
-    assert r.returncode == 2, output
-    assert elapsed < 30, output
-    assert r.stdout == "", output
-    assert (len(r.stderr.splitlines()) == 1 and r.stderr.startswith(E)
-            and r.stderr.endswith("\n")), output
-    assert (snapshot(c.data), snapshot(c.run)) == before, \
-        "the failing command changed the data or run dir"
-    if before[1] is None:
-        assert not c.run.exists()
-    line = expected(c)
-    assert r.stderr == line + "\n", f"\nactual:   {r.stderr.rstrip()}\nexpected: {line}"
+    check(setup, command, expected, tiny_data, tmp_path, request)
 
 
 def test_nproc_above_visible_gpus(monkeypatch):

@@ -1,0 +1,32 @@
+"""Fixtures shared by several files of tests/e2e: the bpe run of tests/e2e/test_hf_export.py and
+tests/e2e/test_hf_gpt2.py (built once a session)."""
+
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from ddpgpt.config.commands import PrepareConfig
+from ddpgpt.data.prepare import main as prepare
+from tests.e2e.hf_runs import DOCS, SHAPE, SMALL, STDLIB, _ok
+from tests.helpers import run_cli
+
+
+@pytest.fixture(scope="session")
+def bpe(tmp_path_factory):
+    """bpe data; a run of 4 steps (checkpoints 2, 4) whose step-4 checkpoint is then lost, as
+    in a crash, and which resumes from step 2 to 6; its export."""
+    root = tmp_path_factory.mktemp("bpe")
+    data, run, out = root / "data", root / "run", root / "exported"
+    prepare.run(PrepareConfig(sources=[str(STDLIB / d) for d in DOCS], out=str(data),
+                              vocab_size=300, val_fraction=0.3))
+    args = ["train", "--data", data, "--run-dir", run, *SHAPE, *SMALL, "--run.eval-every", "2",
+            "--run.checkpoint-every", "2", "--run.tracker", "tensorboard"]
+    _ok(run_cli(*args, "--run.steps", "4", timeout=120))
+    shutil.rmtree(run / "checkpoints" / "step_0000004")
+    resumed = _ok(run_cli(*args, "--run.steps", "6", timeout=120))
+    assert "resuming from" in resumed.stderr and "(step 2," in resumed.stderr
+    export = _ok(run_cli("export", "--run-dir", run, "--out", out, timeout=120))
+    return SimpleNamespace(data=data, run=run, out=out, export=export)
