@@ -41,9 +41,9 @@ per-step ratio measured under one load, for a machine whose load moves during th
 
 Without a snapshot (no `--nanogpt`, no $NANOGPT) nanoGPT is skipped with one line, and `--target`
 stands in for its loss; with both, `--target` is the loss to reach (nanoGPT's mean recorded
-earlier, say) and nanoGPT runs only for `--pace`. Runs go into WORK/<corpus>/<seed>/ (the paced ones into
-WORK/<corpus>/pace/); the table is printed as Markdown and written with every figure to
-WORK/<corpus>.json. docs/performance.md ("Time to a loss") holds the results.
+earlier, say) and nanoGPT runs only for `--pace`. Runs go into WORK/<corpus>/<seed>/ (the
+paced ones into WORK/<corpus>/pace/); the table is printed as Markdown and written with every
+figure to WORK/<corpus>.json. docs/performance.md ("Time to a loss") holds the results.
 """
 
 from __future__ import annotations
