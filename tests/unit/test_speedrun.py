@@ -140,3 +140,20 @@ def test_the_prose_corpus_is_cut_at_separators_and_left_untouched_when_unchanged
     prose.build(tmp_path / "out", str(tmp_path / "*.txt"))
     assert out.stat().st_mtime_ns != 1 and "changed" in out.read_text()
     assert sorted(os.listdir(tmp_path / "out")) == ["SOURCES.txt", "vimhelp.jsonl"]
+
+
+def test_the_perl_corpus_starts_a_piece_at_each_head_and_reads_a_linked_directory_once(tmp_path):
+    """POD sections start at `=head1`/`=head2` lines, which they keep; a directory reached twice
+    by the glob (Debian's 5.36 -> 5.36.0 link) is read once."""
+    import json
+
+    from benchmarks import prose
+    real = tmp_path / "5.36.0" / "pod"
+    real.mkdir(parents=True)
+    (tmp_path / "5.36").symlink_to(tmp_path / "5.36.0")
+    (real / "a.pod").write_text("=head1 NAME\n\na - x\n\n=head2 More\n\ntext\n\n=item not\n")
+    out = prose.build(tmp_path / "out", str(tmp_path / "5*" / "pod" / "*.pod"), source="perl")
+    texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    assert out.name == "perldoc.jsonl"
+    assert texts == ["=head1 NAME\n\na - x\n\n", "=head2 More\n\ntext\n\n=item not\n"]
+    assert "1 files" in (tmp_path / "out" / "SOURCES.txt").read_text().splitlines()[0]
