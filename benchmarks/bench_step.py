@@ -14,8 +14,9 @@ gradients accumulated) and the optimizer's step:
 - `gpt2-adamw`: ddpgpt's GPT-2 model as the speedrun benchmark's `adamw` recipe trains it;
 - `modern-adamw`: the speedrun preset's model (model.arch modern) with the same AdamW: the
   model's cost against nanoGPT's, optimizer alike;
-- `modern-muon`: the speedrun preset's model and optimizer (Muon in fp32 for the blocks'
-  matrices, AdamW for the rest) and its two micro-batches of 8: the step the preset trains.
+- `modern-muon`: the speedrun preset's model and optimizer (its Muon, in fp32 with MuonEq-R, for
+  the blocks' matrices, AdamW for the rest) and its two micro-batches of 8: the step the preset
+  trains alone (the speedrun benchmark trains one batch of 16: `modern-muon:micro=1`).
 
 A ddpgpt variant takes model settings after a colon, to price one piece of the model:
 `modern-adamw:norm=layernorm`, `modern-adamw:qk_norm=false,rope=false`; and `micro=N`, the
@@ -46,6 +47,7 @@ from pathlib import Path
 import torch
 
 from ddpgpt.config.model import ModelConfig
+from ddpgpt.config.presets import get_preset
 from ddpgpt.config.schema import OptimConfig
 from ddpgpt.model.gpt import GPT
 from ddpgpt.optim import optimizer as optim
@@ -69,7 +71,7 @@ def _ddpgpt(arch: str, vocab: int, muon: bool, pieces: dict):
     extra.update(pieces)
     model = GPT(ModelConfig(n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH, block_size=T,
                             vocab_size=vocab, arch=arch, **extra), seed=1337)
-    cfg = (OptimConfig(name="muon", lr=4e-3, min_lr=4e-4, muon_ns_dtype="fp32") if muon
+    cfg = (get_preset("speedrun").optim if muon
            else OptimConfig(name="adamw", lr=1e-3, min_lr=1e-4))
     groups = optim.groups(model, cfg)
     opt = optim.Optimizer(groups, [g.params for g in groups], cfg, torch.device("cpu"),
