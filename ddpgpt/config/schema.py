@@ -133,16 +133,14 @@ class OptimConfig:
     warmup_steps: int = 20
     """Steps of linear warmup from 0 to lr."""
     decay_steps: int = 0
-    """Length of the schedule in steps, warmup included: lr decays down to min_lr at this step
-    and stays there after. 0: run.steps at the run's first start, then kept when the run
-    resumes, so raising run.steps to train further goes on at min_lr rather than re-shaping the
-    cosine mid-run (set it to re-shape the schedule on purpose). wsd resumed in its flat phase
-    takes the new run.steps instead."""
+    """The schedule's length in steps, warmup included: lr reaches min_lr there and stays. 0:
+    run.steps at the run's first start, then kept on resume, so more run.steps go on at min_lr
+    rather than re-shaping the cosine (set it to re-shape on purpose); wsd resumed in its flat
+    phase takes the new run.steps."""
     schedule: choices.Schedule = "cosine"
-    """The lr after warmup: cosine (down to min_lr at the schedule's end), wsd (warmup, stable,
-    decay: flat at lr, then linear down to min_lr over the last decay_fraction of the schedule;
-    a run resumed in its flat phase with more run.steps stays flat and decays at the new end) or
-    constant (flat at lr)."""
+    """The lr after warmup: cosine (down to min_lr at the schedule's end), wsd (flat at lr, then
+    linear down to min_lr over the last decay_fraction; resumed while flat with more run.steps,
+    it decays at the new end) or constant (flat at lr)."""
     decay_fraction: float = 0.2
     """wsd: the share of the schedule, at its end, over which lr falls linearly to min_lr."""
     weight_decay: float = 0.1
@@ -166,17 +164,14 @@ class OptimConfig:
     muon_ns_steps: int = 5
     """Newton-Schulz iterations per Muon update."""
     muon_ns: choices.NewtonSchulz = "quintic"
-    """The Newton-Schulz polynomials: quintic (torch's, the same every iteration) or polar (Polar
-    Express: one per iteration, closer to orthogonal in fewer; docs/muon.md)."""
+    """Newton-Schulz's polynomials: quintic (torch's) or polar (Polar Express; docs/muon.md)."""
     muon_eq: bool = False
     """MuonEq-R: each row of Muon's update divided by its L2 norm before Newton-Schulz."""
     muon_snap: bool = False
-    """Muon's orthogonalized update rescaled to an orthogonal matrix's Frobenius norm,
-    sqrt(min(rows, cols)), after Newton-Schulz (whatever spread of singular values it left)."""
+    """Muon's update rescaled after Newton-Schulz to an orthogonal matrix's Frobenius norm."""
     muon_ns_dtype: choices.NewtonSchulzDtype = "auto"
-    """The dtype Newton-Schulz iterates in: auto (fp32 under run.precision fp32, so that runs
-    compare exactly; bf16 otherwise, as torch), fp32 or bf16 (faster where the CPU or GPU has
-    bf16 matrix units)."""
+    """Newton-Schulz's dtype: auto (fp32 under run.precision fp32, so that runs compare exactly;
+    bf16 otherwise, as torch), fp32 or bf16 (faster where there are bf16 matrix units)."""
 
     def __post_init__(self):
         _finite(self, "optim.")
