@@ -3,8 +3,8 @@ override any field of it.
 
     tiny       4 layers, 256 wide, T=256 (~5M params): the CPU demo, minutes on 2 cores
     speedrun   tiny's shape and batch, the fastest recipe to a loss measured on a CPU: the modern
-               architecture, Muon in fp32, AdamW at 4e-3 for the embedding and head, a 200-step
-               cosine (docs/performance.md, "Time to a loss")
+               architecture, Muon with MuonEq-R in fp32, AdamW at 4e-3 for the embedding and
+               head, a 200-step cosine (docs/performance.md, "Time to a loss")
     small      6 layers, 384 wide, T=512 (~14M params): a single small GPU, or patient CPUs
     gpt2-124m  12 layers, 768 wide, T=1024, GPT-2's vocabulary and architecture: GPU runs
     gpt2-350m  24 layers, 1024 wide, T=1024, GPT-2's architecture: GPU runs
@@ -32,17 +32,18 @@ def tiny() -> TrainConfig:
 def speedrun() -> TrainConfig:
     """The tiny preset's shape and batch, trained the fastest way to a loss measured on a CPU, one
     recipe for every corpus measured (benchmarks/speedrun.py against nanoGPT's 500 AdamW steps on
-    the stdlib's bytes, its bpe-4096 tokens and Vim's help as bpe-4096 tokens; docs/performance.md,
-    "Time to a loss"). The modern architecture (rotary positions, RMSNorm, QK-norm, SwiGLU, no
-    biases, an untied head, zero-initialized projections; SwiGLU rather than ReLU²: the same
-    loss, and the model exports as Qwen3). Muon for the matrices; AdamW at lr 4e-3 for the
-    embedding, head and gains (at 2e-3 bpe tokens needed 200 steps to nanoGPT's loss, at 4e-3
-    150); the cosine over 200 steps after 20 of warmup; Newton-Schulz and the whole step in fp32
-    (bf16 was 0.07-0.13 behind in val loss). Every val window is evaluated every 25 steps (apart
-    from the training seconds: metrics.jsonl's train_s). Measured (three seeds a side, 1 thread,
-    a 2-core VM): nanoGPT's mean final loss at step 100 on bytes, 150-175 on bpe, 125-150 on
-    prose, under half its time on each; at step 200 below the tiny preset's Muon on GPT-2's
-    model on all three."""
+    the stdlib's bytes, its bpe-4096 tokens, Vim's help and Perl's documentation as bpe-4096
+    tokens; docs/performance.md, "Time to a loss"). The modern architecture (rotary positions,
+    RMSNorm, QK-norm, SwiGLU, no biases, an untied head, zero-initialized projections; SwiGLU
+    rather than ReLU²: the same loss, and the model exports as Qwen3). Muon for the matrices,
+    with MuonEq-R (each row of the update at unit norm before Newton-Schulz: 0.05-0.10 lower val
+    loss at every evaluation on bpe and prose); AdamW at lr 4e-3 for the embedding, head and
+    gains (at 2e-3 bpe tokens needed 200 steps to nanoGPT's loss, at 4e-3 150); the cosine over
+    200 steps after 20 of warmup; Newton-Schulz and the whole step in fp32 (bf16 was 0.07-0.13
+    behind in val loss). Every val window is evaluated every 25 steps (apart from the training
+    seconds: metrics.jsonl's train_s). Measured (three seeds a side, 1 thread, a 2-core VM):
+    nanoGPT's mean final loss at step 80 on bytes, 130-140 on bpe, 110-120 on Vim's help and
+    120 on Perl's documentation; at step 200 below this recipe without MuonEq-R on all four."""
     return TrainConfig(
         model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=256, arch="modern"),
         data=DataConfig(micro_batch=8, global_batch=16, eval_windows=0),
