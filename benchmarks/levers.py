@@ -17,6 +17,9 @@ Seeds and the corpus are as in benchmarks/speedrun.py. A run whose directory alr
 finished run of the same config (as `ddpgpt train --print-config` resolves it) is read, not
 trained again, so seeds and levers can be added
 later; runs go into WORK/levers/<corpus>/<lever>/<seed>/ and the table to WORK/levers-<corpus>.md.
+With --upto N every run stops after N steps (a screen up to where the base crosses the target:
+the losses up to there are the whole run's, its schedule unchanged), the table's marks and final
+val then at N.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 from pathlib import Path
 
 from benchmarks import speedrun
+from ddpgpt.config.presets import get_preset
 
 # The base: the speedrun preset as it is (docs/performance.md's "Time to a loss").
 BASE = ["--preset", "speedrun"]
@@ -46,6 +50,11 @@ LEVERS = {
     "bias": ["--model.bias", "true"],
     "softcap-15": ["--model.logit-softcap", "15"],
     "softcap-30": ["--model.logit-softcap", "30"],
+    # the shape: cheaper steps (the time to a loss is steps × a step's cost)
+    "layers-3": ["--model.n-layer", "3"],
+    "layers-5": ["--model.n-layer", "5"],
+    "kv-2": ["--model.n-kv-head", "2"],
+    "mlp-512": ["--model.mlp-hidden", "512"],
     # the lr split: AdamW's lr (embedding, head, gains) against Muon's
     "adamw-lr-1e-3": ["--optim.lr", "1e-3", "--optim.min-lr", "1e-4"],
     "adamw-lr-2e-3": ["--optim.lr", "2e-3", "--optim.min-lr", "2e-4"],
@@ -54,6 +63,7 @@ LEVERS = {
     "adamw-lr-8e-3": ["--optim.lr", "8e-3", "--optim.min-lr", "8e-4"],
     "muon-lr-0.03": ["--optim.muon-lr", "0.03"],
     "muon-lr-0.015": ["--optim.muon-lr", "0.015"],
+    "muon-lr-0.025": ["--optim.muon-lr", "0.025"],
     # Muon's orthogonalizer: Polar Express's polynomials instead of the quintic's
     "polar": ["--optim.muon-ns", "polar"],
     # Muon's update around the orthogonalizer: MuonEq-R's rows, the norm snapped after it
@@ -63,6 +73,7 @@ LEVERS = {
     # Muon's momentum and its warmup
     "momentum-flat": ["--optim.muon-momentum-warmup", "0"],
     "momentum-0.9": ["--optim.muon-momentum", "0.9"],
+    "momentum-50": ["--optim.muon-momentum-warmup", "50"],
     # the schedule's shape and its length
     "wsd-0.2": ["--optim.schedule", "wsd", "--optim.decay-fraction", "0.2"],
     "wsd-0.4": ["--optim.schedule", "wsd", "--optim.decay-fraction", "0.4"],
@@ -72,11 +83,17 @@ LEVERS = {
     "steps-175": ["--run.steps", "175"],
     "steps-250": ["--run.steps", "250"],
     "warmup-0": ["--optim.warmup-steps", "0"],
+    "warmup-10": ["--optim.warmup-steps", "10"],
+    "warmup-5": ["--optim.warmup-steps", "5"],
     # the batch in tokens: 8 sequences a step for as many tokens (twice the steps, warmups and
     # evaluations spaced as far apart in tokens)
     "batch-8": ["--data.global-batch", "8", "--data.micro-batch", "8", "--run.steps", "400",
                 "--optim.warmup-steps", "40", "--optim.muon-momentum-warmup", "200",
                 "--run.eval-every", "50"],
+    # 32 sequences a step for as many tokens (half the steps, warmups and evaluations as near)
+    "batch-32": ["--data.global-batch", "32", "--data.micro-batch", "32", "--run.steps", "100",
+                 "--optim.warmup-steps", "10", "--optim.muon-momentum-warmup", "50",
+                 "--run.eval-every", "5"],
 }
 
 
@@ -85,11 +102,28 @@ def flags(name: str) -> list[str]:
     return [flag for part in name.split("+") for flag in LEVERS[part]]
 
 
+def last(recipe: list[str], flag: str, default: str) -> str:
+    """The value the last `flag` of `recipe` gives, or `default`."""
+    at = [i for i, f in enumerate(recipe) if f == flag]
+    return recipe[at[-1] + 1] if at else default
+
+
+def cut(recipe: list[str], upto: int) -> list[str]:
+    """`recipe` stopped after the steps that hold as many tokens as `upto` steps of 16
+    sequences, on the schedule it has over its whole run (optim.decay-steps: the losses up to
+    there are the whole run's)."""
+    preset = get_preset("speedrun")
+    steps = last(recipe, "--run.steps", str(preset.run.steps))
+    batch = int(last(recipe, "--data.global-batch", str(preset.data.global_batch)))
+    return [*recipe, "--optim.decay-steps", steps, "--run.steps", str(upto * 16 // batch)]
+
+
 def run_lever(name: str, data: Path, run: Path, seed: int, args) -> dict:
-    """One lever's run for one seed, trained or, when `run` finished the same resolved config,
-    read (benchmarks/speedrun.py's ddpgpt)."""
-    return speedrun.ddpgpt([*BASE, *flags(name)], data, run, args.threads, 1, args.eval_every,
-                           seed)
+    """One lever's run for one seed (to --upto's step, where given), trained or, when `run`
+    finished the same resolved config, read (benchmarks/speedrun.py's ddpgpt)."""
+    recipe = [*BASE, *flags(name)]
+    return speedrun.ddpgpt(cut(recipe, args.upto) if args.upto else recipe, data, run,
+                           args.threads, 1, args.eval_every, seed)
 
 
 def loss_at(out: dict, step: int) -> float | None:
@@ -133,6 +167,9 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=None)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--upto", type=int, default=0,
+                        help="stop every run after this many steps of 16 sequences (a lever's "
+                             "own batch: as many tokens), on its whole run's schedule")
     parser.add_argument("--work", default="bench/speedrun")
     args = parser.parse_args()
     names = ["base"] + [n for n in args.levers.split(",") if n and n != "base"]
@@ -147,7 +184,9 @@ def main() -> None:
     runs = {name: [] for name in names}
     for seed in range(args.seeds):
         for name in names:
-            out = run_lever(name, data, work / "levers" / corpus / name / str(seed), seed, args)
+            run = work / "levers" / corpus / name / (f"{seed}-to{args.upto}" if args.upto
+                                                      else str(seed))
+            out = run_lever(name, data, run, seed, args)
             runs[name].append(out)
             print(f"{name} seed {seed}: val {out['final_val']:.4f} at step {out['steps']}",
                   flush=True)

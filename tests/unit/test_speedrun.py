@@ -3,17 +3,21 @@ the same windows as a ddpgpt model, its log's step times, and time to target."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from benchmarks import nanogpt, speedrun
+from benchmarks import levers, nanogpt, speedrun
 from ddpgpt.config.model import ModelConfig
+from ddpgpt.config.presets import get_preset
 from ddpgpt.data.loader import EvalLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.distributed.group import DistEnv
 from ddpgpt.evals.loss import evaluate
 from ddpgpt.model.gpt import GPT
+from ddpgpt.optim.schedule import lr_at
 from tests.helpers import write_dataset
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -157,3 +161,12 @@ def test_the_perl_corpus_starts_a_piece_at_each_head_and_reads_a_linked_director
     assert out.name == "perldoc.jsonl"
     assert texts == ["=head1 NAME\n\na - x\n\n", "=head2 More\n\ntext\n\n=item not\n"]
     assert "1 files" in (tmp_path / "out" / "SOURCES.txt").read_text().splitlines()[0]
+
+
+def test_a_screen_stops_at_as_many_tokens_on_the_whole_runs_schedule():
+    halved = levers.cut([*levers.BASE, *levers.flags("batch-32")], 130)  # 32 sequences a step
+    assert halved[-4:] == ["--optim.decay-steps", "100", "--run.steps", "65"]
+    assert levers.cut(levers.BASE, 130)[-4:] == ["--optim.decay-steps", "200", "--run.steps", "130"]
+    whole = get_preset("speedrun").optim
+    screen = dataclasses.replace(whole, decay_steps=200)
+    assert [lr_at(s, screen, 130) for s in range(130)] == [lr_at(s, whole, 200) for s in range(130)]
