@@ -56,10 +56,10 @@ class DataConfig:
     eval_windows: int = 256
     """Validation windows per evaluation, evenly spaced over the val split; 0 uses all."""
     train_eval_windows: int = -1
-    """Training windows scored at each evaluation beside the val loss (train_eval_loss: the
-    fit of the data trained on, to tell overfitting from a data problem): a fixed sample drawn
-    by data.seed, the same windows at any W and after a resume. -1: as many as the val loss
-    scores (data.eval_windows; the val split's count when that is 0); 0: off."""
+    """Training windows scored at each evaluation beside the val loss (train_eval_loss: the fit
+    of the data trained on, to tell overfitting from a data problem), a fixed sample drawn by
+    data.seed at any W and resume. -1: as many as the val loss scores (data.eval_windows; the val
+    split's count when that is 0); 0: off."""
     verify: bool = True
     """Re-hash every shard against meta.json at startup (the ranks share the work); off: faster."""
     cache: str = ""
@@ -68,9 +68,8 @@ class DataConfig:
     window is fetched when it is needed, ahead of the step that reads it)."""
     allow_switch: bool = False
     """Resume a checkpoint on another dataset than it was trained on (its fingerprint differs):
-    the loader starts the new data from its beginning and metrics.jsonl records the switch.
-    Without it such a resume is refused. It applies to the start that gives it (and its
-    restarts), as --reset does: the run's next start does not inherit it."""
+    the loader starts the new data from its beginning, metrics.jsonl records the switch; without
+    it such a resume is refused. Only its own start (and restarts) has it, as with --reset."""
 
     def __post_init__(self):
         for name in ("micro_batch", "global_batch"):
@@ -130,13 +129,14 @@ class OptimConfig:
     """Peak learning rate, reached after warmup_steps."""
     min_lr: float = 1e-4
     """Learning rate at the end of the decay (cosine and wsd; the schedule's last step)."""
+    embed_lr: float = 0.0
+    """AdamW's peak lr for the token embedding (tied: the head too), min_lr scaled alike; 0: lr."""
     warmup_steps: int = 20
     """Steps of linear warmup from 0 to lr."""
     decay_steps: int = 0
     """The schedule's length in steps, warmup included: lr reaches min_lr there and stays. 0:
-    run.steps at the run's first start, then kept on resume, so more run.steps go on at min_lr
-    rather than re-shaping the cosine (set it to re-shape on purpose); wsd resumed in its flat
-    phase takes the new run.steps."""
+    run.steps at the first start, kept on resume (more run.steps go on at min_lr; set it to
+    re-shape the cosine); wsd resumed in its flat phase takes the new run.steps."""
     schedule: choices.Schedule = "cosine"
     """The lr after warmup: cosine (down to min_lr at the schedule's end), wsd (flat at lr, then
     linear down to min_lr over the last decay_fraction; resumed while flat with more run.steps,
@@ -191,14 +191,14 @@ class OptimConfig:
                      f"optim.{name} = {getattr(self, name)} must be in [0, 1)")
         _require(self.eps > 0, f"optim.eps = {self.eps} must be > 0")
         _require(self.grad_clip >= 0, f"optim.grad_clip = {self.grad_clip} must be >= 0 (0: off)")
+        _require(self.embed_lr >= 0, f"optim.embed_lr = {self.embed_lr} must be >= 0 (0: lr)")
         _require(self.muon_lr > 0, f"optim.muon_lr = {self.muon_lr} must be > 0")
         for name in ("muon_momentum", "muon_momentum_start"):
             _require(0 <= getattr(self, name) < 1,
                      f"optim.{name} = {getattr(self, name)} must be in [0, 1)")
         _require(self.muon_momentum_warmup >= 0,
                  f"optim.muon_momentum_warmup = {self.muon_momentum_warmup} must be >= 0")
-        _require(self.muon_ns_steps >= 1,
-                 f"optim.muon_ns_steps = {self.muon_ns_steps} must be >= 1")
+        _require(self.muon_ns_steps >= 1, f"optim.muon_ns_steps = {self.muon_ns_steps} must be > 0")
         _choice("optim", "muon_ns", self.muon_ns, choices.NewtonSchulz)
         _require(self.muon_ns != "polar" or self.muon_ns_steps >= 5,  # optim/muon.py's table
                  f"optim.muon_ns = polar is made for 5 iterations; optim.muon_ns_steps = "

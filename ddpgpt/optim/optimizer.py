@@ -31,6 +31,10 @@ class Group:
     lr_scale: float = 1.0                  # the group's lr over optim.lr (Muon: muon_lr / lr)
 
 
+# The token embedding's parameter (model/gpt.py), the one optim.embed_lr steps.
+EMBEDDING = "wte.weight"
+
+
 def is_muon_param(name: str, p: torch.nn.Parameter) -> bool:
     """The blocks' 2-D weight matrices: a linear map whose directions Muon equalizes. Embedding
     rows are lookups, the output head (tied to the embedding or not, as modded-nanogpt and
@@ -40,17 +44,22 @@ def is_muon_param(name: str, p: torch.nn.Parameter) -> bool:
 
 
 def groups(model: torch.nn.Module, cfg: OptimConfig) -> list[Group]:
-    """adamw: matrices, embeddings and the head (dim >= 2) decay, biases and norm gains do not.
-    muon: the blocks' matrices first, then AdamW's two groups over the rest."""
-    muon, decay, no_decay = [], [], []
+    """adamw: matrices, embeddings and the head (dim >= 2) decay, biases and norm gains do not;
+    with optim.embed_lr the token embedding is a third group, decayed, at its own lr. muon: the
+    blocks' matrices first, then AdamW's groups over the rest."""
+    muon, decay, no_decay, embed = [], [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         if cfg.name == "muon" and is_muon_param(name, p):
             muon.append(p)
+        elif cfg.embed_lr and name == EMBEDDING:
+            embed.append(p)
         else:
             (decay if p.dim() >= 2 else no_decay).append(p)
     adamw = [Group("adamw", decay, cfg.weight_decay), Group("adamw", no_decay, 0.0)]
+    if embed:
+        adamw.append(Group("adamw", embed, cfg.weight_decay, cfg.embed_lr / cfg.lr))
     if cfg.name != "muon":
         return adamw
     return [Group("muon", muon, cfg.weight_decay, cfg.muon_lr / cfg.lr), *adamw]

@@ -72,6 +72,40 @@ def test_param_groups_skip_frozen_parameters():
     assert len(grouped) == len(list(model.parameters())) - 2
 
 
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_embed_lr_steps_the_embedding_alone_and_a_checkpoint_moves_into_its_group(name):
+    """optim.embed_lr: the token embedding in a third AdamW group, decayed, at embed_lr / lr of
+    the schedule's lr. A checkpoint written without it (tensors by name, as format 3) resumes
+    into the new layout with the embedding's moments and step count where they were."""
+    plain = OptimConfig(name=name, lr=1e-2, min_lr=1e-3)
+    split = OptimConfig(name=name, lr=1e-2, min_lr=1e-3, embed_lr=5e-2)
+    model = GPT(SMALL)
+    names = {id(p): n for n, p in model.named_parameters()}
+    parts = groups(model, split)
+    assert [[names[id(p)] for p in g.params] for g in parts[-1:]] == [["wte.weight"]]
+    assert (parts[-1].lr_scale, parts[-1].weight_decay) == (5.0, split.weight_decay)
+    assert sum(len(g.params) for g in parts) == len(names)  # each parameter exactly once
+    before = make_optimizer(model, plain)
+    for step in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+        set_lr(before, 1e-2)
+        before.step()
+    written, _ = Sync(model, groups(model, plain), DistEnv()).checkpoint_state(before)
+    after = make_optimizer(model, split)
+    targets, _ = Sync(model, parts, DistEnv()).checkpoint_state(after, ("adamw", "muon"))
+    assert targets.keys() == written.keys()
+    for key, held in written.items():  # what checkpoint/read.py's read_into does
+        targets[key].chunks[0][1].copy_(held.chunks[0][1])
+    Sync(model, parts, DistEnv()).set_adamw_steps(
+        after, Sync(model, groups(model, plain), DistEnv()).adamw_steps(before))
+    set_lr(after, 2e-3)
+    embedding = next(g for g in after.adamw.param_groups if g["lr_scale"] == 5.0)
+    assert embedding["params"] == [model.wte.weight] and embedding["lr"] == pytest.approx(1e-2)
+    old, new = before.adamw.state[model.wte.weight], after.adamw.state[model.wte.weight]
+    assert all(torch.equal(old[k], new[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
 # ---- the optimizer against torch.optim.AdamW --------------------------------------------------
 
 def test_make_optimizer_matches_adamw_by_hand():
