@@ -47,8 +47,8 @@ def speedrun() -> TrainConfig:
     return TrainConfig(
         model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=256, arch="modern"),
         data=DataConfig(micro_batch=8, global_batch=16, eval_windows=0),
-        optim=OptimConfig(name="muon", lr=4e-3, min_lr=4e-4, warmup_steps=20, muon_eq=True,
-                          muon_ns_dtype="fp32"),
+        optim=OptimConfig(name="muon", lr=4e-3, min_lr=4e-4, embed_lr=0.1, warmup_steps=20,
+                          muon_eq=True, muon_ns_dtype="fp32"),
         run=RunConfig(steps=200, eval_every=25, checkpoint_every=0, precision="fp32"),
     )
 
