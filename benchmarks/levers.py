@@ -61,6 +61,11 @@ LEVERS = {
     "adamw-lr-4e-3": ["--optim.lr", "4e-3", "--optim.min-lr", "4e-4"],
     "adamw-lr-6e-3": ["--optim.lr", "6e-3", "--optim.min-lr", "6e-4"],
     "adamw-lr-8e-3": ["--optim.lr", "8e-3", "--optim.min-lr", "8e-4"],
+    "embed-lr-off": ["--optim.embed-lr", "0"],  # the embedding at optim.lr, as the head
+    "embed-lr-0.02": ["--optim.embed-lr", "0.02"],
+    "embed-lr-0.04": ["--optim.embed-lr", "0.04"],
+    "embed-lr-0.2": ["--optim.embed-lr", "0.2"],
+    "embed-lr-0.4": ["--optim.embed-lr", "0.4"],
     "muon-lr-0.03": ["--optim.muon-lr", "0.03"],
     "muon-lr-0.015": ["--optim.muon-lr", "0.015"],
     "muon-lr-0.025": ["--optim.muon-lr", "0.025"],
