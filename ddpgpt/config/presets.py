@@ -3,8 +3,8 @@ override any field of it.
 
     tiny       4 layers, 256 wide, T=256 (~5M params): the CPU demo, minutes on 2 cores
     speedrun   tiny's shape and batch, the fastest recipe to a loss measured on a CPU: the modern
-               architecture, Muon with MuonEq-R in fp32, AdamW at 4e-3 for the embedding and
-               head, a 200-step cosine (docs/performance.md, "Time to a loss")
+               architecture, Muon with MuonEq-R in fp32, AdamW at 0.1 for the embedding and 4e-3
+               for the head, a 200-step cosine (docs/performance.md, "Time to a loss")
     small      6 layers, 384 wide, T=512 (~14M params): a single small GPU, or patient CPUs
     gpt2-124m  12 layers, 768 wide, T=1024, GPT-2's vocabulary and architecture: GPU runs
     gpt2-350m  24 layers, 1024 wide, T=1024, GPT-2's architecture: GPU runs
@@ -37,13 +37,13 @@ def speedrun() -> TrainConfig:
     RMSNorm, QK-norm, SwiGLU, no biases, an untied head, zero-initialized projections; SwiGLU
     rather than ReLU²: the same loss, and the model exports as Qwen3). Muon for the matrices,
     with MuonEq-R (each row of the update at unit norm before Newton-Schulz: 0.05-0.10 lower val
-    loss at every evaluation on bpe and prose); AdamW at lr 4e-3 for the embedding, head and
-    gains (at 2e-3 bpe tokens needed 200 steps to nanoGPT's loss, at 4e-3 150); the cosine over
-    200 steps after 20 of warmup; Newton-Schulz and the whole step in fp32 (bf16 was 0.07-0.13
-    behind in val loss). Every val window is evaluated every 25 steps (apart from the training
-    seconds: metrics.jsonl's train_s). Measured (three seeds a side, 1 thread, a 2-core VM):
-    nanoGPT's mean final loss at step 80 on bytes, 130-140 on bpe, 110-120 on Vim's help and
-    120 on Perl's documentation; at step 200 below this recipe without MuonEq-R on all four."""
+    loss at every evaluation on bpe and prose); AdamW at lr 0.1 for the token embedding (a row
+    moves only at its own tokens: at 4e-3 bpe crossed nanoGPT's loss at step 130, at 0.1 at 100)
+    and 4e-3 for the head and gains; the cosine over 200 steps after 20 of warmup; Newton-Schulz
+    and the whole step in fp32 (bf16 was 0.07-0.13 behind in val loss). Every val window is
+    evaluated every 25 steps (apart from the training seconds: metrics.jsonl's train_s).
+    Measured (three seeds a side, 1 thread, a 2-core VM): nanoGPT's mean final loss at step 50
+    on bytes, 100-110 on bpe, 80-100 on Vim's help and 80-90 on Perl's documentation."""
     return TrainConfig(
         model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=256, arch="modern"),
         data=DataConfig(micro_batch=8, global_batch=16, eval_windows=0),
