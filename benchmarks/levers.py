@@ -17,9 +17,9 @@ Seeds and the corpus are as in benchmarks/speedrun.py. A run whose directory alr
 finished run of the same config (as `ddpgpt train --print-config` resolves it) is read, not
 trained again, so seeds and levers can be added
 later; runs go into WORK/levers/<corpus>/<lever>/<seed>/ and the table to WORK/levers-<corpus>.md.
-With --upto N every run stops after N steps (a screen up to where the base crosses the target:
-the losses up to there are the whole run's, its schedule unchanged), the table's marks and final
-val then at N.
+With --upto N every run stops after as many tokens as N steps of 16 sequences (a screen up to
+where the base crosses the target: the losses up to there are the whole run's, its schedule
+unchanged), the table's marks and final val then at its last step.
 """
 
 from __future__ import annotations

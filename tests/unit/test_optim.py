@@ -85,20 +85,19 @@ def test_embed_lr_steps_the_embedding_alone_and_a_checkpoint_moves_into_its_grou
     assert [[names[id(p)] for p in g.params] for g in parts[-1:]] == [["wte.weight"]]
     assert (parts[-1].lr_scale, parts[-1].weight_decay) == (5.0, split.weight_decay)
     assert sum(len(g.params) for g in parts) == len(names)  # each parameter exactly once
-    before = make_optimizer(model, plain)
+    before, saver = make_optimizer(model, plain), Sync(model, groups(model, plain), DistEnv())
     for step in range(2):
         for p in model.parameters():
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
         set_lr(before, 1e-2)
         before.step()
-    written, _ = Sync(model, groups(model, plain), DistEnv()).checkpoint_state(before)
-    after = make_optimizer(model, split)
-    targets, _ = Sync(model, parts, DistEnv()).checkpoint_state(after, ("adamw", "muon"))
+    written, _ = saver.checkpoint_state(before)
+    after, loader = make_optimizer(model, split), Sync(model, parts, DistEnv())
+    targets, _ = loader.checkpoint_state(after, ("adamw", "muon"))
     assert targets.keys() == written.keys()
     for key, held in written.items():  # what checkpoint/read.py's read_into does
         targets[key].chunks[0][1].copy_(held.chunks[0][1])
-    Sync(model, parts, DistEnv()).set_adamw_steps(
-        after, Sync(model, groups(model, plain), DistEnv()).adamw_steps(before))
+    loader.set_adamw_steps(after, saver.adamw_steps(before))
     set_lr(after, 2e-3)
     embedding = next(g for g in after.adamw.param_groups if g["lr_scale"] == 5.0)
     assert embedding["params"] == [model.wte.weight] and embedding["lr"] == pytest.approx(1e-2)
