@@ -51,6 +51,7 @@ from ddpgpt.config.presets import get_preset
 from ddpgpt.config.schema import OptimConfig
 from ddpgpt.model.gpt import GPT
 from ddpgpt.optim import optimizer as optim
+from ddpgpt.run import precision
 
 B, T, LAYERS, HEADS, WIDTH = 16, 256, 4, 4, 256
 
@@ -88,6 +89,18 @@ def build(name: str, args):
     micro = int(pieces.pop("micro", 0))
     model, opt, default = _ddpgpt(name.split("-")[0], args.vocab, name.endswith("muon"), pieces)
     return model, opt, micro or default
+
+
+def split_variants(text: str) -> list[str]:
+    """--variants: names by commas, a variant's own settings after its colon by commas too
+    ("nanogpt,modern-adamw:rope=false,qk_norm=false,modern-muon")."""
+    variants: list[str] = []
+    for item in text.split(","):
+        if "=" in item and ":" not in item and variants:
+            variants[-1] += "," + item
+        else:
+            variants.append(item)
+    return variants
 
 
 def step(model, opt, micro: int, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -189,7 +202,8 @@ def main() -> None:
                         help="Muon's iteration alone: the x-form against the Gram form")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    variants = args.variants.split(",")
+    precision.keep_freed_memory()  # as the trainer runs on a CPU; nanoGPT's step gains alike
+    variants = split_variants(args.variants)
     needs = [args.profile] if args.profile else [] if args.newton_schulz else variants
     if args.nanogpt is None and "nanogpt" in needs:
         raise SystemExit("bench_step: nanogpt needs --nanogpt DIR (a clone of "

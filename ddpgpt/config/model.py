@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, get_args
 
 from ddpgpt.config.checks import _choice, _finite, _require
-from ddpgpt.config.choices import Arch, Attention, Gelu, Mlp, Norm
+from ddpgpt.config.choices import Arch, Attention, Gelu, Kernels, Mlp, Norm
 
 
 class Pieces(NamedTuple):
@@ -117,6 +117,14 @@ class ModelConfig:
     attention is SDPA's causal kernel either way, and the weights are the same: a run resumes
     with the other. auto: flex on CUDA; on a CPU flex for document-masked rows of 2,048 tokens
     or more, sdpa below (docs/performance.md, "Attention that skips what it masks")."""
+    kernels: Kernels = "eager"
+    """How a training step on a CPU runs the elementwise work around the matrix products: eager
+    (torch's ops, a pass over the activations each) or compiled (RMSNorm, QK-norm with the rotary
+    turn, SwiGLU's activation and the cross-entropy each one torch.compile kernel forward and one
+    backward: a few seconds of the system's C compiler at the first step, cached for later runs;
+    where it cannot build them, one line says so and eager runs). Evaluation, sampling, CUDA and a
+    compiled model (run.compile) run eager's. The same numbers to rounding: a run resumes with
+    either (docs/performance.md, "The step")."""
     dropout: float = 0.0
     """Dropout probability on attention, residual and embedding outputs (0 for pretraining)."""
     gelu: Gelu = "tanh"
@@ -135,7 +143,8 @@ class ModelConfig:
     def __post_init__(self):
         _finite(self, "model.")
         for name, choices in (("arch", Arch), ("norm", Norm), ("mlp", Mlp),
-                              ("attention", Attention)):
+                              ("attention", Attention),
+                              ("kernels", Kernels)):
             if getattr(self, name) is not None:
                 _choice("model", name, getattr(self, name), get_args(choices))
         for name in ("n_layer", "n_head", "n_embd", "block_size"):

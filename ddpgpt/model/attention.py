@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.model import flex
-from ddpgpt.model.layers import RMSNorm, rms_norm, rotate
+from ddpgpt.model import flex, fused
+from ddpgpt.model.layers import RMSNorm, norm_turn
 
 
 class KVCache:
@@ -112,6 +112,7 @@ class CausalSelfAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.compiled = cfg.kernels == "compiled"
         self.proj = nn.Linear(q, cfg.n_embd, bias=cfg.bias)
         self.proj.residual = True  # scaled or zero init, see GPT.init_weights
         self.resid_drop = nn.Dropout(cfg.dropout)
@@ -129,11 +130,14 @@ class CausalSelfAttention(nn.Module):
         # both in one pass each.
         qk, v = qkv.split([(H + H_kv) * D, H_kv * D], dim=2)  # split: its backward is one cat
         qk, v = qk.view(B, T, H + H_kv, D), v.view(B, T, H_kv, D)
+        gains = cos = sin = None
         if self.qk_norm:  # per head, before the rotary turn (as Qwen3)
             gains = torch.cat([self.q_norm.weight.expand(H, D), self.k_norm.weight.expand(H_kv, D)])
-            qk = rms_norm(qk, gains, self.q_norm.eps)  # (B, T, H + H_kv, D)
         if rotary is not None:
-            qk = rotate(qk, *(t[:, None] for t in rotary))  # angles (T, 1, D)
+            cos, sin = (t[:, None] for t in rotary)  # angles (T, 1, D)
+        if gains is not None or cos is not None:  # (B, T, H + H_kv, D)
+            qk = fused.call(self.compiled, "QK-norm and rotary", norm_turn, qk, gains, cos, sin,
+                            self.q_norm.eps if self.qk_norm else 0.0)
         q, k = qk.split([H, H_kv], dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D), (B, H_kv, T, D)
         if cache is not None:

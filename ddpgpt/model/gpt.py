@@ -23,10 +23,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.model import flex
+from ddpgpt.model import flex, fused
 from ddpgpt.model.attention import CausalSelfAttention, KVCache, mask_for
 from ddpgpt.model.generate import generate
 from ddpgpt.model.layers import MLPS, NORMS, norm, rotary
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The loss of logits (B, T, V), in fp32, against targets (B, T) (-1: ignored). Compiled
+    (model.kernels), one pass forward and one back, where eager writes the log-softmax whole and
+    reads it again."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                           ignore_index=-1, reduction=reduction)
 
 
 class Block(nn.Module):
@@ -68,6 +76,7 @@ class GPT(nn.Module):
         self.ln_f = norm(cfg, cfg.n_embd)
         self.lm_head = (None if cfg.tie_embeddings
                         else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False))
+        self.compiled = cfg.kernels == "compiled"  # the cross-entropy's kernel: model/fused.py
         self.init_weights(seed)
 
     @torch.no_grad()
@@ -131,8 +140,8 @@ class GPT(nn.Module):
             logits[..., self.cfg.vocab_limit:] = float("-inf")
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=-1, reduction=reduction)
+        loss = fused.call(self.compiled, "cross-entropy", cross_entropy, logits, targets,
+                          reduction)
         return logits, loss
 
     def num_params(self, non_embedding: bool = True) -> int:

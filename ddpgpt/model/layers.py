@@ -11,17 +11,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddpgpt.config.model import ModelConfig
+from ddpgpt.model import fused
 
 # ---- normalization ------------------------------------------------------------------------------
 
 
 class RMSNorm(nn.RMSNorm):
     """torch's RMSNorm, computed in fp32 whatever the input (queries and keys arrive in bf16 under
-    autocast) and returned in the input's dtype, as transformers' Qwen3RMSNorm does."""
+    autocast) and returned in the input's dtype, as transformers' Qwen3RMSNorm does; with
+    `compiled` (model.kernels), one compiled kernel each way where model/fused.py runs one."""
+
+    compiled = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(torch.float32).eps  # torch's
-        return rms_norm(x, self.weight, eps)
+        return fused.call(self.compiled, "RMSNorm", norm_turn, x, self.weight, None, None, eps)
 
 
 def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,7 +71,9 @@ def norm(cfg: ModelConfig, dim: int) -> nn.Module:
     """model.norm over the last `dim` features: LayerNorm (with a shift when model.bias) or
     RMSNorm; both start as the identity's gain (ones, see GPT.init_weights)."""
     if cfg.norm == "rmsnorm":
-        return RMSNorm(dim, eps=cfg.norm_eps)
+        module = RMSNorm(dim, eps=cfg.norm_eps)
+        module.compiled = cfg.kernels == "compiled"
+        return module
     return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
 
 
@@ -113,6 +119,16 @@ def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     torch.mul(x1, c, out=out[..., :half]).addcmul_(x2, s, value=-1)  # x₁·cos - x₂·sin
     torch.mul(x2, c, out=out[..., half:]).addcmul_(x1, s)            # x₂·cos + x₁·sin
     return out.to(x.dtype)
+
+
+def norm_turn(x: torch.Tensor, gain: torch.Tensor | None, cos: torch.Tensor | None,
+              sin: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm (`gain`, or None: none) then the rotary turn (cos and sin, or None: none): the
+    formula model/fused.py compiles into one kernel each way (RMSNorm alone, and QK-norm with
+    the turn over the queries and keys side by side)."""
+    if gain is not None:
+        x = rms_norm(x, gain, eps)
+    return x if cos is None else rotate(x, cos, sin)
 
 
 class _Rotate(torch.autograd.Function):
@@ -162,9 +178,16 @@ class SwiGLU(nn.Module):
         self.proj = nn.Linear(cfg.mlp_hidden, cfg.n_embd, bias=cfg.bias)
         self.proj.residual = True
         self.drop = nn.Dropout(cfg.dropout)
+        self.compiled = cfg.kernels == "compiled"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.silu(self.gate(x)) * self.fc(x)))
+        h = fused.call(self.compiled, "SwiGLU", swiglu, self.gate(x), self.fc(x))
+        return self.drop(self.proj(h))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up: the formula model/fused.py compiles."""
+    return F.silu(gate) * up
 
 
 MLPS = {"gelu": MLP, "relu2": MLP, "swiglu": SwiGLU}  # model.mlp -> its module

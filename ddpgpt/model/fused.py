@@ -1,0 +1,59 @@
+"""The modern pieces' elementwise work as compiled kernels on a CPU (model.kernels compiled).
+
+Eager, each piece is a chain of passes over its activations, forward and backward: RMSNorm,
+QK-norm and the rotary turn, SwiGLU's silu(gate) · up, the cross-entropy's log-softmax (the
+written-out backwards of model/layers.py cut those chains, not to one pass). torch.compile
+(inductor, with the system's C compiler) fuses each piece's forward into one C++ loop and its
+backward into another; the matrix products and attention stay torch's kernels, outside.
+Measured on the speedrun shape (docs/performance.md, "The step"): the pieces' forward and
+backward in a third to a half of eager's time, a step ~5% less.
+
+    y = fused.call(on, "RMSNorm", formula, x, gain, eps)   # compiled where active, else formula()
+
+The formulas are the pieces' own (layers.py's `norm_turn` and `swiglu`, gpt.py's
+`cross_entropy`), written as they read: what run.compile traces into a compiled model, and what
+runs eagerly where the compiler fails. `active` says where a kernel runs: model.kernels compiled, a CPU tensor, gradients on (a training
+forward: evaluation and sampling take other shapes, each of which would compile anew) and no
+compile around it (run.compile traces the same formulas into the model's graph). Each kernel is
+compiled for the shapes it meets (a training run has one: seconds on its first step, then
+inductor's cache on disk). Where torch.compile cannot build a kernel (no C compiler), one line
+says so and eager's ops run from then on: the same numbers to rounding.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import torch
+
+_kernels: dict[str, Callable] = {}  # name -> torch.compile of its formula
+failure = ""                         # why torch.compile could not build a kernel here ("": none)
+
+
+def active(on: bool, x: torch.Tensor) -> bool:
+    """Whether a piece of a model with model.kernels `on` runs its compiled kernel on x."""
+    return (on and not failure and x.device.type == "cpu" and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
+
+
+def call(on: bool, name: str, formula: Callable, *args):
+    """formula(*args): through its compiled kernel where `active` (on args[0]), else as it is.
+    Where the compiler fails, says so once and runs the formula from then on (which raises when
+    the inputs are at fault, not the compiler)."""
+    global failure
+    if not active(on, args[0]):
+        return formula(*args)
+    if name not in _kernels:
+        _kernels[name] = torch.compile(formula, dynamic=False)
+    try:
+        return _kernels[name](*args)
+    except Exception as e:  # noqa: BLE001 -- the compiler's failure; the inputs' is re-raised
+        caught = e
+    out = formula(*args)
+    first = (str(caught).strip().splitlines() or [""])[0][:200]
+    failure = f"{type(caught).__name__}: {first}"
+    print(f"ddpgpt: model.kernels compiled: torch.compile cannot build the {name} kernel here "
+          f"({failure}); the pieces run as eager ops from now on: the same numbers, slower",
+          file=sys.stderr)
+    return out
