@@ -40,12 +40,15 @@ def speedrun() -> TrainConfig:
     loss at every evaluation on bpe and prose); AdamW at lr 0.1 for the token embedding (a row
     moves only at its own tokens: at 4e-3 bpe crossed nanoGPT's loss at step 130, at 0.1 at 100)
     and 4e-3 for the head and gains; the cosine over 200 steps after 20 of warmup; Newton-Schulz
-    and the whole step in fp32 (bf16 was 0.07-0.13 behind in val loss). Every val window is
-    evaluated every 25 steps (apart from the training seconds: metrics.jsonl's train_s).
+    and the whole step in fp32 (bf16 was 0.07-0.13 behind in val loss); on a CPU the pieces'
+    elementwise work as compiled kernels (model.kernels compiled: the same losses, a cheaper
+    step). Every val window is evaluated every 25 steps (apart from the training seconds:
+    metrics.jsonl's train_s).
     Measured (three seeds a side, 1 thread, a 2-core VM): nanoGPT's mean final loss at step 50
     on bytes, 100-110 on bpe, 80-100 on Vim's help and 80-90 on Perl's documentation."""
     return TrainConfig(
-        model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=256, arch="modern"),
+        model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=256, arch="modern",
+                          kernels="compiled"),
         data=DataConfig(micro_batch=8, global_batch=16, eval_windows=0),
         optim=OptimConfig(name="muon", lr=4e-3, min_lr=4e-4, embed_lr=0.1, warmup_steps=20,
                           muon_eq=True, muon_ns_dtype="fp32"),

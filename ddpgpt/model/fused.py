@@ -2,28 +2,27 @@
 
 Eager, each piece is a chain of passes over its activations, forward and backward: RMSNorm,
 QK-norm and the rotary turn, SwiGLU's silu(gate) · up, the cross-entropy's log-softmax (the
-written-out backwards of model/layers.py cut those chains, not to one pass). torch.compile
+written-out backwards of model/layers.py shorten those chains, not to one pass). torch.compile
 (inductor, with the system's C compiler) fuses each piece's forward into one C++ loop and its
-backward into another; the matrix products and attention stay torch's kernels, outside.
-Measured on the speedrun shape (docs/performance.md, "The step"): the pieces' forward and
-backward in a third to a half of eager's time, a step ~5% less.
+backward into another; the matrix products and attention stay torch's kernels, outside them
+(docs/performance.md, "The step against nanoGPT's, op by op").
 
-    y = fused.call(on, "RMSNorm", formula, x, gain, eps)   # compiled where active, else formula()
+    y = fused.call(on, "RMSNorm", norm_turn, x, gain, None, None, eps)
 
 The formulas are the pieces' own (layers.py's `norm_turn` and `swiglu`, gpt.py's
-`cross_entropy`), written as they read: what run.compile traces into a compiled model, and what
-runs eagerly where the compiler fails. `active` says where a kernel runs: model.kernels compiled, a CPU tensor, gradients on (a training
-forward: evaluation and sampling take other shapes, each of which would compile anew) and no
-compile around it (run.compile traces the same formulas into the model's graph). Each kernel is
-compiled for the shapes it meets (a training run has one: seconds on its first step, then
-inductor's cache on disk). Where torch.compile cannot build a kernel (no C compiler), one line
-says so and eager's ops run from then on: the same numbers to rounding.
+`cross_entropy`): what a compiled model (run.compile) traces into its graph too, and what runs
+eagerly where the compiler fails. `active` says where a kernel runs: model.kernels compiled, a
+CPU tensor, gradients on (a training forward: evaluation and sampling take other shapes, each of
+which would compile anew) and no compile around it. A kernel is compiled for each shape it
+meets (a training run has one: seconds at its first step, then inductor's cache on disk). Where
+torch.compile cannot build a kernel (no C compiler), one line says so and eager's ops run from
+then on: the same numbers to rounding.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -99,11 +99,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """x (..., D) turned by the angles of its positions (cos and sin broadcast against x: (T, D)
     for (B, H, T, D), (T, 1, D) for (B, T, H, D)); in the dtype x came in. `_Rotate`: no
     rotate_half copy (a negation and a cat) and a backward that is the same turn backwards;
-    compiled, the formula as it reads (the compiler fuses it, and traces no writes into views)."""
+    compiled, the formula half by half (the compiler fuses it, and traces no writes into views;
+    inductor's loop over x·cos + rotate_half(x)·sin took twice its time on a CPU)."""
     if torch.compiler.is_compiling():
         half = x.size(-1) // 2
-        turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # rotate_half
-        return (x * cos + turned * sin).type_as(x)
+        x1, x2, c, s = x[..., :half], x[..., half:], cos[..., :half], sin[..., :half]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).type_as(x)
     return _Rotate.apply(x, cos, sin)
 
 

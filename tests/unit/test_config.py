@@ -26,8 +26,8 @@ else:  # pragma: no cover
 
 MODEL_KEYS = ("n_layer, n_head, n_embd, block_size, vocab_size, arch, rope, norm, qk_norm, mlp, "
               "mlp_hidden, bias, tie_embeddings, zero_init_proj, logit_softcap, n_kv_head, "
-              "head_dim, rope_theta, norm_eps, doc_mask, bos_id, attention, dropout, gelu, "
-              "vocab_limit, init_from")
+              "head_dim, rope_theta, norm_eps, doc_mask, bos_id, attention, kernels, dropout, "
+              "gelu, vocab_limit, init_from")
 
 
 @pytest.mark.parametrize("argv, bias, compile_", [
