@@ -194,7 +194,8 @@ def ours_and_torchs(ns_dtype: torch.dtype):
     adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2],
                                 "weight_decay": CFG.weight_decay},
                                {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
-                              lr=CFG.lr, betas=(CFG.beta1, CFG.beta2), eps=CFG.eps)
+                              lr=CFG.lr, betas=(CFG.beta1, CFG.beta2), eps=CFG.eps,
+                              fused="cpu" in optimizer.fused_devices() or None)  # ours' kernel
     return ours, opt, ref, muon, adamw
 
 
