@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from ddpgpt.model import flex_cpu
+from ddpgpt.model import flex_cpu, fused
 
 MODULE = "torch.nn.attention.flex_attention"
 _loaded = None                      # the module, once imported
@@ -168,13 +168,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) 
     if device not in _uncompiled:
         if device not in _compiled:
             _compiled[device] = torch.compile(flex.flex_attention, dynamic=False)
-        try:
-            return _compiled[device](q, k, v, **kwargs)
-        except Exception as e:  # noqa: BLE001 -- the compiler's failure; the inputs' is re-raised
-            failure = e
-        y = _eager(flex, q, k, v, kwargs)  # raises when the inputs are at fault, not the compiler
-        first = (str(failure).strip().splitlines() or [""])[0][:200]
-        _uncompiled[device] = f"{type(failure).__name__}: {first}"
+        y, why = fused.attempt(lambda: _compiled[device](q, k, v, **kwargs),
+                               lambda: _eager(flex, q, k, v, kwargs))
+        if not why:
+            return y
+        _uncompiled[device] = why
         print(f"ddpgpt: model.attention flex: torch.compile cannot build FlexAttention's kernel "
               f"on {device} ({_uncompiled[device]}); running it uncompiled, which materializes "
               "every score: the same numbers, slower than model.attention sdpa", file=sys.stderr)

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
+T = TypeVar("T")
 _kernels: dict[str, Callable] = {}  # name -> torch.compile of its formula
 failure = ""                         # why torch.compile could not build a kernel here ("": none)
 
@@ -45,14 +47,23 @@ def call(on: bool, name: str, formula: Callable, *args):
         return formula(*args)
     if name not in _kernels:
         _kernels[name] = torch.compile(formula, dynamic=False)
+    out, why = attempt(lambda: _kernels[name](*args), lambda: formula(*args))
+    if why:
+        failure = why
+        print(f"ddpgpt: model.kernels compiled: torch.compile cannot build the {name} kernel here "
+              f"({why}); the pieces run as eager ops from now on: the same numbers, slower",
+              file=sys.stderr)
+    return out
+
+
+def attempt(compiled: Callable[[], T], eager: Callable[[], T]) -> tuple[T, str]:
+    """compiled()'s result and "", or where it raises, eager()'s and why compiled() failed (its
+    exception's type and first line). eager() raises in turn where the inputs are at fault, not
+    the compiler: then that error is the caller's, and nothing is blamed on the compiler."""
     try:
-        return _kernels[name](*args)
+        return compiled(), ""
     except Exception as e:  # noqa: BLE001 -- the compiler's failure; the inputs' is re-raised
         caught = e
-    out = formula(*args)
+    out = eager()
     first = (str(caught).strip().splitlines() or [""])[0][:200]
-    failure = f"{type(caught).__name__}: {first}"
-    print(f"ddpgpt: model.kernels compiled: torch.compile cannot build the {name} kernel here "
-          f"({failure}); the pieces run as eager ops from now on: the same numbers, slower",
-          file=sys.stderr)
-    return out
+    return out, f"{type(caught).__name__}: {first}"

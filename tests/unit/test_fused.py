@@ -52,7 +52,7 @@ def test_compiled_kernels_give_eager_loss_and_gradients(fresh, pieces):
 
 def test_where_kernels_run():
     """Only a training forward on a CPU with model.kernels compiled: not eager's setting, not
-    under no_grad (evaluation, sampling), not inside a compiled model."""
+    under no_grad (evaluation, sampling), not on another device."""
     x = torch.zeros(2)
     assert fused.active(True, x)
     assert not fused.active(False, x)
