@@ -19,7 +19,8 @@ gradients accumulated) and the optimizer's step:
   trains alone (the speedrun benchmark trains one batch of 16: `modern-muon:micro=1`).
 
 A ddpgpt variant takes model settings after a colon, to price one piece of the model:
-`modern-adamw:norm=layernorm`, `modern-adamw:qk_norm=false,rope=false`; and `micro=N`, the
+`modern-adamw:norm=layernorm`, `modern-adamw:qk_norm=false,rope=false`,
+`modern-adamw:mlp_hidden=704` (digits are a number); and `micro=N`, the
 micro-batches a step of 16 sequences is cut into (`modern-muon:micro=1`).
 
 Every variant is built first, then they take turns a step at a time, `--steps` turns (the first
@@ -85,7 +86,8 @@ def build(name: str, args):
         return _nanogpt(args.nanogpt, args.vocab)
     name, _, changes = name.partition(":")  # e.g. modern-adamw:norm=layernorm,qk_norm=false
     pieces = dict(c.split("=", 1) for c in changes.split(",") if c)
-    pieces = {k: {"true": True, "false": False}.get(v, v) for k, v in pieces.items()}
+    pieces = {k: {"true": True, "false": False}.get(v, int(v) if v.isdigit() else v)
+              for k, v in pieces.items()}
     micro = int(pieces.pop("micro", 0))
     model, opt, default = _ddpgpt(name.split("-")[0], args.vocab, name.endswith("muon"), pieces)
     return model, opt, micro or default
@@ -160,11 +162,13 @@ def profile(name: str, args) -> None:
 
 def newton_schulz_turns(args) -> None:
     """Newton-Schulz in fp32 over the speedrun shape's Muon matrices (per layer: qkv 768 x 256,
-    proj 256 x 256, gate and fc 704 x 256, proj 256 x 704; four layers), one step's worth: the
-    x-form everywhere against the Gram form where it applies, taking turns `--steps` times."""
+    proj 256 x 256, gate and fc F x 256, proj 256 x F, F the MLP's width, 704; four layers), one
+    step's worth: the x-form everywhere against the Gram form where it applies, taking turns
+    `--steps` times."""
     from ddpgpt.optim import muon
     gen = torch.Generator().manual_seed(0)
-    shapes = [(768, 256), (256, 256), (704, 256), (704, 256), (256, 704)] * LAYERS
+    F = ModelConfig(n_embd=WIDTH).resolved().mlp_hidden
+    shapes = [(3 * WIDTH, WIDTH), (WIDTH, WIDTH), (F, WIDTH), (F, WIDTH), (WIDTH, F)] * LAYERS
     grads = [torch.randn(s, generator=gen) for s in shapes]
     polys = muon.ns_polynomials("quintic", 5)
     ratios = {"x-form": float("inf"), "gram": muon.GRAM_RATIO}
