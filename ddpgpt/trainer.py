@@ -163,13 +163,16 @@ class Trainer:
                 "progress": {"step": self.step, "elapsed_s": self.elapsed_s,
                              "eval_s": self.eval_s, "checkpoint_s": self.checkpoint_s}}
 
-    def load_state_dict(self, state: dict, saved_world_size: int, new_data: bool = False) -> None:
+    def load_state_dict(self, state: dict, saved_world_size: int, new_data: bool = False,
+                        where: str = "checkpoint") -> None:
         """Into the model and optimizer as the sync mode laid them out (whatever mode and W saved
         the state). `new_data`: a deliberate switch to another dataset, whose windows the loader
         starts from the beginning."""
+        saved = optimizer.upgrade(state["optimizer"])
+        optimizer.check_groups(self.optimizer, saved, where)
         self.sync.load_model_state(state["model"])
         # this run's hyperparameters win over the saved ones
-        self.sync.load_optimizer_state(self.optimizer, optimizer.upgrade(state["optimizer"]))
+        self.sync.load_optimizer_state(self.optimizer, saved)
         rng = None
         if saved_world_size == self.env.world_size:
             rng = {k: v[self.env.rank] for k, v in state["rng"].items() if v is not None}
@@ -192,7 +195,8 @@ class Trainer:
         collective (ranks that disagree on the checkpoint are named by `setup` afterwards);
         formats 1-2: whole, through load_state_dict."""
         if int(meta["format_version"]) < 3:
-            self.load_state_dict(read.load(path, meta), meta["world_size"], new_data)
+            self.load_state_dict(read.load(path, meta), meta["world_size"], new_data,
+                                 f"checkpoint {path}")
             return
         index, rest = read.open_sharded(path, meta)
         saved = set(index.state_dict_metadata)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ddpgpt.config.schema import OptimConfig
+from ddpgpt.errors import UserError
 from ddpgpt.optim.muon import Muon
 
 
@@ -142,6 +143,21 @@ def load_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     optimizer.load_state_dict(state)
     for group, hyper in zip(optimizer.param_groups, configured):
         group.update(hyper)
+
+
+def check_groups(optimizer: Optimizer, state: dict, where: str) -> None:
+    """A whole saved state (formats 1-2: torch's state_dict, the parameters numbered through
+    their groups) fits only AdamW's groups as they were: optim.embed_lr set or unset since gives
+    the token embedding a group of its own or takes it back. One line, not torch's error. (Format
+    3 names every tensor: it loads into either.)"""
+    saved = len(state.get("adamw", state)["param_groups"])
+    mine = len(optimizer.adamw.param_groups)
+    if saved != mine:
+        raise UserError(f"{where}: its AdamW state has {saved} parameter groups, this run's "
+                        f"{mine}: optim.embed_lr, set or unset since, moves the token embedding "
+                        "into a group of its own or back, which a checkpoint of format 1-2 cannot "
+                        "follow; resume with the optim.embed_lr in its meta.json, and change it "
+                        "from the next checkpoint on (format 3 follows it)")
 
 
 def upgrade(state: dict) -> dict:

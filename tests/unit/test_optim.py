@@ -14,8 +14,9 @@ import torch.nn as nn
 from ddpgpt.config.model import ModelConfig
 from ddpgpt.config.schema import OptimConfig, RunConfig, TrainConfig
 from ddpgpt.distributed.group import DistEnv
+from ddpgpt.errors import UserError
 from ddpgpt.model.gpt import GPT
-from ddpgpt.optim.optimizer import Optimizer, fused_devices, groups, set_lr
+from ddpgpt.optim.optimizer import Optimizer, check_groups, fused_devices, groups, set_lr
 from ddpgpt.optim.schedule import Rates, Schedule, lr_at, momentum_at
 from ddpgpt.run.resume import Start, settle
 from ddpgpt.sync.base import Sync
@@ -103,6 +104,17 @@ def test_embed_lr_steps_the_embedding_alone_and_a_checkpoint_moves_into_its_grou
     assert embedding["params"] == [model.wte.weight] and embedding["lr"] == pytest.approx(1e-2)
     old, new = before.adamw.state[model.wte.weight], after.adamw.state[model.wte.weight]
     assert all(torch.equal(old[k], new[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    # A format 1-2 checkpoint holds torch's state_dict, numbered through the groups: refused in
+    # one line where torch's load_state_dict would raise its own error; the same groups load.
+    whole = saver.optimizer_state(before)
+    with pytest.raises(UserError) as e:
+        check_groups(after, whole, "checkpoint c")
+    assert str(e.value) == (
+        "checkpoint c: its AdamW state has 2 parameter groups, this run's 3: optim.embed_lr, set "
+        "or unset since, moves the token embedding into a group of its own or back, which a "
+        "checkpoint of format 1-2 cannot follow; resume with the optim.embed_lr in its "
+        "meta.json, and change it from the next checkpoint on (format 3 follows it)")
+    check_groups(make_optimizer(model, plain), whole, "checkpoint c")
 
 
 # ---- the optimizer against torch.optim.AdamW --------------------------------------------------
