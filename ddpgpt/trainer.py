@@ -167,7 +167,7 @@ class Trainer:
                         where: str = "checkpoint") -> None:
         """Into the model and optimizer as the sync mode laid them out (whatever mode and W saved
         the state). `new_data`: a deliberate switch to another dataset, whose windows the loader
-        starts from the beginning."""
+        starts from the beginning; `where`: the state's name in an error."""
         saved = optimizer.upgrade(state["optimizer"])
         optimizer.check_groups(self.optimizer, saved, where)
         self.sync.load_model_state(state["model"])
