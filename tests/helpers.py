@@ -168,7 +168,9 @@ class Ranks:
         for r, argv in enumerate(argv_per_rank):
             e = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(W),
                  "LOCAL_WORLD_SIZE": str(W), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                 "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+                 "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                 "PYTHONFAULTHANDLER": "1",  # a rank that aborts shows its Python stacks
+                 **(env or {})}
             out, err = open(workdir / f"rank{r}.out", "w"), open(workdir / f"rank{r}.err", "w")
             self.outs.append((out, err))
             e["PYTHONPATH"] = os.pathsep.join(
