@@ -120,11 +120,11 @@ class ModelConfig:
     kernels: Kernels = "eager"
     """How a training step on a CPU runs the elementwise work around the matrix products: eager
     (torch's ops, a pass over the activations each) or compiled (RMSNorm, QK-norm with the rotary
-    turn, SwiGLU's activation and the cross-entropy each one torch.compile kernel forward and one
-    backward: a few seconds of the system's C compiler at the first step, cached for later runs;
-    where it cannot build them, one line says so and eager runs). Evaluation, sampling, CUDA and a
-    compiled model (run.compile) run eager's. The same numbers to rounding: a run resumes with
-    either (docs/performance.md, "The step")."""
+    turn, SwiGLU's or ReLU²'s activation and the cross-entropy each one torch.compile kernel
+    forward and one backward: a few seconds of the system's C compiler at the first step, cached
+    for later runs; where it cannot build them, one line says so and eager runs). Evaluation,
+    sampling, CUDA and a compiled model (run.compile) run eager's. The same numbers to rounding:
+    a run resumes with either (docs/performance.md, "The step")."""
     dropout: float = 0.0
     """Dropout probability on attention, residual and embedding outputs (0 for pretraining)."""
     gelu: Gelu = "tanh"

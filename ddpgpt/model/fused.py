@@ -1,7 +1,7 @@
 """The modern pieces' elementwise work as compiled kernels on a CPU (model.kernels compiled).
 
 Eager, each piece is a chain of passes over its activations, forward and backward: RMSNorm,
-QK-norm and the rotary turn, SwiGLU's silu(gate) · up, the cross-entropy's log-softmax (the
+QK-norm and the rotary turn, SwiGLU's silu(gate) · up or ReLU², the cross-entropy's log-softmax (the
 written-out backwards of model/layers.py shorten those chains, not to one pass). torch.compile
 (inductor, with the system's C compiler) fuses each piece's forward into one C++ loop and its
 backward into another; the matrix products and attention stay torch's kernels, outside them
@@ -9,7 +9,7 @@ backward into another; the matrix products and attention stay torch's kernels, o
 
     y = fused.call(on, "RMSNorm", norm_turn, x, gain, None, None, eps)
 
-The formulas are the pieces' own (layers.py's `norm_turn` and `swiglu`, gpt.py's
+The formulas are the pieces' own (layers.py's `norm_turn`, `swiglu` and `relu2`, gpt.py's
 `cross_entropy`): what a compiled model (run.compile) traces into its graph too, and what runs
 eagerly where the compiler fails. `active` says where a kernel runs: model.kernels compiled, a
 CPU tensor, gradients on (a training forward: evaluation and sampling take other shapes, each of

@@ -161,11 +161,20 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.relu2 = cfg.mlp == "relu2"
         self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
+        self.compiled = cfg.kernels == "compiled"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)  # (B, T, hidden)
-        h = F.relu(h).square() if self.relu2 else F.gelu(h, approximate=self.approximate)
+        if self.relu2:
+            h = fused.call(self.compiled, "ReLU²", relu2, h)
+        else:
+            h = F.gelu(h, approximate=self.approximate)
         return self.drop(self.proj(h))
+
+
+def relu2(h: torch.Tensor) -> torch.Tensor:
+    """ReLU squared: the formula model/fused.py compiles."""
+    return F.relu(h).square()
 
 
 class SwiGLU(nn.Module):

@@ -34,17 +34,19 @@ def _loss_and_grads(cfg: ModelConfig, idx, targets):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("pieces", [{}, {"rope": False, "bias": True}])
+@pytest.mark.parametrize("pieces", [{}, {"rope": False, "bias": True}, {"mlp": "relu2"}])
 def test_compiled_kernels_give_eager_loss_and_gradients(fresh, pieces):
-    """Every piece compiled (QK-norm with the turn; QK-norm alone, with biases), against eager's
-    ops and written-out backwards: the loss and every parameter's gradient to fp32 rounding."""
+    """Every piece compiled (QK-norm with the turn; QK-norm alone, with biases; ReLU² for SwiGLU),
+    against eager's ops and written-out backwards: the loss and every parameter's gradient to fp32
+    rounding."""
     gen = torch.Generator().manual_seed(0)
     idx, targets = (torch.randint(0, 97, (4, 32), generator=gen) for _ in range(2))
     targets[0, :5] = -1  # ignored, as padding is
     eager = _loss_and_grads(ModelConfig(**SHAPE, **pieces), idx, targets)
     compiled = _loss_and_grads(ModelConfig(**SHAPE, **pieces, kernels="compiled"), idx, targets)
     assert fused.failure == ""
-    assert set(fused._kernels) == PIECES
+    mlp = {"SwiGLU"} if "mlp" not in pieces else {"ReLU²"}
+    assert set(fused._kernels) == PIECES - {"SwiGLU"} | mlp
     torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=2e-6)
     for name, grad in eager[1].items():
         torch.testing.assert_close(compiled[1][name], grad, rtol=1e-4, atol=1e-7, msg=name)
