@@ -9,8 +9,9 @@
 The directory holds config.json, model.safetensors and generation_config.json (end-of-text as
 EOS) for the transformers class that computes the run's model exactly: GPT2LMHeadModel for
 model.arch gpt2 (gpt2.py's layout), Qwen3ForCausalLM for modern, LlamaForCausalLM for modern
-without QK-norm (llama.py's); a mix that no class computes (ReLU², a logit soft-cap, learned
-positions with RMSNorm, ...) is refused in one line naming the setting. And the run's tokenizer:
+without QK-norm, ApertusForCausalLM for modern with a ReLU² or GELU MLP (llama.py's); a mix that
+no class computes (a logit soft-cap, learned positions with RMSNorm, ...) is refused in one line
+naming the setting. And the run's tokenizer:
 - bpe: its tokenizer.json, as a PreTrainedTokenizerFast;
 - byte: the same ids as a byte-level BPE without merges (bytes 0-255, then end-of-text), so
   transformers encodes and decodes exactly as ddpgpt's byte tokenizer does;
@@ -72,7 +73,8 @@ def write_model(out: Path, weights: dict, model: ModelConfig, vocab: int, eot: i
                 tokenizer_fingerprint: str) -> str:
     """config.json, generation_config.json and model.safetensors for the transformers class that
     computes `model` (its name is returned): GPT2LMHeadModel for learned positions (gpt2.py's
-    layout), Qwen3ForCausalLM or LlamaForCausalLM for rotary ones (llama.py's); a model that
+    layout), Qwen3ForCausalLM, LlamaForCausalLM or ApertusForCausalLM for rotary ones
+    (llama.py's); a model that
     none computes exactly is refused in one line naming the setting."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig
@@ -81,8 +83,12 @@ def write_model(out: Path, weights: dict, model: ModelConfig, vocab: int, eot: i
     model, name = model.resolved(), layout(model)
     if model.rope:
         kind = llama.family(model)
-        make = {"qwen3": "Qwen3Config", "llama": "LlamaConfig"}[kind]
-        getattr(transformers, make)(
+        make = getattr(transformers, llama.CONFIGS[kind], None)
+        if make is None:
+            raise UserError(f"transformers {transformers.__version__} has no "
+                            f"{llama.CLASSES[kind]}, the class that computes this model; "
+                            "upgrade it (pip install -U transformers) to export")
+        make(
             **llama.config(model, vocab), bos_token_id=eot, eos_token_id=eot,
             architectures=[llama.CLASSES[kind]], ddpgpt={"tokenizer": tokenizer_fingerprint}
         ).save_pretrained(str(out))

@@ -1,5 +1,5 @@
 """`--init-from`: start training from GPT-2's weights, any GPT-2-layout checkpoint, or a small
-open model of the Llama or Qwen3 family.
+open model of the Llama family (Llama, Qwen3, Apertus).
 
     ddpgpt train --data data/owt --init-from gpt2 --data.seq-len 256   # hub: needs the network once
     ddpgpt train --data data/mine --init-from exported/                 # a transformers directory
@@ -9,8 +9,9 @@ open model of the Llama or Qwen3 family.
 Three steps, at three times:
 1. the shape (`apply_shape`, while the config is built): layers, width, positions, vocabulary
    and the architecture's pieces come from the weights (GPT-2's: model.arch gpt2 and its GELU;
-   a Llama or Qwen3 config.json: model.arch modern with its heads, key/value heads, head width,
-   MLP width, rotary base, norm epsilon, biases, tying and QK-norm); a shape the user set that
+   a Llama, Qwen3 or Apertus config.json: model.arch modern with its heads, key/value heads,
+   head width, MLP and its width, rotary base, norm epsilon, biases, tying and QK-norm); a shape
+   the user set that
    disagrees is one line. The vocabulary is padded as a dataset's would be (GPT-2's 50,257 ids
    -> 50,304 rows) and `model.vocab_limit` masks the padding rows.
 2. the tokenizer (`check_tokenizer`, in preflight): the dataset's must be the weights' — gpt2 for

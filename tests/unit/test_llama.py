@@ -1,11 +1,12 @@
-"""The modern arch in and out of transformers, against its own Qwen3ForCausalLM and
-LlamaForCausalLM: export gives their logits, --init-from a small random model of either family
-(grouped-query heads, wide heads, tied or untied head, biases) gives its logits, and what no class
-computes is refused in one line naming the setting."""
+"""The modern arch in and out of transformers, against its own Qwen3ForCausalLM,
+LlamaForCausalLM and ApertusForCausalLM: export gives their logits, --init-from a small random
+model of each family (grouped-query heads, wide heads, tied or untied head, biases, ReLU²) gives
+its logits, and what no class computes is refused in one line naming the setting."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 
 import pytest
@@ -35,11 +36,11 @@ def hf_model(path, kind: str = "qwen3", vocab: int = 300, seed: int = 0, **field
     (transformers' init sets them to 1 and 0, where a wrong mapping would go unseen), saved into
     `path`."""
     torch.manual_seed(seed)
-    make = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}[kind]
+    make = getattr(transformers, llama.CONFIGS[kind])
     defaults = dict(vocab_size=vocab, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     max_position_embeddings=24, rms_norm_eps=1e-6, bos_token_id=0,
-                    eos_token_id=0)
+                    eos_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     model = transformers.AutoModelForCausalLM.from_config(make(**{**defaults, **fields})).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -68,6 +69,8 @@ def _ids(vocab: int, T: int = 24, seed: int = 1) -> torch.Tensor:
                "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),  # wide heads
     ("llama", {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1,
                "rms_norm_eps": 1e-5}),                               # biases, one kv head
+    ("apertus", {"hidden_act": "relu2"}),                            # QK-norm, ReLU²
+    ("apertus", {"hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True}),
 ])
 @pytest.mark.parametrize("vocab, rows", [(6350, 6400), (300, 300)])
 def test_init_from_a_transformers_model_gives_its_logits(tmp_path, kind, fields, vocab, rows):
@@ -76,8 +79,10 @@ def test_init_from_a_transformers_model_gives_its_logits(tmp_path, kind, fields,
     theirs = hf_model(tmp_path / "hf", kind, vocab, **fields)
     model = ours(str(tmp_path / "hf"))
     cfg, hf = model.cfg, theirs.config
+    mlp = {"relu2": "relu2", "gelu_pytorch_tanh": "gelu"}.get(hf.hidden_act, "swiglu")
     assert (cfg.arch, cfg.rope, cfg.norm, cfg.mlp, cfg.qk_norm) == (
-        "modern", True, "rmsnorm", "swiglu", kind == "qwen3")
+        "modern", True, "rmsnorm", mlp, kind != "llama")
+    assert mlp != "gelu" or cfg.gelu == "tanh"
     assert (cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.mlp_hidden, cfg.block_size,
             cfg.tie_embeddings, cfg.bias, cfg.norm_eps, cfg.rope_theta) == (
         2, 4, hf.num_key_value_heads, hf.head_dim, 72, 24, hf.tie_word_embeddings,
@@ -96,6 +101,8 @@ def test_init_from_a_transformers_model_gives_its_logits(tmp_path, kind, fields,
     ({"qk_norm": False, "bias": True, "n_kv_head": 2}, "LlamaForCausalLM"),
     ({"tie_embeddings": True, "head_dim": 12, "n_kv_head": 1, "rope_theta": 500.0,
       "norm_eps": 1e-6, "zero_init_proj": False}, "Qwen3ForCausalLM"),
+    ({"mlp": "relu2", "n_kv_head": 2}, "ApertusForCausalLM"),
+    ({"mlp": "gelu", "gelu": "exact", "tie_embeddings": True}, "ApertusForCausalLM"),
 ])
 def test_export_is_read_by_transformers_with_our_logits_and_read_back(tmp_path, fields, family):
     """ours -> transformers: its class computes our logits (the padding rows cut); transformers'
@@ -137,15 +144,20 @@ def test_layout_round_trips():
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"mlp": "relu2"}, "model.mlp = relu2: no transformers class computes it "
-                       "(Qwen3ForCausalLM and LlamaForCausalLM take a SwiGLU MLP, model.mlp = "
-                       "swiglu); train with that to export"),
+    ({"mlp": "relu2", "qk_norm": False},
+     "model.mlp = relu2 without model.qk_norm: ApertusForCausalLM, the transformers class for an "
+     "ungated MLP with rotary positions, has QK-norm; train with model.qk_norm true (or model.mlp "
+     "swiglu: LlamaForCausalLM) to export"),
+    ({"mlp": "gelu", "bias": True},
+     "model.bias = true with model.mlp = gelu: ApertusForCausalLM, the transformers class for an "
+     "ungated MLP with rotary positions, has no MLP biases; train with model.bias false to export"),
     ({"logit_softcap": 15.0}, "model.logit_softcap = 15: no transformers class computes it "
-                              "(Qwen3ForCausalLM and LlamaForCausalLM take no logit soft-cap, "
-                              "model.logit_softcap = 0); train with that to export"),
+                              "(Qwen3ForCausalLM, LlamaForCausalLM and ApertusForCausalLM take no "
+                              "logit soft-cap, model.logit_softcap = 0); train with that to "
+                              "export"),
     ({"norm": "layernorm"}, "model.norm = layernorm: no transformers class computes it "
-                            "(Qwen3ForCausalLM and LlamaForCausalLM take RMSNorm, model.norm = "
-                            "rmsnorm); train with that to export"),
+                            "(Qwen3ForCausalLM, LlamaForCausalLM and ApertusForCausalLM take "
+                            "RMSNorm, model.norm = rmsnorm); train with that to export"),
     ({"bias": True}, "model.bias = true with model.qk_norm: Qwen3ForCausalLM (QK-norm) has no "
                      "MLP biases; train with model.bias false to export"),
     ({"rope": False}, "model.norm = rmsnorm: GPT2LMHeadModel, the transformers class for "
@@ -170,6 +182,8 @@ def test_what_no_class_computes_is_refused_in_one_line(fields, message):
                                         "model.bias is one switch)"),
     ("qwen3", {"attention_bias": True}, "attention_bias true (Qwen3's MLP has none: ddpgpt's "
                                         "model.bias is one switch)"),
+    ("apertus", {"hidden_act": "xielu"}, "hidden_act 'xielu' (only relu2, gelu, "
+                                         "gelu_pytorch_tanh)"),
 ])
 def test_init_from_refuses_variants_in_one_line(tmp_path, kind, fields, problem):
     hf_model(tmp_path / "hf", kind, **fields)
@@ -194,3 +208,16 @@ def test_a_piece_set_against_the_weights_is_one_line(tmp_path):
         build({"init_from": spec, "arch": "gpt2"})
     # what agrees is kept; init_from from GPT-2 weights gives model.arch gpt2 whatever the flags
     assert build({"init_from": spec, "qk_norm": "true"}).model.qk_norm is True
+
+
+def test_a_transformers_without_the_class_is_one_line(tmp_path, monkeypatch):
+    """A ReLU² model under a transformers older than Apertus: one line, nothing written."""
+    # the module export imports (transformers puts another in sys.modules once it has loaded)
+    monkeypatch.setattr(importlib.import_module("transformers"), "ApertusConfig", None)
+    cfg = dataclasses.replace(MODERN, mlp="relu2")
+    with pytest.raises(UserError) as e:
+        write_model(tmp_path, GPT(cfg, seed=3).state_dict(), cfg, 300, 0, "byte")
+    assert str(e.value) == (f"transformers {transformers.__version__} has no ApertusForCausalLM, "
+                            "the class that computes this model; upgrade it (pip install -U "
+                            "transformers) to export")
+    assert list(tmp_path.iterdir()) == []
