@@ -74,8 +74,7 @@ def write_model(out: Path, weights: dict, model: ModelConfig, vocab: int, eot: i
     """config.json, generation_config.json and model.safetensors for the transformers class that
     computes `model` (its name is returned): GPT2LMHeadModel for learned positions (gpt2.py's
     layout), Qwen3ForCausalLM, LlamaForCausalLM or ApertusForCausalLM for rotary ones
-    (llama.py's); a model that
-    none computes exactly is refused in one line naming the setting."""
+    (llama.py's); a model that none computes exactly is refused in one line naming the setting."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
