@@ -11,9 +11,8 @@ Three steps, at three times:
    and the architecture's pieces come from the weights (GPT-2's: model.arch gpt2 and its GELU;
    a Llama, Qwen3 or Apertus config.json: model.arch modern with its heads, key/value heads,
    head width, MLP and its width, rotary base, norm epsilon, biases, tying and QK-norm); a shape
-   the user set that
-   disagrees is one line. The vocabulary is padded as a dataset's would be (GPT-2's 50,257 ids
-   -> 50,304 rows) and `model.vocab_limit` masks the padding rows.
+   the user set that disagrees is one line. The vocabulary is padded as a dataset's would be
+   (GPT-2's 50,257 ids -> 50,304 rows) and `model.vocab_limit` masks the padding rows.
 2. the tokenizer (`check_tokenizer`, in preflight): the dataset's must be the weights' — gpt2 for
    the hub names; for a directory the one saved beside the weights (config.json's `ddpgpt` entry
    from `ddpgpt export`, else GPT-2's if its files are GPT-2's or there are none and the

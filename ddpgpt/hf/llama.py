@@ -126,11 +126,9 @@ def shape(config: dict, where: str) -> dict:
         "rope_type": (config.get("rope_scaling") or {}).get("rope_type", "default"),
         "rope_theta": config.get("rope_theta", 10000.0)}
     problems = []
-    act = config.get("hidden_act", "silu")
-    if kind == "apertus" and act not in ACTIVATIONS:
-        problems.append(f"hidden_act {act!r} (only {', '.join(ACTIVATIONS)})")
-    elif kind != "apertus" and act != "silu":
-        problems.append(f"hidden_act {act!r} (only silu)")
+    act, known = config.get("hidden_act", "silu"), ACTIVATIONS if kind == "apertus" else ["silu"]
+    if act not in known:
+        problems.append(f"hidden_act {act!r} (only {', '.join(known)})")
     if rope.get("rope_type", "default") != "default" or config.get("rope_scaling"):
         problems.append(f"rope scaling {rope.get('rope_type')!r} (only plain rotary)")
     bias = bool(config.get("attention_bias", False))
