@@ -98,16 +98,20 @@ def fail_together(env: DistEnv, error: Exception | None) -> None:
     Each rank that failed raises its own error; the lowest of them prints it, the others
     quietly (W ranks reading the same bad file, or each its own bad shard, say it once: one line
     to act on, then the next run names the next problem). The ranks that did not fail raise
-    quietly too."""
-    messages = all_gather_text(env, None if error is None else str(error))
+    quietly too, with the lowest failing rank's exit code: a launcher reports whichever worker
+    exited first, and bad input is exit 2 whichever rank that is."""
+    code = getattr(error, "exit_code", 1)
+    messages = all_gather_text(env, None if error is None else f"{code} {error}")
     if error is not None:
         if any(m is not None for m in messages[:env.rank]) and isinstance(error, UserError):
             error.quiet = True
         raise error
     failed = [r for r, m in enumerate(messages) if m is not None]
     if failed:
-        raise DistError(f"stopping: rank {', '.join(map(str, failed))} failed (see its message)",
-                        quiet=True)
+        stop = DistError(f"stopping: rank {', '.join(map(str, failed))} failed (see its message)",
+                         quiet=True)
+        stop.exit_code = int(messages[failed[0]].split(" ", 1)[0])
+        raise stop
 
 
 def together(env: DistEnv, fn, main_only: bool = False):

@@ -19,6 +19,12 @@ def worker(tmp_path, W, name, **args):
     return json.loads(out.read_text())
 
 
+def test_ranks_that_stop_for_another_exit_with_its_code(tmp_path):
+    """Bad input on rank 0 (exit 2): the others stop quietly with exit 2 too, so the launcher,
+    which reports whichever worker exited first, says 2 whichever that is."""
+    assert worker(tmp_path, 3, "fail_on_main") == [[2, False], [2, True], [2, True]]
+
+
 @pytest.mark.parametrize("max_windows", [0, 13])
 def test_eval_all_reduce_equals_single_process(tiny_data, tmp_path, max_windows):
     single = workers.eval_loss(DistEnv(), str(tiny_data), max_windows)  # one process: every window

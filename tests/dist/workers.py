@@ -161,6 +161,21 @@ def early_checkpoint(env, data: str, run_dir: str, steps: int, modes: list[list[
     return out
 
 
+def fail_on_main(env) -> list:
+    """Rank 0 hits bad input in `together`: every rank's (exit code, quiet) as it stops."""
+    from ddpgpt.errors import UserError
+
+    def bad():
+        raise UserError("bad input on rank 0")
+
+    try:
+        collectives.together(env, bad, main_only=True)
+        got = None
+    except UserError as e:
+        got = [e.exit_code, e.quiet]
+    return [json.loads(t) for t in collectives.all_gather_text(env, json.dumps(got))]
+
+
 def make_trainer(env, flags: dict):
     from ddpgpt.config.io import build
     from ddpgpt.guard.health import Guard, StopSignal
