@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.model import flex, fused
-from ddpgpt.model.layers import RMSNorm, norm_turn
+from ddpgpt.model import flex
+from ddpgpt.model.layers import RMSNorm, fused_norm_turn
 
 
 class KVCache:
@@ -136,8 +136,8 @@ class CausalSelfAttention(nn.Module):
         if rotary is not None:
             cos, sin = (t[:, None] for t in rotary)  # angles (T, 1, D)
         if gains is not None or cos is not None:  # (B, T, H + H_kv, D)
-            qk = fused.call(self.compiled, "QK-norm and rotary", norm_turn, qk, gains, cos, sin,
-                            self.q_norm.eps if self.qk_norm else 0.0)
+            qk = fused_norm_turn(self.compiled, "QK-norm and rotary", qk, gains, cos, sin,
+                                 self.q_norm.eps if self.qk_norm else 0.0)
         q, k = qk.split([H, H_kv], dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D), (B, H_kv, T, D)
         if cache is not None:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+from torch.autograd.function import once_differentiable
 
 T = TypeVar("T")
 _kernels: dict[str, Callable] = {}  # name -> torch.compile of its formula
@@ -38,22 +39,77 @@ def active(on: bool, x: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
-def call(on: bool, name: str, formula: Callable, *args):
+def call(on: bool, name: str, formula: Callable, *args, grad: Callable | None = None):
     """formula(*args): through its compiled kernel where `active` (on args[0]), else as it is.
-    Where the compiler fails, says so once and runs the formula from then on (which raises when
-    the inputs are at fault, not the compiler)."""
-    global failure
+    The kernel's backward is autograd's through the formula, or with `grad` (its gradients
+    written out: grad(*args, dy) gives one per arg, None where there is none) a compiled kernel
+    of that; a gradient with one more dim than its arg is partial sums, added up here. Where
+    the compiler fails, says so once and runs the formula from then on (which raises when the
+    inputs are at fault, not the compiler)."""
     if not active(on, args[0]):
         return formula(*args)
+
+    def compiled():
+        if grad is None:
+            return kernel(name, formula)(*args)
+        return _Written.apply(name, formula, grad, *args)
+    return _checked(name, compiled, lambda: formula(*args))
+
+
+# A written-out gradient reads dy's and x's pieces several times each; at inductor's default
+# (a value read more than 4 times is written out as a buffer first) QK-norm's with the turn
+# takes an extra pass over memory: 3.5 against 2.5 ms a layer at the speedrun's shape.
+GRAD_OPTIONS = {"realize_reads_threshold": 16}
+
+
+def kernel(name: str, formula: Callable, options: dict | None = None) -> Callable:
+    """The compiled kernel of `formula`, built at its first call and kept under `name`
+    (`options`: inductor's, those this torch has)."""
     if name not in _kernels:
-        _kernels[name] = torch.compile(formula, dynamic=False)
-    out, why = attempt(lambda: _kernels[name](*args), lambda: formula(*args))
+        import torch._inductor.config as inductor
+        known = {k: v for k, v in (options or {}).items() if hasattr(inductor, k)}
+        _kernels[name] = torch.compile(formula, dynamic=False, options=known or None)
+    return _kernels[name]
+
+
+def _checked(name: str, compiled: Callable[[], T], eager: Callable[[], T]) -> T:
+    """`attempt`, and where the compiler failed, one line and eager's ops from then on."""
+    global failure
+    out, why = attempt(compiled, eager)
     if why:
         failure = why
         print(f"ddpgpt: model.kernels compiled: torch.compile cannot build the {name} kernel here "
               f"({why}); the pieces run as eager ops from now on: the same numbers, slower",
               file=sys.stderr)
     return out
+
+
+class _Written(torch.autograd.Function):
+    """A formula's kernel forward, and its written-out gradient's kernel backward (`call`)."""
+
+    @staticmethod
+    def forward(ctx, name: str, formula: Callable, grad: Callable, *args):
+        ctx.name, ctx.grad = name, grad
+        ctx.places = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.args = [None if torch.is_tensor(a) else a for a in args]
+        ctx.save_for_backward(*(args[i] for i in ctx.places))
+        return kernel(name, formula)(*args)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: torch.Tensor):
+        args = list(ctx.args)
+        for i, t in zip(ctx.places, ctx.saved_tensors):
+            args[i] = t
+        name = f"{ctx.name} backward"
+        if failure:  # a kernel failed since this forward: eager's formula, no second line
+            grads = ctx.grad(*args, dy)
+        else:
+            grads = _checked(name, lambda: kernel(name, ctx.grad, GRAD_OPTIONS)(*args, dy),
+                             lambda: ctx.grad(*args, dy))
+        grads = [g.sum(0) if g is not None and g.dim() > a.dim() else g
+                 for g, a in zip(grads, args)]
+        return (None, None, None, *grads)
 
 
 def attempt(compiled: Callable[[], T], eager: Callable[[], T]) -> tuple[T, str]:

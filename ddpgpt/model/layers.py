@@ -6,6 +6,8 @@ Llama and Qwen3), so that an exported model gives the same logits.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -25,7 +27,7 @@ class RMSNorm(nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(torch.float32).eps  # torch's
-        return fused.call(self.compiled, "RMSNorm", norm_turn, x, self.weight, None, None, eps)
+        return fused_norm_turn(self.compiled, "RMSNorm", x, self.weight, None, None, eps)
 
 
 def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
@@ -130,6 +132,43 @@ def norm_turn(x: torch.Tensor, gain: torch.Tensor | None, cos: torch.Tensor | No
     if gain is not None:
         x = rms_norm(x, gain, eps)
     return x if cos is None else rotate(x, cos, sin)
+
+
+def fused_norm_turn(on: bool, name: str, x: torch.Tensor, gain: torch.Tensor | None,
+                    cos: torch.Tensor | None, sin: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """norm_turn through model/fused.py's kernel `name` where it runs (`on`: model.kernels
+    compiled), backward through norm_turn_grad's where a gain trains."""
+    grad = norm_turn_grad if gain is not None and gain.requires_grad else None
+    return fused.call(on, name, norm_turn, x, gain, cos, sin, eps, grad=grad)
+
+
+def norm_turn_grad(x: torch.Tensor, gain: torch.Tensor, cos: torch.Tensor | None,
+                   sin: torch.Tensor | None, eps: float, dy: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+    """norm_turn's gradients with a `gain`, written out for model/fused.py to compile: dx, and
+    the gain's as partial sums over up to 64 runs of rows (runs, *gain.shape), which fused.py
+    adds up. For y = turn(x̂·g), x̂ = x·r, r = (mean(x²) + eps)^-1/2, and dn the turn
+    backwards of dy: dx = r·(dn·g - x̂·mean(dn·g·x̂)), dg = Σ dn·x̂ over the rows. The gain's sum
+    is over the outer dims, which inductor's loop walks a column at a time across every row;
+    summed block by block it streams the rows once instead (the step, docs/performance.md)."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    dy = dy.to(xf.dtype)
+    # Half by half (x̂'s halves, dn's, the gain's): the turn backwards is then a formula of dy's
+    # halves that the compiler folds into each loop, where a turned tensor is written out whole.
+    pieces = 2 if cos is not None else 1
+    xh, dyh, gh = xf.chunk(pieces, -1), dy.chunk(pieces, -1), gain.chunk(pieces, -1)
+    xh = [h * r for h in xh]
+    if cos is not None:
+        c, s = cos[..., :cos.size(-1) // 2], sin[..., :sin.size(-1) // 2]
+        dyh = [dyh[0] * c + dyh[1] * s, dyh[1] * c - dyh[0] * s]  # turned by minus the angle
+    dyg = [d * g for d, g in zip(dyh, gh)]
+    dot = sum((d * h).sum(-1, keepdim=True) for d, h in zip(dyg, xh)) / x.size(-1)
+    dx = torch.cat([r * (d - h * dot) for d, h in zip(dyg, xh)], -1)
+    runs = math.gcd(dy.numel() // gain.numel(), 64)
+    dg = torch.cat([(d * h).reshape(runs, -1, *g.shape).sum(1)
+                    for d, h, g in zip(dyh, xh, gh)], -1)
+    return dx.to(x.dtype), dg.to(gain.dtype), None, None, None
 
 
 class _Rotate(torch.autograd.Function):

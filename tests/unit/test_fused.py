@@ -16,7 +16,8 @@ from ddpgpt.model.layers import swiglu
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SHAPE = dict(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=97, arch="modern")
-PIECES = {"RMSNorm", "QK-norm and rotary", "SwiGLU", "cross-entropy"}
+PIECES = {"RMSNorm", "QK-norm and rotary", "SwiGLU", "cross-entropy",
+          "RMSNorm backward", "QK-norm and rotary backward"}  # the norms' written-out gradients
 
 
 @pytest.fixture
@@ -94,6 +95,34 @@ def test_compiler_failure_says_so_once_and_runs_eager(fresh, monkeypatch, capsys
         "ddpgpt: model.kernels compiled: torch.compile cannot build the RMSNorm kernel here "
         "(RuntimeError: InvalidCxxCompiler: No working C compiler detected.); the pieces run as "
         "eager ops from now on: the same numbers, slower"]
+
+
+def test_a_gradient_kernel_that_fails_says_so_once_and_runs_its_formula(fresh, monkeypatch,
+                                                                         capsys):
+    """The norms' written-out gradient failing to compile (the forward kernels built): one line,
+    the formula's gradients eagerly, and every piece eager from then on."""
+    real = torch.compile
+
+    def compile_but_the_gradient(fn, **kwargs):
+        if fn.__name__ != "norm_turn_grad":
+            return real(fn, **kwargs)
+
+        def kernel(*args):
+            raise RuntimeError("CppCompileError: C++ compile error\nmore")
+        return kernel
+
+    monkeypatch.setattr(torch, "compile", compile_but_the_gradient)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 97, (2, 16), generator=gen)
+    eager = _loss_and_grads(ModelConfig(**SHAPE), idx, idx)
+    compiled = _loss_and_grads(ModelConfig(**SHAPE, kernels="compiled"), idx, idx)
+    for name, grad in eager[1].items():
+        torch.testing.assert_close(compiled[1][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    assert capsys.readouterr().err.splitlines() == [
+        "ddpgpt: model.kernels compiled: torch.compile cannot build the RMSNorm backward kernel "
+        "here (RuntimeError: CppCompileError: C++ compile error); the pieces run as eager ops "
+        "from now on: the same numbers, slower"]
+    assert not fused.active(True, idx.float())
 
 
 def test_inputs_at_fault_raise_as_eager(fresh):

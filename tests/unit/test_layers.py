@@ -1,12 +1,15 @@
-"""The hand-written backward passes of model/layers.py (RMSNorm on a CPU, the rotary turn)
-against autograd through the plain formulas, in float64 and float32, and their dtypes."""
+"""The hand-written backward passes of model/layers.py (RMSNorm on a CPU, the rotary turn, and
+norm_turn_grad, the gradient model/fused.py compiles) against autograd through the plain
+formulas, in float64 and float32, and their dtypes."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
-from ddpgpt.model.layers import rms_norm, rotary, rotate
+from ddpgpt.model.layers import norm_turn_grad, rms_norm, rotary, rotate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -63,6 +66,37 @@ def test_the_rotary_turn_and_its_gradient_are_the_formula(dtype, tol, layout):
     half = x.size(-1) // 2
     length = got[..., :half] ** 2 + got[..., half:] ** 2
     torch.testing.assert_close(length, x[..., :half] ** 2 + x[..., half:] ** 2)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("turn,rows", [(True, 6 * 7), (False, 6 * 7), (True, 64 * 7), (False, 5)])
+def test_the_written_norm_gradient_is_autograd_s(dtype, tol, turn, rows):
+    """QK-norm with the turn (one gain per head) and RMSNorm alone (one gain): dx and the gain's
+    partial sums, added up, against autograd through the formula; rows that 64 divides, and
+    rows it does not (fewer partial sums)."""
+    gen = torch.Generator().manual_seed(4)
+    T, heads, D = (7, 3, 8) if turn else (rows, 1, 16)
+    x = (2 * torch.randn(rows // T, T, heads, D, generator=gen)).to(dtype)
+    gain = (1 + 0.3 * torch.randn(heads, D, generator=gen)).to(dtype)
+    cos = sin = None
+    if turn:
+        cos, sin = (t[:, None].to(dtype) for t in rotary(torch.arange(T), D, 100.0))
+    else:
+        x, gain = x[:, :, 0], gain[0]  # (B, T, D), (D,)
+
+    def plain(a, g):
+        y = _plain_rms(a, g, 1e-5)
+        return _plain_turn(y, cos, sin) if turn else y
+
+    want, (want_dx, want_dg) = _grads(plain, x, gain)
+    dy = torch.randn(want.shape, generator=torch.Generator().manual_seed(3),
+                     dtype=torch.float64).to(dtype)  # _grads's weight
+    dx, partial, *rest = norm_turn_grad(x, gain, cos, sin, 1e-5, dy)
+    assert rest == [None, None, None] and dx.dtype == dtype
+    assert partial.shape == (math.gcd(rows * heads * D // gain.numel(), 64), *gain.shape)
+    torch.testing.assert_close(dx, want_dx, rtol=tol, atol=tol * want_dx.abs().max().item())
+    torch.testing.assert_close(partial.sum(0), want_dg, rtol=tol,
+                               atol=tol * want_dg.abs().max().item())
 
 
 def test_bf16_inputs_come_back_in_bf16_computed_in_fp32():
