@@ -160,3 +160,26 @@ def test_configs_jsonl_records_each_start_that_changed_its_config_or_world_size(
     assert [(s["step"], s["world_size"], s["config"]) for s in starts] == [
         (0, 2, a), (6, 1, a), (8, 1, b), (2, 1, b)]
     assert json.loads(run.config.read_text()) == b
+
+
+@pytest.mark.parametrize("made", ["run", "parent"])
+def test_another_ranks_probe_between_two_looks_is_not_a_file(tmp_path, monkeypatch, made):
+    """Every rank checks the run dir before the group exists, and a check may mkdir and rmdir a
+    missing directory to see that it can: a rank that saw the run dir (or a missing parent of it)
+    there, and then gone, once read that as "is a file" and left alone while the others waited
+    in the group. Here the directory is removed right after the first look at it."""
+    target = tmp_path / "a" / "run" if made == "parent" else tmp_path / "run"
+    probed = target.parent if made == "parent" else target
+    probed.mkdir()
+    real, looked = os.stat, []
+
+    def stat_then_gone(path, *args, **kwargs):
+        out = real(path, *args, **kwargs)
+        if os.fspath(path) == str(probed) and not looked:
+            looked.append(path)
+            os.rmdir(probed)  # the other rank's rmdir, between this look and the next
+        return out
+
+    monkeypatch.setattr(os, "stat", stat_then_gone)
+    RunDir(target).check_creatable()  # no error: what it saw was a directory
+    assert looked and not target.exists()  # the race happened; the check leaves nothing
