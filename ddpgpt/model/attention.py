@@ -135,11 +135,10 @@ class CausalSelfAttention(nn.Module):
             gains = torch.cat([self.q_norm.weight.expand(H, D), self.k_norm.weight.expand(H_kv, D)])
         if rotary is not None:
             cos, sin = (t[:, None] for t in rotary)  # angles (T, 1, D)
-        if gains is not None or cos is not None:  # (B, T, H, D), (B, T, H_kv, D)
-            q, k = fused_norm_turn(self.compiled, "QK-norm and rotary", qk, gains, cos, sin,
-                                   self.q_norm.eps if self.qk_norm else 0.0, (H, H_kv))
-        else:
-            q, k = qk.split([H, H_kv], dim=2)
+        if gains is not None or cos is not None:  # (B, T, H + H_kv, D)
+            qk = fused_norm_turn(self.compiled, "QK-norm and rotary", qk, gains, cos, sin,
+                                 self.q_norm.eps if self.qk_norm else 0.0)
+        q, k = qk.split([H, H_kv], dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D), (B, H_kv, T, D)
         if cache is not None:
             # A prompt attends among itself (causal, or the band); after it one token at a

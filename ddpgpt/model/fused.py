@@ -42,10 +42,10 @@ def active(on: bool, x: torch.Tensor) -> bool:
 def call(on: bool, name: str, formula: Callable, *args, grad: Callable | None = None):
     """formula(*args): through its compiled kernel where `active` (on args[0]), else as it is.
     The kernel's backward is autograd's through the formula, or with `grad` (its gradients
-    written out: grad(*args, *dys), dys one per output, gives one per arg, None where there is
-    none) a compiled kernel of that; a gradient with one more dim than its arg is partial sums,
-    added up here. Where the compiler fails, says so once and runs the formula from then on
-    (which raises when the inputs are at fault, not the compiler)."""
+    written out: grad(*args, dy) gives one per arg, None where there is none) a compiled kernel
+    of that; a gradient with one more dim than its arg is partial sums, added up here. Where
+    the compiler fails, says so once and runs the formula from then on (which raises when the
+    inputs are at fault, not the compiler)."""
     if not active(on, args[0]):
         return formula(*args)
 
@@ -97,16 +97,16 @@ class _Written(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, *dys: torch.Tensor):
+    def backward(ctx, dy: torch.Tensor):
         args = list(ctx.args)
         for i, t in zip(ctx.places, ctx.saved_tensors):
             args[i] = t
         name = f"{ctx.name} backward"
         if failure:  # a kernel failed since this forward: eager's formula, no second line
-            grads = ctx.grad(*args, *dys)
+            grads = ctx.grad(*args, dy)
         else:
-            grads = _checked(name, lambda: kernel(name, ctx.grad, GRAD_OPTIONS)(*args, *dys),
-                             lambda: ctx.grad(*args, *dys))
+            grads = _checked(name, lambda: kernel(name, ctx.grad, GRAD_OPTIONS)(*args, dy),
+                             lambda: ctx.grad(*args, dy))
         grads = [g.sum(0) if g is not None and g.dim() > a.dim() else g
                  for g, a in zip(grads, args)]
         return (None, None, None, *grads)

@@ -125,40 +125,35 @@ def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def norm_turn(x: torch.Tensor, gain: torch.Tensor | None, cos: torch.Tensor | None,
-              sin: torch.Tensor | None, eps: float, parts: tuple[int, ...] | None = None):
-    """RMSNorm (`gain`, or None: none) then the rotary turn (cos and sin, or None: none), cut
-    into `parts` along dim -2 (None: whole): the formula model/fused.py compiles into one
-    kernel each way (RMSNorm alone, and QK-norm with the turn over the queries and keys side
-    by side, out as the two)."""
+              sin: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm (`gain`, or None: none) then the rotary turn (cos and sin, or None: none): the
+    formula model/fused.py compiles into one kernel each way (RMSNorm alone, and QK-norm with
+    the turn over the queries and keys side by side)."""
     if gain is not None:
         x = rms_norm(x, gain, eps)
-    x = x if cos is None else rotate(x, cos, sin)
-    return x if parts is None else x.split(parts, dim=-2)
+    return x if cos is None else rotate(x, cos, sin)
 
 
 def fused_norm_turn(on: bool, name: str, x: torch.Tensor, gain: torch.Tensor | None,
-                    cos: torch.Tensor | None, sin: torch.Tensor | None, eps: float,
-                    parts: tuple[int, ...] | None = None):
+                    cos: torch.Tensor | None, sin: torch.Tensor | None, eps: float) -> torch.Tensor:
     """norm_turn through model/fused.py's kernel `name` where it runs (`on`: model.kernels
     compiled), backward through norm_turn_grad's where a gain trains."""
     grad = norm_turn_grad if gain is not None and gain.requires_grad else None
-    return fused.call(on, name, norm_turn, x, gain, cos, sin, eps, parts, grad=grad)
+    return fused.call(on, name, norm_turn, x, gain, cos, sin, eps, grad=grad)
 
 
 def norm_turn_grad(x: torch.Tensor, gain: torch.Tensor, cos: torch.Tensor | None,
-                   sin: torch.Tensor | None, eps: float, parts: tuple[int, ...] | None,
-                   *dys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None, None]:
+                   sin: torch.Tensor | None, eps: float, dy: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
     """norm_turn's gradients with a `gain`, written out for model/fused.py to compile: dx, and
     the gain's as partial sums over up to 64 runs of rows (runs, *gain.shape), which fused.py
-    adds up; `dys`, the gradient of each part (whose concatenation the compiler folds into its
-    loop, where autograd would write it out first). For y = turn(x̂·g), x̂ = x·r, r = (mean(x²)
-    + eps)^-1/2, and dn the turn backwards of dy: dx = r·(dn·g - x̂·mean(dn·g·x̂)), dg = Σ dn·x̂
-    over the rows. The gain's sum is over the outer dims, which inductor's loop walks a column
-    at a time across every row; summed run by run it streams the rows once instead (the step,
-    docs/performance.md)."""
+    adds up. For y = turn(x̂·g), x̂ = x·r, r = (mean(x²) + eps)^-1/2, and dn the turn
+    backwards of dy: dx = r·(dn·g - x̂·mean(dn·g·x̂)), dg = Σ dn·x̂ over the rows. The gain's sum
+    is over the outer dims, which inductor's loop walks a column at a time across every row;
+    summed block by block it streams the rows once instead (the step, docs/performance.md)."""
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    dy = (dys[0] if len(dys) == 1 else torch.cat(dys, dim=-2)).to(xf.dtype)
+    dy = dy.to(xf.dtype)
     # Half by half (x̂'s halves, dn's, the gain's): the turn backwards is then a formula of dy's
     # halves that the compiler folds into each loop, where a turned tensor is written out whole.
     pieces = 2 if cos is not None else 1
@@ -173,7 +168,7 @@ def norm_turn_grad(x: torch.Tensor, gain: torch.Tensor, cos: torch.Tensor | None
     runs = math.gcd(dy.numel() // gain.numel(), 64)
     dg = torch.cat([(d * h).reshape(runs, -1, *g.shape).sum(1)
                     for d, h, g in zip(dyh, xh, gh)], -1)
-    return dx.to(x.dtype), dg.to(gain.dtype), None, None, None, None
+    return dx.to(x.dtype), dg.to(gain.dtype), None, None, None
 
 
 class _Rotate(torch.autograd.Function):

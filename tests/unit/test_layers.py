@@ -71,10 +71,9 @@ def test_the_rotary_turn_and_its_gradient_are_the_formula(dtype, tol, layout):
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
 @pytest.mark.parametrize("turn,rows", [(True, 6 * 7), (False, 6 * 7), (True, 64 * 7), (False, 5)])
 def test_the_written_norm_gradient_is_autograd_s(dtype, tol, turn, rows):
-    """QK-norm with the turn (one gain per head, the gradient in two parts: the queries' and
-    the keys') and RMSNorm alone (one gain): dx and the gain's partial sums, added up, against
-    autograd through the formula; rows that 64 divides, and rows it does not (fewer partial
-    sums)."""
+    """QK-norm with the turn (one gain per head) and RMSNorm alone (one gain): dx and the gain's
+    partial sums, added up, against autograd through the formula; rows that 64 divides, and
+    rows it does not (fewer partial sums)."""
     gen = torch.Generator().manual_seed(4)
     T, heads, D = (7, 3, 8) if turn else (rows, 1, 16)
     x = (2 * torch.randn(rows // T, T, heads, D, generator=gen)).to(dtype)
@@ -92,10 +91,8 @@ def test_the_written_norm_gradient_is_autograd_s(dtype, tol, turn, rows):
     want, (want_dx, want_dg) = _grads(plain, x, gain)
     dy = torch.randn(want.shape, generator=torch.Generator().manual_seed(3),
                      dtype=torch.float64).to(dtype)  # _grads's weight
-    parts = (2, 1) if turn else None  # the queries' heads and the keys', as attention cuts them
-    dys = dy.split(parts, dim=-2) if turn else (dy,)
-    dx, partial, *rest = norm_turn_grad(x, gain, cos, sin, 1e-5, parts, *dys)
-    assert rest == [None] * 4 and dx.dtype == dtype
+    dx, partial, *rest = norm_turn_grad(x, gain, cos, sin, 1e-5, dy)
+    assert rest == [None, None, None] and dx.dtype == dtype
     assert partial.shape == (math.gcd(rows * heads * D // gain.numel(), 64), *gain.shape)
     torch.testing.assert_close(dx, want_dx, rtol=tol, atol=tol * want_dx.abs().max().item())
     torch.testing.assert_close(partial.sum(0), want_dg, rtol=tol,
