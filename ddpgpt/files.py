@@ -15,6 +15,7 @@ import hashlib
 import importlib
 import os
 import shutil
+import stat
 import threading
 from pathlib import Path
 
@@ -43,6 +44,20 @@ def describe(error: OSError) -> str:
     """"No space left on device (ENOSPC)"."""
     name = errno.errorcode.get(error.errno, str(error.errno))
     return f"{error.strerror or os.strerror(error.errno)} ({name})"
+
+
+def path_kind(path) -> str:
+    """"dir", "file" (anything else that is there) or "missing" (as Path.exists says it), from
+    one look at `path`: another process may make and remove a directory between two looks."""
+    if not isinstance(path, Path):  # object storage: no directory to make or remove
+        return "dir" if path.is_dir() else "file" if path.exists() else "missing"
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return "missing"
+        raise
+    return "dir" if stat.S_ISDIR(mode) else "file"
 
 
 def fsync(path: Path) -> None:

@@ -25,13 +25,11 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
 import shutil
 import socket
-import stat
 import sys
 import time
 from pathlib import Path
@@ -40,7 +38,7 @@ from ddpgpt.checkpoint import location
 from ddpgpt.checkpoint.lease import Lease
 from ddpgpt.data import storage
 from ddpgpt.errors import UserError, beside, warn
-from ddpgpt.files import WriteError, describe, move, replace_text
+from ddpgpt.files import WriteError, describe, move, path_kind, replace_text
 
 
 class RunDirBusy(UserError):
@@ -57,20 +55,6 @@ def check_continues(path: Path) -> None:
     raise UserError(f"run dir {path} {there}{beside(path, 'config.json', 'runs')}; to "
                     "continue a run, give its --run-dir; to start a new one there, give its "
                     "--data (and a --preset)")
-
-
-def _kind(path) -> str:
-    """"dir", "file" (anything else that is there) or "missing" (as Path.exists says it), from
-    one look at `path`."""
-    if not isinstance(path, Path):  # object storage: no directory to make or remove
-        return "dir" if path.is_dir() else "file" if path.exists() else "missing"
-    try:
-        mode = path.stat().st_mode
-    except OSError as e:
-        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-            return "missing"
-        raise
-    return "dir" if stat.S_ISDIR(mode) else "file"
 
 
 class RunDir:
@@ -160,7 +144,8 @@ class RunDir:
         cache that remembers them): a file where the directory or one of its parents should be,
         or a place where mkdir fails — tried on the first missing directory, which is removed
         again, so that a refused run dir leaves nothing behind. Each path is looked at once
-        (`_kind`): another rank's probe may make and remove a directory between two looks."""
+        (files.path_kind): another rank's probe may make and remove a directory between two
+        looks."""
         for _ in range(3):  # a parent seen here may be another rank's probe, gone by mkdir
             if self._probe():
                 return
@@ -168,13 +153,13 @@ class RunDir:
     def _probe(self) -> bool:
         """check_creatable's one try: True when settled, False when a directory seen to be
         there was gone by the time of the mkdir under it (look again)."""
-        kind = _kind(self.path)
+        kind = path_kind(self.path)
         if kind == "file":
             raise UserError(f"run dir {self.path} is a file; give a directory (--run-dir)")
         if kind == "dir":
             return True
         first, parent = self.path, self.path.parent
-        while (kind := _kind(parent)) == "missing":
+        while (kind := path_kind(parent)) == "missing":
             first, parent = parent, parent.parent
         if kind == "file":
             raise UserError(f"run dir {self.path}: {parent} is a file, not a directory; "
@@ -184,7 +169,7 @@ class RunDir:
         except FileExistsError:  # made meanwhile (another rank): create() will see
             return True
         except OSError as e:
-            if isinstance(e, FileNotFoundError) and _kind(parent) == "missing":
+            if isinstance(e, FileNotFoundError) and path_kind(parent) == "missing":
                 return False
             raise UserError(f"run dir {self.path}: cannot create it: {describe(e)}; give a "
                             "writable --run-dir") from None
