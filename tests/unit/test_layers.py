@@ -29,10 +29,14 @@ def _grads(fn, *inputs, seed=3):
     """fn's output and the gradients of a random linear function of it w.r.t. each input."""
     inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
     out = fn(*inputs)
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed),
-                         dtype=torch.float64).to(out.dtype)
-    (out * weight).sum().backward()
+    (out * _weight(out, seed)).sum().backward()
     return out.detach(), [t.grad for t in inputs if t.requires_grad]
+
+
+def _weight(out, seed=3):
+    """The random linear function of `_grads`: its gradient w.r.t. `out`."""
+    return torch.randn(out.shape, generator=torch.Generator().manual_seed(seed),
+                       dtype=torch.float64).to(out.dtype)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
@@ -89,9 +93,7 @@ def test_the_written_norm_gradient_is_autograd_s(dtype, tol, turn, rows):
         return _plain_turn(y, cos, sin) if turn else y
 
     want, (want_dx, want_dg) = _grads(plain, x, gain)
-    dy = torch.randn(want.shape, generator=torch.Generator().manual_seed(3),
-                     dtype=torch.float64).to(dtype)  # _grads's weight
-    dx, partial, *rest = norm_turn_grad(x, gain, cos, sin, 1e-5, dy)
+    dx, partial, *rest = norm_turn_grad(x, gain, cos, sin, 1e-5, _weight(want))
     assert rest == [None, None, None] and dx.dtype == dtype
     assert partial.shape == (math.gcd(rows * heads * D // gain.numel(), 64), *gain.shape)
     torch.testing.assert_close(dx, want_dx, rtol=tol, atol=tol * want_dx.abs().max().item())
