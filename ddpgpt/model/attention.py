@@ -1,5 +1,6 @@
 """Causal self-attention (through `F.scaled_dot_product_attention`, which picks flash or
-memory-efficient kernels where it can, or FlexAttention under a block mask: model/flex.py), with
+memory-efficient kernels where it can, FlexAttention under a block mask: model/flex.py, or in a
+training step on a CPU with model.kernels compiled, by blocks: model/causal_cpu.py), with
 grouped-query heads, QK-norm and rotary positions as the config says, the masks (documents in a
 row, the sliding band), and the KV cache that generation keeps between tokens."""
 
@@ -10,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.model import flex
+from ddpgpt.model import causal_cpu, flex
 from ddpgpt.model.layers import RMSNorm, fused_norm_turn
 
 
@@ -151,6 +152,9 @@ class CausalSelfAttention(nn.Module):
                 raise ValueError("FlexAttention has no attention dropout: model.dropout needs "
                                  "model.attention sdpa")
             y = flex.attend(q, k, v, mask, gqa=self.n_kv != self.n_head)  # (B, H, T, D)
+        elif mask is None and cache is None and causal_cpu.runs(
+                self.compiled, q, self.dropout if self.training else 0.0):
+            y = causal_cpu.attend(q, k, v)  # (B, H, T, D): SDPA's numbers, sooner on a CPU
         else:
             masks = {"attn_mask": mask} if mask is not None else {"is_causal": T > 1}
             gqa = {"enable_gqa": True} if self.n_kv != self.n_head else {}
@@ -158,3 +162,4 @@ class CausalSelfAttention(nn.Module):
                                                dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         return self.resid_drop(self.proj(y))
+

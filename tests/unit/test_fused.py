@@ -16,7 +16,7 @@ from ddpgpt.model.layers import swiglu
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SHAPE = dict(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=97, arch="modern")
-PIECES = {"RMSNorm", "QK-norm and rotary", "SwiGLU", "cross-entropy",
+PIECES = {"RMSNorm", "QK-norm and rotary", "SwiGLU", "cross-entropy", "causal attention",
           "RMSNorm backward", "QK-norm and rotary backward"}  # the norms' written-out gradients
 
 
