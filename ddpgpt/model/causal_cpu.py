@@ -10,11 +10,12 @@ fuses the scale, the mask and the softmax into one loop each way and leaves the 
 torch's batched matmul, so only the blocks on and under the diagonal are computed (at T=256,
 10 of the 16 blocks of 64 × 64). SDPA's CPU kernel skips masked keys too, but does its
 products block by block inside one kernel at about half the matmul's rate: at the speedrun's
-shape a layer's forward and backward takes ~43 ms here against SDPA's ~52
+shape a layer's forward and backward takes 0.85-0.92 of SDPA's time (~47 against ~53 ms)
 (docs/performance.md, "Causal attention by blocks"). The price is memory: the softmax of each
 block row is kept for the backward (~0.6 · B·H·T² floats a layer: 10 MB at the speedrun's
-shape), where SDPA keeps one logsumexp a row; and from T = 1,024 on SDPA is as fast, so longer
-rows keep it (UP_TO).
+shape), where SDPA keeps one logsumexp a row, and a compile that grows with the blocks. It
+runs for rows of FROM to UP_TO tokens: below, the blocks skipped are too few to pay (level at
+128 and 160); at T = 1,024 the gain was small or gone (0.88 to 0.98 of SDPA's time).
 
 The numbers are SDPA's to rounding, forward and backward (tests/unit/test_causal_cpu.py).
 Where it does not run (CUDA, evaluation, a mask, dropout, bf16, longer rows, a compiled model)
@@ -29,15 +30,16 @@ import torch
 from ddpgpt.model import fused
 
 BLOCK = 64   # queries a block: at T=256 and 512, 64 beat 32 and 128 (docs/performance.md)
-UP_TO = 512  # the longest rows it runs for: at 1,024 SDPA's kernel is as fast
+FROM = 192   # the shortest rows it runs for: at 128 and 160 the triangle saves too little
+UP_TO = 512  # the longest (0.71-0.78 of SDPA's time at 512, 0.88-0.98 at 1,024)
 
 
 def runs(on: bool, q: torch.Tensor, dropout: float) -> bool:
     """Whether causal attention over q (B, H, T, D) runs by blocks: model.kernels compiled
     (`on`) where model/fused.py's kernels run (a CPU, a training step), fp32, no attention
-    dropout, rows of 2 to UP_TO tokens."""
+    dropout, rows of FROM to UP_TO tokens."""
     return (fused.active(on, q) and q.dtype == torch.float32 and not dropout
-            and 1 < q.size(2) <= UP_TO)
+            and FROM <= q.size(2) <= UP_TO)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -52,10 +54,8 @@ def by_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = BL
     key head h // (H / H_kv), as SDPA's enable_gqa). Returns (B, H, T, D)."""
     B, H, T, D = q.shape
     H_kv = k.size(1)
-    # Contiguous once: the heads come as views of the projection (B, T, H, D), which every
-    # product would otherwise copy for itself.
-    q = q.contiguous().view(B, H_kv, H // H_kv, T, D)
-    k, v = k.contiguous()[:, :, None], v.contiguous()[:, :, None]  # (B, H_kv, 1, T, D)
+    q = q.reshape(B, H_kv, H // H_kv, T, D)
+    k, v = k[:, :, None], v[:, :, None]  # (B, H_kv, 1, T, D)
     out = []
     for start in range(0, T, block):
         end = min(start + block, T)
@@ -66,4 +66,4 @@ def by_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = BL
         j = torch.arange(end, device=q.device)                  # the keys'
         weights = torch.where(j <= i, scores, float("-inf")).softmax(-1)
         out.append(weights @ v[..., :end, :])  # (B, H_kv, H / H_kv, end - start, D)
-    return torch.cat(out, -2).view(B, H, T, D)
+    return torch.cat(out, -2).reshape(B, H, T, D)

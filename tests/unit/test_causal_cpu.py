@@ -67,20 +67,20 @@ def test_the_compiled_kernel_is_sdpa_to_fp32_rounding(fresh):
 
 
 def test_where_it_runs(fresh):
-    """A training step's fp32 rows of 2 to UP_TO tokens on a CPU, with model.kernels compiled:
+    """A training step's fp32 rows of FROM to UP_TO tokens on a CPU, with model.kernels compiled:
     not without the kernels, without gradients (evaluation, sampling), with attention dropout,
-    in bf16, for longer rows or one token, nor once a kernel has failed to compile."""
+    in bf16, for shorter or longer rows, nor once a kernel has failed to compile."""
     def q(T, dtype=torch.float32):
         return torch.zeros(1, 2, T, 8, dtype=dtype)
 
-    assert causal_cpu.runs(True, q(causal_cpu.UP_TO), 0.0)
-    assert causal_cpu.runs(True, q(2), 0.0)
-    assert not causal_cpu.runs(False, q(64), 0.0)
-    assert not causal_cpu.runs(True, q(64), 0.1)
-    assert not causal_cpu.runs(True, q(64, torch.bfloat16), 0.0)
+    T = causal_cpu.FROM
+    assert causal_cpu.runs(True, q(T), 0.0) and causal_cpu.runs(True, q(causal_cpu.UP_TO), 0.0)
+    assert not causal_cpu.runs(False, q(T), 0.0)
+    assert not causal_cpu.runs(True, q(T), 0.1)
+    assert not causal_cpu.runs(True, q(T, torch.bfloat16), 0.0)
+    assert not causal_cpu.runs(True, q(T - 1), 0.0)
     assert not causal_cpu.runs(True, q(causal_cpu.UP_TO + 1), 0.0)
-    assert not causal_cpu.runs(True, q(1), 0.0)
     with torch.no_grad():
-        assert not causal_cpu.runs(True, q(64), 0.0)
+        assert not causal_cpu.runs(True, q(T), 0.0)
     fused.failure = "RuntimeError: no C compiler"
-    assert not causal_cpu.runs(True, q(64), 0.0)
+    assert not causal_cpu.runs(True, q(T), 0.0)

@@ -9,7 +9,7 @@ import torch
 
 from ddpgpt.config.checks import ConfigError
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.model import fused
+from ddpgpt.model import causal_cpu, fused
 from ddpgpt.model.gpt import GPT
 from ddpgpt.model.layers import swiglu
 
@@ -22,9 +22,11 @@ PIECES = {"RMSNorm", "QK-norm and rotary", "SwiGLU", "cross-entropy", "causal at
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """fused's module state (its kernels, a failure) as at import, and put back after."""
+    """fused's module state (its kernels, a failure) as at import, and put back after; attention
+    by blocks for rows of any length (these are shorter than causal_cpu.FROM)."""
     monkeypatch.setattr(fused, "_kernels", {})
     monkeypatch.setattr(fused, "failure", "")
+    monkeypatch.setattr(causal_cpu, "FROM", 2)
 
 
 def _loss_and_grads(cfg: ModelConfig, idx, targets):
