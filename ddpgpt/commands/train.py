@@ -353,8 +353,7 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
                   file=sys.stderr)
         elif cfg.model.kernels == "compiled" and env.device.type == "cpu":
             print("ddpgpt: model.kernels compiled: the first step waits for torch.compile's "
-                  "kernels (seconds; tens the first time on a machine, then cached)",
-                  file=sys.stderr)
+                  "kernels (seconds; tens on a new machine)", file=sys.stderr)
         # Worth saying only for a run longer than the default checkpoint period: a shorter
         # one loses no more than the defaults accept.
         if (cfg.run.on_spike == "recover" and not 0 < cfg.run.checkpoint_every < cfg.run.steps
