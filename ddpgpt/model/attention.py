@@ -162,4 +162,3 @@ class CausalSelfAttention(nn.Module):
                                                dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         return self.resid_drop(self.proj(y))
-

@@ -5,7 +5,8 @@ QK-norm and the rotary turn, SwiGLU's silu(gate) · up or ReLU², the cross-entr
 written-out backwards of model/layers.py shorten those chains, not to one pass). torch.compile
 (inductor, with the system's C compiler) fuses each piece's forward into one C++ loop and its
 backward into another; the matrix products and attention stay torch's kernels, outside them
-(docs/performance.md, "The step against nanoGPT's, op by op").
+(docs/performance.md, "The step against nanoGPT's, op by op"), but for causal attention by
+blocks (model/causal_cpu.py: its formula through `call`, the products torch's batched matmul).
 
     y = fused.call(on, "RMSNorm", norm_turn, x, gain, None, None, eps)
 
