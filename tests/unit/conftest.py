@@ -10,3 +10,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch):
+    """model/fused.py's module state (its kernels, a failure) as at import, and put back after."""
+    from ddpgpt.model import fused
+    monkeypatch.setattr(fused, "_kernels", {})
+    monkeypatch.setattr(fused, "failure", "")

@@ -12,13 +12,6 @@ from ddpgpt.model import causal_cpu, fused
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture
-def fresh(monkeypatch):
-    """fused's module state (its kernels, a failure) as at import, and put back after."""
-    monkeypatch.setattr(fused, "_kernels", {})
-    monkeypatch.setattr(fused, "failure", "")
-
-
 def _heads(B, T, H, H_kv, D, dtype, seed=0):
     """q (B, H, T, D), k and v (B, H_kv, T, D) as the model makes them: views of one (B, T, ...)
     projection, transposed; leaves that take gradients."""
@@ -55,7 +48,7 @@ def test_the_formula_is_sdpa_forward_and_backward(T, block, H, H_kv):
 
 
 @pytest.mark.timeout(300)
-def test_the_compiled_kernel_is_sdpa_to_fp32_rounding(fresh):
+def test_the_compiled_kernel_is_sdpa_to_fp32_rounding(fresh_kernels):
     """The kernel the step runs (three blocks of 64, the last one short; grouped heads): SDPA's
     output and gradients to fp32 rounding."""
     shape = (2, 150, 4, 2, 16)
@@ -66,7 +59,7 @@ def test_the_compiled_kernel_is_sdpa_to_fp32_rounding(fresh):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_where_it_runs(fresh):
+def test_where_it_runs(fresh_kernels):
     """A training step's fp32 rows of FROM to UP_TO tokens on a CPU, with model.kernels compiled:
     not without the kernels, without gradients (evaluation, sampling), with attention dropout,
     in bf16, for shorter or longer rows, nor once a kernel has failed to compile."""

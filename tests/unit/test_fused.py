@@ -21,11 +21,9 @@ PIECES = {"RMSNorm", "QK-norm and rotary", "SwiGLU", "cross-entropy", "causal at
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    """fused's module state (its kernels, a failure) as at import, and put back after; attention
-    by blocks for rows of any length (these are shorter than causal_cpu.FROM)."""
-    monkeypatch.setattr(fused, "_kernels", {})
-    monkeypatch.setattr(fused, "failure", "")
+def fresh(fresh_kernels, monkeypatch):
+    """fused's module state as at import (`fresh_kernels`), and attention by blocks for rows of
+    any length (these are shorter than causal_cpu.FROM)."""
     monkeypatch.setattr(causal_cpu, "FROM", 2)
 
 
