@@ -156,9 +156,9 @@ class EvalConfig:
     """Run directory (its latest complete checkpoint is used). Under torchrun write --run-dir:
     torchrun's own parser takes --run for an abbreviation of its --run-path."""
     init_from: str = ""
-    """Score this model instead of a run's: a transformers directory (GPT-2, Llama or Qwen3, as
-    train's --init-from reads them, with the tokenizer saved beside it) or a hub name (gpt2,
-    ...). Tasks only: there is no dataset for a validation loss."""
+    """Score this model instead of a run's: a transformers directory (GPT-2, Llama, Qwen3 or
+    Apertus, as train's --init-from reads them, with the tokenizer saved beside it) or a hub
+    name (gpt2, ...). Tasks only: there is no dataset for a validation loss."""
     data: str = ""
     """Evaluate on this dataset (DIR, or a mixture DIR:WEIGHT,...) instead of the run's own: other
     data on purpose, prepared with the run's tokenizer. Without it the run's data.dir must still

@@ -121,3 +121,14 @@ def test_help_shows_the_presets_values(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "Peak learning rate, reached after warmup_steps. (default: 0.002)" in text
     assert "the accumulation steps are G / (W * b). (default: 16)" in text
+
+
+def test_init_from_help_names_every_family_the_weights_loader_reads():
+    """--init-from (train's and eval's) reads GPT-2 and each Llama-family class hf/llama.py
+    maps; its help names them all (it once left out Apertus)."""
+    from ddpgpt.hf.llama import CLASSES
+
+    families = ["GPT-2", *(name.removesuffix("ForCausalLM") for name in CLASSES.values())]
+    for cls in (ModelConfig, commands.EvalConfig):
+        doc = " ".join(field_docs(cls)["init_from"].split())
+        assert [f for f in families if f not in doc] == [], cls.__name__
