@@ -6,24 +6,32 @@ says itself."""
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 
 from tqdm import tqdm
 
 LOG_EVERY_S = 10.0
+# what a redraw changes by itself: the bar's glyphs (their width follows the rate's) and the
+# clock and rate ("|####  | ... [00:12<01:30, 3.97it/s")
+_REDRAWN = re.compile(r"\|[^|]*\||\[[^],<]*<[^],]*(, *[^],=]*/s)?")
 
 
 class _Lines:
     """A stream for tqdm that turns each redraw into one line of its own."""
 
     def __init__(self, stream):
-        self.stream, self.started = stream, time.monotonic()
+        self.stream, self.started, self.last = stream, time.monotonic(), ""
 
     def write(self, text: str) -> int:
         line = text.replace("\r", "").strip()
         if line and time.monotonic() - self.started >= LOG_EVERY_S:
-            self.stream.write(line + "\n")
+            # tqdm's close redraws the last update: the same line but for what a redraw changes
+            same = _REDRAWN.sub("", line)
+            if same != self.last:
+                self.stream.write(line + "\n")
+            self.last = same
         return len(text)
 
     def flush(self) -> None:

@@ -27,6 +27,22 @@ def test_a_log_gets_whole_lines_and_the_last_count(monkeypatch):
     assert lines[-1].startswith("prepare: 100%") and "5/5" in lines[-1]
 
 
+def test_a_log_gets_the_end_once_and_every_change_of_postfix(monkeypatch):
+    """tqdm's close redraws its last update, which differs only in its clock and rate: that is
+    one line in a log, not two; a postfix set at the same count is news and is kept."""
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    log = Log()
+    b = progress.bar(total=3, stream=log, desc="train")
+    for step in range(3):
+        b.update(1)
+        b.set_postfix(loss=step)
+    b.close()
+    lines = log.getvalue().splitlines()
+    assert lines[-1].startswith("train: 100%") and lines[-1].endswith("loss=2]")
+    assert [line for line in lines if "3/3" in line and "loss=2]" in line] == [lines[-1]]
+    assert sum("2/3" in line for line in lines) == 2  # the count, then its new postfix
+
+
 def test_quick_work_leaves_no_line_in_a_log():
     log = Log()
     for _ in progress.bar(range(1000), stream=log, desc="prepare"):
