@@ -46,6 +46,22 @@ class _Without(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
+def first_step_waits(compile: bool, kernels: str, device_type: str, flex: bool) -> str:
+    """What a run's first step waits for, in one line ("" for nothing worth saying), or the bar
+    sits at 0 for tens of seconds with no word of why. `flex`: FlexAttention runs on this device
+    (compiled on its own unless the whole model is)."""
+    waits = []
+    if compile:
+        waits.append("torch.compile (run.compile: tens of seconds)")
+    elif kernels == "compiled" and device_type == "cpu":
+        waits.append("torch.compile's kernels (model.kernels compiled: seconds, tens on a new "
+                     "machine)")
+    if flex and not compile:
+        waits.append("FlexAttention's kernel (model.attention flex: tens of seconds)")
+    return (f"ddpgpt: the first step waits for {' and '.join(waits)}; the compiled kernels are "
+            "cached for later runs") if waits else ""
+
+
 def compiled(model: torch.nn.Module) -> torch.nn.Module:
     """torch.compile(model), dynamo's profiler notes filtered out where it logs them."""
     for name, prefix in PROFILER_NOTES.items():
@@ -130,6 +146,10 @@ class Trainer:
             yield
         finally:
             setattr(self, f"{what}_s", getattr(self, f"{what}_s") + time.perf_counter() - start)
+
+    def first_step_waits(self) -> str:
+        return first_step_waits(self.cfg.run.compile, self.cfg.model.kernels,
+                                self.env.device.type, self.env.device.type in self.raw.flex_on)
 
     def times(self) -> dict:
         """The run's seconds so far: wall time, and training time apart from evaluations and

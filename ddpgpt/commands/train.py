@@ -347,13 +347,8 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
             warn(trainer.dataset.bytes_advice())
         for note in one_document_notes(trainer.loader):  # data.align bos on one document
             warn(note)
-        if cfg.run.compile:  # or the bar sits at 0 with no word of why
-            print("ddpgpt: compiling the model (run.compile): the first step waits for "
-                  "torch.compile (tens of seconds; its kernels are cached for later runs)",
-                  file=sys.stderr)
-        elif cfg.model.kernels == "compiled" and env.device.type == "cpu":
-            print("ddpgpt: model.kernels compiled: the first step waits for torch.compile's "
-                  "kernels (seconds; tens on a new machine)", file=sys.stderr)
+        if trainer.first_step_waits():
+            print(trainer.first_step_waits(), file=sys.stderr)
         # Worth saying only for a run longer than the default checkpoint period: a shorter
         # one loses no more than the defaults accept.
         if (cfg.run.on_spike == "recover" and not 0 < cfg.run.checkpoint_every < cfg.run.steps

@@ -17,8 +17,9 @@ from ddpgpt.trainer import Trainer
 LR = Rates(1e-3, 0.95)  # every update here: lr 1e-3, Muon momentum 0.95
 
 
-def make(tiny_data, tmp_path, optim: dict | None = None, **run) -> Trainer:
-    flags = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
+def make(tiny_data, tmp_path, optim: dict | None = None, model: dict | None = None,
+         **run) -> Trainer:
+    flags = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, **(model or {})},
              "data": {"dir": str(tiny_data), "micro_batch": 2, "global_batch": 4,
                       "eval_windows": 4},
              "optim": optim or {},
@@ -151,3 +152,14 @@ def test_a_checkpoint_without_one_of_the_models_tensors_is_refused(tiny_data, tm
     assert str(e.value) == (f"{path}: the checkpoint holds no model.wte.weight; it was not "
                             "written by this model and optimizer: resume from another one, or "
                             "--reset")
+
+
+def test_the_first_step_says_when_it_waits_for_flexattentions_kernel(tiny_data, tmp_path):
+    """model.attention flex on a CPU compiles FlexAttention's kernel at the first step (~30 s on
+    a new 2-core machine): the run says so before it, as it does for run.compile."""
+    flex = make(tiny_data, tmp_path, model={"attention": "flex", "kernels": "eager"})
+    assert flex.first_step_waits() == (
+        "ddpgpt: the first step waits for FlexAttention's kernel (model.attention flex: tens of "
+        "seconds); the compiled kernels are cached for later runs")
+    assert make(tiny_data, tmp_path, model={"attention": "sdpa", "kernels": "eager"}
+                ).first_step_waits() == ""
