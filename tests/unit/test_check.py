@@ -281,3 +281,15 @@ def test_the_flex_rows_pass_on_its_numbers_and_fail_on_others(monkeypatch):
     for name in attention.MODELS:
         row = attention.same(name, "cpu")
         assert row.status == FAIL and float(row.figure.split()[6]) > 1e-3, row
+
+
+def test_its_own_data_is_one_line_not_prepares_report_and_advice(tmp_path, capsys):
+    """check makes a dataset of 14 standard-library modules: prepare's summary and its warning
+    about a val split of 3 documents are about data the user never asked for."""
+    path = check.prepare_data(tmp_path / "data")
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"ddpgpt check: its data: {len(check.CORPUS)} standard-library "
+                              f"modules as bytes, in {tmp_path / 'data'}\n")
+    assert json.loads((tmp_path / "data" / "meta.json").read_text())["tokenizer"] == "byte"
+    assert check.prepare_data(tmp_path / "data") == path  # prepared once
+    assert capsys.readouterr() == ("", "")
