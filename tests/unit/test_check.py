@@ -155,18 +155,21 @@ def test_the_report_is_one_table_and_the_same_rows_as_json(tmp_path):
             Row.needs("peak memory ddp", "cpu", 1, "ddp's peak", "CUDA memory statistics")]
     env = {"ddpgpt": "0", "python": "3", "torch": "2.13.0", "cpu": "x, 2 usable cores",
            "device": "cpu", "cuda": "none", "nccl": "none", "driver": "none"}
-    md, js = write(tmp_path, env, rows, "quick subset", 12.3)
+    spent = {"seconds": 12.3, "cpu_seconds": 20.5, "load": 3.25}
+    md, js = write(tmp_path, env, rows, "quick subset", spent)
     text = md.read_text()
     assert "| ddp · adamw · fp32 | cpu | 1 | the fp32 CPU run | max rel Δ loss 0.0e+00 | pass |" \
         in text
     assert "| peak memory ddp | cpu | 1 | ddp's peak | needs CUDA memory statistics | not run |" \
         in text
     assert "torch 2.13.0, CUDA none, NCCL none, driver none" in text
-    assert "1 passed, 0 failed, 1 not run, of 2 rows" in text
+    assert "1 passed, 0 failed, 1 not run, of 2 rows; 12 s (20 s of CPU time; a load of 3.2 at " \
+           "the end)" in text  # on a shared machine the wall time says little alone
     data = json.loads(js.read_text())
     assert [Row(**r) for r in data["rows"]] == rows and data["scope"] == "quick subset"
+    assert {k: data[k] for k in spent} == spent
     (tmp_path / "pipe").mkdir()
-    pipe = write(tmp_path / "pipe", env, [Row("x", "cpu", 1, "a|b", "y", PASS)], "", 0)
+    pipe = write(tmp_path / "pipe", env, [Row("x", "cpu", 1, "a|b", "y", PASS)], "", spent)
     assert "| x | cpu | 1 | a\\|b | y | pass |" in pipe[0].read_text()  # a cell's pipe: no column
 
 

@@ -47,6 +47,8 @@ from ddpgpt.commands.check.report import (
     environment,
     header,
     table,
+    took,
+    took_text,
     write,
 )
 from ddpgpt.config.commands import CheckConfig, PrepareConfig
@@ -92,9 +94,10 @@ def run(cfg: CheckConfig) -> None:
     rows += several(cfg, device, out, data, nproc)           # 2. W > 1: one process per device
     rows += attention.rows(device, lambda check: selected(cfg, check), say)  # 3. FlexAttention
     rows += commands.rows(device, data, out, lambda check: selected(cfg, check), say)  # 4.
-    seconds = time.perf_counter() - started
-    print(f"{header(env_info)}\n\n{table(rows)}\n\n{counts(rows)}; {seconds:.0f} s", flush=True)
-    paths = write(out, env_info, rows, scope(cfg), seconds)
+    spent = took(time.perf_counter() - started)
+    print(f"{header(env_info)}\n\n{table(rows)}\n\n{counts(rows)}; {took_text(spent)}",
+          flush=True)
+    paths = write(out, env_info, rows, scope(cfg), spent)
     print(f"wrote {paths[0]} and {paths[1]}")
     failed = [r.check for r in rows if r.status == FAIL]
     if failed:

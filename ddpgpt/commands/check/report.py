@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import resource
 import subprocess
 from pathlib import Path
 
@@ -114,12 +115,28 @@ def counts(rows: list[Row]) -> str:
     return f"{n[PASS]} passed, {n[FAIL]} failed, {n[NOT_RUN]} not run, of {len(rows)} rows"
 
 
-def write(out: Path, env: dict, rows: list[Row], what: str, seconds: float) -> list[Path]:
+def took(seconds: float) -> dict:
+    """The check's wall time, the CPU time it and its workers spent, and the machine's load at
+    the end: on a shared machine the wall time follows the load, the CPU time much less."""
+    cpu = sum(getattr(resource.getrusage(who), part)
+              for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for part in ("ru_utime", "ru_stime"))
+    return {"seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),
+            "load": round(os.getloadavg()[0], 1)}
+
+
+def took_text(t: dict) -> str:
+    return (f"{t['seconds']:.0f} s ({t['cpu_seconds']:.0f} s of CPU time; a load of "
+            f"{t['load']:.1f} at the end)")
+
+
+def write(out: Path, env: dict, rows: list[Row], what: str, time: dict) -> list[Path]:
     """device-check.md and device-check.json in `out`; one line if they cannot be written (the
-    printed table still holds the rows). `what`: the scope (full matrix, quick subset, ...)."""
+    printed table still holds the rows). `what`: the scope (full matrix, quick subset, ...);
+    `time`: `took`'s."""
     md = (f"# ddpgpt device check ({what})\n\n{header(env)}\n\n{table(rows)}\n\n"
-          f"{counts(rows)}; {seconds:.0f} s\n")
-    data = {"environment": env, "scope": what, "seconds": round(seconds, 1),
+          f"{counts(rows)}; {took_text(time)}\n")
+    data = {"environment": env, "scope": what, **time,
             "rows": [dataclasses.asdict(r) for r in rows]}
     paths = [out / "device-check.md", out / "device-check.json"]
     try:
