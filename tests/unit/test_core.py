@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -313,6 +314,36 @@ def test_the_csv_reads_with_a_byte_order_mark(small):
     path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
     assert [(p.label, p.baseline) for p in bundle.read(small)] == [("mc", 25), ("wino", 50),
                                                                    ("lm", 0)]
+
+
+def test_the_bundle_docs_gpt2_md_writes_out_reads_as_it_says(tmp_path):
+    """docs/gpt2.md's "Your own CORE tasks": its files (the fenced blocks that start with
+    `# my_bundle/PATH`) read as the tasks it describes, and the rows and scored tokens it shows
+    are the ones scored."""
+    doc = (Path(__file__).parents[2] / "docs" / "gpt2.md").read_text()
+    for block in re.findall(r"```\w*\n(# my_bundle/.*?)```", doc, re.S):
+        name, text = block.split("\n", 1)
+        (tmp_path / name[2:]).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name[2:]).write_text(text)
+    capitals, pronouns, copy = bundle.read(tmp_path / "my_bundle")
+    assert [(p.label, p.type, p.shots, p.delimiter, p.baseline, len(p.examples))
+            for p in (capitals, pronouns, copy)] == [
+        ("capitals", "multiple_choice", 1, "\nAnswer: ", 33.33, 2),
+        ("pronouns", "schema", 0, " ", 50, 2), ("copy", "language_modeling", 1, " => ", 0, 2)]
+    france = next(i for i, e in enumerate(capitals.examples) if "France" in e.query)
+    red = next(i for i, e in enumerate(copy.examples) if e.context == "copy: red blue")
+    for rows in (bundle.prompts(capitals, france)[0], bundle.prompts(copy, red)[1]):
+        assert f"```text\n{rows}\n```" in doc
+    assert "Answer: Lyon" in bundle.prompts(capitals, france)[1]
+    first = next(i for i, e in enumerate(pronouns.examples) if e.continuation == "was too big.")
+    assert bundle.prompts(pronouns, first) == [
+        f"The trophy did not fit in the case because the {x} was too big." for x in
+        ("trophy", "case")]
+    tok = ByteTokenizer()
+    scored = [[bytes(t.tolist()).decode() for t in r.tails] for r in (
+        core.render(capitals, [france], tok, 4096) + core.render(pronouns, [first], tok, 4096) +
+        core.render(copy, [red], tok, 4096))]
+    assert scored == [["Paris", "Lyon", "Nice"], [" was too big."] * 2, [" red blue"]]
 
 
 def test_the_benchmarks_stand_in_has_cores_shape(tmp_path):
