@@ -119,13 +119,13 @@ def correct(model: torch.nn.Module, r: Rendered, block_size: int, device: torch.
         end, n = len(rows[0]), scored[0]
         guess = logits[0, end - 1 - n:end - 1].argmax(-1)  # (n,)
         return bool(torch.equal(guess, inputs[0, end - n:end]))
+    if min(scored) == 0:  # a choice with no tokens of its own: no mean compares it
+        return False  # (after the forward: every rank runs the same ones)
     targets = torch.full((len(rows), width), -1, dtype=torch.long, device=device)
     for k, (row, n) in enumerate(zip(rows, scored)):
         targets[k, len(row) - n:len(row)] = inputs[k, len(row) - n:len(row)]
     losses = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets[:, 1:].flatten(),
                              ignore_index=-1, reduction="none").view(len(rows), -1)  # (rows, w-1)
-    if min(scored) == 0:  # a choice with no tokens of its own: no mean compares it
-        return False
     means = losses.double().sum(1) / torch.tensor(scored, dtype=torch.float64, device=device)
     return int(means.argmin().item()) == r.gold  # the first of equal means, as torch's argmin
 
