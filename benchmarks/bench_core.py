@@ -80,15 +80,26 @@ def standin(out: Path) -> Path:
     def text(n: int) -> str:
         return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize()
 
+    def apart(texts: list[str]) -> list[str]:
+        """Each choice its own text (bundle.read refuses a gold one alike to another): one
+        alike to an earlier one gets a word more, the draws left as they were."""
+        out = []
+        for k, t in enumerate(texts):
+            while t in out:
+                t += f" {WORDS[k]}"
+            out.append(t)
+        return out
+
     tasks = []
     for label, kind, shots, delim, choices, size, context, answer in STANDIN:
         rows = []
         for _ in range(min(size, CAP)):
             if kind == "multiple_choice":
                 rows.append({"query": text(context), "gold": 0,
-                             "choices": [text(answer) for _ in range(choices)]})
+                             "choices": apart([text(answer) for _ in range(choices)])})
             elif kind == "schema":
-                rows.append({"context_options": [text(context) for _ in range(choices)],
+                rows.append({"context_options": apart([text(context)
+                                                       for _ in range(choices)]),
                              "continuation": text(answer), "gold": 0})
             else:
                 rows.append({"context": text(context), "continuation": text(answer)})

@@ -1,6 +1,8 @@
 """An independent implementation of CORE as nanochat's core_eval defines it, the oracle of
 ddpgpt's evals/bundle.py and evals/core.py. Written from the definition, sharing no code with
-ddpgpt: plain lists, one row per forward, Python's min and max.
+ddpgpt: plain lists, one row per forward, Python's min and max. Where nanochat's has no defined
+answer (a choice with no tokens of its own: a mean over nothing), the example is wrong, as
+docs/gpt2.md says ddpgpt scores it.
 
     read(bundle, limit)                 the tasks: examples shuffled by random.Random(1337), capped
     texts(task, data, i)                example i's prompts after its shots (random.Random(1234 + i)
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import random
 
 import torch
@@ -94,9 +95,8 @@ def outcome(task: dict, data: list[dict], i: int, logits_of, encode, bos: int,
     means = []
     for row, start in zip(rows, starts):
         ids, start = _crop(row, start, block)
-        if start >= len(ids):
-            means.append(math.inf)
-            continue
+        if start >= len(ids):  # nothing of this choice to score: the example is wrong
+            return False
         with torch.no_grad():
             logp = torch.log_softmax(logits_of(ids).double(), -1)
         means.append(-sum(logp[t - 1, ids[t]].item() for t in range(start, len(ids)))

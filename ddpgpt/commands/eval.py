@@ -5,6 +5,7 @@ scores HellaSwag, by default; CORE as nanochat scores it (--task core). With --i
 transformers model's tasks instead of a run's (hf/pretrained.py).
 
     ddpgpt eval --run-dir runs/demo                                  # one process
+    ddpgpt eval --run-dir runs/demo --step 200                       # that checkpoint's
     ddpgpt eval --run-dir runs/demo --task hellaswag --limit 1000 --json
     ddpgpt eval --run-dir runs/demo --task piqa --task-data piqa.jsonl
     ddpgpt eval --run-dir runs/demo --task core --task-data eval_bundle
@@ -40,7 +41,7 @@ def run(cfg: EvalConfig) -> None:
     if cfg.init_from:
         return run_pretrained(cfg)
     run_dir = RunDir(cfg.run_dir)
-    found = run_checkpoint(run_dir)
+    found = run_checkpoint(run_dir, cfg.step)
     train_cfg = found.config
     # The run's data, which must still be what it trained on; or --data, other data on purpose.
     data = dataclasses.replace(train_cfg.data, dir=cfg.data) if cfg.data else train_cfg.data

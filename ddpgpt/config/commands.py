@@ -148,13 +148,15 @@ class PlotConfig:
 
 @dataclass
 class EvalConfig:
-    """`ddpgpt eval`: validation loss of a run's latest checkpoint and, with --task,
-    multiple-choice accuracy or CORE; or, with --init-from, the tasks of a transformers model
-    (runs under torchrun too)."""
+    """`ddpgpt eval`: validation loss of a run's latest checkpoint (or --step's) and, with
+    --task, multiple-choice accuracy or CORE; or, with --init-from, the tasks of a transformers
+    model (runs under torchrun too)."""
 
     run_dir: str = field(default=RUN_DIR, metadata={"alias": "--run"})
-    """Run directory (its latest complete checkpoint is used). Under torchrun write --run-dir:
-    torchrun's own parser takes --run for an abbreviation of its --run-path."""
+    """Run directory (its latest complete checkpoint is used, or --step's). Under torchrun write
+    --run-dir: torchrun's own parser takes --run for an abbreviation of its --run-path."""
+    step: int = 0
+    """The checkpoint's step; 0: the newest complete one."""
     init_from: str = ""
     """Score this model instead of a run's: a transformers directory (GPT-2, Llama, Qwen3 or
     Apertus, as train's --init-from reads them, with the tokenizer saved beside it) or a hub
@@ -192,6 +194,10 @@ class EvalConfig:
         _require(self.threads >= 0, f"--threads {self.threads} must be >= 0 (0: torch's choice)")
         _require(self.windows >= -1, f"--windows {self.windows} must be >= -1")
         _require(self.limit >= 0, f"--limit {self.limit} must be >= 0 (0: all)")
+        _require(self.step >= 0, f"--step {self.step} must be >= 0 (0: the newest checkpoint)")
+        _require(not self.init_from or not self.step,
+                 f"--step {self.step} picks a checkpoint of a run; --init-from {self.init_from} "
+                 "has none (its weights are the model): drop --step")
         _require(bool(self.task) or not self.task_data,
                  "--task-data needs --task NAME (the task the file holds)")
         _require(not self.init_from or bool(self.task),

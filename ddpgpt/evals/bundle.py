@@ -6,11 +6,15 @@
                                first element counts; or one number) and continuation_delimiter
                                (" " when absent)
     BUNDLE/eval_meta_data.csv  a row per task: "Eval Task" (the label), "Random baseline" (in
-                               percent: chance accuracy, which centers to 0)
+                               percent: chance accuracy, which centers to 0); other columns
+                               are not read. One row a label; baselines that read as fractions
+                               (all 1 or less, or a task's far below its choices' chance) are
+                               refused: nothing says which unit a 0.25 meant
     BUNDLE/eval_data/FILE      one example per line, by the task's type:
         multiple_choice    {"query": str, "choices": [str, ...], "gold": INDEX}
         schema             {"context_options": [str, ...], "continuation": str, "gold": INDEX}
         language_modeling  {"context": str, "continuation": str}
+    (docs/gpt2.md, "Your own CORE tasks", has a bundle of each type written out.)
 
 Each task's examples are shuffled as nanochat shuffles them (random.Random(1337) over the file's
 lines), then the first `limit` kept (0: all): a cap takes the same examples as nanochat's
@@ -18,7 +22,9 @@ max_per_task. Example i of a k-shot task is shown k others first, drawn as nanoc
 (random.Random(1234 + i).sample of the other indices of the capped list), each solved, then a
 blank line. Following nanochat's draws rather than our own makes a task's prompts, and so its
 accuracy, the same as nanochat's for the same model. A bad line, a missing file or field, a label
-the csv does not list, or fewer examples than a task's shots need is one line naming the file.
+the csv does not list, an example whose gold choice (or context option) is another's text (the
+tie rule would score it, not the model), or fewer examples than a task's shots need is one line
+naming the file.
 """
 
 from __future__ import annotations
@@ -103,6 +109,8 @@ def read(path: Path, limit: int = 0) -> tuple[Part, ...]:
                             "from core.yaml")
         source = path / "eval_data" / file
         examples = _examples(source, kind)
+        baseline = _in_percent(label, kind, examples, baselines[label],
+                               path / "eval_meta_data.csv")
         random.Random(SHUFFLE_SEED).shuffle(examples)
         examples = examples[:limit] if limit else examples
         if len(examples) <= shots:
@@ -110,7 +118,7 @@ def read(path: Path, limit: int = 0) -> tuple[Part, ...]:
             raise DataError(f"{where}: {label} is {shots}-shot but has {len(examples)} "
                             f"example(s){capped}: each needs {shots} others; give at least "
                             f"{shots + 1} (a larger limit) or lower its num_fewshot")
-        parts.append(Part(label, kind, shots, delimiter, baselines[label], str(source),
+        parts.append(Part(label, kind, shots, delimiter, baseline, str(source),
                           tuple(examples)))
     return tuple(parts)
 
@@ -153,19 +161,24 @@ def _entry(task, where: str) -> tuple[str, str, str, int, str]:
     return label, kind, file, shots, delimiter
 
 
-def _baselines(path: Path) -> dict[str, float]:
-    """{label: random baseline in percent} from eval_meta_data.csv."""
+def _baselines(path: Path) -> dict[str, tuple[float, int]]:
+    """{label: (random baseline in percent, its line)} from eval_meta_data.csv, read past a byte
+    order mark (a spreadsheet's UTF-8); one row a label, and not every baseline a fraction."""
     try:
-        with open(path, encoding="utf-8", newline="") as f:
-            rows = list(csv.DictReader(f))
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            reader = csv.DictReader(f)
+            rows = [(reader.line_num, row) for row in reader]
+            header = reader.fieldnames or []
     except FileNotFoundError:
         raise DataError(f"{path}: no such file; {GIVE}") from None
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise DataError(f"{path}: cannot read it ({e})") from None
+    if not {"Eval Task", "Random baseline"} <= set(header):
+        raise DataError(f"{path}: no 'Eval Task' and 'Random baseline' columns (its header: "
+                        f"{', '.join(header) or 'none'})")
     out = {}
-    for number, row in enumerate(rows, 2):
-        if "Eval Task" not in row or "Random baseline" not in row:
-            raise DataError(f"{path}: no 'Eval Task' and 'Random baseline' columns")
+    for number, row in rows:
+        label = row["Eval Task"]
         try:
             value = float(row["Random baseline"])
         except (TypeError, ValueError):
@@ -174,8 +187,34 @@ def _baselines(path: Path) -> dict[str, float]:
         if not 0 <= value < 100:
             raise DataError(f"{path}:{number}: Random baseline {value:g} is not a percentage "
                             "below 100")
-        out[row["Eval Task"]] = value
+        if label in out:
+            raise DataError(f"{path}:{number}: a second row for {label!r} (the first is line "
+                            f"{out[label][1]}); keep one row a task")
+        out[label] = value, number
+    given = [f"{label} {value:g}" for label, (value, _) in out.items() if value > 0]
+    if given and all(value <= 1 for value, _ in out.values()):
+        listed = ", ".join(given[:3]) + (", ..." if len(given) > 3 else "")
+        raise DataError(f"{path}: every Random baseline is 1 or less ({listed}): fractions, "
+                        "where the column is in percent (25 for one chance in four); write "
+                        "each times 100")
     return out
+
+
+def _in_percent(label: str, kind: str, examples: list, row: tuple[float, int],
+                path: Path) -> float:
+    """A task's baseline, refused where it reads as a fraction: 1 percent or less (and not 0)
+    for examples of fewer than 100 choices, whose chance is more than 1 percent."""
+    value, number = row
+    if kind == "language_modeling" or not 0 < value <= 1:
+        return value
+    most = max(len(e.choices if kind == "multiple_choice" else e.options) for e in examples)
+    if most >= 100:
+        return value
+    noun = "choices" if kind == "multiple_choice" else "context options"
+    raise DataError(f"{path}:{number}: {label}'s Random baseline {value:g} is {value:g} percent, "
+                    f"but its examples have at most {most} {noun} (chance {100 / most:.3g} "
+                    f"percent or more): the column is in percent; write {value * 100:g} for a "
+                    f"chance of {value:g}")
 
 
 def _examples(source: Path, kind: str) -> list:
@@ -236,11 +275,30 @@ def example(raw: bytes, kind: str, where: str) -> Question | Schema | Passage:
             raise bad(f"{name} is a {type(value).__name__}, not a string")
     if "continuation" in names and not row["continuation"].strip():
         raise bad("continuation is empty (it is what is scored)")
+    if kind != "language_modeling":
+        options = "choices" if kind == "multiple_choice" else "context_options"
+        _apart(row[options], row["gold"], options, where)
     if kind == "multiple_choice":
         return Question(row["query"], tuple(row["choices"]), row["gold"])
     if kind == "schema":
         return Schema(tuple(row["context_options"]), row["continuation"], row["gold"])
     return Passage(row["context"], row["continuation"])
+
+
+def _apart(options: list[str], gold: int, name: str, where: str) -> None:
+    """One line if another choice (or context option) is the gold one's text: their rows are
+    the same, so the tie rule would decide the example, not the model. Alike choices besides
+    the gold one stay: the model can still tell the answer from them (ARC has such examples)."""
+    twin = next((k for k, text in enumerate(options) if k != gold and text == options[gold]),
+                None)
+    if twin is None:
+        return
+    text = options[gold] if len(options[gold]) <= 40 else options[gold][:37] + "..."
+    first, second = sorted((gold, twin))
+    raise DataError(f"{where}: {name} {first} and {second} are the same text ({text!r}), one "
+                    "of them gold: no model can tell the answer from the other; make each "
+                    f"{'choice' if name == 'choices' else 'option'} its own text, or drop the "
+                    "line")
 
 
 # ---- prompts ------------------------------------------------------------------------------------

@@ -11,8 +11,11 @@ document of a ddpgpt dataset starts after, and GPT-2's <|endoftext|>, the BOS na
 - language_modeling: the continuation's tokens (those after the longest prefix the prompt
   without it and the prompt with it share: the prompt's own tokens, where they are a prefix)
   must each be the model's greedy choice.
-A tie goes to the lowest index; a choice with no tokens of its own (a prefix of another) never
-wins (nanochat's mean over nothing is NaN, whose place in its min() depends on the order).
+A tie goes to the lowest index. An example with a choice that has no tokens of its own (its row
+a prefix of the others': "a" beside "a b") is wrong whatever the model: nothing of that choice is
+scored, so no mean compares it with the answer (nanochat's mean over nothing is NaN, and its min()
+then picks index 0 or skips the NaN by the order). An example whose gold choice is another's text
+never gets here: bundle.py refuses it.
 A row longer than the model's block keeps its last block_size tokens (nanochat's rule for GPT-2's
 1024 positions), at least one scored. The logits are the model's own: soft-capped where the
 model is (model.logit_softcap; nanochat's model caps at 15), not otherwise.
@@ -116,14 +119,14 @@ def correct(model: torch.nn.Module, r: Rendered, block_size: int, device: torch.
         end, n = len(rows[0]), scored[0]
         guess = logits[0, end - 1 - n:end - 1].argmax(-1)  # (n,)
         return bool(torch.equal(guess, inputs[0, end - n:end]))
+    if min(scored) == 0:  # a choice with no tokens of its own: no mean compares it
+        return False  # (after the forward: every rank runs the same ones)
     targets = torch.full((len(rows), width), -1, dtype=torch.long, device=device)
     for k, (row, n) in enumerate(zip(rows, scored)):
         targets[k, len(row) - n:len(row)] = inputs[k, len(row) - n:len(row)]
     losses = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets[:, 1:].flatten(),
                              ignore_index=-1, reduction="none").view(len(rows), -1)  # (rows, w-1)
-    counts = torch.tensor(scored, dtype=torch.float64, device=device)
-    means = losses.double().sum(1) / counts
-    means[counts == 0] = math.inf  # a choice with no tokens of its own never wins
+    means = losses.double().sum(1) / torch.tensor(scored, dtype=torch.float64, device=device)
     return int(means.argmin().item()) == r.gold  # the first of equal means, as torch's argmin
 
 

@@ -4,8 +4,8 @@ the same figures, equal to the independent implementation (tests/core_oracle.py)
 run's `ddpgpt export` through transformers; `eval --init-from` a transformers directory (the
 export, a GPT-2, a Llama) equal to the same oracle on that directory; bad input as one line.
 
-One W=1 training (4 steps, CORE at steps 2 and 4 with 8 examples a task) and its export are
-shared by the module's tests."""
+One W=1 training (4 steps, CORE and a checkpoint at steps 2 and 4, 8 examples a task) and its
+export are shared by the module's tests."""
 
 from __future__ import annotations
 
@@ -40,8 +40,9 @@ def run(tmp_path_factory, tiny_data):
     bundle = write_bundle(root, n=12)
     run_dir, hf = root / "run", root / "hf"
     trained = _ok(run_cli(*tiny_train_args(
-        tiny_data, run_dir, steps=4, run__eval_every=2, run__eval_tasks="core",
-        run__eval_task_data=bundle, run__eval_core_limit=8, model__vocab_size=257)[2:],
+        tiny_data, run_dir, steps=4, run__eval_every=2, run__checkpoint_every=2,
+        run__eval_tasks="core", run__eval_task_data=bundle, run__eval_core_limit=8,
+        model__vocab_size=257)[2:],
         timeout=240))
     _ok(run_cli("export", "--run-dir", run_dir, "--out", hf, timeout=120))
     return SimpleNamespace(root=root, bundle=bundle, run=run_dir, hf=hf, trained=trained)
@@ -92,10 +93,12 @@ def test_core_is_scored_during_training_and_shown(run):
         assert r["core_metric"] == pytest.approx(sum(centered) / 3, abs=1e-12)
     assert task_names([load_run(run.run)]) == {"core": "core_metric"}
     assert label_of("core", "core_metric") == "CORE (centered accuracy, nanochat's)"
-    # The last evaluation's weights are the last checkpoint's: eval with the same cap agrees.
-    again = _eval("--run-dir", run.run, "--task", "core", "--task-data", run.bundle,
-                  "--limit", 8)
-    assert _core(again) == {k: v for k, v in _core(rows[-1]).items() if k != "core_s"}
+    # The first evaluation's weights are step 2's checkpoint: eval --step 2 with the same cap
+    # agrees (the newest checkpoint's, step 4's, score otherwise).
+    again = _eval("--run-dir", run.run, "--step", 2, "--task", "core", "--task-data",
+                  run.bundle, "--limit", 8)
+    assert again["step"] == 2
+    assert _core(again) == {k: v for k, v in _core(rows[0]).items() if k != "core_s"}
 
 
 def test_eval_at_w1_and_w2_equals_the_oracle_on_the_export(run):
@@ -184,6 +187,12 @@ def test_bad_input_is_one_line(run, tiny_data, tmp_path, capsys):
                   2) == (f"{run.bundle / 'core.yaml'}: icl_tasks entry 1: mc is 2-shot but has "
                          "2 example(s) (the first 2 kept): each needs 2 others; give at least 3 "
                          "(a larger limit) or lower its num_fewshot")
+    assert _fails(capsys, *evaluate, "--step", 3) == (
+        f"run {run.run} has no checkpoint at step 3 (it has: 2, 4); give one of those, or leave "
+        "--step out for the newest")
+    assert _fails(capsys, "eval", "--init-from", run.hf, "--task", "core", "--step", 2) == (
+        f"invalid config: --step 2 picks a checkpoint of a run; --init-from {run.hf} has none "
+        "(its weights are the model): drop --step")
     assert _fails(capsys, "eval", "--init-from", run.hf) == (
         f"invalid config: --init-from {run.hf} scores tasks only (no dataset, no validation "
         "loss): give --task (core, hellaswag, ...)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -173,13 +174,29 @@ def test_centered_scores_chance_as_0_and_all_right_as_1():
     assert core.centered(0.2, 25) == pytest.approx(-1 / 15)
 
 
-def test_a_choice_without_tokens_of_its_own_never_wins():
-    """Choice 0 is a prefix of choice 1 (nothing of its own is scored): its mean is not NaN
-    taking the win from a model that ties everything."""
-    part = bundle.Part("t", "multiple_choice", 0, " ", 25.0, "t.jsonl",
-                       (bundle.Question("q", ("a", "a b"), 1),))
-    (r,) = core.render(part, [0], ByteTokenizer(), 64)
-    assert len(r.tails[0]) == 0 and core.correct(Knows([], 257), r, 64, torch.device("cpu"))
+def test_an_example_with_a_choice_without_tokens_of_its_own_is_wrong():
+    """Choice "a" is a prefix of "a b": none of its tokens are its own, so no mean compares it
+    with the other and the example is wrong, whichever is gold and whatever the model (a gold
+    "a b" used to win against a model that ties everything: right without any model)."""
+    tok = ByteTokenizer()
+    for gold in (0, 1):
+        part = bundle.Part("t", "multiple_choice", 0, " ", 25.0, "t.jsonl",
+                           (bundle.Question("q", ("a", "a b"), gold),))
+        (r,) = core.render(part, [0], tok, 64)
+        assert [len(t) for t in r.tails] == [0, 2]
+        knows = Knows([[tok.eot_id, *bundle.prompts(part, 0)[gold].encode()]], 257)
+        for model in (Knows([], 257), knows):
+            assert not core.correct(model, r, 64, torch.device("cpu")), gold
+
+
+def test_alike_choices_besides_the_answer_read(small):
+    """ARC has examples with two choices alike, neither of them gold: the model can still tell
+    the answer from them, so they read (the alike ones tie, the first of them stands)."""
+    path = small / "eval_data/knowledge/mc.jsonl"
+    path.write_text(path.read_text() + '{"query": "q", "choices": ["no", "no", "yes"], '
+                    '"gold": 2}\n')
+    examples = bundle.read(small)[0].examples
+    assert bundle.Question("q", ("no", "no", "yes"), 2) in examples and len(examples) == 7
 
 
 def test_core_alone_names_the_bundle_and_needs_its_directory():
@@ -215,6 +232,15 @@ BAD_LINES = [
      "continuation is empty (it is what is scored)"),
     ("symbolic/lm.jsonl", '{"context": 3, "continuation": "b"}', "context is a int, not a string"),
     ("symbolic/lm.jsonl", "[1, 2]", "a JSON list, not an object"),
+    # the same rows for the gold answer and another: the tie rule would decide, not the model
+    *[("knowledge/mc.jsonl", f'{{"query": "q", "choices": ["yes", "yes"], "gold": {gold}}}',
+       "choices 0 and 1 are the same text ('yes'), one of them gold: no model can tell the "
+       "answer from the other; make each choice its own text, or drop the line")
+      for gold in (0, 1)],
+    ("language/wino.jsonl", '{"context_options": ["a", "b", "a"], "continuation": "c", '
+     '"gold": 2}', "context_options 0 and 2 are the same text ('a'), one of them gold: no "
+     "model can tell the answer from the other; make each option its own text, or drop the "
+     "line"),
 ]
 
 
@@ -245,6 +271,24 @@ def test_a_bad_line_is_named_by_its_file_and_line(small, file, line, what):
      "{b}/eval_data/symbolic/nope.jsonl: no such file (core.yaml's dataset_uri"),
     (lambda b: (b / "eval_meta_data.csv").write_text("Eval Task,Random baseline\nmc,x\n"),
      "{b}/eval_meta_data.csv:2: Random baseline 'x' is not a number (percent)"),
+    (lambda b: _csv(b, "mc,25", "wino,50", "mc,25", "lm,0"),
+     "{b}/eval_meta_data.csv:4: a second row for 'mc' (the first is line 2); keep one row a "
+     "task"),
+    (lambda b: _csv(b, "mc,0.25", "wino,0.5", "lm,0"),
+     "{b}/eval_meta_data.csv: every Random baseline is 1 or less (mc 0.25, wino 0.5): "
+     "fractions, where the column is in percent (25 for one chance in four); write each "
+     "times 100"),
+    (lambda b: _csv(b, "mc,0.25", "wino,50", "lm,0"),
+     "{b}/eval_meta_data.csv:2: mc's Random baseline 0.25 is 0.25 percent, but its examples "
+     "have at most 4 choices (chance 25 percent or more): the column is in percent; write 25 "
+     "for a chance of 0.25"),
+    (lambda b: _csv(b, "mc,25", "wino,0.5", "lm,0"),
+     "{b}/eval_meta_data.csv:3: wino's Random baseline 0.5 is 0.5 percent, but its examples "
+     "have at most 2 context options (chance 50 percent or more): the column is in percent; "
+     "write 50 for a chance of 0.5"),
+    (lambda b: (b / "eval_meta_data.csv").write_text("Task,Baseline\nmc,25\n"),
+     "{b}/eval_meta_data.csv: no 'Eval Task' and 'Random baseline' columns (its header: Task, "
+     "Baseline)"),
 ])
 def test_a_bad_bundle_is_one_line(small, change, what):
     change(small)
@@ -257,6 +301,49 @@ def test_a_bad_bundle_is_one_line(small, change, what):
 def _yaml(b: Path, old: str, new: str) -> None:
     text = (b / "core.yaml").read_text()
     (b / "core.yaml").write_text(text.replace(old, new))
+
+
+def _csv(b: Path, *rows: str) -> None:
+    (b / "eval_meta_data.csv").write_text("Eval Task,Random baseline\n" + "\n".join(rows) + "\n")
+
+
+def test_the_csv_reads_with_a_byte_order_mark(small):
+    """A spreadsheet's UTF-8 export starts with a byte order mark (it once hid the 'Eval Task'
+    column); the baselines read as without it."""
+    path = small / "eval_meta_data.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert [(p.label, p.baseline) for p in bundle.read(small)] == [("mc", 25), ("wino", 50),
+                                                                   ("lm", 0)]
+
+
+def test_the_bundle_docs_gpt2_md_writes_out_reads_as_it_says(tmp_path):
+    """docs/gpt2.md's "Your own CORE tasks": its files (the fenced blocks that start with
+    `# my_bundle/PATH`) read as the tasks it describes, and the rows and scored tokens it shows
+    are the ones scored."""
+    doc = (Path(__file__).parents[2] / "docs" / "gpt2.md").read_text()
+    for block in re.findall(r"```\w*\n(# my_bundle/.*?)```", doc, re.S):
+        name, text = block.split("\n", 1)
+        (tmp_path / name[2:]).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name[2:]).write_text(text)
+    capitals, pronouns, copy = bundle.read(tmp_path / "my_bundle")
+    assert [(p.label, p.type, p.shots, p.delimiter, p.baseline, len(p.examples))
+            for p in (capitals, pronouns, copy)] == [
+        ("capitals", "multiple_choice", 1, "\nAnswer: ", 33.33, 2),
+        ("pronouns", "schema", 0, " ", 50, 2), ("copy", "language_modeling", 1, " => ", 0, 2)]
+    france = next(i for i, e in enumerate(capitals.examples) if "France" in e.query)
+    red = next(i for i, e in enumerate(copy.examples) if e.context == "copy: red blue")
+    for rows in (bundle.prompts(capitals, france)[0], bundle.prompts(copy, red)[1]):
+        assert f"```text\n{rows}\n```" in doc
+    assert "Answer: Lyon" in bundle.prompts(capitals, france)[1]
+    first = next(i for i, e in enumerate(pronouns.examples) if e.continuation == "was too big.")
+    assert bundle.prompts(pronouns, first) == [
+        f"The trophy did not fit in the case because the {x} was too big." for x in
+        ("trophy", "case")]
+    tok = ByteTokenizer()
+    scored = [[bytes(t.tolist()).decode() for t in r.tails] for r in (
+        core.render(capitals, [france], tok, 4096) + core.render(pronouns, [first], tok, 4096) +
+        core.render(copy, [red], tok, 4096))]
+    assert scored == [["Paris", "Lyon", "Nice"], [" was too big."] * 2, [" red blue"]]
 
 
 def test_the_benchmarks_stand_in_has_cores_shape(tmp_path):
