@@ -1,4 +1,4 @@
-"""The run's verdict at its end, on real runs (guard/spike.py, docs/reliability.md): a run
+"""The run's verdict at its end, on real runs (guard/verdict.py, docs/reliability.md): a run
 resumed at a learning rate that ruins it ends unhealthy, loudly (a line, an event, exit 3); one
 whose spike truly heals (the loss back near the level before it) ends healthy, exit 0.
 
@@ -103,3 +103,4 @@ def test_a_run_whose_spike_truly_heals_ends_healthy(trained, tiny_data, tmp_path
             f"{healed['loss_now']:.4g} is back near the median {spike['median']:.4g} before the "
             f"spike at step 22 (at most {healed['bound']:.4g}), trained through") in r.stderr
     assert r.stderr.splitlines()[-1].startswith("ddpgpt: next: ")
+
