@@ -386,7 +386,8 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         metrics.write("ddpgpt: resuming with changed settings (applied from step "
                       f"{trainer.step}): " + ", ".join(f"{k} {a} -> {b}" for k, (a, b)
                                                        in changed.items())
-                      + resume.lr_note(cfg, trainer.step, trainer.guard.spikes.lr_factor, changed))
+                      + resume.lr_note(cfg, trainer.step, trainer.guard.spikes.lr_factor, changed)
+                      + resume.data_note(cfg, trainer.other_data))
     return metrics
 
 
