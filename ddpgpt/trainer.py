@@ -128,6 +128,7 @@ class Trainer:
         self.doing = "step 1"         # what the loop is at, for a failure's message
         self.last_checkpoint = -1     # the step of the newest checkpoint this run can fall back to
         self.origin: dict | None = None  # the explicit --resume PATH this run descends from
+        self.other_data = False       # resumed on other data than the checkpoint's (restore)
         self._elapsed_before, self._started = 0.0, time.perf_counter()
         # Of that wall time, the seconds spent evaluating and blocked on checkpoints (timed).
         self.eval_s = self.checkpoint_s = 0.0
@@ -238,14 +239,19 @@ class Trainer:
                                          if k in saved} if same else None)
 
     def _load_rest(self, state: dict, new_data: bool, rng: dict | None) -> None:
-        """The scaler, the loader's cursor, the guard and its spike detector, the progress, and
-        this rank's generators (`rng`, when the world size is the one that saved them; else
-        fresh streams)."""
+        """The scaler, the loader's cursor, the guard and its spike detector (started anew on
+        other data), the progress, and this rank's generators (`rng`, when the world size is the
+        one that saved them; else fresh streams)."""
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if not new_data:
             self.loader.load_state_dict(state["loader"])
         self.guard.load_state_dict(state["guard"], state.get("spike"))
+        # Other data than the checkpoint's, or other mixture weights: the loss spike guard's
+        # baselines were the old data's (SpikePolicy.anew)
+        self.other_data = new_data or bool(getattr(self.loader, "changed", None))
+        if self.other_data:
+            self.guard.spikes.anew()
         self.step = self.last_checkpoint = int(state["progress"]["step"])
         progress = state["progress"]
         self._elapsed_before, self._started = float(progress["elapsed_s"]), time.perf_counter()

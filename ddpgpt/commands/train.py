@@ -30,7 +30,7 @@ from ddpgpt.checkpoint import store
 from ddpgpt.checkpoint.saver import SaveFailed, Saver
 from ddpgpt.checkpoint.saver import token as saver_token
 from ddpgpt.config.schema import RunConfig, TrainConfig
-from ddpgpt.data.mixture import MixedDataset, MixtureLoader, one_document_notes
+from ddpgpt.data.mixture import MixedDataset, one_document_notes, taken_now
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.distributed import collectives
@@ -116,7 +116,7 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
                 # val loss, the tasks' scores, the seconds so far
                 row = trainer.evaluate(tasks, progress=final and env.is_main)
                 metrics.log_eval(trainer.step, **row)
-                guard.spikes.evaluated(row["val_loss"])  # for the run's verdict at its end
+                guard.spikes.evaluated(trainer.step, row["val_loss"])  # for the end's verdict
                 reached = 0 < row["val_loss"] <= cfg.run.target_val_loss
             if _due(trainer.step, cfg.run.checkpoint_every, total) or health.stop or reached:
                 trainer.doing = f"the checkpoint of step {trainer.step}"
@@ -243,9 +243,12 @@ def run(cfg: TrainConfig, note: str = "") -> None:
                     trainer = roll_back(trainer, spike, run_dir, start, metrics, lambda at: setup(
                         cfg, env, dataset, at, guard, announce=False))  # built as on a restart
                     _install_faults(trainer, saver)
-                # 4. The end: healthy, or said loudly (an event, one line, exit 3).
+                # 4. The end: healthy, or said loudly (an event, one line, exit 3); the steps
+                # that skipped their update either way.
                 if (ended := guard.end(trainer.step)) is not None:
                     metrics.log_event(trainer.step, ended.event, **ended.fields)
+                elif skipped := guard.skipped_steps(trainer.step):
+                    metrics.write(f"ddpgpt: note: {skipped}")
             except CollectiveError as e:
                 # A rank lost mid-save shows in the step's collectives first: name the save.
                 doing = trainer.doing if saver.troubled is None else \
@@ -321,11 +324,6 @@ def settle(trainer, saver: Saver, run_dir: RunDir) -> None:
         trainer.doing = doing
 
 
-def taken_now(loader) -> dict[str, int] | None:
-    """A mixture's rows so far per source (metrics' mix/NAME); None for one dataset."""
-    return loader.taken_now() if isinstance(loader, MixtureLoader) else None
-
-
 def write_run_files(run_dir: RunDir, cfg: TrainConfig, dataset: TokenDataset | MixedDataset,
                     step: int, world_size: int) -> None:
     """config.json (and configs.jsonl), and the dataset's meta.json and tokenizer (so `sample`
@@ -383,7 +381,8 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         metrics.write("ddpgpt: resuming with changed settings (applied from step "
                       f"{trainer.step}): " + ", ".join(f"{k} {a} -> {b}" for k, (a, b)
                                                        in changed.items())
-                      + resume.lr_note(cfg, trainer.step, trainer.guard.spikes.lr_factor, changed))
+                      + resume.lr_note(cfg, trainer.step, trainer.guard.spikes.lr_factor, changed)
+                      + resume.data_note(cfg, trainer.other_data))
     return metrics
 
 

@@ -323,6 +323,11 @@ def one_document_notes(loader: TrainLoader | MixtureLoader) -> list[str]:
     return [note for note in map(one_document, streams) if note]
 
 
+def taken_now(loader: TrainLoader | MixtureLoader) -> dict[str, int] | None:
+    """A mixture's rows so far per source (metrics' mix/NAME); None for one dataset."""
+    return loader.taken_now() if isinstance(loader, MixtureLoader) else None
+
+
 def train_loader(data: TokenDataset | MixedDataset, **kwargs) -> TrainLoader | MixtureLoader:
     """The training loader of one dataset (TrainLoader) or of a mixture (MixtureLoader), with
     the same arguments (seq_len, micro_batch, world_size, rank, accum_steps, seed, shuffle,

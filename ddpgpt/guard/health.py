@@ -29,6 +29,7 @@ from ddpgpt.config.schema import RunConfig
 from ddpgpt.distributed import collectives
 from ddpgpt.distributed.group import CollectiveError, DistEnv, DistError
 from ddpgpt.errors import UserError, warn
+from ddpgpt.guard import verdict
 from ddpgpt.guard.spike import Spike, SpikePolicy, Verdict
 
 # sysexits' EX_TEMPFAIL: stopped early on request, checkpoint saved; rerun to resume
@@ -155,7 +156,7 @@ class Guard:
         every rank. A stop raises. `probe`: see SpikePolicy.recover."""
         spikes, cfg = self.spikes, self.cfg
         if not health.bad:
-            spikes.seen(health.loss)
+            spikes.seen(step, health.loss)
         if health.bad and cfg.on_nonfinite != "spike":
             self.on_nonfinite(step, health.bad)
             return Verdict("skip")
@@ -193,17 +194,32 @@ class Guard:
         return said + advice if said else advice[0].upper() + advice[1:]  # a new sentence
 
     def end(self, step: int) -> Verdict | None:
-        """The run's verdict at its end (SpikePolicy.end): None when healthy, else the event
-        and the one line, with the checkpoint to go back to."""
-        found = self.spikes.end()
+        """The run's verdict at its end (guard/verdict.py): None when healthy, else the event
+        and the one line, with the steps that skipped their update and the checkpoint to go
+        back to."""
+        found = verdict.judge(self.spikes)
         if found is None:
             return None
         why, first, fields = found
+        skipped = self.skipped_steps(step)
         # (the newest healthy checkpoint alone: keep-last-k keeps it, where later ones go)
-        return Verdict("stop", event="unhealthy", fields=fields, line=(
-            f"step {step}: the run trained to its end but is not healthy: {why}. Its "
-            f"checkpoints are not a trained model. {self.healthy_checkpoint(first, False)}, and "
-            f"lower {self.lr_fields}"))
+        return Verdict("stop", event="unhealthy", fields={
+            **fields, "skipped_steps": self.spikes.data_skips + self.skipped}, line=(
+            f"step {step}: the run trained to its end but is not healthy: {why}. "
+            f"{skipped[0].upper() + skipped[1:] + '. ' if skipped else ''}Its checkpoints are "
+            f"not a trained model. {self.healthy_checkpoint(first, False)}, and lower "
+            f"{self.lr_fields}"))
+
+    def skipped_steps(self, step: int) -> str:
+        """How many of the run's `step` steps skipped their update, and why, for the end of the
+        run ("" for none): a healthy run says it too, as skipped steps are steps not trained."""
+        data, nonfinite = self.spikes.data_skips, self.skipped
+        if not data + nonfinite:
+            return ""
+        why = [f"{data} whose batch spiked: the data"] * bool(data) + \
+            [f"{nonfinite} non-finite"] * bool(nonfinite)
+        return (f"{data + nonfinite} of the run's {step} steps skipped their update "
+                f"({'; '.join(why)})")
 
     def on_nonfinite(self, step: int, bad: list[int]) -> None:
         """Every rank takes the same branch: raise (stop) or count a skipped step."""

@@ -39,12 +39,10 @@ a weight spike is what `none` does, so `recover` can only differ from it where t
 heal (and then a rollback at a lower lr saves the run) or where the data is the cause (and then
 skipping the batch is strictly better than learning from it).
 
-The end. A run that trains to its end is judged (`SpikePolicy.end`, Guard.end): unhealthy if a
-spike's trouble never ended (trained through, given up on, or rolled back to a history that
-never got back near the level before it), if its loss (the median of its last steps, spikes
-included) or val loss ends above ln V having been below it, or if either rose above spike_ratio
-× the lowest it had been. That is an event `unhealthy`, one line and exit 3 (train.py), so that
-no one takes its checkpoints for a trained model.
+The end. A run that trains to its end is judged on what the policy kept (guard/verdict.py):
+the trouble of a spike, the last steps' losses, the lowest median, the val losses, the first
+loss. Other data (a resume on another dataset or with other mixture weights, a shift) starts
+those anew: the new data's losses are compared with the new data's alone.
 
 Reproducible. The window of healthy losses, the spike being trained through, the lr factor and
 the rollbacks are state saved in every checkpoint; the probe reads a batch by its global index;
@@ -109,8 +107,8 @@ RECOVER_RATIO = 1.1
 
 
 class SpikePolicy:
-    """The recent healthy losses and what the run has done about spikes: all of it state; and
-    the run's verdict at its end (`end`)."""
+    """The recent healthy losses and what the run has done about spikes, and what the run's
+    verdict at its end compares (guard/verdict.py): all of it state."""
 
     def __init__(self, cfg: RunConfig, vocab: int = 0):
         """`vocab`: the data's vocabulary V; ln V is what a uniform guess scores (0: unknown)."""
@@ -119,7 +117,9 @@ class SpikePolicy:
         self.losses: deque[float] = deque(maxlen=cfg.spike_window)
         self.lately: deque[float] = deque(maxlen=cfg.spike_window)  # every step's, spikes too
         self.best: list[float] = [math.inf, 0]  # the lowest median of the window, and its step
-        self.val = [math.inf, math.inf]  # the lowest val loss, and the newest
+        self.val = [math.inf, math.inf, 0]  # the lowest val loss, the newest, the lowest's step
+        self.first: list[float] = [math.inf, 0]  # the first loss (where training started from:
+        # about ln V for untrained weights, or the new data's after anew), and its step
         # Trouble: a spike the weights caused, from its first step until the loss is back near
         # the median before it (spike.RECOVER_RATIO): {"step", "median", "val"} (val: the newest
         # val loss before it). A rollback carries it: the run it rolls back to must get back.
@@ -127,6 +127,7 @@ class SpikePolicy:
         self.through = 0        # the first step of a spike the model is training through (0: none)
         self.probe_batch = -1   # the global batch of the newest healthy step (the probe reads it)
         self.skips = 0          # steps skipped in a row as bad data
+        self.data_skips = 0     # steps skipped as bad data in the run so far
         self.lr_factor = 1.0    # on every later step's lr: rollback_lr_factor per rollback
         self.rollbacks: list[dict] = []  # {"step": spike's, "to": checkpoint's, "batches": n}
         # The checkpoints known healthy (their next step was healthy), newest last; None: a
@@ -158,12 +159,31 @@ class SpikePolicy:
         under the bound (it does not join the window, and its patience runs on)."""
         return self.outlier(loss) or (bool(self.through) and not loss <= self.bound())
 
-    def seen(self, loss: float) -> None:
-        """Every finite step's loss, spikes included: the end's verdict reads the last ones."""
+    def seen(self, step: int, loss: float) -> None:
+        """Every finite step's loss, spikes included: the end's verdict reads the last ones, and
+        the first."""
         self.lately.append(loss)
+        if not math.isfinite(self.first[0]):
+            self.first = [loss, step]
 
-    def evaluated(self, val_loss: float) -> None:
-        self.val = [min(self.val[0], val_loss), val_loss]
+    def evaluated(self, step: int, val_loss: float) -> None:
+        low, at = (val_loss, step) if val_loss < self.val[0] else (self.val[0], self.val[2])
+        self.val = [low, val_loss, at]
+
+    def anew(self, step: int = 0, loss: float | None = None) -> None:
+        """Other data from here on: a resume on another dataset (data.allow_switch) or with other
+        mixture weights (Trainer.restore), or a shift. Losses measured on the old data are no
+        baseline for the new: the window, the lowest median, the val losses, the first loss, the
+        probe's batch and a spike's trouble start over (from `loss`, the new data's first, at
+        `step`: a shift's). The rollbacks, the lr factor and the checkpoints known healthy stay:
+        they are the weights' history, not the data's."""
+        self.losses.clear()
+        self.lately.clear()
+        self.best, self.val, self.first = [math.inf, step], [math.inf, math.inf, 0], [math.inf, 0]
+        self.trouble, self.through, self.skips, self.probe_batch = None, 0, 0, -1
+        if loss is not None:
+            self.losses.append(loss)
+            self.seen(step, loss)
 
     def confirm(self, checkpoint_step: int) -> None:
         """The step after checkpoint `checkpoint_step` was healthy: it is a rollback target."""
@@ -214,6 +234,7 @@ class SpikePolicy:
                 RECOVER_RATIO * self.losses[-1], cfg.spike_ratio * self.median)
             if data and self.skips < cfg.spike_patience:
                 self.skips += 1
+                self.data_skips += 1
                 return Verdict("skip", spike, "skip", {"cause": "data", "probe_loss": probed},
                                f"step {step}: {what}; the weights still give {probed:.4g} on the "
                                "last healthy batch, so the data is the cause: this step's update "
@@ -256,18 +277,16 @@ class SpikePolicy:
         """spike_patience batches in a row, and this one, spiked while the weights stayed fine
         on the last healthy batch: no single batch is bad, the data has changed. Skipping more
         would skip the new data for good, and rolling back would meet it again: the run trains
-        on it, and the median starts over from this step's loss."""
+        on it, and what it is compared with starts over from this step's loss (anew)."""
         skipped, step = self.skips, spike.step
-        self.skips = 0
-        self.losses.clear()
-        self.losses.append(spike.loss)
-        self.best = [math.inf, step]  # the new data's level is not the old one's
+        self.anew(step, spike.loss)  # the new data's level is not the old one's
         return Verdict("update", spike, "shift", {"cause": "data", "probe_loss": probed,
                                                   "skipped": skipped},
                        f"step {step}: {what}; {skipped + 1} global batches in a row spiked while "
                        f"the weights still give {probed:.4g} on the last healthy batch: the data "
                        f"itself has changed, so the run trains on it from here (the {skipped} "
-                       "skipped before it stay skipped) and the median starts over")
+                       "skipped before it stay skipped), and the median and the lowest losses its "
+                       "end is judged by start over")
 
     def rolled_back(self, spike_step: int, to: int, batches: int) -> None:
         self.rollbacks.append({"step": spike_step, "to": to, "batches": batches})
@@ -277,45 +296,6 @@ class SpikePolicy:
         """Rollbacks within run.rollback_window steps before `step`."""
         return sum(r["step"] > step - self.cfg.rollback_window for r in self.rollbacks)
 
-    # ---- the end ------------------------------------------------------------------------------
-
-    def end(self) -> tuple[str, int, dict] | None:
-        """The run's verdict once it has trained to its end: None when healthy, else (why, the
-        step the trouble began, the event's fields). Unhealthy: trouble not over (a spike the
-        model never got back from, trained through or rolled back), or a loss (the median of
-        the last steps, spikes included) or val loss above ln V where the run had been below
-        it, or risen above spike_ratio × the lowest it had been."""
-        if not self.lately:
-            return None
-        level, n, ratio = statistics.median(self.lately), len(self.lately), self.cfg.spike_ratio
-        now = f"the median of its last {n} steps is {level:.4g}"
-        val = f"; val_loss {self.val[1]:.4g}" if math.isfinite(self.val[1]) else ""
-        # (named apart from a training row's loss and an evaluation's val_loss: readers of
-        # metrics.jsonl tell rows by those)
-        fields = {"loss_median": level, "steps": n, "last_val_loss": json_number(self.val[1])}
-        uniform = f"ln V = {self.uniform:.4g}, what a uniform guess over the vocabulary scores"
-        if self.trouble is not None:
-            t = self.trouble
-            before = f" against {float(t['val']):.4g} before it" if val and \
-                math.isfinite(float(t["val"])) else ""
-            return (f"its loss never came back near where it was before the spike at step "
-                    f"{t['step']}: {now}, above {self.bound():.4g} ({RECOVER_RATIO:g} × the "
-                    f"median {float(t['median']):.4g} before it){val}{before}", int(t["step"]),
-                    {**fields, "why": "not recovered", "spike_step": t["step"],
-                     "median": t["median"], "bound": json_number(self.bound()),
-                     "val_before": t["val"]})
-        best, at = self.best
-        if best < self.uniform < level or self.val[0] < self.uniform < self.val[1]:
-            return (f"it ends worse than uniform: {now}{val}, above {uniform}", int(at),
-                    {**fields, "why": "worse than uniform", "uniform": self.uniform})
-        if level > ratio * best or self.val[1] > ratio * self.val[0]:
-            low = f"; val_loss {self.val[0]:.4g}" if val else ""
-            return (f"its loss rose: {now}{val}, above {ratio:g} × the lowest it had been (the "
-                    f"median {best:.4g} at step {at:g}{low})", int(at),
-                    {**fields, "why": "rose", "best": json_number(best), "best_step": int(at),
-                     "best_val_loss": json_number(self.val[0])})
-        return None
-
     # ---- state ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
@@ -324,6 +304,7 @@ class SpikePolicy:
                 "rollbacks": [dict(r) for r in self.rollbacks],
                 "healthy_checkpoints": self.healthy_checkpoints,
                 "lately": list(self.lately), "best": list(self.best), "val": list(self.val),
+                "first": list(self.first), "data_skips": self.data_skips,
                 "trouble": dict(self.trouble) if self.trouble else None}
 
     def load_state_dict(self, state: dict | None) -> None:
@@ -344,6 +325,9 @@ class SpikePolicy:
         self.lately.extend(float(x) for x in state.get("lately", []))
         self.best = [float(x) for x in state.get("best", [math.inf, 0])]
         self.val = [float(x) for x in state.get("val", [math.inf, math.inf])]
+        self.val += [0.0] * (3 - len(self.val))  # the lowest's step: unknown before it was kept
+        self.first = [float(x) for x in state.get("first", [math.inf, 0])]
+        self.data_skips = int(state.get("data_skips", 0))
         self.trouble = dict(state["trouble"]) if state.get("trouble") else None
         if self.through and self.trouble is None:  # through a spike, saved by an older version
             self.trouble = {"step": self.through, "median": self.median, "val": "inf"}

@@ -279,6 +279,17 @@ def lr_note(cfg: TrainConfig, step: int, factor: float, changed: dict) -> str:
     return note
 
 
+def data_note(cfg: TrainConfig, other_data: bool) -> str:
+    """For the changed-settings line of a resume on other data than the checkpoint's (another
+    dataset, with data.allow_switch, or other mixture weights): the loss spike guard starts anew
+    there (Trainer.restore: SpikePolicy.anew), its window and the end's verdict from the new
+    data's losses alone; "" on the same data."""
+    if not other_data:
+        return ""
+    return ("; on the new data, loss spikes and the run's health are judged against its own "
+            f"losses alone (none is looked for before {cfg.run.spike_window} steps of them)")
+
+
 def finished(cfg: TrainConfig, start: Start) -> bool:
     """The run already has a complete checkpoint at run.steps or beyond: there is nothing to
     train, and a launcher can say so without starting a worker. The checkpoint is verified

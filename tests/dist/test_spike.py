@@ -80,6 +80,10 @@ def test_a_spike_from_bad_data_skips_that_update_and_nothing_else(runs, tiny_dat
         f"{event['median']:.4g} of the last 3 steps; the weights still give "
         f"{event['probe_loss']:.4g} on the last healthy batch, so the data is the cause: this "
         "step's update is skipped"]
+    # a healthy end says the step it did not train, before the next commands
+    assert results[0].stderr.splitlines()[-2:-1] == [
+        "ddpgpt: note: 1 of the run's 10 steps skipped their update (1 whose batch spiked: the "
+        "data)"]
     rows = read_metrics(run_dir)[0]
     expected, _ = reference_training(tiny_data, STEPS, skip=(5,))  # no update at step 6
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))

@@ -110,8 +110,9 @@ def test_sample_and_eval_need_a_checkpoint(tmp_path, command):
 
 def test_deliberate_switch_of_dataset_is_recorded(tiny_data, tmp_path):
     """Resume on another dataset: refused without --data.allow-switch (see the bad-input table);
-    with it the run goes on, the loader starts the new data from its beginning, and
-    metrics.jsonl says so at the step of the switch."""
+    with it the run goes on, the loader starts the new data from its beginning, the loss spike
+    guard from the new data's losses, and metrics.jsonl and the changed-settings line say so at
+    the step of the switch."""
     run, other = tmp_path / "run", tmp_path / "other"
     shutil.copytree(tiny_data, other)
     meta = json.loads((other / "meta.json").read_text())
@@ -136,6 +137,11 @@ def test_deliberate_switch_of_dataset_is_recorded(tiny_data, tmp_path):
     state = torch.load(run / "checkpoints" / "step_0000004" / "trainer.pt", weights_only=True)
     # 2 steps of G=8 on the new data
     assert (state["loader"]["epoch"], state["loader"]["consumed"]) == (0, 2 * 8)
+    spikes = state["guard"]["spike"]  # its first loss, and every one it compares, the new data's
+    assert (spikes["first"][1], len(spikes["losses"]), len(spikes["lately"])) == (3, 2, 2)
+    assert r.stderr.count("; on the new data, loss spikes and the run's health are judged "
+                          "against its own losses alone (none is looked for before 10 steps of "
+                          "them)\n") == 1
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

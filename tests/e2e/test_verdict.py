@@ -1,19 +1,21 @@
-"""The run's verdict at its end, on real runs (guard/spike.py, docs/reliability.md): a run
+"""The run's verdict at its end, on real runs (guard/verdict.py, docs/reliability.md): a run
 resumed at a learning rate that ruins it ends unhealthy, loudly (a line, an event, exit 3); one
-whose spike truly heals (the loss back near the level before it) ends healthy, exit 0.
+whose spike truly heals (the loss back near the level before it) ends healthy, exit 0; a
+mixture changed on purpose is judged on its own losses.
 
 The runs share one start: 20 steps of the tiny model on byte data at lr 3e-2 (its loss ~3.2
 against ln 257 = 5.55), on a cosine of 60 steps, checkpoints every 5, spikes looked for against
 the median of the last 5 healthy steps, 5 steps of patience. Each resumes a copy of it to step
-40 at another lr."""
+40 at another lr; the mixture's run is its own."""
 
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from ddpgpt.guard.health import EXIT_UNHEALTHY
-from tests.helpers import run_cli, tiny_train_args
+from tests.helpers import run_cli, tiny_train_args, write_dataset
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 SETTINGS = {"optim__warmup_steps": 3, "optim__decay_steps": 60, "run__checkpoint_every": 5,
@@ -102,4 +104,33 @@ def test_a_run_whose_spike_truly_heals_ends_healthy(trained, tiny_data, tmp_path
     assert (f"ddpgpt: warning: step {healed['step']}: recovered: the loss "
             f"{healed['loss_now']:.4g} is back near the median {spike['median']:.4g} before the "
             f"spike at step 22 (at most {healed['bound']:.4g}), trained through") in r.stderr
+    assert r.stderr.splitlines()[-1].startswith("ddpgpt: next: ")
+
+
+def test_a_mixture_changed_on_purpose_starts_the_spike_guard_anew(tiny_data, tmp_path):
+    """12 steps of an easy source (one sentence, over and over) at 0.95 and the stdlib's bytes
+    at 0.05, then resumed to step 20 with the weights reversed. Each batch of the new mixture is
+    far above 2 × the median of the easy one, and the weights still do on the last easy batch:
+    the detector took the change for bad data and skipped the new steps, and the end compared
+    the new data's losses with the old ones'. Now the change starts the spike window and the
+    end's baselines anew, says so, and every new step trains: the stdlib's val loss goes down,
+    exit 0."""
+    sentence = np.frombuffer(b"the cat sat on the mat. ", dtype=np.uint8)
+    easy = write_dataset(tmp_path / "easy", np.tile(sentence, 2000), np.tile(sentence, 100), 257,
+                         eot_id=256)
+    run = tmp_path / "run"
+    settings = {"optim__lr": 2e-2, "optim__decay_steps": 40, "run__eval_every": 12,
+                "run__spike_window": 5, "run__checkpoint_every": 0}
+    for weights, steps in (((0.95, 0.05), 12), ((0.05, 0.95), 20)):
+        args = tiny_train_args(f"{easy}:{weights[0]},{tiny_data}:{weights[1]}", run, steps=steps,
+                               **settings)
+        r = run_cli(*args[2:], timeout=180)
+        assert r.returncode == 0, r.stderr
+    events = [e["event"] for e in rows(run) if "event" in e]
+    assert events == ["mixture_change", "config_change"], events
+    assert ("from step 13: lr " in r.stderr and "; on the new data, loss spikes and the run's "
+            "health are judged against its own losses alone (none is looked for before 5 steps "
+            "of them)\n" in r.stderr), r.stderr
+    vals = {e["step"]: e["val_loss/tiny"] for e in rows(run) if "val_loss" in e}
+    assert vals[20] < vals[12]
     assert r.stderr.splitlines()[-1].startswith("ddpgpt: next: ")

@@ -51,7 +51,8 @@ def test_the_policy_state_round_trips_and_old_checkpoints_keep_their_window():
                                   "lr_factor": 0.25,
                                   "rollbacks": [{"step": 6, "to": 3, "batches": 3}],
                                   "healthy_checkpoints": [0], "lately": [],
-                                  "best": [math.inf, 0], "val": [math.inf, math.inf],
+                                  "best": [math.inf, 0], "val": [math.inf, math.inf, 0],
+                                  "first": [math.inf, 0], "data_skips": 0,
                                   # through a spike without its trouble: saved before it was
                                   "trouble": {"step": 4, "median": 3.0, "val": "inf"}}
     # a checkpoint of the earlier policy (a temporary lr cut) keeps its window and rollbacks
@@ -60,7 +61,8 @@ def test_the_policy_state_round_trips_and_old_checkpoints_keep_their_window():
                                   "lr_factor": 1.0, "rollbacks": [],
                                   "healthy_checkpoints": None,  # any checkpoint may be healthy
                                   "lately": [], "best": [math.inf, 0],
-                                  "val": [math.inf, math.inf], "trouble": None}
+                                  "val": [math.inf, math.inf, 0], "first": [math.inf, 0],
+                                  "data_skips": 0, "trouble": None}
     again.load_state_dict(None)
     assert again.state_dict() == SpikePolicy(cfg).state_dict()
 
@@ -153,8 +155,8 @@ def test_bad_data_on_every_batch_for_the_patience_is_a_new_domain_trained_on():
     assert shift.line == ("step 6: loss spike: 9 is above 2 × the median 4 of the last 2 steps; "
                           "4 global batches in a row spiked while the weights still give 4 on the "
                           "last healthy batch: the data itself has changed, so the run trains on "
-                          "it from here (the 3 skipped before it stay skipped) and the median "
-                          "starts over")
+                          "it from here (the 3 skipped before it stay skipped), and the median "
+                          "and the lowest losses its end is judged by start over")
     assert list(g.spikes.losses) == [9.0] and g.spikes.skips == 0
     assert g.judge(7, Health(30.0, [], False), 6, probe) == UPDATE  # the window is not full
     assert g.spikes.median == 19.5 and probe.asked == [1] * 4
