@@ -314,8 +314,9 @@ class CheckConfig:
     the CPU in fp32)."""
     quick: bool = False
     """A subset: one compile row (ddp, fp32, W=1) instead of one per mode, precision and W, and
-    fewer timed steps in the speed rows (on a 2-core CPU: 1.9 minutes of CPU time against 2.8
-    for the full matrix, measured; a compile of a new graph is 15-40 s there)."""
+    fewer timed steps in the speed rows (on a 2-core CPU, measured: 2.7 minutes of CPU time
+    against 3.7 for the full matrix; a compile of a new graph is 15-55 s there. The wall time
+    grows with the machine's load: 7.5 minutes at a load of 6)."""
     out: str = "device-check"
     """Directory for device-check.md, device-check.json and the runs the rows train."""
     nproc: int = 0

@@ -4,6 +4,7 @@ oracle; a row passes only within its tolerance; what the device lacks is "not ru
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -296,3 +297,18 @@ def test_its_own_data_is_one_line_not_prepares_report_and_advice(tmp_path, capsy
     assert json.loads((tmp_path / "data" / "meta.json").read_text())["tokenizer"] == "byte"
     assert check.prepare_data(tmp_path / "data") == path  # prepared once
     assert capsys.readouterr() == ("", "")
+
+
+def test_the_docs_counts_of_rows_are_the_plans():
+    """docs/device-check.md's table is a full run's; what it says of --quick (how many rows,
+    compile rows) must follow the plan, which it once did not (83 rows said, 106 run)."""
+    doc = (Path(__file__).parents[2] / "docs" / "device-check.md").read_text()
+    full = int(re.search(r"full matrix on the CPU: .* of (\d+) rows", doc)[1])
+    quick = int(re.search(r"`--quick`, (\d+) rows", doc)[1])
+    table = doc[doc.index("<details>"):doc.index("</details>")]
+    assert sum(line.startswith("| ") for line in table.splitlines()) - 1 == full
+    plans = {q: [matrix.plan("cpu", w, q) for w in (1, 2)] for q in (False, True)}
+    assert full - quick == sum(map(len, plans[False])) - sum(map(len, plans[True]))
+    compiles = {q: sum(s.case.compile for p in plans[q] for s in p) for q in (False, True)}
+    assert f"one compile row instead of {compiles[False]}" in " ".join(doc.split())
+    assert compiles[True] == 1

@@ -1,7 +1,7 @@
 """`ddpgpt check`: every path of ddpgpt against its oracle, on the hardware at hand; one table.
 
     ddpgpt check                          # the device here (CUDA when available), full matrix
-    ddpgpt check --device cpu --quick     # a subset in about 3 minutes on a 2-core CPU
+    ddpgpt check --device cpu --quick     # a subset: 2.7 CPU minutes on a 2-core CPU
     make device-check                     # sets up .venv, then the full matrix
 
 Rows (matrix.py says what each is compared with, and how closely):
