@@ -159,3 +159,30 @@ def test_a_mistyped_url_and_checkpoints_the_store_lost_are_refused(s3, tmp_path)
         f"run dir {run} trained to step 12 (its metrics.jsonl), but no checkpoint of it is "
         f"left: {url} holds no checkpoint; refused to start it over from step 0: put its "
         f"checkpoints back there, {RESET}")
+
+
+# ---- the processes a run last trained on travel with its checkpoints --------------------------
+
+def parsed(*argv: str) -> tuple[int | None, str]:
+    """(--nproc, the lines to say) of `train ARGV` as the command line makes them."""
+    parser = cli._build_parser()
+    ns = parser.parse_args(cli.bool_values(parser, ["train", *argv]))
+    _, nproc, _, notes = cli.train_config({k: v for k, v in vars(ns).items()
+                                           if k not in ("command", "debug")})
+    return nproc, notes
+
+
+def test_a_new_machine_continues_on_the_processes_the_checkpoints_were_saved_on(s3, tmp_path):
+    """Trained on 2 processes with its checkpoints at a URL: `train --run-dir NEW
+    --run.checkpoint-url URL` on another machine (no configs.jsonl there) goes on on 2, and
+    says so; --nproc says otherwise, and given --data it runs on 1 and says how to get 2."""
+    url = s3.bucket("ckpt") + "/run"
+    trained(tmp_path / "there", url, world_size=2)
+    new = tmp_path / "new"
+    assert parsed("--run-dir", str(new), "--run.checkpoint-url", url) == (
+        2, f"ddpgpt: continuing run {new} on 2 processes, as it last trained (--nproc N for "
+           "another number)")
+    assert parsed("--run-dir", str(new), "--run.checkpoint-url", url, "--nproc", "1") == (1, "")
+    assert parsed("--run-dir", str(new), "--run.checkpoint-url", url, "--data", "data") == (
+        None, f"ddpgpt: run {new} last trained on 2 processes; given --data, this start runs on "
+              "1 (--nproc 2 for 2)")
