@@ -123,8 +123,8 @@ def _keep_trained(run_dir: RunDir) -> None:
                             f"pass --reset to start over (its metrics go to reset-<time>/)")
         raise UserError(f"{head}, but no checkpoint of it is left: {now} {_there(now)}; "
                         f"{refused}: put its checkpoints back there, {reset}")
-    newest = _newest(was)
-    fix = (f"{was} {_there(was)} either: put its checkpoints back" if newest is None else
+    newest, there = _newest(was)
+    fix = (f"{was} {there}: put its checkpoints back" if newest is None else
            f"--run.checkpoint-url {was} continues it from step {newest}"
            if location.is_remote(was) else
            f"without --run.checkpoint-url it continues from step {newest} in {was}")
@@ -150,14 +150,14 @@ def _there(root) -> str:
         else "does not exist"
 
 
-def _newest(root) -> int | None:
+def _newest(root) -> tuple[int | None, str]:
     """The step of the newest checkpoint at `root` (its meta.json read, no file hashed), or
-    None: none, or none that can be read from here."""
+    None and why, for the line."""
     try:
         found = _latest(root, verify=False, quiet=True)
-    except (UserError, OSError):
-        return None
-    return int(found[1]["step"]) if found else None
+    except (UserError, OSError) as e:
+        return None, f"cannot be read from here ({e})"
+    return (int(found[1]["step"]), "") if found else (None, f"{_there(root)} either")
 
 
 def _pending(run_dir: RunDir, start: Start) -> dict | None:

@@ -133,6 +133,10 @@ def test_checkpoints_looked_for_elsewhere_name_where_they_are(s3, tmp_path):
         f"{local.checkpoints}, but this start looks for them at {url} (run.checkpoint_url), "
         "which holds no checkpoint; refused to start it over from step 0: without "
         f"--run.checkpoint-url it continues from step 6 in {local.checkpoints}, {RESET}")
+    shutil.rmtree(local.checkpoints)  # and gone from there too
+    assert refusal(RunDir(local.path, url)).endswith(
+        f"which holds no checkpoint; refused to start it over from step 0: {local.checkpoints} "
+        f"does not exist either: put its checkpoints back, {RESET}")
     remote = s3.bucket("ckpt") + "/run"
     at_url = trained(tmp_path / "remote", remote)
     assert refusal(RunDir(at_url.path, "")) == (
