@@ -211,7 +211,7 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int, str]:
     was made: `--run-dir R` without --data also on the processes it last trained on, unless
     --nproc says otherwise); or --resolved-config FILE -> flags."""
     options = {k: values.pop(k, None) for k in TRAIN_OPTIONS}
-    nproc, continuing = options["nproc"], False
+    nproc, continuing, saved_world = options["nproc"], False, None
     if options["reset"]:
         if values.get("run.resume") not in (None, "reset"):
             raise UserError(f"--reset and --resume {values['run.resume']} contradict each "
@@ -240,13 +240,13 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int, str]:
             read_config(saved, "the run's config", "; restore it, or give the whole config "
                         "(--preset, --config)"), flags, str(saved))
         if base is None and not whole and url:
-            base = _from_checkpoints(url, flags)
+            base, saved_world = _from_checkpoints(url, flags)
     shape = _PretrainedShape()
     cfg = build(options["preset"], options["config"], flags, shape=shape, base=base)
     notes = shape.note(cfg)
     if base is not None and nproc is None and not options["resolved_config"]:
         from ddpgpt.run.launch import continuing_nproc
-        nproc, note = continuing_nproc(run_dir, cfg.run.device, adopt=continuing)
+        nproc, note = continuing_nproc(run_dir, cfg.run.device, continuing, saved_world)
         notes += [note] if note else []
     if options["print_config"]:
         from ddpgpt.run.preflight import print_config
@@ -255,14 +255,15 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int, str]:
     return cfg, nproc, options["max_restarts"] or 0, "\n".join(notes)
 
 
-def _from_checkpoints(url: str, flags: dict) -> TrainConfig | None:
+def _from_checkpoints(url: str, flags: dict) -> tuple[TrainConfig | None, int | None]:
     """A run dir without a config.json and checkpoints at a URL: the config of the newest
-    complete checkpoint there (a start on another machine goes on as the run was made); None
-    when there is none yet (a first start)."""
-    from ddpgpt.checkpoint.read import newest_config
+    complete checkpoint there and the processes that saved it (a start on another machine goes
+    on as the run was made, on as many); (None, None) when there is none yet (a first start)."""
+    from ddpgpt.checkpoint.read import newest_meta
 
-    found = newest_config(url)
-    return continued(found[0], flags, found[1]) if found else None
+    found = newest_meta(url)
+    return (continued(found[0]["config"], flags, found[1]), found[0].get("world_size")) \
+        if found else (None, None)
 
 
 def read_config(path: str | Path, where: str, fix: str = "") -> dict:

@@ -204,12 +204,13 @@ def load_latest(root: Path, weights_only: bool = True) -> tuple[Path, dict, dict
                           "try again (is a run with run.keep_checkpoints = 1 saving very often?)")
 
 
-def newest_config(root) -> tuple[dict, str] | None:
-    """(the config, where it was read) of the newest complete checkpoint at `root` (a run's
+def newest_meta(root) -> tuple[dict, str] | None:
+    """(the meta.json, where it was read) of the newest complete checkpoint at `root` (a run's
     checkpoints, or their URL), or None when there is none: what a start on another machine
-    goes on with (train --run-dir NEW --run.checkpoint-url URL)."""
+    goes on with (train --run-dir NEW --run.checkpoint-url URL): its config, and the number of
+    processes that saved it."""
     found = find_latest(location.at(root))
-    return (found[1]["config"], str(found[0] / "meta.json")) if found else None
+    return (found[1], str(found[0] / "meta.json")) if found else None
 
 
 @dataclass

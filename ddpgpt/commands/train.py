@@ -308,7 +308,7 @@ def saved(trainer, saver: Saver, run_dir: RunDir):
         yield
     except SaveFailed as e:
         kept = f"step {trainer.last_checkpoint}" if trainer.last_checkpoint >= 0 else "none yet"
-        hint = resume_hint(trainer.cfg.run.resume, str(run_dir))
+        hint = resume_hint(trainer.cfg.run.resume, str(run_dir), none_yet=kept == "none yet")
         raise SaveFailed(f"step {e.step}: {e}. The last complete checkpoint ({kept}) is intact: "
                          f"{e.fix}, then {hint}", e.step, quiet=e.quiet, fix=e.fix) from None
     finally:

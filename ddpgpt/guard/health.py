@@ -94,10 +94,13 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
-def resume_hint(resume: str, run_dir: str, elastic: bool = False) -> str:
+def resume_hint(resume: str, run_dir: str, elastic: bool = False, none_yet: bool = False) -> str:
     """The command that continues a stopped run, for a run started with `run.resume = resume`.
     `elastic`: under torchrun with a --nnodes range, where a stop is also how the agents
-    change the group's membership."""
+    change the group's membership. `none_yet`: the run has no checkpoint to continue from, and
+    a run dir that has trained starts over only when told (run/resume.py)."""
+    if none_yet:
+        return "run the same command with --reset to start over"
     if elastic:
         return ("if torchrun stopped the group for a node that joins, the new group resumes "
                 f"from it by itself; else {resume_hint(resume, run_dir)}")

@@ -45,12 +45,14 @@ def check_nproc(nproc: int, device: str) -> None:
                         "use --nproc <= that, or --device cpu")
 
 
-def continuing_nproc(run_dir, device: str, adopt: bool) -> tuple[int | None, str]:
-    """A run continued from its config.json without --nproc, not under a launcher: with
-    `adopt` (`--run-dir R` without --data), the number of processes it last trained on
-    (configs.jsonl), when more than one and this machine can start them (on CUDA, a GPU each);
-    else None. And the line that says why, when that is not what it last trained on."""
-    world = RunDir(run_dir).last_world_size()
+def continuing_nproc(run_dir, device: str, adopt: bool,
+                     saved_world: int | None = None) -> tuple[int | None, str]:
+    """A run continued from its config.json (or its checkpoints' URL) without --nproc, not
+    under a launcher: with `adopt` (`--run-dir R` without --data), the number of processes it
+    last trained on (configs.jsonl; else `saved_world`, its newest checkpoint's, for a run dir
+    new on this machine), when more than one and this machine can start them (on CUDA, a GPU
+    each); else None. And the line that says why, when that is not what it last trained on."""
+    world = RunDir(run_dir).last_world_size() or saved_world
     if world is None or world == 1 or detect().world_size > 1 or under_launcher():
         return None, ""
     last = f"ddpgpt: run {run_dir} last trained on {world} processes"

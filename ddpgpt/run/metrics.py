@@ -105,6 +105,22 @@ def cut_log(path: Path, step: int, start: bool = False) -> None:
     replace_text(path, "".join(row + "\n" for row in kept))  # whole: a crash keeps the old rows
 
 
+def trained_to(path: Path) -> int:
+    """The last training step metrics.jsonl records (0: none, or no file): how far a run dir
+    has trained, whatever became of its checkpoints."""
+    if not path.is_file():
+        return 0
+    reached = 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            if "loss" in row:
+                reached = max(reached, int(row["step"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line from a crash
+    return reached
+
+
 class Metrics:
     """On rank 0: a progress bar (loss, tokens/s, ETA), metrics.jsonl and the tracker that
     mirrors it (trackers.py), if any. Elsewhere: silent no-ops."""

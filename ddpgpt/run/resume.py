@@ -3,9 +3,12 @@
 run.resume (`--resume`, `--reset`) is a rule for the job's first start; every restart (torchrun's
 elastic restarts, `--max-restarts`) continues from the run dir's newest complete checkpoint:
 
-    auto    the newest complete checkpoint in the run dir, if there is one
+    auto    the newest complete checkpoint in the run dir, if there is one; on a first start,
+            none where metrics.jsonl shows training is refused: a run dir that has trained
+            starts over only with --reset (its checkpoints deleted, lost, or looked for at
+            another URL: the line says where they were)
     reset   first start: set the run dir's checkpoints and metrics aside (reset-<time>/), start over
-    never   first start: refuse a run dir that has checkpoints
+    never   first start: refuse a run dir that has checkpoints (or, as auto, has trained)
     PATH    first start: that checkpoint. If PATH is in the run dir, the checkpoints after it are
             set aside (rewind-<time>/); another run's checkpoints in the run dir are refused.
             Every checkpoint that descends from PATH names it as its `origin`, so a restart or a
@@ -23,6 +26,7 @@ only, for fast one-line errors) and again under the run's lock (`verify=True`: e
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +40,7 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
 from ddpgpt.guard.health import Unhealthy
 from ddpgpt.optim.schedule import extends_flat, lr_at
+from ddpgpt.run.metrics import trained_to
 from ddpgpt.run.run_dir import RunDir
 
 # What a checkpoint's weights are made of: a resume must keep them (the architecture's pieces
@@ -92,7 +97,67 @@ def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: st
     start.rollback = _pending(run_dir, start)
     if start.path is not None:
         _check_fit(cfg, start, run_dir, mode, fingerprint, tokenizer)
+    elif first_start and mode in ("auto", "never") and start.rollback is None:
+        _keep_trained(run_dir)
     return start
+
+
+def _keep_trained(run_dir: RunDir) -> None:
+    """A first start from scratch in a run dir whose metrics.jsonl shows training: refused in one
+    line naming the step it reached, where its checkpoints were (config.json's
+    run.checkpoint_url, or checkpoints/) and what is there now. Only --reset starts such a run
+    over (a restart of a job that died before its first checkpoint is no first start)."""
+    reached = trained_to(run_dir.metrics)
+    if not reached:
+        return
+    saved = run_dir.saved_url()
+    was, now = location.at(saved) if saved else run_dir.path / "checkpoints", run_dir.checkpoints
+    head = f"run dir {run_dir} trained to step {reached} (its metrics.jsonl)"
+    refused = "refused to start it over from step 0"
+    reset = "or pass --reset to start over (its metrics go to reset-<time>/)"
+    if was == now:  # deleted, lost by the store, or none written yet
+        due, every = _first_due(run_dir)
+        if due is not None and reached < due:
+            raise UserError(f"{head} and {now} {_there(now)}: no checkpoint was due before step "
+                            f"{due} (run.checkpoint_every = {every}); {refused} unless told: "
+                            f"pass --reset to start over (its metrics go to reset-<time>/)")
+        raise UserError(f"{head}, but no checkpoint of it is left: {now} {_there(now)}; "
+                        f"{refused}: put its checkpoints back there, {reset}")
+    newest, there = _newest(was)
+    fix = (f"{was} {there}: put its checkpoints back" if newest is None else
+           f"--run.checkpoint-url {was} continues it from step {newest}"
+           if location.is_remote(was) else
+           f"without --run.checkpoint-url it continues from step {newest} in {was}")
+    given = "run.checkpoint_url" if run_dir.remote else "no run.checkpoint_url"
+    raise UserError(f"{head} with its checkpoints at {was}, but this start looks for them at "
+                    f"{now} ({given}), which {_there(now)}; {refused}: {fix}, {reset}")
+
+
+def _first_due(run_dir: RunDir) -> tuple[int | None, int]:
+    """(the step of the run's first scheduled checkpoint, run.checkpoint_every), as its
+    config.json says; (None, 0) when it cannot be read."""
+    try:
+        run = json.loads(run_dir.config.read_text())["run"]
+        every, steps = int(run["checkpoint_every"]), int(run["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, 0
+    return (every if 0 < every < steps else steps), every
+
+
+def _there(root) -> str:
+    """What a checkpoint root without a checkpoint to start from is, for a message."""
+    return "holds no checkpoint" if location.is_remote(root) or root.exists() \
+        else "does not exist"
+
+
+def _newest(root) -> tuple[int | None, str]:
+    """The step of the newest checkpoint at `root` (its meta.json read, no file hashed), or
+    None and why, for the line."""
+    try:
+        found = _latest(root, verify=False, quiet=True)
+    except (UserError, OSError) as e:
+        return None, f"cannot be read from here ({e})"
+    return (int(found[1]["step"]), "") if found else (None, f"{_there(root)} either")
 
 
 def _pending(run_dir: RunDir, start: Start) -> dict | None:

@@ -65,12 +65,14 @@ class RunDir:
     def __init__(self, path: str | os.PathLike, checkpoint_url: str | None = None):
         self.path = location.at(path)
         if checkpoint_url is None:
-            checkpoint_url = str(path) if location.is_remote(self.path) else self._saved_url()
+            checkpoint_url = str(path) if location.is_remote(self.path) else self.saved_url()
         self.url = checkpoint_url or ""
         self._lock_fd: int | None = None
         self.lease: Lease | None = None  # held while this start trains into self.url
 
-    def _saved_url(self) -> str:
+    def saved_url(self) -> str:
+        """run.checkpoint_url as config.json has it: where the run's checkpoints were ("":
+        checkpoints/)."""
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
             return str(json.loads(self.config.read_text())["run"].get("checkpoint_url") or "")
         return ""

@@ -219,7 +219,7 @@ def test_a_full_disk_on_one_rank_stops_every_rank(tiny_data, tmp_path):
         f"ddpgpt: error: step {step}: cannot write checkpoint "
         f"{run_dir / 'checkpoints' / f'step_{step:07d}'}: No space left on device (ENOSPC) on "
         "rank 1; its temporary files were removed. The last complete checkpoint (none yet) is "
-        "intact: free space, then run the same command to resume")
+        "intact: free space, then run the same command with --reset to start over")
     assert "error" not in ranks[1].stderr and "Traceback" not in ranks[0].stderr + ranks[1].stderr
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == []
     assert listing.read_text() == ""

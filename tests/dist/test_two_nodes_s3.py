@@ -69,7 +69,7 @@ def test_two_nodes_without_a_shared_filesystem_lose_one_and_go_on(s3, s3_data, t
 
     third = tmp_path / "node-c" / "run"  # another machine, nothing local: W=1 to step 6
     out = run_cli("train", "--run-dir", third, "--run.checkpoint-url", url, "--run.steps", "6",
-                  "--run.threads", "1", timeout=200)
+                  "--run.threads", "1", "--nproc", "1", timeout=200)
     assert out.returncode == 0, out.stderr
     assert f"resuming from {url}/step_0000004 (step 4, saved at world size 2)" in out.stderr
 

@@ -63,13 +63,13 @@ def test_a_run_from_and_to_s3_is_the_local_run(s3, in_s3, straight):
 
 
 def test_a_new_machine_goes_on_from_the_url_alone_at_another_w(s3, in_s3, straight, tmp_path):
-    """An empty run dir, nothing but the URL: the run's config, the newest checkpoint, W=1;
-    the straight W=2 run's losses within float rounding, and eval, sample and export read
-    the URL."""
+    """An empty run dir, nothing but the URL: the run's config, the newest checkpoint, W=1 (by
+    --nproc 1: alone it would go on on the 2 processes that saved it); the straight W=2 run's
+    losses within float rounding, and eval, sample and export read the URL."""
     _, url = in_s3
     new = tmp_path / "elsewhere"
     out = run_cli("train", "--run-dir", new, "--run.checkpoint-url", url, "--run.steps", STEPS,
-                  timeout=200)
+                  "--nproc", 1, timeout=200)
     assert out.returncode == 0, out.stderr
     assert f"resuming from {url}/step_0000006 (step 6, saved at world size 2)" in out.stderr
     assert "resuming with changed settings" in out.stderr and "run.dir" not in out.stderr

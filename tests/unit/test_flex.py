@@ -8,6 +8,7 @@ backward are compared in tests/unit/test_flex_cpu.py, torch's own on CUDA in tes
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import sys
@@ -299,6 +300,52 @@ def test_a_checkpoint_resumes_with_the_other_attention(tmp_path):
                                                                                  attention]}
     model, found = load_model(run, "cpu")  # eval, sample, export: this device's attention
     assert found.config.model.attention == "flex" and model.cfg.attention == "auto"
+
+def trainer(data, attention: str):
+    """A Trainer on rows of documents (data.align bos: the document mask), through `attention`."""
+    from ddpgpt.config.io import build
+    from ddpgpt.distributed.group import DistEnv
+    from ddpgpt.guard.health import Guard, StopSignal
+    from ddpgpt.run.preflight import preflight
+    from ddpgpt.trainer import Trainer
+
+    flags = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16,
+                       "attention": attention},
+             "data": {"dir": str(data), "micro_batch": 2, "global_batch": 4, "align": "bos"},
+             "run": {"dir": str(data.parent / "run"), "device": "cpu", "threads": 1}}
+    cfg, dataset = preflight(build(None, None, flags), 1, 1)
+    assert (cfg.model.attention, cfg.model.doc_mask) == (attention, True)
+    env = DistEnv()
+    return Trainer(cfg, env, dataset, Guard(env, cfg.run, StopSignal(announce=False)))
+
+
+def test_a_run_resumed_with_the_other_attention_takes_the_same_steps(tmp_path, uncompiled,
+                                                                      monkeypatch):
+    """An sdpa run resumed after 2 steps with model.attention flex (allowed: the weights are
+    the same): the next 2 steps are the straight run's to float rounding, losses and weights.
+    (flex -> sdpa: tests/gpu/test_flex.py, on CUDA.)"""
+    from ddpgpt.optim.schedule import Rates
+
+    tokens = rows(1, 4000, 6, seed=1)[0].numpy()  # documents of ~6 tokens, several to a row
+    data = write_dataset(tmp_path / "d", tokens[:3200], tokens[3200:], vocab_size=64, eot_id=BOS)
+    calls = []
+    attend = flex.attend
+    monkeypatch.setattr(flex, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k))
+    straight, resumed, losses = trainer(data, "sdpa"), trainer(data, "flex"), {}
+    for step in range(4):
+        if step == 2:
+            state = copy.deepcopy(straight.state_dict())  # as from disk: nothing shared
+            resumed.load_state_dict(state, saved_world_size=1)
+        for run in (straight, resumed) if step >= 2 else (straight,):
+            loss, _ = run.train_step()
+            run.update(Rates(1e-2, 0.95))
+            run.step += 1
+            losses.setdefault(run, []).append(loss.item())
+    assert calls  # flex computed its share of the steps
+    np.testing.assert_allclose(losses[resumed], losses[straight][2:], rtol=1e-5, atol=0)
+    for a, b in zip(straight.raw.parameters(), resumed.raw.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
 
 # ---- sampling and export: unchanged -----------------------------------------------------------
 
