@@ -70,8 +70,8 @@ def claim(run_dir: RunDir, cfg: TrainConfig, env: DistEnv, dataset: TokenDataset
         run_dir.lock(allow_parent=True, wait_s=0 if first else cfg.run.dist_timeout_s / 2)
         # before anything is written at a checkpoint URL: one job at a time trains into it
         run_dir.take_lease(not first, cfg.run.take_over, cfg.run.lease_stale_s)
-        if first and cfg.run.resume == "reset":
-            run_dir.reset()
+        if first and (cfg.run.resume == "reset" or start.over):
+            run_dir.reset(start.over or "--reset")
         else:
             if start.set_aside:
                 run_dir.rewind(start.set_aside, start.step)

@@ -60,6 +60,7 @@ class Start:
     set_aside: list[Path] = field(default_factory=list)  # later checkpoints a rewind moves away
     data_switch: bool = False     # resumed on another dataset, with data.allow_switch
     rollback: dict | None = None  # a recorded rollback to apply on this start (its target's)
+    over: str = ""                # why a run dir that trained starts over (its files set aside)
 
     @property
     def step(self) -> int:
@@ -98,18 +99,20 @@ def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: st
     if start.path is not None:
         _check_fit(cfg, start, run_dir, mode, fingerprint, tokenizer)
     elif first_start and mode in ("auto", "never") and start.rollback is None:
-        _keep_trained(run_dir)
+        start.over = _keep_trained(run_dir)
     return start
 
 
-def _keep_trained(run_dir: RunDir) -> None:
+def _keep_trained(run_dir: RunDir) -> str:
     """A first start from scratch in a run dir whose metrics.jsonl shows training: refused in one
     line naming the step it reached, where its checkpoints were (config.json's
     run.checkpoint_url, or checkpoints/) and what is there now. Only --reset starts such a run
-    over (a restart of a job that died before its first checkpoint is no first start)."""
+    over, but for one that stopped before its first checkpoint was due (a crash, a job killed
+    and requeued): there is nothing to continue from, so it starts over with its metrics set
+    aside as --reset sets them, and the line returned says why."""
     reached = trained_to(run_dir.metrics)
     if not reached:
-        return
+        return ""
     saved = run_dir.saved_url()
     was, now = location.at(saved) if saved else run_dir.path / "checkpoints", run_dir.checkpoints
     head = f"run dir {run_dir} trained to step {reached} (its metrics.jsonl)"
@@ -118,9 +121,8 @@ def _keep_trained(run_dir: RunDir) -> None:
     if was == now:  # deleted, lost by the store, or none written yet
         due, every = _first_due(run_dir)
         if due is not None and reached < due:
-            raise UserError(f"{head} and {now} {_there(now)}: no checkpoint was due before step "
-                            f"{due} (run.checkpoint_every = {every}); {refused} unless told: "
-                            f"pass --reset to start over (its metrics go to reset-<time>/)")
+            return (f"{head}, stopped before its first checkpoint was due (step {due}, "
+                    f"run.checkpoint_every = {every}), so it starts over from step 0")
         raise UserError(f"{head}, but no checkpoint of it is left: {now} {_there(now)}; "
                         f"{refused}: put its checkpoints back there, {reset}")
     newest, there = _newest(was)

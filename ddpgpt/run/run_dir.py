@@ -361,15 +361,15 @@ class RunDir:
             raise WriteError(f"cannot move {path} into {aside}: {describe(e)}") from None
         return aside if paths or not remote else self.remote / aside.name
 
-    def reset(self) -> None:
-        """--reset: the checkpoints, metrics and tracker files go into reset-<time>/ (a new
-        tracker run begins)."""
+    def reset(self, why: str = "--reset") -> None:
+        """--reset (or `why` the run starts over): the checkpoints, metrics and tracker files go
+        into reset-<time>/ (a new tracker run begins)."""
         checkpoints = [p for p in location.children(self.remote) if p.name.startswith("step_")
                        or p.name == "rollback.json"] if self.remote else [self.checkpoints]
         aside = self.set_aside("reset", [*checkpoints, self.metrics, self.configs,
                                          *self.tracker_files])
         if aside:
-            print(f"ddpgpt: --reset: moved the previous checkpoints and metrics to {aside}",
+            print(f"ddpgpt: {why}: moved the previous checkpoints and metrics to {aside}",
                   file=sys.stderr)
 
     def rewind(self, newer: list[Path], step: int) -> None:

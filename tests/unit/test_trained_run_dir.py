@@ -1,7 +1,8 @@
 """A run dir that has trained is never started over unless told (--reset): a first start that
 finds no checkpoint to continue from, where metrics.jsonl shows training, is refused in one line
 that names the step the run reached, where its checkpoints were and what is there now (its
-checkpoints deleted, lost by the store, or looked for at another URL); and a run continued on
+checkpoints deleted, lost by the store, or looked for at another URL), but for one that stopped
+before its first checkpoint was due, which starts over and says so; and a run continued on
 another machine from its checkpoints' URL alone goes on on the processes it last trained on."""
 
 from __future__ import annotations
@@ -94,16 +95,28 @@ def test_the_command_line_refuses_before_it_writes_anything(tiny_data, tmp_path,
             and p.name != ".lock"} == kept
 
 
-def test_a_run_dir_that_trained_before_its_first_checkpoint_is_not_started_over(tmp_path):
-    """Stopped at step 2 (a crash) of a run that checkpoints every 3 steps: rerun, it is refused
-    too, and the line says that no checkpoint was due yet."""
+def test_a_run_dir_that_stopped_before_its_first_checkpoint_starts_over_and_says_so(
+        tmp_path, capsys):
+    """Stopped at step 2 (a crash, a job killed and requeued) of a run that checkpoints every 3
+    steps: there is nothing to continue from, so the same command starts over, with its metrics
+    set aside as --reset sets them and a line that says why (nothing lost, nothing silent)."""
+    from ddpgpt.distributed.group import DistEnv
+    from ddpgpt.run import elastic
+
     run = trained(tmp_path / "run", steps=2)
     assert not run.checkpoints.exists()
-    assert refusal(run) == (
-        f"run dir {run} trained to step 2 (its metrics.jsonl) and {run.checkpoints} does not "
-        "exist: no checkpoint was due before step 3 (run.checkpoint_every = 3); refused to start "
-        "it over from step 0 unless told: pass --reset to start over (its metrics go to "
-        "reset-<time>/)")
+    cfg = config(run.path)
+    start = resume.choose(cfg, run, True, FP)
+    why = (f"run dir {run} trained to step 2 (its metrics.jsonl), stopped before its first "
+           "checkpoint was due (step 3, run.checkpoint_every = 3), so it starts over from step 0")
+    assert start.path is None and start.over == why
+    metrics = run.metrics.read_text()
+    elastic.claim(run, cfg, DistEnv(), None, (cfg, start))
+    aside = next(run.path.glob("reset-*"))
+    assert (aside / "metrics.jsonl").read_text() == metrics and not run.metrics.exists()
+    assert capsys.readouterr().err == (f"ddpgpt: {why}: moved the previous checkpoints and "
+                                       f"metrics to {aside}\n")
+    assert resume.choose(cfg, RunDir(run.path), True, FP).over == ""  # and it is no more
 
 
 def test_what_may_start_from_scratch_still_does(tmp_path):
