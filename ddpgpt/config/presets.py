@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from ddpgpt.config.checks import ConfigError
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.config.schema import DataConfig, OptimConfig, RunConfig, TrainConfig
+from ddpgpt.config.optim import OptimConfig
+from ddpgpt.config.schema import DataConfig, RunConfig, TrainConfig
 from ddpgpt.errors import did_you_mean
 
 

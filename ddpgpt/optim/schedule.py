@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ddpgpt.config.schema import OptimConfig
+from ddpgpt.config.optim import OptimConfig
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from ddpgpt.config import presets
 from ddpgpt.config.io import build as resolve
 from ddpgpt.config.io import from_dict, nest
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.config.schema import DataConfig, OptimConfig, RunConfig, TrainConfig
+from ddpgpt.config.optim import OptimConfig
+from ddpgpt.config.schema import DataConfig, RunConfig, TrainConfig
 from ddpgpt.errors import UserError
 from tests.helpers import run_cli
 from tests.unit.configs import _error, _parse_train, _toml

@@ -16,7 +16,8 @@ from ddpgpt.config.checks import ConfigError
 from ddpgpt.config.io import build as resolve
 from ddpgpt.config.io import continued
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.config.schema import DataConfig, OptimConfig, RunConfig, TrainConfig
+from ddpgpt.config.optim import OptimConfig
+from ddpgpt.config.schema import DataConfig, RunConfig, TrainConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
 from ddpgpt.run.preflight import accum_steps, preflight

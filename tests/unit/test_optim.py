@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.config.schema import OptimConfig, RunConfig, TrainConfig
+from ddpgpt.config.optim import OptimConfig
+from ddpgpt.config.schema import RunConfig, TrainConfig
 from ddpgpt.distributed.group import DistEnv
 from ddpgpt.errors import UserError
 from ddpgpt.model.gpt import GPT

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from ddpgpt.checkpoint import store
-from ddpgpt.config.schema import DataConfig, OptimConfig, RunConfig, TrainConfig
+from ddpgpt.config.optim import OptimConfig
+from ddpgpt.config.schema import DataConfig, RunConfig, TrainConfig
 from ddpgpt.errors import UserError
 from ddpgpt.model.gpt import GPT
 from ddpgpt.run import resume
