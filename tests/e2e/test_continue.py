@@ -9,7 +9,9 @@ import os
 import pytest
 
 from ddpgpt.config.commands import PrepareConfig
+from ddpgpt.config.optim import OptimConfig
 from ddpgpt.data.prepare import main as prepare
+from ddpgpt.optim.schedule import lr_at
 from tests.conftest import CORPUS, STDLIB
 from tests.helpers import read_metrics, run_cli, tiny_train_args
 
@@ -65,21 +67,31 @@ def test_a_run_continues_from_its_directory_alone(tiny_data, tmp_path):
 
 
 def test_a_run_continues_on_the_processes_it_last_trained_on(tiny_data, tmp_path):
-    """Made on 2 processes: `train --run-dir R` alone continues on 2, and says so; given its
-    --data (the command restated), on 1 as any command without --nproc, and that is said too;
-    then, last trained on 1, alone on 1 with nothing to say."""
+    """Made on 2 processes: `train --run-dir R` alone continues on 2, and says so, the workers
+    on the schedule's length given (equal to run.steps, which the length's auto also gives:
+    given, it is applied all the same); given its --data (the command restated), on 1 as any
+    command without --nproc, and that is said too; then, last trained on 1, alone on 1 with
+    nothing to say."""
     run = tmp_path / "run"
     _ok(run_cli(*tiny_train_args(tiny_data, run, steps=2)[2:], "--nproc", "2", timeout=180))
-    r = _ok(run_cli("train", "--run-dir", run, "--run.steps", "3", timeout=180))
+    # a schedule's length given equal to run.steps: applied by the workers too, recorded once
+    r = _ok(run_cli("train", "--run-dir", run, "--run.steps", "4", "--optim.decay-steps", "4",
+                    timeout=180))
     assert (f"ddpgpt: continuing run {run} on 2 processes, as it last trained (--nproc N for "
             "another number)\n") in r.stderr, r.stderr
     assert "ddpgpt: training on 2 processes" in r.stderr
-    r = _ok(run_cli("train", "--run-dir", run, "--data", tiny_data, "--run.steps", "4",
+    assert "optim.decay_steps 2 -> 4, run.steps 2 -> 4; from step 3: lr 0.01\n" in r.stderr
+    given = OptimConfig(lr=1e-2, warmup_steps=2, decay_steps=4)
+    assert [x["lr"] for x in read_metrics(run)[0][2:]] == [lr_at(s, given, 4) for s in (2, 3)]
+    assert lr_at(2, given, 4) == pytest.approx(1e-2)  # the peak, not the old end's floor
+    rows = [json.loads(line) for line in (run / "configs.jsonl").open()]
+    assert [(x["step"], x["config"]["optim"]["decay_steps"]) for x in rows] == [(0, 2), (2, 4)]
+    r = _ok(run_cli("train", "--run-dir", run, "--data", tiny_data, "--run.steps", "5",
                     timeout=120))
     assert (f"ddpgpt: run {run} last trained on 2 processes; given --data, this start runs on "
             "1 (--nproc 2 for 2)\n") in r.stderr, r.stderr
     assert "ddpgpt: training on 1 process," in r.stderr
-    r = _ok(run_cli("train", "--run-dir", run, "--run.steps", "5", timeout=120))
+    r = _ok(run_cli("train", "--run-dir", run, "--run.steps", "6", timeout=120))
     assert "ddpgpt: training on 1 process," in r.stderr and "processes" not in r.stderr
     worlds = [json.loads(line)["world_size"] for line in (run / "configs.jsonl").open()]
     assert worlds[-3:] == [2, 1, 1]

@@ -1,12 +1,15 @@
 """What a resume's changed settings do to the learning rate: the line that announces them says
-the lr the next step takes, and how to get another where the schedule has ended."""
+the lr the next step takes, and how to get another where the schedule has ended; a schedule's
+length given on the command line reaches the `--nproc` workers."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from ddpgpt.config.optim import OptimConfig
-from ddpgpt.config.schema import RunConfig, TrainConfig
+from ddpgpt.config.schema import DataConfig, RunConfig, TrainConfig
+from ddpgpt.run import resume
+from ddpgpt.run.run_dir import RunDir
 
 
 def _settled(steps: int, decay: int, **optim) -> TrainConfig:
@@ -39,3 +42,36 @@ def test_the_changed_settings_line_says_the_lr_they_give():
     assert lr_note(_settled(60, 40, schedule="constant"), 40, 1.0, {"run.steps": [40, 60]}) == (
         "; from step 41: lr 0.3")
     assert lr_note(ended, 40, 1.0, {"run.log_every": [1, 10]}) == ""
+
+
+def test_the_workers_train_on_the_schedule_their_launcher_settled(tmp_path):
+    """`train --run-dir R --run.steps 164 --optim.decay-steps 164` under --nproc, on a run whose
+    cosine ended at 80: the launcher settles the length given and writes config.json; its
+    workers, started from that file and the flags it hands them, train with the very same
+    config (not the checkpoint's length: a decay_steps equal to run.steps is otherwise taken
+    for the `auto` it may have come from)."""
+    from ddpgpt import cli
+    from ddpgpt.checkpoint import store
+    from ddpgpt.model.gpt import GPT
+    from ddpgpt.run.launch import worker_flags
+    from tests.helpers import SMALL
+
+    def parsed(*argv: str) -> TrainConfig:
+        parser = cli._build_parser()
+        ns = parser.parse_args(cli.bool_values(parser, ["train", *argv]))
+        return cli.train_config({k: v for k, v in vars(ns).items()
+                                 if k not in ("command", "debug")})[0]
+
+    run = RunDir(tmp_path / "run")
+    made = TrainConfig(model=SMALL, data=DataConfig(dir="data"),
+                       optim=OptimConfig(decay_steps=80), run=RunConfig(steps=160, dir=str(run)))
+    store.save(run.checkpoints, 160, {"model": GPT(SMALL).state_dict()},
+               {"config": made.to_dict(), "world_size": 2, "data_fingerprint": "ab" * 32},
+               keep=3)
+    run.write_config(made.to_dict(), 160, 2)
+    given = parsed("--run-dir", str(run), "--run.steps", "164", "--optim.decay-steps", "164")
+    launcher = resume.settle(given, resume.choose(given, run, True, "ab" * 32))
+    assert (launcher.run.steps, launcher.optim.decay_steps) == (164, 164)
+    run.write_config(launcher.to_dict(), 160, 2)
+    worker = parsed("--resolved-config", str(run.config), *worker_flags(launcher))
+    assert resume.settle(worker, resume.choose(worker, run, True, "ab" * 32)) == launcher
