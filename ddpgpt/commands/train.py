@@ -55,6 +55,7 @@ from ddpgpt.guard.health import (
     resume_hint,
 )
 from ddpgpt.guard.spike import Verdict
+from ddpgpt.optim.schedule import warmup_notes
 from ddpgpt.run import elastic, resume, trackers
 from ddpgpt.run.metrics import Metrics, peak_flops, summary
 from ddpgpt.run.precision import configure
@@ -80,8 +81,7 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
         trainer.doing = f"step {trainer.step + 1}"
         rates = trainer.schedule.at(trainer.step)
         loss, norm = trainer.train_step()
-        health = guard.exchange(loss, norm, scaled=trainer.scaler is not None,
-                                saving=saver.busy)
+        health = guard.exchange(loss, norm, scaled=trainer.scaler is not None, saving=saver.busy)
         if health.saved or health.bad:  # every rank's save is done, or a stop must name one
             settle(trainer, saver, run_dir)
         verdict = guard.judge(trainer.step + 1, health, trainer.batch, trainer.probe)
@@ -345,7 +345,7 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         print(summary(trainer), file=sys.stderr)
         if trainer.dataset.split_bytes is None:
             warn(trainer.dataset.bytes_advice())
-        for note in one_document_notes(trainer.loader):  # data.align bos on one document
+        for note in one_document_notes(trainer.loader) + warmup_notes(cfg.optim, cfg.run.steps):
             warn(note)
         if cfg.run.compile:  # or the bar sits at 0 with no word of why
             print("ddpgpt: compiling the model (run.compile): the first step waits for "

@@ -14,7 +14,8 @@ Every shape warms up linearly over `warmup_steps` (step 0 already trains, at lr/
 
 Cosine and wsd end at their length: every later step (a run extended past its schedule) is at
 min_lr, whatever the warmup, and a warmup as long as the schedule or longer is cut off by its
-end (lr_at says it for every case; tests/unit/test_optim.py checks the shape on a grid).
+end (lr_at says it for every case; tests/unit/test_schedule.py checks the shape on a grid;
+warmup_notes says it in a line).
 
 Being a pure function of the step, the schedule needs no state in a checkpoint; the rollback
 factor lives with the spike guard (guard/spike.py), whose state resumes, and is read here at
@@ -105,3 +106,19 @@ def extends_flat(cfg: OptimConfig, saved_length: int, new_length: int, step: int
     with no jump, and the decay moves to the new end."""
     return (cfg.schedule == "wsd" and new_length != saved_length
             and step < decay_start(cfg, saved_length) and step < decay_start(cfg, new_length))
+
+
+def warmup_notes(cfg: OptimConfig, steps: int) -> list[str]:
+    """The warning, if any, for a warmup that takes the whole schedule (run.steps = `steps`;
+    `cfg` settled): the lr only rises and never decays (constant: may never reach its peak).
+    Not refused: a run of a few steps, to see that a config works, is a fair thing to start."""
+    length = steps if cfg.schedule == "constant" else cfg.decay_steps or steps
+    if not 0 < length <= cfg.warmup_steps:
+        return []
+    flat = cfg.schedule == "constant"
+    return [f"optim.warmup_steps = {cfg.warmup_steps} is not shorter than the schedule ({length} "
+            f"steps, to step {length}): the lr only rises, to {lr_at(length - 1, cfg, steps):.3g} "
+            f"at step {length} of a peak of {cfg.lr:g} (optim.lr)"
+            f"{'' if flat else ', and never decays'}; give --optim.warmup-steps {length // 10} or "
+            f"so (a tenth of the schedule) for "
+            f"{'steps at the peak' if flat else 'a warmup and a decay'}"]

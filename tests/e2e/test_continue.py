@@ -67,13 +67,18 @@ def test_a_run_continues_from_its_directory_alone(tiny_data, tmp_path):
 
 
 def test_a_run_continues_on_the_processes_it_last_trained_on(tiny_data, tmp_path):
-    """Made on 2 processes: `train --run-dir R` alone continues on 2, and says so, the workers
-    on the schedule's length given (equal to run.steps, which the length's auto also gives:
-    given, it is applied all the same); given its --data (the command restated), on 1 as any
-    command without --nproc, and that is said too; then, last trained on 1, alone on 1 with
-    nothing to say."""
+    """Made on 2 processes (its warmup as long as its 2 steps: said in a line): `train --run-dir
+    R` alone continues on 2, and says so, the workers on the schedule's length given (equal to
+    run.steps, which the length's auto also gives: given, it is applied all the same); given its
+    --data (the command restated), on 1 as any command without --nproc, and that is said too;
+    then, last trained on 1, alone on 1 with nothing to say."""
     run = tmp_path / "run"
-    _ok(run_cli(*tiny_train_args(tiny_data, run, steps=2)[2:], "--nproc", "2", timeout=180))
+    r = _ok(run_cli(*tiny_train_args(tiny_data, run, steps=2)[2:], "--nproc", "2", timeout=180))
+    # a warmup as long as the run: said once (rank 0), the run goes on
+    assert r.stderr.count("ddpgpt: warning: optim.warmup_steps = 2 is not shorter than the "
+                          "schedule (2 steps, to step 2): the lr only rises, to 0.01 at step 2 "
+                          "of a peak of 0.01 (optim.lr), and never decays; give "
+                          "--optim.warmup-steps 0 or so") == 1, r.stderr
     # a schedule's length given equal to run.steps: applied by the workers too, recorded once
     r = _ok(run_cli("train", "--run-dir", run, "--run.steps", "4", "--optim.decay-steps", "4",
                     timeout=180))

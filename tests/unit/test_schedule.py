@@ -1,8 +1,10 @@
 """The learning-rate schedules (cosine, wsd, constant) against their closed forms, on a grid of
-warmups, lengths and steps; a wsd run extended on resume; the rollback factor."""
+warmups, lengths and steps; a wsd run extended on resume; the rollback factor; a warmup longer
+than its schedule."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -166,3 +168,22 @@ def test_schedule_applies_the_rollback_factor_at_every_step():
     factor[0] = 0.25
     assert schedule.at(40).lr == 0.25e-3 and schedule.at(0).momentum == WSD.muon_momentum_start
 
+
+# ---- a warmup longer than its schedule ---------------------------------------------------------
+
+def test_a_warmup_as_long_as_its_schedule_is_said_in_one_line():
+    """tiny's 20 warmup steps on a run of 10: the lr only rises, to half the peak, and never
+    decays; one line says so, with a warmup that fits. A warmup shorter than the schedule is
+    nothing to say."""
+    from ddpgpt.optim.schedule import warmup_notes
+
+    tiny = OptimConfig(lr=2e-3, warmup_steps=20, decay_steps=10)
+    assert warmup_notes(tiny, 10) == [
+        "optim.warmup_steps = 20 is not shorter than the schedule (10 steps, to step 10): the lr "
+        "only rises, to 0.001 at step 10 of a peak of 0.002 (optim.lr), and never decays; give "
+        "--optim.warmup-steps 1 or so (a tenth of the schedule) for a warmup and a decay"]
+    assert warmup_notes(dataclasses.replace(tiny, schedule="constant"), 10) == [
+        "optim.warmup_steps = 20 is not shorter than the schedule (10 steps, to step 10): the lr "
+        "only rises, to 0.001 at step 10 of a peak of 0.002 (optim.lr); give "
+        "--optim.warmup-steps 1 or so (a tenth of the schedule) for steps at the peak"]
+    assert warmup_notes(dataclasses.replace(tiny, decay_steps=21), 21) == []
