@@ -19,8 +19,9 @@ class OptimConfig:
     owner rank, and AdamW (lr, betas) for the embeddings, norms and biases (docs/muon.md)."""
     lr: float = 1e-3
     """Peak learning rate, reached after warmup_steps."""
-    min_lr: float = 1e-4
-    """Learning rate at the end of the decay (cosine and wsd; the schedule's last step)."""
+    min_lr: float | None = None
+    """Learning rate at the end of the decay (cosine and wsd; the schedule's last step). Unset:
+    a tenth of lr, following it (`floor`); config.json keeps it unset."""
     embed_lr: float = 0.0
     """AdamW's peak lr for the token embedding (tied: the head too), min_lr scaled alike; 0: lr."""
     warmup_steps: int = 20
@@ -69,8 +70,11 @@ class OptimConfig:
         _finite(self, "optim.")
         _choice("optim", "name", self.name, choices.Optimizer)
         _require(self.lr > 0, f"optim.lr = {self.lr} must be > 0")
-        _require(0 <= self.min_lr <= self.lr,
-                 f"optim.min_lr = {self.min_lr} must be in [0, optim.lr = {self.lr}]")
+        if self.min_lr is not None:  # unset, it follows lr; set, its flag is the fix
+            _require(self.min_lr >= 0, f"optim.min_lr = {self.min_lr:g} must be >= 0")
+            _require(self.min_lr <= self.lr, f"optim.min_lr = {self.min_lr:g} is above optim.lr "
+                     f"= {self.lr:g}; give --optim.min-lr {self.lr / 10:g} (a tenth of optim.lr, "
+                     f"what it is unset) or another value in [0, {self.lr:g}]")
         _choice("optim", "schedule", self.schedule, choices.Schedule)
         _require(0 < self.decay_fraction <= 1,
                  f"optim.decay_fraction = {self.decay_fraction:g} must be in (0, 1]")
@@ -96,3 +100,8 @@ class OptimConfig:
                  f"optim.muon_ns = polar is made for 5 iterations; optim.muon_ns_steps = "
                  f"{self.muon_ns_steps} must be >= 5 with it")
         _choice("optim", "muon_ns_dtype", self.muon_ns_dtype, choices.NewtonSchulzDtype)
+
+    @property
+    def floor(self) -> float:
+        """The lr the decay ends at: min_lr, or a tenth of lr where min_lr is unset."""
+        return self.lr / 10 if self.min_lr is None else self.min_lr

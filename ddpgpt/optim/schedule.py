@@ -5,7 +5,8 @@
     momentum  Muon's, warming up from muon_momentum_start to muon_momentum
 
 Every shape warms up linearly over `warmup_steps` (step 0 already trains, at lr/warmup). Then:
-- cosine: from `lr` down to `min_lr` at step `decay_steps` (the schedule's length), then min_lr;
+- cosine: from `lr` down to the floor (`min_lr`, a tenth of lr unset) at step `decay_steps` (the
+  schedule's length), then the floor;
 - wsd (warmup, stable, decay): flat at `lr`, then linear down to `min_lr` over the last
   `decay_fraction` of the schedule. Its length follows run.steps when a run resumed in its flat
   phase is given more steps (resume.settle): the point of WSD is that a run can be extended
@@ -59,7 +60,7 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     returns to it."""
     length = cfg.decay_steps or total_steps
     if cfg.schedule != "constant" and step >= length:
-        return cfg.min_lr  # the schedule has ended
+        return cfg.floor  # the schedule has ended
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
@@ -69,13 +70,13 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
         start = decay_start(cfg, length)  # <= length - 1: step is at least warmup_steps
         if step < start:
             return cfg.lr
-        progress = (step - start + 1) / (length - start)  # min_lr at the last step
-        return cfg.min_lr + (cfg.lr - cfg.min_lr) * (1 - progress)
+        progress = (step - start + 1) / (length - start)  # the floor at the last step
+        return cfg.floor + (cfg.lr - cfg.floor) * (1 - progress)
     span = length - 1 - cfg.warmup_steps
     if span <= 0:  # the schedule's one step after warmup is its last
-        return cfg.min_lr
+        return cfg.floor
     progress = (step - cfg.warmup_steps) / span
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+    return cfg.floor + 0.5 * (cfg.lr - cfg.floor) * (1 + math.cos(math.pi * progress))
 
 
 def momentum_at(step: int, cfg: OptimConfig) -> float:

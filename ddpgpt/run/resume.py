@@ -23,6 +23,7 @@ only, for fast one-line errors) and again under the run's lock (`verify=True`: e
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from ddpgpt.checkpoint import location, store
 from ddpgpt.checkpoint.read import trained_tokenizer
 from ddpgpt.checkpoint.store import CheckpointError
 from ddpgpt.config.io import START_FIELDS, from_dict
+from ddpgpt.config.optim import OptimConfig
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
@@ -245,9 +247,19 @@ def changes(saved: dict, cfg: TrainConfig) -> dict[str, list]:
         for name, value in fields.items():
             key = f"{section}.{name}"
             old = saved.get(section, {}).get(name, value)
+            if key == "optim.min_lr":  # unset, a tenth of optim.lr: the floor each one is
+                old, value = _floor(saved.get("optim", {}), cfg.optim), cfg.optim.floor
+                old = value if math.isclose(old, value, rel_tol=1e-9) else old
             if key not in NOT_TRAINING and old != value:
                 out[key] = [old, value]
     return out
+
+
+def _floor(saved: dict, mine: OptimConfig) -> float:
+    """A saved optim section's floor: its min_lr, or a tenth of its lr where unset."""
+    if "min_lr" not in saved:
+        return mine.floor
+    return saved.get("lr", mine.lr) / 10 if saved["min_lr"] is None else saved["min_lr"]
 
 
 # What decides a step's lr (optim/schedule.py): a change to any of them is followed, in the line

@@ -1,14 +1,17 @@
 """What a resume's changed settings do to the learning rate: the line that announces them says
 the lr the next step takes, and how to get another where the schedule has ended; a schedule's
-length given on the command line reaches the `--nproc` workers."""
+length given on the command line reaches the `--nproc` workers; a floor that follows the lr."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from ddpgpt.config.optim import OptimConfig
 from ddpgpt.config.schema import DataConfig, RunConfig, TrainConfig
 from ddpgpt.run import resume
+from ddpgpt.run.resume import changes
 from ddpgpt.run.run_dir import RunDir
 
 
@@ -42,6 +45,19 @@ def test_the_changed_settings_line_says_the_lr_they_give():
     assert lr_note(_settled(60, 40, schedule="constant"), 40, 1.0, {"run.steps": [40, 60]}) == (
         "; from step 41: lr 0.3")
     assert lr_note(ended, 40, 1.0, {"run.log_every": [1, 10]}) == ""
+
+
+def test_a_floor_that_follows_the_lr_is_listed_as_the_lr_it_is():
+    """optim.min_lr unset is a tenth of optim.lr: a new lr moves it, and the line says both; an
+    older checkpoint's number equal to it (its preset's, written out) is no change."""
+    saved = _settled(60, 60).to_dict()
+    unset = dataclasses.replace(_settled(60, 60), optim=OptimConfig(lr=0.3, warmup_steps=2,
+                                                                    decay_steps=60))
+    assert changes({**saved, "optim": {**saved["optim"], "min_lr": 0.03}}, unset) == {}
+    lower = dataclasses.replace(unset, optim=dataclasses.replace(unset.optim, lr=0.1))
+    assert changes(unset.to_dict(), lower) == {"optim.lr": [0.3, 0.1],
+                                              "optim.min_lr": [pytest.approx(0.03), 0.01]}
+    assert changes(saved, unset) == {"optim.min_lr": [1e-4, pytest.approx(0.03)]}
 
 
 def test_the_workers_train_on_the_schedule_their_launcher_settled(tmp_path):

@@ -1,6 +1,6 @@
 """The learning-rate schedules (cosine, wsd, constant) against their closed forms, on a grid of
-warmups, lengths and steps; a wsd run extended on resume; the rollback factor; a warmup longer
-than its schedule."""
+warmups, lengths and steps; a wsd run extended on resume; the rollback factor; the floor
+(optim.min_lr: a tenth of lr unset); a warmup longer than its schedule."""
 
 from __future__ import annotations
 
@@ -167,6 +167,20 @@ def test_schedule_applies_the_rollback_factor_at_every_step():
     assert schedule.at(150) == Rates(1e-4, 0.95)  # momentum warmed up by step 100
     factor[0] = 0.25
     assert schedule.at(40).lr == 0.25e-3 and schedule.at(0).momentum == WSD.muon_momentum_start
+
+
+# ---- the floor -------------------------------------------------------------------------------
+
+def test_min_lr_unset_is_a_tenth_of_lr_and_follows_it():
+    """Unset, the decay ends at a tenth of optim.lr whatever lr is (a fine-tune at 1e-4 or 1e-5
+    decays too; none is refused); set, at the floor as given, 0 included."""
+    for lr in (1e-2, 1e-3, 1e-4, 1e-5):
+        cfg = OptimConfig(lr=lr, warmup_steps=0)
+        assert cfg.min_lr is None and cfg.floor == lr / 10
+        assert [lr_at(s, cfg, 50) for s in (0, 49, 80)] == pytest.approx([lr, lr / 10, lr / 10],
+                                                                         rel=1e-12)
+    assert lr_at(49, OptimConfig(lr=1e-3, min_lr=0.0, warmup_steps=0), 50) == 0.0
+    assert lr_at(49, OptimConfig(lr=1e-3, min_lr=3e-4, warmup_steps=0), 50) == 3e-4
 
 
 # ---- a warmup longer than its schedule ---------------------------------------------------------
