@@ -25,11 +25,14 @@ class OptimConfig:
     embed_lr: float = 0.0
     """AdamW's peak lr for the token embedding (tied: the head too), min_lr scaled alike; 0: lr."""
     warmup_steps: int = 20
-    """Steps of linear warmup from 0 to lr."""
+    """Steps of linear warmup from 0 to lr, at the schedule's start."""
     decay_steps: int = 0
-    """The schedule's length in steps, warmup included: lr reaches min_lr there and stays. 0:
-    run.steps at the first start, kept on resume (more run.steps go on at min_lr; set it to
-    re-shape the cosine); wsd resumed in its flat phase takes the new run.steps."""
+    """The step the schedule ends at, its warmup included: lr reaches min_lr there and stays. 0:
+    run.steps where the schedule starts (the first start; a new schedule_start), kept on resume
+    (more run.steps go on at min_lr); wsd resumed in its flat phase takes the new run.steps."""
+    schedule_start: int = 0
+    """The step the schedule starts at, its warmup first. Steps past the end of a run's schedule
+    train on one of their own from the step they resume at: give that step."""
     schedule: choices.Schedule = "cosine"
     """The lr after warmup: cosine (down to min_lr at the schedule's end), wsd (flat at lr, then
     linear down to min_lr over the last decay_fraction; resumed while flat with more run.steps,
@@ -81,6 +84,8 @@ class OptimConfig:
         _require(self.warmup_steps >= 0, f"optim.warmup_steps = {self.warmup_steps} must be >= 0")
         _require(self.decay_steps >= 0,
                  f"optim.decay_steps = {self.decay_steps} must be >= 0 (0: run.steps)")
+        _require(self.schedule_start >= 0,
+                 f"optim.schedule_start = {self.schedule_start} must be >= 0")
         _require(self.weight_decay >= 0, f"optim.weight_decay = {self.weight_decay} must be >= 0")
         for name in ("beta1", "beta2"):
             _require(0 <= getattr(self, name) < 1,

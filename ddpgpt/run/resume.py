@@ -31,6 +31,7 @@ from pathlib import Path
 from ddpgpt.checkpoint import location, store
 from ddpgpt.checkpoint.read import trained_tokenizer
 from ddpgpt.checkpoint.store import CheckpointError
+from ddpgpt.config.checks import ConfigError
 from ddpgpt.config.io import START_FIELDS, from_dict
 from ddpgpt.config.optim import OptimConfig
 from ddpgpt.config.schema import TrainConfig
@@ -70,7 +71,7 @@ def plan(cfg: TrainConfig, run_dir: RunDir, dataset: TokenDataset, first_start: 
     once it holds the run dir, `--print-config`)."""
     start = choose(cfg, run_dir, first_start, dataset.fingerprint, verify=verify,
                    tokenizer=dataset.tokenizer_fingerprint, quiet=quiet)
-    return settle(cfg, start), start
+    return settle(cfg, start, first_start), start
 
 
 def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: str,
@@ -216,21 +217,40 @@ def _short(fingerprint: str) -> str:
     return f"{kind} {digest[:12]}" if digest else kind
 
 
-def settle(cfg: TrainConfig, start: Start) -> TrainConfig:
-    """The config this start trains with: optim.decay_steps = 0 becomes the schedule's length,
-    run.steps on a first start, and the checkpoint's on resume (older checkpoints: the run.steps
-    they were saved with), so that raising run.steps does not re-shape the cosine mid-run; a wsd
-    run resumed in its flat phase takes the new run.steps (schedule.extends_flat)."""
-    if cfg.optim.decay_steps:
+def settle(cfg: TrainConfig, start: Start, first_start: bool = True) -> TrainConfig:
+    """The config this start trains with: optim.decay_steps = 0 becomes the schedule's end,
+    run.steps where the schedule starts (a first start, or a new optim.schedule_start), and the
+    checkpoint's on resume (older checkpoints: the run.steps they were saved with), so that
+    raising run.steps does not re-shape the cosine mid-run; a wsd run resumed in its flat phase
+    takes the new run.steps (schedule.extends_flat). A job's first start refuses a schedule that
+    starts past its own start, or ends where it starts (a restart goes on as its job began)."""
+    optim, steps = cfg.optim, cfg.run.steps
+    if first_start and start.step < steps:
+        _check_schedule(optim, start)
+    if optim.decay_steps:
         return cfg
-    steps = cfg.run.steps
     if start.meta is not None:
         saved = start.meta["config"]
         kept = saved["optim"].get("decay_steps") or saved["run"]["steps"]
+        anew = optim.schedule_start != saved["optim"].get("schedule_start", 0) \
+            and start.step < steps
         # wsd resumed while flat goes on flat and decays at the new end (schedule.py).
-        if not extends_flat(cfg.optim, kept, steps, start.step):
+        if not anew and not extends_flat(optim, kept, steps, start.step):
             steps = kept
-    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=steps))
+    return dataclasses.replace(cfg, optim=dataclasses.replace(optim, decay_steps=steps))
+
+
+def _check_schedule(optim: OptimConfig, start: Start) -> None:
+    where = f"checkpoint {start.path.name}" if start.path is not None else "from scratch"
+    if optim.schedule_start > start.step:
+        raise ConfigError(f"optim.schedule_start = {optim.schedule_start} is past step "
+                          f"{start.step}, where this run starts ({where}): a schedule starts at "
+                          f"or before it; give --optim.schedule-start {start.step}")
+    if 0 < optim.decay_steps <= optim.schedule_start:
+        raise ConfigError(f"optim.decay_steps = {optim.decay_steps} ends the schedule at or "
+                          f"before optim.schedule_start = {optim.schedule_start}, where it "
+                          f"starts; give --optim.decay-steps N with N > {optim.schedule_start}, "
+                          "or 0 (run.steps)")
 
 
 # Settings that are not the training's: the first-start rule, and threads (may differ per node).
@@ -265,29 +285,43 @@ def _floor(saved: dict, mine: OptimConfig) -> float:
 # What decides a step's lr (optim/schedule.py): a change to any of them is followed, in the line
 # that announces it, by the lr it gives.
 LR_FIELDS = {"optim.lr", "optim.min_lr", "optim.muon_lr", "optim.schedule", "optim.warmup_steps",
-             "optim.decay_steps", "optim.decay_fraction", "run.steps"}
+             "optim.decay_steps", "optim.schedule_start", "optim.decay_fraction", "run.steps"}
 
 
 def lr_note(cfg: TrainConfig, step: int, factor: float, changed: dict) -> str:
     """For the changed-settings line of a resume at `step` (`cfg` settled, `factor` the spike
-    guard's rollback factor): the lr the next step takes and, where the schedule has ended
-    (every later step at optim.min_lr, whatever optim.lr says), how to schedule anew; "" when
-    nothing that decides the lr changed."""
-    if not LR_FIELDS & set(changed) or step >= cfg.run.steps:
+    guard's rollback factor): the lr the next step takes; on a schedule that has ended (every
+    later step at optim.min_lr, whatever optim.lr says), the flag that trains the new steps on
+    a schedule of their own, and the lrs it gives; on a schedule started anew, its course. ""
+    when nothing that decides the lr changed."""
+    steps = cfg.run.steps
+    if not LR_FIELDS & set(changed) or step >= steps:
         return ""
     optim = cfg.optim
 
-    def lr(o) -> str:
-        value = lr_at(step, o, cfg.run.steps) * factor
-        muon = f", muon_lr {value / o.lr * o.muon_lr:.3g}" if o.name == "muon" else ""
-        return f"lr {value:.3g}{muon}"
+    def at(o, index: int) -> float:  # the lr of step index + 1 (lr_at counts from 0)
+        return lr_at(index, o, steps) * factor
 
-    note = f"; from step {step + 1}: {lr(optim)}"
-    if optim.schedule != "constant" and step >= optim.decay_steps:
-        anew = dataclasses.replace(optim, decay_steps=cfg.run.steps)
-        note += (f" (optim.min_lr: the schedule ended at step {optim.decay_steps}, "
-                 f"optim.decay_steps; --optim.decay-steps {cfg.run.steps} schedules anew: "
-                 f"{lr(anew)} at step {step + 1}, optim.min_lr at step {cfg.run.steps})")
+    def course(o) -> str:  # where the steps after this one go: the warmup's end, the floor
+        end, peak = o.decay_steps or steps, o.schedule_start + o.warmup_steps
+        points = [f"{at(o, peak - 1):.3g} at step {peak} after its warmup"
+                  ] if step + 1 < peak < end else []
+        if o.schedule != "constant":
+            points.append(f"{at(o, end - 1):.3g} at step {end}")
+        return ", ".join(points)
+
+    muon = f", muon_lr {at(optim, step) / optim.lr * optim.muon_lr:.3g}" \
+        if optim.name == "muon" else ""
+    note = f"; from step {step + 1}: lr {at(optim, step):.3g}{muon}"
+    end = optim.decay_steps or steps
+    if optim.schedule != "constant" and step >= end:
+        anew = dataclasses.replace(optim, schedule_start=step, decay_steps=steps)
+        return (f"{note}, optim.min_lr, to step {steps}: the schedule ended at step {end}; "
+                f"--optim.schedule-start {step} trains steps {step + 1}-{steps} on a "
+                f"{optim.schedule} of their own: lr {at(anew, step):.3g} at step {step + 1}, "
+                f"{course(anew)}")
+    if "optim.schedule_start" in changed and course(optim):
+        note += f", on a {optim.schedule} of its own: {course(optim)}"
     return note
 
 

@@ -26,7 +26,8 @@ def _ok(r):
 def test_a_run_continues_from_its_directory_alone(tiny_data, tmp_path):
     """Made with its own --data (byte ids), T=16 of a 32-token block, --reset and one thread,
     in a directory whose default data (data/stdlib) has another tokenizer: continued by
-    `train --run-dir R`, then with more steps, then by --resolved-config with more again."""
+    `train --run-dir R`, then with more steps (at the floor, the schedule ended: said so), then
+    by --resolved-config with more again, then with more on a schedule of their own."""
     prepare.run(PrepareConfig(sources=[str(STDLIB / f) for f in CORPUS[:4]],
                               out=str(tmp_path / "data" / "stdlib"), vocab_size=300,
                               val_fraction=0.2))  # the default --data: a bpe of 300 ids
@@ -41,27 +42,32 @@ def test_a_run_continues_from_its_directory_alone(tiny_data, tmp_path):
     assert f"resuming from {run / 'checkpoints' / 'step_0000004'} (step 4," in r.stderr
     # the schedule ended at step 4: the line says what the lr is, and how to get another
     assert ("ddpgpt: resuming with changed settings (applied from step 4): run.steps 4 -> 6; "
-            "from step 5: lr 0.001 (optim.min_lr: the schedule ended at step 4, "
-            "optim.decay_steps; --optim.decay-steps 6 schedules anew: lr 0.00325 at step 5, "
-            "optim.min_lr at step 6)\n" in r.stderr), r.stderr
+            "from step 5: lr 0.001, optim.min_lr, to step 6: the schedule ended at step 4; "
+            "--optim.schedule-start 4 trains steps 5-6 on a cosine of their own: lr 0.005 at "
+            "step 5, 0.01 at step 6\n" in r.stderr), r.stderr
     assert [x["lr"] for x in read_metrics(run)[0][4:]] == [1e-3, 1e-3]  # a tenth of optim.lr
     assert "--reset" not in r.stderr and not list(run.glob("reset-*"))
 
     r = _ok(run_cli("train", "--resolved-config", run / "config.json", "--run.steps", "8",
                     cwd=tmp_path, timeout=120))
-    assert "run.steps 6 -> 8; from step 7: lr 0.001 (optim.min_lr: " in r.stderr
+    assert "run.steps 6 -> 8; from step 7: lr 0.001, optim.min_lr, to step 8: " in r.stderr
     assert [x["step"] for x in read_metrics(run)[0]] == list(range(1, 9))
-    # the advice followed: a new schedule's lr, as its line says
-    r = _ok(run_cli("train", "--run-dir", run, "--run.steps", "10", "--optim.decay-steps", "10",
-                    cwd=tmp_path, timeout=120))
-    assert "optim.decay_steps 4 -> 10" in r.stderr, r.stderr
-    told = r.stderr.split("; from step 9: lr ")[1].split("\n")[0]
-    assert f"{read_metrics(run)[0][8]['lr']:.3g}" == told and float(told) > 1e-3
+    # the advice followed: steps 9-12 on a schedule of their own, as its line says
+    r = _ok(run_cli("train", "--run-dir", run, "--run.steps", "12", "--optim.schedule-start",
+                    "8", cwd=tmp_path, timeout=120))
+    assert ("changed settings (applied from step 8): optim.decay_steps 4 -> 12, "
+            "optim.schedule_start 0 -> 8, run.steps 8 -> 12; from step 9: lr 0.005, on a cosine "
+            "of its own: 0.01 at step 10 after its warmup, 0.001 at step 12\n") in r.stderr, \
+        r.stderr
+    anew = OptimConfig(lr=1e-2, warmup_steps=2, decay_steps=12, schedule_start=8)
+    assert [x["lr"] for x in read_metrics(run)[0][8:]] == [lr_at(s, anew, 12)
+                                                          for s in range(8, 12)]
     config = json.loads((run / "config.json").read_text())
-    # the run's data, T and schedule (the cosine kept at its first length); this start's threads
+    # the run's data, T and schedule (its second: steps 9-12); this start's threads
     assert (config["data"]["dir"], config["data"]["seq_len"], config["run"]["steps"],
-            config["optim"]["decay_steps"], config["run"]["threads"]) == (
-        str(tiny_data), 16, 10, 10, len(os.sched_getaffinity(0)))
+            config["optim"]["decay_steps"], config["optim"]["schedule_start"],
+            config["run"]["threads"]) == (str(tiny_data), 16, 12, 12, 8,
+                                          len(os.sched_getaffinity(0)))
     saved = json.loads((run / "configs.jsonl").read_text().splitlines()[-2])["config"]
     assert (saved["run"]["steps"], saved["optim"]["decay_steps"]) == (8, 4)  # kept until then
 

@@ -176,6 +176,7 @@ def test_unknown_flag_is_a_one_line_user_error():
      "optim.min_lr = 0.002 is above optim.lr = 0.001; give --optim.min-lr 0.0001 (a tenth of "
      "optim.lr, what it is unset) or another value in [0, 0.001]"),
     (lambda: OptimConfig(min_lr=-1e-5), "optim.min_lr = -1e-05 must be >= 0"),
+    (lambda: OptimConfig(schedule_start=-1), "optim.schedule_start = -1 must be >= 0"),
     (lambda: OptimConfig(lr=0.0), "optim.lr = 0.0 must be > 0"),
     (lambda: OptimConfig(beta2=1.0), "optim.beta2 = 1.0 must be in [0, 1)"),
     (lambda: DataConfig(micro_batch=0), "data.micro_batch = 0 must be >= 1"),

@@ -10,8 +10,9 @@ import pytest
 
 from ddpgpt.config.optim import OptimConfig
 from ddpgpt.config.schema import DataConfig, RunConfig, TrainConfig
+from ddpgpt.optim.schedule import lr_at
 from ddpgpt.run import resume
-from ddpgpt.run.resume import changes
+from ddpgpt.run.resume import changes, lr_note
 from ddpgpt.run.run_dir import RunDir
 
 
@@ -22,23 +23,25 @@ def _settled(steps: int, decay: int, **optim) -> TrainConfig:
 
 def test_the_changed_settings_line_says_the_lr_they_give():
     """A schedule that has ended keeps every later step at optim.min_lr whatever optim.lr says:
-    the line says so and how to schedule anew, with the lr that would give; a schedule still
-    running: the next step's lr; nothing that decides the lr changed: nothing."""
-    from ddpgpt.optim.schedule import lr_at
-    from ddpgpt.run.resume import lr_note
-
+    the line says so, and how to train the new steps on a schedule of their own, with the lr
+    that gives; a schedule started at this step: its course; a schedule still running: the next
+    step's lr; nothing that decides the lr changed: nothing."""
     ended = _settled(60, 40)
-    anew = lr_at(40, dataclasses.replace(ended.optim, decay_steps=60), 60)
-    assert 1e-4 < anew < 0.3
     for changed in ({"optim.lr": [0.3, 30]}, {"run.steps": [40, 60]}):
         assert lr_note(ended, 40, 1.0, changed) == (
-            f"; from step 41: lr 0.0001 (optim.min_lr: the schedule ended at step 40, "
-            f"optim.decay_steps; --optim.decay-steps 60 schedules anew: lr {anew:.3g} at step "
-            "41, optim.min_lr at step 60)")
+            "; from step 41: lr 0.0001, optim.min_lr, to step 60: the schedule ended at step 40; "
+            "--optim.schedule-start 40 trains steps 41-60 on a cosine of their own: lr 0.15 at "
+            "step 41, 0.3 at step 42 after its warmup, 0.0001 at step 60")
+    # the advice followed: the line of that start says what it said
+    anew = _settled(60, 60, schedule_start=40)
+    assert lr_note(anew, 40, 1.0, {"optim.schedule_start": [0, 40]}) == (
+        "; from step 41: lr 0.15, on a cosine of its own: 0.3 at step 42 after its warmup, "
+        "0.0001 at step 60")
+    assert [lr_at(s, anew.optim, 60) for s in (40, 41, 59)] == [0.15, 0.3, 1e-4]
     # after a rollback (lr × 0.5), with Muon's lr beside
     muon = _settled(60, 40, name="muon", muon_lr=0.02)
     assert lr_note(muon, 40, 0.5, {"run.steps": [40, 60]}).startswith(
-        "; from step 41: lr 5e-05, muon_lr 3.33e-06 (optim.min_lr: ")
+        "; from step 41: lr 5e-05, muon_lr 3.33e-06, optim.min_lr, to step 60: ")
     running = _settled(60, 60)
     assert lr_note(running, 10, 1.0, {"optim.lr": [0.1, 0.3]}) == (
         f"; from step 11: lr {lr_at(10, running.optim, 60):.3g}")

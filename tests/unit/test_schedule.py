@@ -1,6 +1,7 @@
 """The learning-rate schedules (cosine, wsd, constant) against their closed forms, on a grid of
 warmups, lengths and steps; a wsd run extended on resume; the rollback factor; the floor
-(optim.min_lr: a tenth of lr unset); a warmup longer than its schedule."""
+(optim.min_lr: a tenth of lr unset); a schedule started later in a run (optim.schedule_start);
+a warmup longer than its schedule."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from ddpgpt.config.optim import OptimConfig
 from ddpgpt.config.schema import RunConfig, TrainConfig
+from ddpgpt.errors import UserError
 from ddpgpt.optim.schedule import Rates, Schedule, lr_at, momentum_at
 from ddpgpt.run.resume import Start, settle
 
@@ -183,12 +185,72 @@ def test_min_lr_unset_is_a_tenth_of_lr_and_follows_it():
     assert lr_at(49, OptimConfig(lr=1e-3, min_lr=3e-4, warmup_steps=0), 50) == 3e-4
 
 
+# ---- a schedule of its own later in a run ----------------------------------------------------
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_schedule_started_later_is_the_first_one_moved_there(schedule):
+    """optim.schedule_start S with the schedule ending at E: step S + s has the lr that step s
+    has on a schedule of E - S steps started at 0 (its warmup, its decay, min_lr after E); the
+    steps before S (only a rollback past S trains them again) are at min_lr."""
+    for start, end, warmup in ((200, 400, 20), (7, 12, 2), (5, 6, 0), (30, 40, 15)):
+        later = OptimConfig(lr=2e-3, warmup_steps=warmup, decay_steps=end, schedule=schedule,
+                            schedule_start=start)
+        first = dataclasses.replace(later, decay_steps=end - start, schedule_start=0)
+        assert [lr_at(start + s, later, end) for s in range(end - start + 5)] == \
+            [lr_at(s, first, end - start) for s in range(end - start + 5)]
+        assert [lr_at(s, later, end) for s in range(start)] == [later.floor] * start
+
+
+def test_a_new_schedule_start_takes_the_new_run_steps_as_its_end():
+    """A cosine of 200 steps resumed at its end with run.steps 400: kept (steps 201-400 at
+    min_lr) unless optim.schedule_start is new; then it ends at the new run.steps, warms up again
+    and decays. Stretching a wsd run in its flat phase works on the new schedule as on the
+    first."""
+    assert _resumed(CFG, saved_steps=200, at=200, steps=400).decay_steps == 200
+    meta = {"step": 200, "config": settle(TrainConfig(optim=CFG, run=RunConfig(steps=200)),
+                                          Start()).to_dict()}
+    later = TrainConfig(optim=dataclasses.replace(CFG, schedule_start=200),
+                        run=RunConfig(steps=400))
+    anew = settle(later, Start(Path("ckpt"), meta)).optim
+    assert (anew.decay_steps, anew.schedule_start) == (400, 200)
+    lrs = [lr_at(s, anew, 400) for s in range(200, 400)]
+    assert lrs[:10] == pytest.approx([1e-3 * (s + 1) / 10 for s in range(10)], rel=1e-12)
+    assert lrs[10] == 1e-3 and lrs[-1] == 1e-4
+    flat = dataclasses.replace(WSD, schedule_start=100, decay_steps=300)
+    meta = {"step": 150, "config": TrainConfig(optim=flat, run=RunConfig(steps=300)).to_dict()}
+    stretched = settle(TrainConfig(optim=dataclasses.replace(flat, decay_steps=0),
+                                   run=RunConfig(steps=500)), Start(Path("ckpt"), meta)).optim
+    assert stretched.decay_steps == 500 and lr_at(400, stretched, 500) == 1e-3
+
+
+def test_a_schedule_start_past_where_the_run_starts_is_refused():
+    """Past the step the run resumes at (or 0, from scratch), or with the schedule's end at or
+    before it: one line with the fix. A restart (elastic) goes on as planned."""
+    meta = {"step": 150, "config": TrainConfig(optim=CFG, run=RunConfig(steps=200)).to_dict()}
+    later = TrainConfig(optim=dataclasses.replace(CFG, schedule_start=200),
+                        run=RunConfig(steps=400))
+    with pytest.raises(UserError) as e:
+        settle(later, Start(Path("runs/r/checkpoints/step_0000150"), meta))
+    assert str(e.value) == (
+        "optim.schedule_start = 200 is past step 150, where this run starts (checkpoint "
+        "step_0000150): a schedule starts at or before it; give --optim.schedule-start 150")
+    with pytest.raises(UserError, match=r"past step 0, where this run starts \(from scratch\)"):
+        settle(later, Start())
+    assert settle(later, Start(Path("c"), meta), first_start=False).optim.decay_steps == 400
+    ended = dataclasses.replace(later, optim=dataclasses.replace(later.optim, decay_steps=150))
+    with pytest.raises(UserError) as e:
+        settle(ended, Start(Path("c"), {**meta, "step": 200}))
+    assert str(e.value) == (
+        "optim.decay_steps = 150 ends the schedule at or before optim.schedule_start = 200, "
+        "where it starts; give --optim.decay-steps N with N > 200, or 0 (run.steps)")
+
+
 # ---- a warmup longer than its schedule ---------------------------------------------------------
 
 def test_a_warmup_as_long_as_its_schedule_is_said_in_one_line():
     """tiny's 20 warmup steps on a run of 10: the lr only rises, to half the peak, and never
-    decays; one line says so, with a warmup that fits. A warmup shorter than the schedule is
-    nothing to say."""
+    decays; one line says so, with a warmup that fits. A warmup shorter than the schedule (a new
+    schedule's included) is nothing to say."""
     from ddpgpt.optim.schedule import warmup_notes
 
     tiny = OptimConfig(lr=2e-3, warmup_steps=20, decay_steps=10)
@@ -201,3 +263,7 @@ def test_a_warmup_as_long_as_its_schedule_is_said_in_one_line():
         "only rises, to 0.001 at step 10 of a peak of 0.002 (optim.lr); give "
         "--optim.warmup-steps 1 or so (a tenth of the schedule) for steps at the peak"]
     assert warmup_notes(dataclasses.replace(tiny, decay_steps=21), 21) == []
+    anew = dataclasses.replace(tiny, decay_steps=210, schedule_start=200)
+    assert warmup_notes(anew, 210)[0].startswith(
+        "optim.warmup_steps = 20 is not shorter than the schedule (10 steps, to step 210)")
+    assert warmup_notes(dataclasses.replace(anew, decay_steps=400), 400) == []
