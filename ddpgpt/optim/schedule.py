@@ -17,7 +17,7 @@ its length is the difference). Every shape warms up linearly over its first `war
 Cosine and wsd end at their end: every later step (a run extended past its schedule) is at the
 floor, whatever the warmup, and a warmup as long as the schedule or longer is cut off by its end
 (lr_at says it for every case; tests/unit/test_schedule.py checks the shape on a grid;
-warmup_warning says it in a line). A run trained further than its schedule starts another at the
+warmup_notes says it in a line). A run trained further than its schedule starts another at the
 step it resumes at (optim.schedule_start): the first one's shape, moved there; the steps before
 a schedule's start (trained again only after a rollback past it) are at the floor.
 
