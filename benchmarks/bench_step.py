@@ -48,8 +48,8 @@ from pathlib import Path
 import torch
 
 from ddpgpt.config.model import ModelConfig
+from ddpgpt.config.optim import OptimConfig
 from ddpgpt.config.presets import get_preset
-from ddpgpt.config.schema import OptimConfig
 from ddpgpt.model.gpt import GPT
 from ddpgpt.optim import optimizer as optim
 from ddpgpt.run import precision

@@ -266,7 +266,8 @@ def reference_training(data_dir: Path, steps: int, G: int = 8, T: int = 32,
     import torch
 
     from ddpgpt.config.model import ModelConfig
-    from ddpgpt.config.schema import OptimConfig, padded_vocab
+    from ddpgpt.config.optim import OptimConfig
+    from ddpgpt.config.schema import padded_vocab
     from ddpgpt.data.shards import TokenDataset
     from ddpgpt.model.gpt import GPT
     from ddpgpt.optim.schedule import lr_at

@@ -55,7 +55,8 @@ from ddpgpt.guard.health import (
     resume_hint,
 )
 from ddpgpt.guard.spike import Verdict
-from ddpgpt.run import elastic, resume, trackers
+from ddpgpt.optim.schedule import warmup_notes
+from ddpgpt.run import changes, elastic, resume, trackers
 from ddpgpt.run.metrics import Metrics, peak_flops, summary
 from ddpgpt.run.precision import configure
 from ddpgpt.run.preflight import preflight, shared
@@ -80,8 +81,7 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
         trainer.doing = f"step {trainer.step + 1}"
         rates = trainer.schedule.at(trainer.step)
         loss, norm = trainer.train_step()
-        health = guard.exchange(loss, norm, scaled=trainer.scaler is not None,
-                                saving=saver.busy)
+        health = guard.exchange(loss, norm, scaled=trainer.scaler is not None, saving=saver.busy)
         if health.saved or health.bad:  # every rank's save is done, or a stop must name one
             settle(trainer, saver, run_dir)
         verdict = guard.judge(trainer.step + 1, health, trainer.batch, trainer.probe)
@@ -343,7 +343,7 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         print(summary(trainer), file=sys.stderr)
         if trainer.dataset.split_bytes is None:
             warn(trainer.dataset.bytes_advice())
-        for note in one_document_notes(trainer.loader):  # data.align bos on one document
+        for note in one_document_notes(trainer.loader) + warmup_notes(cfg.optim, cfg.run.steps):
             warn(note)
         if trainer.first_step_waits():
             print(trainer.first_step_waits(), file=sys.stderr)
@@ -374,15 +374,15 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         metrics.write(f"ddpgpt: the mixture changed on resume (applied from step {trainer.step}): "
                       + ", ".join(f"{n} {mix['old'][n]:g} -> {mix['new'][n]:g}"
                                   for n in mix["new"]))
-    changed = resume.changes(start.meta["config"], cfg) if start.meta else {}
+    changed = changes.changes(start.meta["config"], cfg) if start.meta else {}
     if changed:  # applied, not ignored: say so where the curves are read, and once here
         metrics.log_event(trainer.step, "config_change", checkpoint=str(start.path),
                           changes=changed)
         metrics.write("ddpgpt: resuming with changed settings (applied from step "
                       f"{trainer.step}): " + ", ".join(f"{k} {a} -> {b}" for k, (a, b)
                                                        in changed.items())
-                      + resume.lr_note(cfg, trainer.step, trainer.guard.spikes.lr_factor, changed)
-                      + resume.data_note(cfg, trainer.other_data))
+                      + changes.lr_note(cfg, trainer.step, trainer.guard.spikes.lr_factor, changed)
+                      + changes.data_note(cfg, trainer.other_data))
     return metrics
 
 

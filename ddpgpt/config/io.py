@@ -195,7 +195,7 @@ def from_dict(values: dict, source: str = "config.json") -> TrainConfig:
     return overlay(TrainConfig(), values, source)
 
 
-# What belongs to one start of a run rather than to its training (resume.NOT_TRAINING): the
+# What belongs to one start of a run rather than to its training (changes.NOT_TRAINING): the
 # first-start rule (a --reset applies once), the CPU threads and the data's local cache (each
 # node's own), and leave to resume on another dataset (a switch is allowed by the start that
 # asks for it, not by every start after it).
@@ -208,9 +208,10 @@ FROM_DEVICE = {"run": ("precision", "backend"), "optim": ("muon_ns_dtype",),
 def continued(saved: dict, flags: dict, source: str) -> TrainConfig:
     """A run's resolved config (its config.json) as the base of its next start: its training's
     settings, with this start's own (START_FIELDS) back at their defaults, the device's `auto`s
-    back to auto when `flags` ({section: {field: text}}) name the device, and the schedule's
-    length back to 0 where it is the run.steps it was resolved from (resume.settle keeps it, or
-    stretches a wsd run in its flat phase, as for a command given whole)."""
+    back to auto when `flags` ({section: {field: text}}) name the device, and the schedule's end
+    back to 0 where it is the run.steps it was resolved from (resume.settle keeps it, or
+    stretches a wsd run in its flat phase, as for a command given whole) or where `flags` start
+    a schedule (optim.schedule_start: its end is its own, run.steps unless they give one)."""
     cfg = from_dict(saved, source)
     fresh = TrainConfig()
     back: dict = {}
@@ -221,7 +222,7 @@ def continued(saved: dict, flags: dict, source: str) -> TrainConfig:
     for section, names in fields.items():
         back.setdefault(section, {}).update(
             {name: getattr(getattr(fresh, section), name) for name in names})
-    if cfg.optim.decay_steps == cfg.run.steps:
+    if cfg.optim.decay_steps == cfg.run.steps or "schedule_start" in flags.get("optim", {}):
         back.setdefault("optim", {})["decay_steps"] = 0
     return overlay(cfg, back, source)
 

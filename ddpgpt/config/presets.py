@@ -9,14 +9,16 @@ override any field of it.
     gpt2-124m  12 layers, 768 wide, T=1024, GPT-2's vocabulary and architecture: GPU runs
     gpt2-350m  24 layers, 1024 wide, T=1024, GPT-2's architecture: GPU runs
 
-Every preset but the gpt2 ones trains model.arch modern (the default).
+Every preset but the gpt2 ones trains model.arch modern (the default). None sets optim.min_lr:
+the decay ends at a tenth of optim.lr, whatever lr a flag gives.
 """
 
 from __future__ import annotations
 
 from ddpgpt.config.checks import ConfigError
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.config.schema import DataConfig, OptimConfig, RunConfig, TrainConfig
+from ddpgpt.config.optim import OptimConfig
+from ddpgpt.config.schema import DataConfig, RunConfig, TrainConfig
 from ddpgpt.errors import did_you_mean
 
 
@@ -24,7 +26,7 @@ def tiny() -> TrainConfig:
     return TrainConfig(
         model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=256),
         data=DataConfig(micro_batch=8, global_batch=16, eval_windows=128),
-        optim=OptimConfig(lr=2e-3, min_lr=2e-4, warmup_steps=20),
+        optim=OptimConfig(lr=2e-3, warmup_steps=20),
         run=RunConfig(steps=200, eval_every=100, checkpoint_every=100),
     )
 
@@ -50,7 +52,7 @@ def speedrun() -> TrainConfig:
         model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=256, arch="modern",
                           kernels="compiled"),
         data=DataConfig(micro_batch=8, global_batch=16, eval_windows=0),
-        optim=OptimConfig(name="muon", lr=4e-3, min_lr=4e-4, embed_lr=0.1, warmup_steps=20,
+        optim=OptimConfig(name="muon", lr=4e-3, embed_lr=0.1, warmup_steps=20,
                           muon_eq=True, muon_ns_dtype="fp32"),
         run=RunConfig(steps=200, eval_every=25, checkpoint_every=0, precision="fp32"),
     )
@@ -60,7 +62,7 @@ def small() -> TrainConfig:
     return TrainConfig(
         model=ModelConfig(n_layer=6, n_head=6, n_embd=384, block_size=512),
         data=DataConfig(micro_batch=16, global_batch=64, eval_windows=256),
-        optim=OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=100),
+        optim=OptimConfig(lr=1e-3, warmup_steps=100),
         run=RunConfig(steps=2000, eval_every=250, checkpoint_every=500),
     )
 
@@ -71,7 +73,7 @@ def gpt2_124m() -> TrainConfig:
         model=ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304,
                           arch="gpt2"),
         data=DataConfig(micro_batch=16, global_batch=512, eval_windows=512),
-        optim=OptimConfig(lr=6e-4, min_lr=6e-5, warmup_steps=700),
+        optim=OptimConfig(lr=6e-4, warmup_steps=700),
         run=RunConfig(steps=19000, log_every=10, eval_every=250, checkpoint_every=1000),
     )
 
@@ -81,7 +83,7 @@ def gpt2_350m() -> TrainConfig:
         model=ModelConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304,
                           arch="gpt2"),
         data=DataConfig(micro_batch=8, global_batch=512, eval_windows=512),
-        optim=OptimConfig(lr=3e-4, min_lr=3e-5, warmup_steps=700),
+        optim=OptimConfig(lr=3e-4, warmup_steps=700),
         run=RunConfig(steps=19000, log_every=10, eval_every=250, checkpoint_every=1000),
     )
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddpgpt.config.schema import OptimConfig
+from ddpgpt.config.optim import OptimConfig
 from ddpgpt.errors import UserError
 from ddpgpt.optim.muon import Muon
 

@@ -81,10 +81,8 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int, note: str = "") -> in
             print(note, file=sys.stderr)
         run_dir.write_config(cfg.to_dict(), first.step, nproc)
         started = time.time()
-        # What belongs to this start and not to the run (config.io.START_FIELDS) goes as flags.
-        own = start_flags(cfg)
-        code, stopped_by = start(nproc, ["train", "--resolved-config", str(run_dir.config), *own],
-                                 max_restarts)
+        code, stopped_by = start(nproc, ["train", "--resolved-config", str(run_dir.config),
+                                         *worker_flags(cfg)], max_restarts)
         if stopped_by is None:
             return code
         hint = resume_hint(cfg.run.resume, str(run_dir))
@@ -95,6 +93,15 @@ def train(cfg: TrainConfig, nproc: int, max_restarts: int, note: str = "") -> in
         print(f"ddpgpt: stopped by {stopped_by.name} before the workers could write a checkpoint; "
               f"{newest}: {hint}", file=sys.stderr)
         return 128 + stopped_by.value
+
+
+def worker_flags(cfg: TrainConfig) -> list[str]:
+    """What the workers take as flags beside config.json: what belongs to this start and not to
+    the run (config.io.START_FIELDS, set back to their defaults in the file), and the schedule's
+    end as resume.settle decided it here. A flag is a setting given: without it, a decay_steps
+    equal to run.steps would be taken for the `auto` it may have come from (config.io.continued)
+    and settled again by each worker, to the checkpoint's end, whatever this command gave."""
+    return [*start_flags(cfg), "--optim.decay-steps", str(cfg.optim.decay_steps)]
 
 
 def start_flags(cfg: TrainConfig) -> list[str]:

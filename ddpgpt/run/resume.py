@@ -6,7 +6,9 @@ elastic restarts, `--max-restarts`) continues from the run dir's newest complete
     auto    the newest complete checkpoint in the run dir, if there is one; on a first start,
             none where metrics.jsonl shows training is refused: a run dir that has trained
             starts over only with --reset (its checkpoints deleted, lost, or looked for at
-            another URL: the line says where they were)
+            another URL: the line says where they were), or when it stopped before its first
+            checkpoint was due (then its metrics are set aside, as --reset sets them, and a
+            line says why)
     reset   first start: set the run dir's checkpoints and metrics aside (reset-<time>/), start over
     never   first start: refuse a run dir that has checkpoints (or, as auto, has trained)
     PATH    first start: that checkpoint. If PATH is in the run dir, the checkpoints after it are
@@ -34,12 +36,14 @@ from pathlib import Path
 from ddpgpt.checkpoint import location, store
 from ddpgpt.checkpoint.read import trained_tokenizer
 from ddpgpt.checkpoint.store import CheckpointError
-from ddpgpt.config.io import START_FIELDS, from_dict
+from ddpgpt.config.checks import ConfigError
+from ddpgpt.config.io import from_dict
+from ddpgpt.config.optim import OptimConfig
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
 from ddpgpt.guard.health import Unhealthy
-from ddpgpt.optim.schedule import extends_flat, lr_at
+from ddpgpt.optim.schedule import extends_flat
 from ddpgpt.run.metrics import trained_to
 from ddpgpt.run.run_dir import RunDir
 
@@ -74,7 +78,7 @@ def plan(cfg: TrainConfig, run_dir: RunDir, dataset: TokenDataset, first_start: 
     once it holds the run dir, `--print-config`)."""
     start = choose(cfg, run_dir, first_start, dataset.fingerprint, verify=verify,
                    tokenizer=dataset.tokenizer_fingerprint, quiet=quiet)
-    return settle(cfg, start), start
+    return settle(cfg, start, first_start), start
 
 
 def choose(cfg: TrainConfig, run_dir: RunDir, first_start: bool, fingerprint: str,
@@ -281,80 +285,40 @@ def _short(fingerprint: str) -> str:
     return f"{kind} {digest[:12]}" if digest else kind
 
 
-def settle(cfg: TrainConfig, start: Start) -> TrainConfig:
-    """The config this start trains with: optim.decay_steps = 0 becomes the schedule's length,
-    run.steps on a first start, and the checkpoint's on resume (older checkpoints: the run.steps
-    they were saved with), so that raising run.steps does not re-shape the cosine mid-run; a wsd
-    run resumed in its flat phase takes the new run.steps (schedule.extends_flat)."""
-    if cfg.optim.decay_steps:
+def settle(cfg: TrainConfig, start: Start, first_start: bool = True) -> TrainConfig:
+    """The config this start trains with: optim.decay_steps = 0 becomes the schedule's end,
+    run.steps where the schedule starts (a first start, or a new optim.schedule_start), and the
+    checkpoint's on resume (older checkpoints: the run.steps they were saved with), so that
+    raising run.steps does not re-shape the cosine mid-run; a wsd run resumed in its flat phase
+    takes the new run.steps (schedule.extends_flat). A job's first start refuses a schedule that
+    starts past its own start, or ends where it starts (a restart goes on as its job began)."""
+    optim, steps = cfg.optim, cfg.run.steps
+    if first_start and start.step < steps:
+        _check_schedule(optim, start)
+    if optim.decay_steps:
         return cfg
-    steps = cfg.run.steps
     if start.meta is not None:
         saved = start.meta["config"]
         kept = saved["optim"].get("decay_steps") or saved["run"]["steps"]
+        anew = optim.schedule_start != saved["optim"].get("schedule_start", 0) \
+            and start.step < steps
         # wsd resumed while flat goes on flat and decays at the new end (schedule.py).
-        if not extends_flat(cfg.optim, kept, steps, start.step):
+        if not anew and not extends_flat(optim, kept, steps, start.step):
             steps = kept
-    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=steps))
+    return dataclasses.replace(cfg, optim=dataclasses.replace(optim, decay_steps=steps))
 
 
-# Settings that are not the training's: the first-start rule, and threads (may differ per node).
-NOT_TRAINING = {f"{section}.{name}" for section, names in START_FIELDS.items() for name in names} \
-    | {"run.dir"}  # a run gone on in another directory (its checkpoints at a URL) trains the same
-
-
-def changes(saved: dict, cfg: TrainConfig) -> dict[str, list]:
-    """{"optim.muon_lr": [old, new], ...}: every setting of `cfg` that differs from the config a
-    checkpoint was saved with (`saved`, its meta.json's). Fields the checkpoint's version did not
-    have yet are not changes."""
-    out = {}
-    for section, fields in cfg.to_dict().items():
-        for name, value in fields.items():
-            key = f"{section}.{name}"
-            old = saved.get(section, {}).get(name, value)
-            if key not in NOT_TRAINING and old != value:
-                out[key] = [old, value]
-    return out
-
-
-# What decides a step's lr (optim/schedule.py): a change to any of them is followed, in the line
-# that announces it, by the lr it gives.
-LR_FIELDS = {"optim.lr", "optim.min_lr", "optim.muon_lr", "optim.schedule", "optim.warmup_steps",
-             "optim.decay_steps", "optim.decay_fraction", "run.steps"}
-
-
-def lr_note(cfg: TrainConfig, step: int, factor: float, changed: dict) -> str:
-    """For the changed-settings line of a resume at `step` (`cfg` settled, `factor` the spike
-    guard's rollback factor): the lr the next step takes and, where the schedule has ended
-    (every later step at optim.min_lr, whatever optim.lr says), how to schedule anew; "" when
-    nothing that decides the lr changed."""
-    if not LR_FIELDS & set(changed) or step >= cfg.run.steps:
-        return ""
-    optim = cfg.optim
-
-    def lr(o) -> str:
-        value = lr_at(step, o, cfg.run.steps) * factor
-        muon = f", muon_lr {value / o.lr * o.muon_lr:.3g}" if o.name == "muon" else ""
-        return f"lr {value:.3g}{muon}"
-
-    note = f"; from step {step + 1}: {lr(optim)}"
-    if optim.schedule != "constant" and step >= optim.decay_steps:
-        anew = dataclasses.replace(optim, decay_steps=cfg.run.steps)
-        note += (f" (optim.min_lr: the schedule ended at step {optim.decay_steps}, "
-                 f"optim.decay_steps; --optim.decay-steps {cfg.run.steps} schedules anew: "
-                 f"{lr(anew)} at step {step + 1}, optim.min_lr at step {cfg.run.steps})")
-    return note
-
-
-def data_note(cfg: TrainConfig, other_data: bool) -> str:
-    """For the changed-settings line of a resume on other data than the checkpoint's (another
-    dataset, with data.allow_switch, or other mixture weights): the loss spike guard starts anew
-    there (Trainer.restore: SpikePolicy.anew), its window and the end's verdict from the new
-    data's losses alone; "" on the same data."""
-    if not other_data:
-        return ""
-    return ("; on the new data, loss spikes and the run's health are judged against its own "
-            f"losses alone (none is looked for before {cfg.run.spike_window} steps of them)")
+def _check_schedule(optim: OptimConfig, start: Start) -> None:
+    where = f"checkpoint {start.path.name}" if start.path is not None else "from scratch"
+    if optim.schedule_start > start.step:
+        raise ConfigError(f"optim.schedule_start = {optim.schedule_start} is past step "
+                          f"{start.step}, where this run starts ({where}): a schedule starts at "
+                          f"or before it; give --optim.schedule-start {start.step}")
+    if 0 < optim.decay_steps <= optim.schedule_start:
+        raise ConfigError(f"optim.decay_steps = {optim.decay_steps} ends the schedule at or "
+                          f"before optim.schedule_start = {optim.schedule_start}, where it "
+                          f"starts; give --optim.decay-steps N with N > {optim.schedule_start}, "
+                          "or 0 (run.steps)")
 
 
 def finished(cfg: TrainConfig, start: Start) -> bool:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddpgpt.config.schema import OptimConfig
+from ddpgpt.config.optim import OptimConfig
 from ddpgpt.guard.health import EXIT_PREEMPTED, EXIT_UNHEALTHY
 from ddpgpt.optim.schedule import lr_at
 from tests.helpers import (

@@ -161,8 +161,8 @@ CASES = [
                   "the micro-batch or the --nnodes range"),
     row("toml-unknown-key", toml_unknown_key, lambda c: train(c, "--config", c.tmp / "run.toml"),
         lambda c: f"{E}{c.tmp / 'run.toml'}: unknown key optim.learning_rate; "
-                  "known: name, lr, min_lr, embed_lr, warmup_steps, decay_steps, schedule, "
-                  "decay_fraction, weight_decay, beta1, beta2, eps, "
+                  "known: name, lr, min_lr, embed_lr, warmup_steps, decay_steps, schedule_start, "
+                  "schedule, decay_fraction, weight_decay, beta1, beta2, eps, "
                   "grad_clip, muon_lr, muon_momentum, muon_momentum_start, muon_momentum_warmup, "
                   "muon_ns_steps, muon_ns, muon_eq, muon_snap, muon_ns_dtype"),
     row("cli-wrong-type", copied, lambda c: train(c, run__steps="ten"),

@@ -60,8 +60,10 @@ def test_prepare_train_resume_eval_sample(tmp_path):
     assert events == [{"step": 4, "event": "config_change",
                        "checkpoint": str(run / "checkpoints" / "step_0000004"),
                        "changes": {"optim.weight_decay": [0.1, 0.5], "run.steps": [4, 6]}}]
-    # Raising run.steps goes on at min_lr instead of re-shaping the cosine up again.
-    assert [x["lr"] for x in rows[4:]] == [first_config["optim"]["min_lr"]] * 2
+    # Raising run.steps goes on at min_lr (unset: a tenth of optim.lr) instead of re-shaping
+    # the cosine up again.
+    assert first_config["optim"]["min_lr"] is None
+    assert [x["lr"] for x in rows[4:]] == [first_config["optim"]["lr"] / 10] * 2
     starts = [json.loads(line) for line in (run / "configs.jsonl").read_text().splitlines()]
     assert [(s["step"], s["config"]["optim"]["weight_decay"]) for s in starts] == [(0, 0.1),
                                                                                   (4, 0.5)]

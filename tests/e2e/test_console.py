@@ -100,7 +100,7 @@ def test_status_lines_are_written_above_the_bar(console):
                  "step 4: sample: "):
         before = shown.split(line)[0]
         assert before.endswith("\r"), repr(before[-160:])
-    assert re.search(r"train: 100%\|.*loss=\d\.\d{4}, lr=0\.000\d+, tok_s=", shown), shown
+    assert re.search(r"train: 100%\|.*loss=\d\.\d{4}, lr=0\.00\d+, tok_s=", shown), shown
 
 
 def test_the_final_evaluation_has_its_own_bars_after_the_training_bar(console):

@@ -4,9 +4,10 @@ read (text under notes/ and books/, FineWeb-Edu-shaped parquet files, llm.c shar
 command that stops working fails this test.
 
 Two changes make them small, and only these: every `train` runs 1/200 of the steps it names (a
-new run of the tiny preset's 200 steps: 1; a run continued to `--run.steps N`: to N/200), on
-the CPU. The commands that cannot run here are in SKIPPED, each with its reason, matched
-by the command: a command that is neither run nor listed fails the test until it is classified."""
+new run of the tiny preset's 200 steps: 1; a run continued to `--run.steps N`: to N/200, a new
+schedule from `--optim.schedule-start S` at S/200), on the CPU. The commands that cannot run
+here are in SKIPPED, each with its reason, matched by the command: a command that is neither run
+nor listed fails the test until it is classified."""
 
 from __future__ import annotations
 
@@ -63,10 +64,11 @@ def small(words: list[str]) -> list[str]:
     """A `train` command made small as the module says; any other command as it is."""
     if words[:2] != ["ddpgpt", "train"]:
         return words
-    if "--run.steps" in words:
-        i = words.index("--run.steps") + 1
-        words = [*words[:i], str(int(words[i]) // 200), *words[i + 1:]]
-    else:
+    for flag in ("--run.steps", "--optim.schedule-start"):  # a step: 1/200 of it too
+        if flag in words:
+            i = words.index(flag) + 1
+            words = [*words[:i], str(int(words[i]) // 200), *words[i + 1:]]
+    if "--run.steps" not in words:
         assert "--preset" in words, f"{shlex.join(words)}: neither a preset nor --run.steps"
         words = [*words, "--run.steps", "1"]
     return [*words, "--device", "cpu"]

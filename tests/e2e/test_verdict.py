@@ -4,9 +4,9 @@ whose spike truly heals (the loss back near the level before it) ends healthy, e
 mixture changed on purpose is judged on its own losses.
 
 The runs share one start: 20 steps of the tiny model on byte data at lr 3e-2 (its loss ~3.2
-against ln 257 = 5.55), on a cosine of 60 steps, checkpoints every 5, spikes looked for against
-the median of the last 5 healthy steps, 5 steps of patience. Each resumes a copy of it to step
-40 at another lr; the mixture's run is its own."""
+against ln 257 = 5.55), on a cosine of 60 steps down to 1e-4, checkpoints every 5, spikes looked
+for against the median of the last 5 healthy steps, 5 steps of patience. Each resumes a copy of
+it to step 40 at another lr; the mixture's run is its own."""
 
 import json
 import shutil
@@ -18,8 +18,9 @@ from ddpgpt.guard.health import EXIT_UNHEALTHY
 from tests.helpers import run_cli, tiny_train_args, write_dataset
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-SETTINGS = {"optim__warmup_steps": 3, "optim__decay_steps": 60, "run__checkpoint_every": 5,
-            "run__eval_every": 10, "run__spike_window": 5, "run__spike_patience": 5}
+SETTINGS = {"optim__warmup_steps": 3, "optim__decay_steps": 60, "optim__min_lr": 1e-4,
+            "run__checkpoint_every": 5, "run__eval_every": 10, "run__spike_window": 5,
+            "run__spike_patience": 5}
 
 
 def train(data, run, steps: int, lr: float):

@@ -12,9 +12,10 @@ import pytest
 from ddpgpt import cli
 from ddpgpt.config import presets
 from ddpgpt.config.io import build as resolve
-from ddpgpt.config.io import from_dict, nest
+from ddpgpt.config.io import from_dict, nest, to_toml
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.config.schema import DataConfig, OptimConfig, RunConfig, TrainConfig
+from ddpgpt.config.optim import OptimConfig
+from ddpgpt.config.schema import DataConfig, RunConfig, TrainConfig
 from ddpgpt.errors import UserError
 from tests.helpers import run_cli
 from tests.unit.configs import _error, _parse_train, _toml
@@ -172,7 +173,10 @@ def test_unknown_flag_is_a_one_line_user_error():
      "model.vocab_size = -1 must be >= 0 (0: from the dataset)"),
     (lambda: ModelConfig(dropout=1.0), "model.dropout = 1.0 must be in [0, 1)"),
     (lambda: OptimConfig(lr=1e-3, min_lr=2e-3),
-     "optim.min_lr = 0.002 must be in [0, optim.lr = 0.001]"),
+     "optim.min_lr = 0.002 is above optim.lr = 0.001; give --optim.min-lr 0.0001 (a tenth of "
+     "optim.lr, what it is unset) or another value in [0, 0.001]"),
+    (lambda: OptimConfig(min_lr=-1e-5), "optim.min_lr = -1e-05 must be >= 0"),
+    (lambda: OptimConfig(schedule_start=-1), "optim.schedule_start = -1 must be >= 0"),
     (lambda: OptimConfig(lr=0.0), "optim.lr = 0.0 must be > 0"),
     (lambda: OptimConfig(beta2=1.0), "optim.beta2 = 1.0 must be in [0, 1)"),
     (lambda: DataConfig(micro_batch=0), "data.micro_batch = 0 must be >= 1"),
@@ -194,8 +198,26 @@ def test_out_of_range_through_the_layers(tmp_path):
     path = _toml(tmp_path, "[model]\nn_embd = 64\n")
     assert _error(resolve, None, path, {"model": {"n_head": "3"}}) == \
         "invalid config: model.n_head = 3 must divide model.n_embd = 64"
-    assert _error(resolve, "tiny", None, {"optim": {"lr": "1e-4"}}) == \
-        "invalid config: optim.min_lr = 0.0002 must be in [0, optim.lr = 0.0001]"
+    # an old run's config.json holds its min_lr: a lower lr is refused, naming the flag
+    saved = from_dict({"optim": {"lr": 1e-3, "min_lr": 1e-4}})
+    assert _error(lambda: resolve(None, None, {"optim": {"lr": "1e-5"}}, base=saved)) == (
+        "invalid config: optim.min_lr = 0.0001 is above optim.lr = 1e-05; give --optim.min-lr "
+        "1e-06 (a tenth of optim.lr, what it is unset) or another value in [0, 1e-05]")
+
+
+def test_min_lr_unset_follows_the_lr_and_a_saved_one_keeps_its_value(tmp_path):
+    """README's fine-tune at --optim.lr 1e-4, or 1e-5, with a preset: the floor is a tenth of the
+    lr given, not the preset's; a config.json that holds a number (every run before min_lr could
+    be unset, or one that set it) keeps it, whatever lr a flag gives."""
+    for lr in ("1e-4", "1e-5"):
+        cfg = resolve("tiny", None, {"optim": {"lr": lr}})
+        assert (cfg.optim.min_lr, cfg.optim.floor) == (None, float(lr) / 10)
+    assert presets.get_preset("gpt2-124m").optim.floor == 6e-4 / 10
+    saved = from_dict({"optim": {"lr": 1e-3, "min_lr": 1e-4}})
+    assert resolve(None, None, {"optim": {"lr": "2e-3"}}, base=saved).optim.floor == 1e-4
+    new = from_dict(json.loads(json.dumps(resolve("tiny", None, {}).to_dict())))
+    assert resolve(None, None, {"optim": {"lr": "1e-3"}}, base=new).optim.floor == 1e-4
+    assert "min_lr" not in to_toml(new) and resolve(None, _toml(tmp_path, to_toml(new)), {}) == new
 
 
 def test_out_of_range_in_toml_names_the_file(tmp_path):

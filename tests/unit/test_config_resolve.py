@@ -16,7 +16,8 @@ from ddpgpt.config.checks import ConfigError
 from ddpgpt.config.io import build as resolve
 from ddpgpt.config.io import continued
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.config.schema import DataConfig, OptimConfig, RunConfig, TrainConfig
+from ddpgpt.config.optim import OptimConfig
+from ddpgpt.config.schema import DataConfig, RunConfig, TrainConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
 from ddpgpt.run.preflight import accum_steps, preflight
@@ -195,7 +196,8 @@ def test_print_config_is_the_resolved_config_as_toml_that_config_reads(dataset, 
 def test_a_runs_config_continues_with_this_starts_own_settings(dataset):
     """The training's settings come back as they were; the first-start rule and the threads are
     this start's; the device's autos are resolved again when another device is named; the
-    schedule's length goes back to auto where it is the run.steps it came from."""
+    schedule's length goes back to auto where it is the run.steps it came from, or where the
+    flags start a new schedule."""
     made = _parse_train(["--preset", "tiny", "--data", str(dataset.path), "--run-dir", "r",
                          "--model.block-size", "16", "--data.global-batch", "4",
                          "--data.micro-batch", "2", "--optim.lr", "3e-3", "--reset",
@@ -211,9 +213,12 @@ def test_a_runs_config_continues_with_this_starts_own_settings(dataset):
     assert saved.model.attention == "sdpa"  # auto on a CPU: resolved again for another device
     assert (cuda.run.precision, cuda.run.backend, cuda.optim.muon_ns_dtype,
             cuda.model.attention) == ("auto",) * 4
-    # raised once already (a cosine kept at its first length): the length stays
+    # raised once already (a cosine kept at its first length): the length stays, unless the
+    # flags start a new schedule, whose end is its own
     kept = dataclasses.replace(saved, run=dataclasses.replace(saved.run, steps=300))
     assert continued(kept.to_dict(), {}, "config.json").optim.decay_steps == 200
+    anew = continued(kept.to_dict(), {"optim": {"schedule_start": "300"}}, "config.json")
+    assert anew.optim.decay_steps == 0
 
 
 def test_train_in_a_run_dir_starts_from_its_config_and_flags_override(dataset, tmp_path):

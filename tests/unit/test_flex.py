@@ -27,7 +27,7 @@ from ddpgpt.model import flex
 from ddpgpt.model.attention import CausalSelfAttention, band, documents, mask_for
 from ddpgpt.model.gpt import GPT
 from ddpgpt.model.layers import rotary
-from ddpgpt.run import resume
+from ddpgpt.run import changes, resume
 from ddpgpt.run.preflight import resolve
 from ddpgpt.run.run_dir import RunDir
 from tests.helpers import SMALL, assert_greedy_agrees, write_dataset
@@ -285,7 +285,7 @@ def test_a_config_saved_before_the_setting_reads_as_auto(dataset):
 
 def test_a_checkpoint_resumes_with_the_other_attention(tmp_path):
     """A checkpoint of a flex run (as trained on CUDA) is the model of an sdpa run: resumed, not
-    refused, and the change is said (resume.changes: logged as a config_change)."""
+    refused, and the change is said (changes.changes: logged as a config_change)."""
     trained = TrainConfig(model=dataclasses.replace(SMALL, attention="flex"),
                           data=DataConfig(dir="data"))
     run = RunDir(tmp_path / "run")
@@ -296,7 +296,7 @@ def test_a_checkpoint_resumes_with_the_other_attention(tmp_path):
         cfg = dataclasses.replace(trained, model=dataclasses.replace(SMALL, attention=attention))
         start = resume.choose(cfg, run, True, "ab")
         assert start.step == 2
-        assert resume.changes(start.meta["config"], cfg) == {"model.attention": ["flex",
+        assert changes.changes(start.meta["config"], cfg) == {"model.attention": ["flex",
                                                                                  attention]}
     model, found = load_model(run, "cpu")  # eval, sample, export: this device's attention
     assert found.config.model.attention == "flex" and model.cfg.attention == "auto"

@@ -12,6 +12,7 @@ import pytest
 from ddpgpt import cli
 from ddpgpt.config import commands, schema
 from ddpgpt.config import model as model_config
+from ddpgpt.config import optim as optim_config
 from ddpgpt.config.io import field_docs
 from ddpgpt.config.model import ModelConfig
 from ddpgpt.config.schema import SECTIONS, DataConfig
@@ -80,7 +81,7 @@ def test_every_command_is_in_the_parser():
 
 # ---- field docstrings reach --help ------------------------------------------------------------
 
-CONFIG_CLASSES = [c for module in (schema, model_config, commands)
+CONFIG_CLASSES = [c for module in (schema, model_config, optim_config, commands)
                   for _, c in inspect.getmembers(module, inspect.isclass)
                   if dataclasses.is_dataclass(c) and c.__module__ == module.__name__]
 

@@ -20,7 +20,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 from ddpgpt.config.checks import ConfigError
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.config.schema import OptimConfig
+from ddpgpt.config.optim import OptimConfig
 from ddpgpt.distributed.group import DistEnv
 from ddpgpt.model.gpt import GPT
 from ddpgpt.optim import muon, optimizer

@@ -1,24 +1,19 @@
-"""Parameter groups, the optimizer against torch.optim.AdamW built by hand, and the LR schedules
-(cosine, wsd, constant) against their closed forms, wsd extended on resume. (Muon's groups and
-step: test_muon.py.)"""
+"""Parameter groups and the optimizer against torch.optim.AdamW built by hand. (Muon's groups and
+step: test_muon.py; the learning-rate schedules: test_schedule.py.)"""
 
 from __future__ import annotations
-
-import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
 from ddpgpt.config.model import ModelConfig
-from ddpgpt.config.schema import OptimConfig, RunConfig, TrainConfig
+from ddpgpt.config.optim import OptimConfig
 from ddpgpt.distributed.group import DistEnv
 from ddpgpt.errors import UserError
 from ddpgpt.model.gpt import GPT
 from ddpgpt.optim.optimizer import Optimizer, check_groups, fused_devices, groups, set_lr
-from ddpgpt.optim.schedule import Rates, Schedule, lr_at, momentum_at
-from ddpgpt.run.resume import Start, settle
+from ddpgpt.optim.schedule import lr_at
 from ddpgpt.sync.base import Sync
 from tests.helpers import SMALL
 
@@ -156,157 +151,3 @@ def test_set_lr_sets_every_group():
     opt = make_optimizer(GPT(SMALL), OptimConfig())
     set_lr(opt, 0.125)
     assert [g["lr"] for g in opt.param_groups] == [0.125, 0.125]
-
-
-# ---- the learning-rate schedule --------------------------------------------------------------
-
-CFG = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10)
-TOTAL = 111  # decay over steps 10..110: a span of 100, midpoint at step 60
-
-
-def test_warmup_is_linear():
-    assert lr_at(0, CFG, TOTAL) == pytest.approx(1e-4, rel=1e-12)  # lr / warmup
-    assert lr_at(9, CFG, TOTAL) == 1e-3
-    for step in range(10):
-        assert lr_at(step, CFG, TOTAL) == pytest.approx(1e-3 * (step + 1) / 10, rel=1e-12)
-
-
-def test_cosine_decay():
-    assert lr_at(10, CFG, TOTAL) == 1e-3
-    assert lr_at(60, CFG, TOTAL) == pytest.approx((1e-3 + 1e-4) / 2, rel=1e-12)
-    assert lr_at(TOTAL - 1, CFG, TOTAL) == 1e-4  # exactly min_lr at the last step
-    for step in range(10, TOTAL):
-        closed_form = 1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * (step - 10) / 100))
-        assert lr_at(step, CFG, TOTAL) == pytest.approx(closed_form, rel=1e-12)
-    assert lr_at(TOTAL + 50, CFG, TOTAL) == 1e-4  # past the end: stays at min_lr
-
-
-def test_monotone_after_warmup():
-    lrs = [lr_at(step, CFG, TOTAL) for step in range(TOTAL)]
-    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10]))
-    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
-
-
-def test_no_warmup_starts_at_lr():
-    cfg = OptimConfig(lr=2e-3, min_lr=0.0, warmup_steps=0)
-    assert lr_at(0, cfg, 50) == 2e-3
-    assert lr_at(49, cfg, 50) == 0.0
-
-
-def test_lr_at_is_a_pure_function():
-    first = [lr_at(step, CFG, TOTAL) for step in range(TOTAL)]
-    backwards = [lr_at(step, CFG, TOTAL) for step in reversed(range(TOTAL))][::-1]
-    assert first == backwards == [lr_at(step, CFG, TOTAL) for step in range(TOTAL)]
-
-
-# ---- every (warmup, length, step): the shape on a grid ----------------------------------------
-
-SCHEDULES = ("cosine", "wsd", "constant")
-
-
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_the_schedule_has_one_shape_for_every_warmup_length_and_step(schedule):
-    """Every warmup 0..12, decay_steps 0..12 (0: run.steps) and run.steps 1..12, every step up
-    to well past the end: the warmup is linear until the schedule ends or the warmup does; cosine
-    and wsd are at min_lr from the schedule's length on, and at its last step when the warmup
-    ended before it; nothing is above the peak; and once the lr has fallen it never rises again
-    (so no step after the peak returns to it)."""
-    peak, floor = 1.0, 0.125
-    for warmup in range(13):
-        for decay in range(13):
-            for steps in range(1, 13):
-                cfg = OptimConfig(lr=peak, min_lr=floor, warmup_steps=warmup, decay_steps=decay,
-                                  schedule=schedule, decay_fraction=0.3)
-                length = decay or steps
-                lrs = [lr_at(s, cfg, steps) for s in range(3 * 13)]
-                where = f"{schedule}, warmup {warmup}, length {length}: {lrs}"
-                ends = schedule != "constant"
-                for s, lr in enumerate(lrs):
-                    assert 0 < lr <= peak, where
-                    if s < warmup and not (ends and s >= length):
-                        assert lr == pytest.approx(peak * (s + 1) / warmup, rel=1e-12), where
-                    elif ends and s >= length:
-                        assert lr == floor, where
-                    elif schedule == "constant":
-                        assert lr == peak, where
-                    else:
-                        assert floor <= lr, where
-                if ends and warmup < length:
-                    assert lrs[length - 1] == floor, where
-                fell = [s for s in range(1, len(lrs)) if lrs[s] < lrs[s - 1]]
-                assert all(lrs[s] <= lrs[s - 1] for s in range(fell[0] if fell else len(lrs),
-                                                                len(lrs))), where
-                at_peak = [s for s, lr in enumerate(lrs) if lr == peak]
-                assert at_peak == list(range(at_peak[0], at_peak[-1] + 1)) if at_peak else True
-                if schedule == "cosine":  # the warmup's last step and the cosine's first
-                    assert len(at_peak) <= 2, where
-
-
-def test_a_schedule_no_longer_than_its_warmup_gives_no_step_at_the_peak_after_its_end():
-    """warmup 20, decay 20: step 19 ends the warmup at the peak, the schedule ends there; steps
-    20 on (a run resumed with more steps) are at min_lr, not one more at the peak. A run of 10
-    steps with the default warmup of 20, resumed to 30: the lr never rises past the 0.5 of its
-    last step."""
-    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=20, decay_steps=20)
-    assert [lr_at(s, cfg, 20) for s in range(18, 23)] == pytest.approx([0.95, 1.0, 0.1, 0.1,
-                                                                        0.1], rel=1e-12)
-    for schedule in ("cosine", "wsd"):
-        short = OptimConfig(lr=1.0, min_lr=0.1, schedule=schedule)
-        resumed = _resumed(short, saved_steps=10, at=10, steps=30)
-        lrs = [lr_at(s, resumed, 30) for s in range(30)]
-        assert lrs[:10] == pytest.approx([(s + 1) / 20 for s in range(10)], rel=1e-12)
-        assert max(lrs[10:]) <= 1.0
-        if schedule == "cosine":
-            assert lrs[10:] == [0.1] * 20
-
-
-# ---- wsd and constant, and a wsd run extended on resume ---------------------------------------
-
-WSD = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, schedule="wsd", decay_fraction=0.2)
-
-
-def test_wsd_is_flat_then_linear_to_min_lr_over_the_last_fraction():
-    lrs = [lr_at(step, WSD, 100) for step in range(100)]
-    assert lrs[:10] == [lr_at(step, CFG, TOTAL) for step in range(10)]  # cosine's warmup
-    assert lrs[10:80] == [1e-3] * 70  # flat up to the decay's first step, 100 - 20 = 80
-    for step in range(80, 100):  # linear over the last 20 steps, down to min_lr at the last
-        assert lrs[step] == pytest.approx(1e-3 - 9e-4 * (step - 79) / 20, rel=1e-12)
-    assert lrs[99] == 1e-4 and lr_at(150, WSD, 100) == 1e-4
-
-
-def test_constant_is_flat_after_warmup():
-    cfg = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, schedule="constant")
-    assert [lr_at(s, cfg, 100) for s in range(10, 300)] == [1e-3] * 290
-
-
-def _resumed(cfg: OptimConfig, saved_steps: int, at: int, steps: int) -> OptimConfig:
-    """The optim config a run started with run.steps = saved_steps, checkpointed at step `at`
-    and resumed with run.steps = steps trains with (resume.settle on the checkpoint's meta)."""
-    first = settle(TrainConfig(optim=cfg, run=RunConfig(steps=saved_steps)), Start())
-    meta = {"step": at, "config": first.to_dict()}
-    return settle(TrainConfig(optim=cfg, run=RunConfig(steps=steps)),
-                  Start(Path("ckpt"), meta)).optim
-
-
-def test_wsd_resumed_in_its_flat_phase_with_more_steps_stays_flat_and_decays_at_the_new_end():
-    resumed = _resumed(WSD, saved_steps=100, at=50, steps=300)
-    before = [lr_at(s, settle(TrainConfig(optim=WSD, run=RunConfig(steps=100)), Start()).optim,
-                    100) for s in range(50)]
-    after = [lr_at(s, resumed, 300) for s in range(50, 300)]
-    assert before[10:] == [1e-3] * 40
-    assert after[:190] == [1e-3] * 190  # no re-warming, no jump: flat to step 240 = 300 - 60
-    assert after[190] < 1e-3 and after[-1] == 1e-4
-    # Resumed inside its decay, or as a cosine, the schedule keeps its first length.
-    assert _resumed(WSD, 100, 85, 300).decay_steps == 100
-    assert _resumed(CFG, 100, 50, 300).decay_steps == 100
-    # Fewer steps whose decay would begin before the resume point: kept as well (no jump).
-    assert _resumed(WSD, 100, 50, 60).decay_steps == 100
-
-
-def test_schedule_applies_the_rollback_factor_at_every_step():
-    factor = [1.0]
-    schedule = Schedule(WSD, 100, lambda: factor[0])
-    assert schedule.at(40) == Rates(1e-3, momentum_at(40, WSD))
-    assert schedule.at(150) == Rates(1e-4, 0.95)  # momentum warmed up by step 100
-    factor[0] = 0.25
-    assert schedule.at(40).lr == 0.25e-3 and schedule.at(0).momentum == WSD.muon_momentum_start

@@ -124,7 +124,7 @@ def test_launcher_starts_workers_from_the_resolved_config_under_its_lock(tiny_da
                                                                          monkeypatch):
     """--nproc: the argv is parsed and resolved once; the workers get the run's config.json (no
     `auto` in it) and this start's run.resume, run.threads, run.take_over and data.allow_switch,
-    and the run dir is locked while they run."""
+    and the schedule's end as settled here, and the run dir is locked while they run."""
     seen = {}
 
     def start(nproc, worker_args, max_restarts=0):
@@ -143,7 +143,8 @@ def test_launcher_starts_workers_from_the_resolved_config_under_its_lock(tiny_da
     # and this start's own settings, which a run's config.json does not carry to its next start
     assert seen["args"] == ["train", "--resolved-config", str(tmp_path / "run" / "config.json"),
                             "--run.resume", "auto", "--run.threads", str(threads),
-                            "--run.take-over", "false", "--data.allow-switch", "false"]
+                            "--run.take-over", "false", "--data.allow-switch", "false",
+                            "--optim.decay-steps", "200"]
     assert (seen["nproc"], seen["max_restarts"]) == (2, 1)
     assert seen["config"]["run"]["device"] == "cpu" and seen["config"]["model"]["vocab_size"] == 257
     assert seen["config"]["run"]["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
