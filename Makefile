@@ -28,12 +28,11 @@ test: $(STAMP)
 	$(PY) -m pytest -q --durations=15
 
 # The quick start: prepare the standard-library corpus (once), train the tiny preset on $(NPROC)
-# CPU processes, then print the validation loss and a sample, and draw its curves ($(RUN).png).
-# Run again: it resumes (or, when finished, only evaluates and samples); `rm -rf $(RUN)` to train
-# from scratch.
+# CPU processes (its last step scores the val split), then print a sample, and draw its curves
+# ($(RUN).png). Run again: it resumes (or, when finished, says its recorded val loss and
+# samples); `rm -rf $(RUN)` to train from scratch.
 demo: $(STAMP) data
 	$(PY) -m ddpgpt train --data $(DATA) --preset tiny $(DEMO_FLAGS) --run-dir $(RUN) --nproc $(NPROC) --device cpu
-	$(PY) -m ddpgpt eval --run-dir $(RUN) --device cpu
 	$(PY) -m ddpgpt sample --run-dir $(RUN) --device cpu --prompt "def " --max-new-tokens 150
 	$(PY) -m ddpgpt plot $(RUN)
 

@@ -105,19 +105,38 @@ def cut_log(path: Path, step: int, start: bool = False) -> None:
     replace_text(path, "".join(row + "\n" for row in kept))  # whole: a crash keeps the old rows
 
 
-def trained_to(path: Path) -> int:
-    """The last training step metrics.jsonl records (0: none, or no file): how far a run dir
-    has trained, whatever became of its checkpoints."""
+def evaluated_at(path: Path, step: int) -> dict | None:
+    """metrics.jsonl's last evaluation row of `step` (val_loss, val_bpb, ...), if any."""
+    found = None
+    for row in _rows(path):
+        if "val_loss" in row and row.get("step") == step:
+            found = row
+    return found
+
+
+def _rows(path: Path):
+    """metrics.jsonl's rows, a torn last line (a crash) skipped; none without the file."""
     if not path.is_file():
-        return 0
-    reached = 0
+        return
     for line in path.read_text().splitlines():
         try:
             row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            yield row
+
+
+def trained_to(path: Path) -> int:
+    """The last training step metrics.jsonl records (0: none, or no file): how far a run dir
+    has trained, whatever became of its checkpoints."""
+    reached = 0
+    for row in _rows(path):
+        try:
             if "loss" in row:
                 reached = max(reached, int(row["step"]))
         except (ValueError, KeyError, TypeError):
-            continue  # a torn last line from a crash
+            continue
     return reached
 
 

@@ -44,7 +44,7 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
 from ddpgpt.guard.health import Unhealthy
 from ddpgpt.optim.schedule import extends_flat
-from ddpgpt.run.metrics import trained_to
+from ddpgpt.run.metrics import evaluated_at, trained_to
 from ddpgpt.run.run_dir import RunDir
 
 # What a checkpoint's weights are made of: a resume must keep them (the architecture's pieces
@@ -348,5 +348,11 @@ def report_finished(cfg: TrainConfig, run_dir: RunDir, start: Start) -> bool:
 
 
 def finished_message(run_dir: RunDir, step: int, steps: int) -> str:
-    return (f"run {run_dir} is already at step {step} of {steps}; raise run.steps to train "
+    """The line of a run that has nothing left to train, with its last evaluation's figures as
+    metrics.jsonl recorded them (scoring the val split again would print the same number)."""
+    row = evaluated_at(run_dir.metrics, step)
+    figures = ", ".join(f"{k} {row[k]:.4f}" for k in ("val_loss", "val_bpb")
+                        if isinstance((row or {}).get(k), float))
+    return (f"run {run_dir} is already at step {step} of {steps}"
+            f"{f' ({figures} at step {step})' if figures else ''}; raise run.steps to train "
             "further")

@@ -36,7 +36,10 @@ def test_a_run_continues_from_its_directory_alone(tiny_data, tmp_path):
     _ok(run_cli(*made[2:], cwd=tmp_path, timeout=120))
 
     r = _ok(run_cli("train", "--run-dir", run, cwd=tmp_path))
-    assert r.stderr == f"run {run} is already at step 4 of 4; raise run.steps to train further\n"
+    last = read_metrics(run)[1][-1]  # its figures as recorded, not the val split scored again
+    assert r.stderr == (f"run {run} is already at step 4 of 4 (val_loss {last['val_loss']:.4f}, "
+                        f"val_bpb {last['val_bpb']:.4f} at step 4); raise run.steps to train "
+                        "further\n")
 
     r = _ok(run_cli("train", "--run-dir", run, "--run.steps", "6", cwd=tmp_path, timeout=120))
     assert f"resuming from {run / 'checkpoints' / 'step_0000004'} (step 4," in r.stderr

@@ -77,8 +77,10 @@ def test_a_run_resumed_at_an_lr_that_ruins_it_ends_unhealthy(trained, tiny_data,
     # the same command again: finished, and still said to be unhealthy, exit 3 again
     again = train(tiny_data, run, 40, 50)
     assert again.returncode == EXIT_UNHEALTHY
-    assert again.stderr == (f"run {run} is already at step 40 of 40; raise run.steps to train "
-                            f"further\n{last}\n")
+    final = [e for e in rows(run) if "val_loss" in e and e["step"] == 40][-1]
+    assert again.stderr == (f"run {run} is already at step 40 of 40 (val_loss "
+                            f"{final['val_loss']:.4f}, val_bpb {final['val_bpb']:.4f} at step "
+                            f"40); raise run.steps to train further\n{last}\n")
 
 
 def test_a_run_whose_spike_truly_heals_ends_healthy(trained, tiny_data, tmp_path):
