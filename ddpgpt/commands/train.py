@@ -55,7 +55,7 @@ from ddpgpt.guard.health import (
     resume_hint,
 )
 from ddpgpt.guard.spike import Verdict
-from ddpgpt.run import elastic, resume, trackers
+from ddpgpt.run import elastic, logs, resume, trackers
 from ddpgpt.run.metrics import Metrics, peak_flops, summary
 from ddpgpt.run.precision import configure
 from ddpgpt.run.preflight import preflight, shared
@@ -290,8 +290,8 @@ def save(trainer, saver: Saver, run_dir: RunDir, reason: str, wait: bool) -> Non
             "tokenizer_fingerprint": ds.tokenizer_fingerprint, "origin": trainer.origin,
             "rollbacks": len(spikes.rollbacks), "healthy_checkpoint": spikes.newest_healthy,
             "unhealthy": ended.line if ended else None}
-    if run_dir.remote:  # the lease still ours (rank 0 checks), before writing there
-        collectives.together(trainer.env, lambda: run_dir.lease and run_dir.lease.renew(),
+    if run_dir.remote:  # the lease still ours (rank 0 checks) and the logs there, first
+        collectives.together(trainer.env, lambda: logs.before_checkpoint(run_dir),
                              main_only=True)
     with saved(trainer, saver, run_dir):
         saver.save(trainer.step, held, replicated, rest, meta, wait)

@@ -55,17 +55,19 @@ def test_a_run_from_and_to_s3_is_the_local_run(s3, in_s3, straight):
     assert [r["loss"] for r in rows] == [r["loss"] for r in ref[:FIRST]]
     assert not (run_dir / "checkpoints").exists()
     listed = sorted(p.rsplit("/", 1)[-1] for p in s3.fs().ls(url[5:]))
-    assert listed == ["data_meta.json", "job.json", "step_0000002", "step_0000004",
-                      "step_0000006"]
+    assert listed == ["config.json", "configs.jsonl", "data_meta.json", "job.json",
+                      "metrics.jsonl", "step_0000002", "step_0000004", "step_0000006"]
+    for name in ("config.json", "configs.jsonl", "metrics.jsonl"):  # as of the last checkpoint
+        assert s3.fs().cat_file(f"{url[5:]}/{name}") == (run_dir / name).read_bytes(), name
     weights = read.weights(location.at(f"{url}/step_{FIRST:07d}"))
     ref_weights = saved_weights(straight / "checkpoints" / f"step_{FIRST:07d}")
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
 
 
 def test_a_new_machine_goes_on_from_the_url_alone_at_another_w(s3, in_s3, straight, tmp_path):
-    """An empty run dir, nothing but the URL: the run's config, the newest checkpoint, W=1;
-    the straight W=2 run's losses within float rounding, and eval, sample and export read
-    the URL."""
+    """An empty run dir, nothing but the URL: the run's config, the newest checkpoint and its
+    metrics so far, W=1; the straight W=2 run's losses within float rounding, and eval, sample
+    and export read the URL."""
     _, url = in_s3
     new = tmp_path / "elsewhere"
     out = run_cli("train", "--run-dir", new, "--run.checkpoint-url", url, "--run.steps", STEPS,
@@ -74,9 +76,10 @@ def test_a_new_machine_goes_on_from_the_url_alone_at_another_w(s3, in_s3, straig
     assert f"resuming from {url}/step_0000006 (step 6, saved at world size 2)" in out.stderr
     assert "resuming with changed settings" in out.stderr and "run.dir" not in out.stderr
     rows, ref = read_metrics(new)[0], read_metrics(straight)[0]
-    assert [r["step"] for r in rows] == [7, 8]
-    np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in ref[FIRST:]],
-                               rtol=0, atol=1e-5)
+    assert rows[:FIRST] == read_metrics(in_s3[0])[0]  # the history, from the URL
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([r["loss"] for r in rows[FIRST:]],
+                               [r["loss"] for r in ref[FIRST:]], rtol=0, atol=1e-5)
     ours = run_cli("eval", "--run-dir", url, "--device", "cpu", "--json")
     here = run_cli("eval", "--run-dir", new, "--device", "cpu", "--json")
     assert ours.returncode == here.returncode == 0, ours.stderr + here.stderr
