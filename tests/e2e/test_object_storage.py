@@ -111,8 +111,8 @@ def test_the_server_gone_mid_upload_publishes_nothing_and_the_run_resumes(
                                 f"{url}/step_0000004: "), errors[0]
     assert f"cannot reach the S3 endpoint {cut.endpoint}" in errors[0]
     assert errors[0].endswith("; what was uploaded of it has no meta.json and is never loaded. "
-                              "The last complete checkpoint (step 2) is intact: once the storage "
-                              "answers, then run the same command to resume"), errors[0]
+                              "The last complete checkpoint (step 2) is intact: wait until the "
+                              "storage answers, then run the same command to resume"), errors[0]
     assert not s3.fs().exists(f"{url[5:]}/step_0000004/meta.json")
     again = train(s3_data, run_dir, STEPS, "--run.checkpoint-url", url)
     assert again.returncode == 0, again.stderr
