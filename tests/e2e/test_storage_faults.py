@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from ddpgpt import cli
 from tests.helpers import free_port, run_cli, tiny_train_args
 from tests.s3 import Cut, S3Server
 
@@ -78,6 +79,38 @@ def test_no_credentials_and_wrong_ones(guarded, tmp_path):
     assert line.startswith(f"ddpgpt: error: listing {url}/tiny: access denied by the S3 "
                            f"endpoint {server.endpoint} (") and \
         line.endswith(f"{CREDENTIALS} read there"), line
+
+
+def test_wrong_credentials_for_the_checkpoints_an_upload_and_a_runs_url(
+        guarded, tiny_data, tmp_path, monkeypatch, capsys):
+    """Keys the server does not know: a checkpoint URL, prepare --out URL and the commands
+    that read a run's URL each say so in one line naming the URL, before anything is made.
+    In this process (cli.main), with s3fs's cached clients dropped around it."""
+    import s3fs
+
+    server, url = guarded
+    wrong = server.env({"AccessKeyId": "AKIAWRONGWRONGWRONG", "SecretAccessKey": "nope"})
+    for key, value in wrong.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("DDPGPT_CACHE_DIR", str(tmp_path / "cache"))
+    cases = [(f"{url}/run", train(tiny_data, tmp_path, "--run.checkpoint-url", f"{url}/run")),
+             (f"{url}/new", ["prepare", str(tiny_data / "meta.json"), "--out", f"{url}/new"]),
+             (f"{url}/run", ["eval", "--run-dir", f"{url}/run", "--device", "cpu"]),
+             (f"{url}/run", ["plot", f"{url}/run", "--out", str(tmp_path / "p.png")])]
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        for where, args in cases:
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as e:
+                cli.main([str(a) for a in args])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and err.count("\n") == 1, err
+            assert err.startswith(f"ddpgpt: error: listing {where}: access denied by the S3 "
+                                  f"endpoint {server.endpoint} (") and \
+                err.endswith(f"{CREDENTIALS} read there\n"), err
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run dir, no staging
 
 
 def test_a_wrong_endpoint(s3_data, s3, tmp_path):
