@@ -294,6 +294,7 @@ def save(trainer, saver: Saver, run_dir: RunDir, reason: str, wait: bool) -> Non
             "tokenizer_fingerprint": ds.tokenizer_fingerprint, "origin": trainer.origin,
             "rollbacks": len(spikes.rollbacks), "healthy_checkpoint": spikes.newest_healthy,
             "unhealthy": ended.line if ended else None}
+    settle(trainer, saver, run_dir)  # the save in flight first: its failure comes before ours
     if run_dir.remote:  # the lease still ours (rank 0 checks) and the logs there, first
         collectives.together(trainer.env, saving(trainer, saver, str(run_dir))(
             lambda: logs.before_checkpoint(run_dir)), main_only=True)  # its line, then together
