@@ -59,9 +59,10 @@ def check_continues(path: str) -> None:
     line, with the run meant, when R holds none (a mistyped name would train a new run from the
     defaults)."""
     check_local(path)
-    if (Path(path) / "config.json").is_file():
+    path = Path(path)
+    if (path / "config.json").is_file():
         return
-    there = "does not exist" if not Path(path).exists() else "holds no run (no config.json)"
+    there = "does not exist" if not path.exists() else "holds no run (no config.json)"
     raise UserError(f"run dir {path} {there}{beside(path, 'config.json', 'runs')}; to "
                     "continue a run, give its --run-dir; to start a new one there, give its "
                     "--data (and a --preset)")

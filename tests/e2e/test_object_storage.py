@@ -1,8 +1,9 @@
 """The command line with datasets and checkpoints in object storage, against a real S3 server
 (moto's, tests/s3.py): a training from and to S3 is the local training, bitwise; a new machine
-goes on from the URL alone at another W; eval, sample and export read the URL; prepare --out URL
-gives the local prepare's bytes, also after a kill mid-upload; the server gone mid-upload never
-publishes a checkpoint and the same command resumes."""
+goes on from the URL alone at another W, with the run's metrics so far; prepare --out URL gives
+the local prepare's bytes, also after a kill mid-upload; the server gone mid-upload never
+publishes a checkpoint and the same command resumes. (eval, sample, export and plot of a URL:
+tests/e2e/test_run_url.py.)"""
 
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ def test_a_run_from_and_to_s3_is_the_local_run(s3, in_s3, straight):
 
 def test_a_new_machine_goes_on_from_the_url_alone_at_another_w(s3, in_s3, straight, tmp_path):
     """An empty run dir, nothing but the URL: the run's config, the newest checkpoint and its
-    metrics so far, W=1; the straight W=2 run's losses within float rounding, and eval, sample
-    and export read the URL."""
+    metrics so far, W=1; the straight W=2 run's losses within float rounding. (eval, sample,
+    export and plot of a URL: tests/e2e/test_run_url.py.)"""
     _, url = in_s3
     new = tmp_path / "elsewhere"
     out = run_cli("train", "--run-dir", new, "--run.checkpoint-url", url, "--run.steps", STEPS,
@@ -80,18 +81,6 @@ def test_a_new_machine_goes_on_from_the_url_alone_at_another_w(s3, in_s3, straig
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     np.testing.assert_allclose([r["loss"] for r in rows[FIRST:]],
                                [r["loss"] for r in ref[FIRST:]], rtol=0, atol=1e-5)
-    ours = run_cli("eval", "--run-dir", url, "--device", "cpu", "--json")
-    here = run_cli("eval", "--run-dir", new, "--device", "cpu", "--json")
-    assert ours.returncode == here.returncode == 0, ours.stderr + here.stderr
-    assert ours.stdout == here.stdout and '"step": 8' in ours.stdout
-    sample = run_cli("sample", "--run-dir", url, "--device", "cpu", "--max-new-tokens", "8",
-                     "--temperature", "0", "--prompt", "def ")
-    local = run_cli("sample", "--run-dir", new, "--device", "cpu", "--max-new-tokens", "8",
-                    "--temperature", "0", "--prompt", "def ")
-    assert sample.returncode == 0 and sample.stdout == local.stdout, sample.stderr
-    exported = run_cli("export", "--run-dir", url, "--out", tmp_path / "hf", timeout=200)
-    assert exported.returncode == 0, exported.stderr
-    assert exported.stdout.startswith(f"exported {url}/step_0000008 (step 8) to {tmp_path / 'hf'}")
 
 
 def test_the_server_gone_mid_upload_publishes_nothing_and_the_run_resumes(
