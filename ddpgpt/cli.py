@@ -235,7 +235,7 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int, str]:
             check_url(url)
         if continuing and not url:  # (with a URL, the run may be there: _from_checkpoints)
             from ddpgpt.run.run_dir import check_continues
-            check_continues(run_dir)  # `--run-dir R` without --data continues R
+            check_continues(values["run.dir"])  # `--run-dir R` without --data continues R
         base = None if whole or not saved.is_file() else continued(
             read_config(saved, "the run's config", "; restore it, or give the whole config "
                         "(--preset, --config)"), flags, str(saved))

@@ -77,6 +77,7 @@ class UserError(Exception):
 
     exit_code = 2
     label = "error"
+    storage = ""  # the URL whose object storage failed, when that is what this is (storage.failing)
 
     def __init__(self, message: str = "", quiet: bool = False):
         super().__init__(message)

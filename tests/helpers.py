@@ -82,10 +82,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_cli(*args: str, timeout: float = 60, env: dict | None = None, cwd: Path | None = None):
-    """Runs `python -m ddpgpt ARGS` and returns the CompletedProcess (text output)."""
+# What the console script `ddpgpt` runs: the package as installed, the current directory not on
+# sys.path (as it is for `python -m ddpgpt`).
+CONSOLE = [sys.executable, "-c", "import sys; del sys.path[0]; from ddpgpt.cli import main; main()"]
+
+
+def run_cli(*args: str, timeout: float = 60, env: dict | None = None, cwd: Path | None = None,
+            console: bool = False):
+    """Runs `python -m ddpgpt ARGS` (`console`: as the console script `ddpgpt ARGS`) and returns
+    the CompletedProcess (text output)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "ddpgpt", *map(str, args)],
+    command = CONSOLE if console else [sys.executable, "-m", "ddpgpt"]
+    proc = subprocess.Popen([*command, *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=full_env, cwd=cwd)
     try:

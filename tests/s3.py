@@ -149,10 +149,12 @@ class S3Server:
 class Cut:
     """A TCP relay from a local port to the server's that a test severs (`sever`): every
     connection is closed and new ones are refused, as when the server goes away; `when` severs
-    it as soon as a request's first bytes hold that text (an upload of one object)."""
+    it as soon as a request's first bytes hold that text (an upload of one object), and with
+    `after`, only once a request holding that text has gone through whole (a checkpoint's
+    meta.json: the server gone between two checkpoints)."""
 
-    def __init__(self, server: S3Server, when: bytes | None = None):
-        self.target, self.when = ("127.0.0.1", server.port), when
+    def __init__(self, server: S3Server, when: bytes | None = None, after: bytes | None = None):
+        self.target, self.when, self.after = ("127.0.0.1", server.port), when, after
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -179,7 +181,9 @@ class Cut:
     def _pipe(self, src: socket.socket, dst: socket.socket, watch: bool) -> None:
         try:
             while data := src.recv(1 << 16):
-                if watch and self.when is not None and self.when in data:
+                if watch and self.after is not None and self.after in data:
+                    self.after = None  # armed: the next request holding `when` severs it
+                elif watch and self.when is not None and self.after is None and self.when in data:
                     if self.on_sever is not None and not self.severed.is_set():
                         self.on_sever()
                     self.sever()

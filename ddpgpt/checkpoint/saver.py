@@ -118,6 +118,15 @@ class Saver:
         return self.pending is not None and not self.pending[1].done()
 
     @property
+    def newest(self) -> int:
+        """The newest step known published: the last settled, or the one in flight once its
+        commit has succeeded (what a run stopped before settling it names)."""
+        if self.pending is not None and self.pending[1].done() and \
+                self.pending[1].exception() is None:
+            return max(self.last, self.pending[0])
+        return self.last
+
+    @property
     def troubled(self) -> int | None:
         """The step of the save in flight if it is still running or has failed, else None: what
         to name when a collective fails (a rank lost mid-save shows in the step's collectives
@@ -233,7 +242,7 @@ class Saver:
                     else "its temporary files were removed")
             raise SaveFailed(f"cannot write checkpoint {final}: {outcome}; {left}", step,
                              quiet=not self.env.is_main,
-                             fix="once the storage answers" if remote else "free space")
+                             fix="wait until the storage answers" if remote else "free space")
 
     def _publish(self, tmp: Path, final: Path, gathered: list, rest: dict, meta: dict
                  ) -> str | None:

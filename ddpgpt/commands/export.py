@@ -32,7 +32,7 @@ from ddpgpt.checkpoint.read import run_checkpoint
 from ddpgpt.config.commands import ExportConfig
 from ddpgpt.config.model import ModelConfig
 from ddpgpt.data.prepare.output import check_out, publish
-from ddpgpt.data.tokenizer import EOT_TEXT, fingerprint
+from ddpgpt.data.tokenizer import EOT_TEXT, BPETokenizer, fingerprint
 from ddpgpt.errors import UserError
 from ddpgpt.files import as_created, require
 from ddpgpt.hf import gpt2, llama
@@ -119,14 +119,15 @@ def layout(model: ModelConfig) -> str:
     return "GPT2LMHeadModel"
 
 
-def write_tokenizer(out: Path, kind: str, run_dir: Path, max_length: int) -> None:
-    """The run's tokenizer as transformers' PreTrainedTokenizerFast files."""
+def write_tokenizer(out: Path, kind: str, run_dir, max_length: int) -> None:
+    """The run's tokenizer as transformers' PreTrainedTokenizerFast files (`run_dir`: a local
+    directory or the URL of a run's checkpoints, which holds its tokenizer.json too)."""
     from transformers import PreTrainedTokenizerFast
 
     special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT,
                "model_max_length": max_length}
     if kind == "bpe":
-        source = {"tokenizer_file": str(run_dir / "tokenizer.json")}
+        source = {"tokenizer_object": BPETokenizer.load(run_dir).backend}
     elif kind == "byte":
         source = {"tokenizer_object": byte_tokenizer()}
     elif kind == "gpt2":

@@ -13,8 +13,9 @@ other settings (what changed written along the line) or started again otherwise,
 past a loss spike. One colour per run, named once in a
 legend above the panels (the run dir, its optimizer, sync mode and the world size it trained
 most steps at, from config.json and configs.jsonl); solid lines are train loss, circles val
-loss. The picture goes next to the first run (runs/NAME -> runs/NAME.png) unless --out says
-otherwise: a file (.png, .pdf or .svg) or an existing directory (NAME.png inside it).
+loss. The picture goes next to the first run (runs/NAME -> runs/NAME.png; the URL of a run's
+checkpoints, which holds its logs too: NAME.png here) unless --out says otherwise: a file (.png,
+.pdf or .svg) or an existing directory (NAME.png inside it).
 matplotlib is an optional extra: `pip install 'ddpgpt[plot]'`.
 
 Smoothing is an exponential moving average whose time constant, by default, is 1/20 of the
@@ -35,6 +36,7 @@ from pathlib import Path
 
 from ddpgpt.checkpoint.store import step_dirs
 from ddpgpt.config.commands import PlotConfig
+from ddpgpt.data import storage
 from ddpgpt.errors import UserError, beside
 from ddpgpt.evals.kinds import headlines, label_of
 from ddpgpt.files import atomic_write, describe, require
@@ -216,6 +218,8 @@ def auto_beta(rows: int) -> float:
 def out_path(cfg: PlotConfig) -> Path:
     """Where the picture goes, as it will be written (the name printed is the file's)."""
     first = Path(os.path.abspath(cfg.runs[0]))
+    if storage.is_url(cfg.runs[0]):  # a run's checkpoint URL: NAME.png here
+        first = Path(storage.name_of(cfg.runs[0]))
     default = f"{first.name or 'run'}.png"
     if cfg.out is None:
         return first.with_name(default) if first.name else Path(default)

@@ -27,7 +27,7 @@ import torch
 
 from ddpgpt import __version__
 from ddpgpt.checkpoint import store
-from ddpgpt.checkpoint.saver import SaveFailed, Saver
+from ddpgpt.checkpoint.saver import Saver
 from ddpgpt.checkpoint.saver import token as saver_token
 from ddpgpt.config.schema import RunConfig, TrainConfig
 from ddpgpt.data.mixture import MixedDataset, one_document_notes, taken_now
@@ -53,10 +53,11 @@ from ddpgpt.guard.health import (
     collective_failed,
     preempted,
     resume_hint,
+    saving,
 )
 from ddpgpt.guard.spike import Verdict
 from ddpgpt.optim.schedule import warmup_notes
-from ddpgpt.run import changes, elastic, resume, trackers
+from ddpgpt.run import changes, elastic, logs, resume, trackers
 from ddpgpt.run.metrics import Metrics, peak_flops, summary
 from ddpgpt.run.precision import configure
 from ddpgpt.run.preflight import preflight, shared
@@ -254,6 +255,9 @@ def run(cfg: TrainConfig, note: str = "") -> None:
                 doing = trainer.doing if saver.troubled is None else \
                     f"the checkpoint of step {saver.troubled}"
                 raise collective_failed(e, env, doing, cfg.run.dist_timeout_s) from None
+            except UserError:  # object storage failing in a step (its data): as in a save
+                with saving(trainer, saver, str(run_dir)):
+                    raise
         except UserError as e:  # the stop's one line, also where a closed pipe cannot lose it
             with contextlib.suppress(UserError, OSError):
                 metrics.log_event(trainer.step, "stop", label=e.label, message=str(e),
@@ -293,33 +297,19 @@ def save(trainer, saver: Saver, run_dir: RunDir, reason: str, wait: bool) -> Non
             "tokenizer_fingerprint": ds.tokenizer_fingerprint, "origin": trainer.origin,
             "rollbacks": len(spikes.rollbacks), "healthy_checkpoint": spikes.newest_healthy,
             "unhealthy": ended.line if ended else None}
-    if run_dir.remote:  # the lease still ours (rank 0 checks), before writing there
-        collectives.together(trainer.env, lambda: run_dir.lease and run_dir.lease.renew(),
-                             main_only=True)
-    with saved(trainer, saver, run_dir):
+    settle(trainer, saver, run_dir)  # the save in flight first: its failure comes before ours
+    if run_dir.remote:  # the lease still ours (rank 0 checks) and the logs there, first
+        collectives.together(trainer.env, saving(trainer, saver, str(run_dir))(
+            lambda: logs.before_checkpoint(run_dir)), main_only=True)  # its line, then together
+    with saving(trainer, saver, str(run_dir)):
         saver.save(trainer.step, held, replicated, rest, meta, wait)
-
-
-@contextlib.contextmanager
-def saved(trainer, saver: Saver, run_dir: RunDir):
-    """Around what may finish a save: the newest published step, and a failed save as the one
-    line every rank raises (rank 0 prints it)."""
-    try:
-        yield
-    except SaveFailed as e:
-        kept = f"step {trainer.last_checkpoint}" if trainer.last_checkpoint >= 0 else "none yet"
-        hint = resume_hint(trainer.cfg.run.resume, str(run_dir), none_yet=kept == "none yet")
-        raise SaveFailed(f"step {e.step}: {e}. The last complete checkpoint ({kept}) is intact: "
-                         f"{e.fix}, then {hint}", e.step, quiet=e.quiet, fix=e.fix) from None
-    finally:
-        trainer.last_checkpoint = max(trainer.last_checkpoint, saver.last)
 
 
 def settle(trainer, saver: Saver, run_dir: RunDir) -> None:
     """Every rank, at the same step: waits for the save in flight and learns how it went."""
     if saver.pending:
         trainer.doing, doing = f"the checkpoint of step {saver.pending[0]}", trainer.doing
-        with saved(trainer, saver, run_dir):
+        with saving(trainer, saver, str(run_dir)):
             saver.settle()
         trainer.doing = doing
 

@@ -92,8 +92,9 @@ class SampleConfig:
     """`ddpgpt sample`: generate text from a run's latest checkpoint."""
 
     run_dir: str = field(default="runs/default", metadata={"alias": "--run"})
-    """Run directory (its latest complete checkpoint is used). Under torchrun write --run-dir:
-    torchrun's own parser takes --run for an abbreviation of its --run-path."""
+    """Run directory, or the URL of its checkpoints (run.checkpoint_url); its latest complete
+    checkpoint is used. Under torchrun write --run-dir: torchrun's own parser takes --run for an
+    abbreviation of its --run-path."""
     prompt: str = ""
     """Text to continue; empty starts a fresh document (from the end-of-text token)."""
     max_new_tokens: int = 200
@@ -133,7 +134,8 @@ class PlotConfig:
     """`ddpgpt plot`: loss curves and throughput of one or more runs, in one picture."""
 
     runs: list[str] = field(default_factory=list)
-    """Run directories (each with the metrics.jsonl `ddpgpt train` writes)."""
+    """Run directories (each with the metrics.jsonl `ddpgpt train` writes), or the URLs of runs'
+    checkpoints (run.checkpoint_url), which hold a copy of it."""
     out: str | None = None
     """PNG to write; default: next to the first run (runs/NAME -> runs/NAME.png)."""
     smooth: float = -1.0
@@ -153,8 +155,9 @@ class EvalConfig:
     model (runs under torchrun too)."""
 
     run_dir: str = field(default=RUN_DIR, metadata={"alias": "--run"})
-    """Run directory (its latest complete checkpoint is used, or --step's). Under torchrun write
-    --run-dir: torchrun's own parser takes --run for an abbreviation of its --run-path."""
+    """Run directory, or the URL of its checkpoints (run.checkpoint_url); its latest complete
+    checkpoint is used, or --step's. Under torchrun write --run-dir: torchrun's own parser takes
+    --run for an abbreviation of its --run-path."""
     step: int = 0
     """The checkpoint's step; 0: the newest complete one."""
     init_from: str = ""
@@ -232,7 +235,7 @@ class ExportConfig:
     """`ddpgpt export`: a run's checkpoint as a Hugging Face transformers directory."""
 
     run_dir: str = field(default="runs/default", metadata={"alias": "--run"})
-    """Run directory to export from."""
+    """Run directory to export from, or the URL of its checkpoints (run.checkpoint_url)."""
     step: int = 0
     """The checkpoint's step; 0: the newest complete one."""
     out: str | None = None

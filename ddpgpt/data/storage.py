@@ -121,7 +121,9 @@ def explain(error: BaseException, where: str, doing: str) -> str | None:
 
 @contextlib.contextmanager
 def failing(where: str, doing: str, kind: type[UserError] = DataError):
-    """Object storage's failures inside the block as one line (`explain`), raised as `kind`."""
+    """Object storage's failures inside the block as one line (`explain`), raised as `kind`
+    with its `storage` set to `where` (a training names its step and newest checkpoint around
+    it: commands/train.py)."""
     try:
         yield
     except UserError:
@@ -130,7 +132,9 @@ def failing(where: str, doing: str, kind: type[UserError] = DataError):
         line = explain(e, where, doing)
         if line is None:
             raise
-        raise kind(line) from None
+        error = kind(line)
+        error.storage = where
+        raise error from None
 
 
 # ---- what a dataset's and a checkpoint's prefixes share (checkpoint/location.py) ------------

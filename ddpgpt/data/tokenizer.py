@@ -110,6 +110,11 @@ class BPETokenizer:
             raise DataError(f"{files.where('tokenizer.json')}: cannot load the bpe tokenizer "
                             f"({reason}); re-run ddpgpt prepare") from None
 
+    @property
+    def backend(self):
+        """HF `tokenizers`' own Tokenizer (export hands it to transformers)."""
+        return self._tok
+
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         # encode_batch_fast skips offset tracking; both release the GIL and use every core.
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)

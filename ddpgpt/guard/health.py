@@ -14,6 +14,7 @@ same step: a signal that reaches one rank stops them all.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ddpgpt.checkpoint import store
+from ddpgpt.checkpoint.saver import SaveFailed, Saver
 from ddpgpt.config.schema import RunConfig
 from ddpgpt.distributed import collectives
 from ddpgpt.distributed.group import CollectiveError, DistEnv, DistError
@@ -54,6 +56,43 @@ class Unhealthy(UserError):
 
     exit_code = EXIT_UNHEALTHY
     label = "unhealthy"
+
+
+class Halted(UserError):
+    """The run stopped for something outside it (a checkpoint it could not write, object storage
+    gone): a run-time failure, said in one line by `halted`."""
+
+    exit_code = 1
+
+
+def halted(during: str, error: UserError, kept: int, fix: str, hint: str) -> Halted:
+    """The one line of a run stopped `during` ("step 7", "the checkpoint of step 6") by `error`:
+    the newest complete checkpoint (step `kept`; -1: none) is intact, what to do first (`fix`),
+    then how to go on (`hint`, resume_hint's)."""
+    intact = f"step {kept}" if kept >= 0 else "none yet"
+    return Halted(f"{during}: {error}. The last complete checkpoint ({intact}) is intact: {fix}, "
+                  f"then {hint}", quiet=error.quiet)
+
+
+@contextlib.contextmanager
+def saving(trainer, saver: Saver, run_dir: str):
+    """Around what may finish a save or meet object storage (a training's steps, its saves):
+    trainer.last_checkpoint kept at the newest step published; a failed save (SaveFailed) or
+    object storage failing (UserError.storage: the server gone, credentials expired) as the
+    one line every rank raises (rank 0 prints it), naming the step or what the run was doing
+    (trainer.doing). Also a decorator: a function that runs inside it."""
+    try:
+        yield
+    except UserError as e:
+        failed = isinstance(e, SaveFailed)
+        if not (failed or e.storage):
+            raise
+        kept = max(trainer.last_checkpoint, saver.newest)
+        raise halted(f"step {e.step}" if failed else trainer.doing, e, kept,
+                     e.fix if failed else "wait until the storage answers",
+                     resume_hint(trainer.cfg.run.resume, run_dir, none_yet=kept < 0)) from None
+    finally:
+        trainer.last_checkpoint = max(trainer.last_checkpoint, saver.last)
 
 
 class StopSignal:

@@ -8,6 +8,10 @@ the resolved config.json. The workers start from that file (`train --resolved-co
 start's own run.resume and run.threads) rather than from the command line. A worker whose
 launcher dies is killed with it (die_with_launcher).
 
+The workers run this package's __main__.py by its path (ENTRY), not `-m ddpgpt`: `-m` would
+put the current directory first on their sys.path, and a `ddpgpt` folder there (the parent of a
+clone, an older copy) would be what they import instead of the launcher's package.
+
 Exit codes: the workers' (0; 1 a run-time failure; 2 bad input; 75 stopped with a checkpoint),
 or 128+N when a worker or the launcher was ended by signal N without one.
 """
@@ -19,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,6 +37,10 @@ from ddpgpt.guard.health import EXIT_PREEMPTED, resume_hint
 from ddpgpt.run import resume
 from ddpgpt.run.preflight import preflight
 from ddpgpt.run.run_dir import RunDir
+
+# How a process of ours starts ddpgpt: the launcher's own package, whatever the current
+# directory holds (ddpgpt/__main__.py).
+ENTRY = str(Path(__file__).resolve().parent.parent / "__main__.py")
 
 
 def check_nproc(nproc: int, device: str) -> None:
@@ -153,8 +162,8 @@ def quiet_agent() -> None:
 
 def start(nproc: int, worker_args: list[str],
           max_restarts: int = 0) -> tuple[int, signal.Signals | None]:
-    """Runs `python -m ddpgpt WORKER_ARGS` on `nproc` local processes; returns (exit code, the
-    signal that stopped the launcher, if one did)."""
+    """Runs `python ENTRY WORKER_ARGS` (ddpgpt, this package's) on `nproc` local processes;
+    returns (exit code, the signal that stopped the launcher, if one did)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -164,7 +173,7 @@ def start(nproc: int, worker_args: list[str],
     quiet_agent()
     args = parse_args(["--standalone", f"--nproc-per-node={nproc}",
                        f"--max-restarts={max_restarts}",
-                       "--monitor-interval=0.5", "-m", "ddpgpt", *worker_args])
+                       "--monitor-interval=0.5", ENTRY, *worker_args])
     try:
         run(args)
     except SignalException as e:

@@ -14,10 +14,10 @@
       metrics.jsonl      one row per logged step and per evaluation (see metrics.py)
       checkpoints/       step_NNNNNNN/ (see checkpoint/store.py); with run.checkpoint_url they
                          are at that URL instead (checkpoint/location.py), beside copies of
-                         data_meta.json and tokenizer.json, so that `eval`, `sample` and `export`
-                         --run-dir URL need nothing local; job.json is kept there too, where
-                         every node's launchers see it, and lease.json while a job trains
-                         into it (checkpoint/lease.py: one job at a time)
+                         data_meta.json, tokenizer.json and the logs (logs.py), so that `eval`,
+                         `sample`, `export` and `plot` of the URL need nothing local; job.json
+                         is kept there too, where every node's launchers see it, and lease.json
+                         while a job trains into it (checkpoint/lease.py: one job at a time)
       tensorboard/, wandb/, tracker.json    run.tracker's files (see trackers.py)
       reset-<time>/      what --reset set aside; rewind-<time>/ what --resume PATH set aside
 """
@@ -37,21 +37,32 @@ from pathlib import Path
 from ddpgpt.checkpoint import location
 from ddpgpt.checkpoint.lease import Lease
 from ddpgpt.data import storage
-from ddpgpt.errors import UserError, beside, warn
+from ddpgpt.errors import UserError, beside, say, warn
 from ddpgpt.files import WriteError, describe, move, path_kind, replace_text
+from ddpgpt.run import logs
 
 
 class RunDirBusy(UserError):
     """Another run holds the run directory's lock."""
 
 
-def check_continues(path: Path) -> None:
+def check_local(path) -> None:
+    """A training's run dir is local: a URL there is one line naming run.checkpoint_url."""
+    if storage.is_url(str(path)):
+        raise UserError(f"--run-dir {path}: a training's run dir is a local directory (its lock, "
+                        "config and metrics); to keep its checkpoints at that URL, give --run-dir "
+                        f"DIR --run.checkpoint-url {path}")
+
+
+def check_continues(path: str) -> None:
     """`train --run-dir R` without --data (nor --preset, --config) continues the run in R: one
     line, with the run meant, when R holds none (a mistyped name would train a new run from the
     defaults)."""
-    if location.is_remote(location.at(path)) or (Path(path) / "config.json").is_file():
+    check_local(path)
+    path = Path(path)
+    if (path / "config.json").is_file():
         return
-    there = "does not exist" if not Path(path).exists() else "holds no run (no config.json)"
+    there = "does not exist" if not path.exists() else "holds no run (no config.json)"
     raise UserError(f"run dir {path} {there}{beside(path, 'config.json', 'runs')}; to "
                     "continue a run, give its --run-dir; to start a new one there, give its "
                     "--data (and a --preset)")
@@ -60,7 +71,7 @@ def check_continues(path: Path) -> None:
 class RunDir:
     """A run's directory. `checkpoint_url`: where its checkpoints are when they are not in its
     checkpoints/ (run.checkpoint_url; None: as its config.json says). `path` may itself be such a
-    URL: the run as its checkpoints' location holds it, for eval, sample and export."""
+    URL: the run as its checkpoints' location holds it, for eval, sample, export and plot."""
 
     def __init__(self, path: str | os.PathLike, checkpoint_url: str | None = None):
         self.path = location.at(path)
@@ -147,7 +158,8 @@ class RunDir:
         or a place where mkdir fails — tried on the first missing directory, which is removed
         again, so that a refused run dir leaves nothing behind. Each path is looked at once
         (files.path_kind): another rank's probe may make and remove a directory between two
-        looks."""
+        looks. A URL is refused (check_local)."""
+        check_local(self.path)
         for _ in range(3):  # a parent seen here may be another rank's probe, gone by mkdir
             if self._probe():
                 return
@@ -292,7 +304,9 @@ class RunDir:
         """config.json is this start's config (what `--nproc` workers start from); every start
         whose config or world size differs from the previous start's, or that starts before it
         (a run gone back to an older checkpoint), is also appended to configs.jsonl, with the
-        step it started from, so what each stretch of the run trained with stays known."""
+        step it started from, so what each stretch of the run trained with stays known. First,
+        the logs at the checkpoint URL if they go further than this run dir's (logs.adopt)."""
+        logs.adopt(self)
         replace_text(self.config, json.dumps(config, indent=1) + "\n")
         history = self.configs
         last = {}
@@ -366,11 +380,9 @@ class RunDir:
         into reset-<time>/ (a new tracker run begins)."""
         checkpoints = [p for p in location.children(self.remote) if p.name.startswith("step_")
                        or p.name == "rollback.json"] if self.remote else [self.checkpoints]
-        aside = self.set_aside("reset", [*checkpoints, self.metrics, self.configs,
-                                         *self.tracker_files])
-        if aside:
-            print(f"ddpgpt: {why}: moved the previous checkpoints and metrics to {aside}",
-                  file=sys.stderr)
+        files = [*checkpoints, self.metrics, self.configs, *self.tracker_files]
+        if aside := self.set_aside("reset", files):
+            say(f"ddpgpt: {why}: moved the previous checkpoints and metrics to {aside}")
 
     def rewind(self, newer: list[Path], step: int) -> None:
         """--resume PATH of this run dir: checkpoints after PATH, and a copy of the metrics,

@@ -27,7 +27,12 @@ def test_prepare_train_resume_eval_sample(tmp_path):
     assert r.returncode == 0, r.stderr
     train = tiny_train_args(data, run, steps=4, run__eval_every=2)[3:]  # drop "-m ddpgpt train"
 
-    r = run_cli("train", "--nproc", "2", *train, timeout=180)
+    # Started from a folder that holds another `ddpgpt` (the parent of an older clone): the
+    # workers import the package the launcher imported, not that one.
+    clones = tmp_path / "clones"
+    (clones / "ddpgpt").mkdir(parents=True)
+    (clones / "ddpgpt" / "__init__.py").write_text("raise ImportError('not this ddpgpt')\n")
+    r = run_cli("train", "--nproc", "2", *train, timeout=180, cwd=clones, console=True)
     assert r.returncode == 0, r.stderr
     assert ("ddpgpt: training on 2 processes (1 node × 2, gloo), cpu, fp32; G=8 sequences × T=32"
             in r.stderr)

@@ -1,4 +1,5 @@
-"""The run dir's lock, its archives, and the launcher's part: one process, no training."""
+"""The run dir's lock, its archives, its logs at a checkpoint URL, and the launcher's part: one
+process, no training."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from ddpgpt.checkpoint import store
 from ddpgpt.config.io import build
 from ddpgpt.model.gpt import GPT
-from ddpgpt.run import launch
+from ddpgpt.run import launch, logs
 from ddpgpt.run.run_dir import RunDir, RunDirBusy
 from tests.helpers import REPO
 
@@ -161,6 +162,33 @@ def test_configs_jsonl_records_each_start_that_changed_its_config_or_world_size(
     assert [(s["step"], s["world_size"], s["config"]) for s in starts] == [
         (0, 2, a), (6, 1, a), (8, 1, b), (2, 1, b)]
     assert json.loads(run.config.read_text()) == b
+
+
+def test_the_logs_at_a_checkpoint_url_are_taken_back_only_when_they_go_further(s3, tmp_path):
+    """run/logs.py: a start whose metrics.jsonl ends before the URL's copy (a new machine, a node
+    that was not rank 0) takes the URL's metrics.jsonl and configs.jsonl; one that goes further
+    (rows after the last checkpoint, which its resume cuts) keeps its own; share puts them back."""
+    url = s3.bucket("logs") + "/run"
+    run = RunDir(tmp_path / "run", url)
+    run.create()
+
+    def rows(*steps):
+        return "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in steps).encode()
+
+    fs, there = s3.fs(), {"metrics.jsonl": rows(1, 2, 3, 4), "configs.jsonl": b'{"step": 0}\n'}
+    for name, data in there.items():
+        fs.pipe_file(f"{url[5:]}/{name}", data)
+    run.metrics.write_bytes(rows(1, 2, 3, 4, 5))
+    run.write_config({"a": 1}, 4, 1)
+    assert run.metrics.read_bytes() == rows(1, 2, 3, 4, 5)  # further: its own
+    assert [json.loads(line)["step"] for line in run.configs.read_text().splitlines()] == [4]
+    run.metrics.write_bytes(rows(1, 2))
+    run.write_config({"a": 1}, 4, 1)
+    assert run.metrics.read_bytes() == there["metrics.jsonl"]  # behind: the URL's
+    assert run.configs.read_bytes().startswith(there["configs.jsonl"])  # then this start's
+    logs.share(run)
+    for name in logs.SHARED:
+        assert fs.cat_file(f"{url[5:]}/{name}") == (run.path / name).read_bytes(), name
 
 
 @pytest.mark.parametrize("made", ["run", "parent"])

@@ -105,6 +105,26 @@ def test_the_cache_keeps_what_was_read(s3_data, tmp_path):
     assert again.stream.reader.fetched_bytes == 0  # all from the local disk
 
 
+def test_a_dataset_replaced_at_its_url_is_never_read_from_the_cache(s3, tiny_data, tmp_path):
+    """--data.cache keeps blocks under the objects' identities (size and ETag): a dataset
+    prepared again at the same URL (shards of the same size, other tokens) is fetched anew at
+    the next start, whose batches are the new dataset's, not the cache's old bytes."""
+    url, fs = s3.bucket("replaced") + "/tiny", s3.fs()
+    other = write_dataset(tmp_path / "other", (np.arange(50788) * 7) % 257,
+                          (np.arange(28401) * 3) % 257, vocab_size=257, eot_id=256)
+    for source in (tiny_data, other):
+        for path in sorted(source.iterdir(), key=lambda p: p.name == "meta.json"):
+            if path.name in ("train_000000.bin", "val_000000.bin", "meta.json"):
+                fs.put_file(str(path), f"{url[5:]}/{path.name}")
+        remote, local = loaders(TokenDataset(url), 1, 0, cache=str(tmp_path / "cache")), \
+            loaders(TokenDataset(source), 1, 0)
+        for _ in range(2):
+            for (x1, y1), (x2, y2) in zip(remote.next_step(), local.next_step()):
+                assert np.array_equal(x1, x2) and np.array_equal(y1, y2)
+        settle(remote)
+        assert remote.stream.reader.fetched_bytes > 0  # the new objects: not from the cache
+
+
 def test_the_next_step_is_fetched_while_this_one_computes(s3_data, monkeypatch):
     """Counted, not timed: the first step's windows are fetched in one concurrent batch (not one
     request after another); while it computes, the next step's are fetched in the background,

@@ -36,6 +36,7 @@ from ddpgpt.distributed.group import DistEnv
 from ddpgpt.evals.loss import evaluate
 from ddpgpt.files import install
 from ddpgpt.guard.health import EXIT_PREEMPTED
+from ddpgpt.run.launch import ENTRY
 from ddpgpt.run.run_dir import RunDir
 
 STEPS, STOP_AT = 4, 2
@@ -53,12 +54,13 @@ class Failed(Exception):
 
 
 def ddpgpt(*args: str, fault: str = "") -> subprocess.CompletedProcess:
-    """`python -m ddpgpt ARGS` in its own session (killed whole after TIMEOUT_S)."""
+    """ddpgpt ARGS (this package's: launch.ENTRY) in its own session (killed whole after
+    TIMEOUT_S)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("DDPGPT_FAULT", None)
     if fault:
         env["DDPGPT_FAULT"] = fault
-    proc = subprocess.Popen([sys.executable, "-m", "ddpgpt", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, ENTRY, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)

@@ -60,7 +60,6 @@ from ddpgpt.data.tokenizer import (
 )
 from ddpgpt.data.verify import check_all
 from ddpgpt.errors import UserError
-from ddpgpt.files import copy_file
 
 
 def run(cfg: PrepareConfig) -> None:
@@ -167,30 +166,31 @@ def _tokenizer_choice(cfg: PrepareConfig, plan: Plan) -> dict:
     if plan.tokens:  # tokens already: of the format's tokenizer
         return {"kind": plan.tokens.tokenizer, "dir": None, "identity": plan.tokens.identity}
     if cfg.tokenizer_from is not None:
-        kind, directory = tokenizer_from(Path(cfg.tokenizer_from))
+        kind, directory = tokenizer_from(cfg.tokenizer_from)
         return {"kind": kind, "dir": directory, "identity": fingerprint(kind, directory)}
     identity = cfg.tokenizer if cfg.tokenizer != "bpe" else f"bpe trained, vocab {cfg.vocab_size}"
     return {"kind": cfg.tokenizer, "dir": None, "identity": identity}
 
 
-def tokenizer_from(path: Path) -> tuple[str, Path]:
-    """The tokenizer kind of a prepared dataset (meta.json), a run (data_meta.json) or a
-    transformers directory (config.json: `ddpgpt export`'s, or GPT-2's), and the directory that
-    holds its tokenizer.json."""
+def tokenizer_from(path: str) -> tuple[str, str | Path]:
+    """The tokenizer kind of a prepared dataset (meta.json), a run (data_meta.json: its run dir,
+    or the URL of its checkpoints) or a transformers directory (config.json: `ddpgpt export`'s,
+    or GPT-2's), and the directory (or URL) that holds its tokenizer.json."""
+    files = storage.open_dir(path)
     for name in ("meta.json", "data_meta.json"):
-        meta = path / name
-        if meta.is_file():
+        if files.has(name):
+            meta = files.where(name)
             try:
-                kind = json.loads(meta.read_text())["tokenizer"]
+                kind = json.loads(files.read(name))["tokenizer"]
             except (ValueError, KeyError, TypeError):
                 raise UserError(f"--tokenizer-from {path}: {meta} names no tokenizer; give a "
                                 "prepared dataset or a run directory") from None
-            if kind == "bpe" and not (path / "tokenizer.json").is_file():
+            if kind == "bpe" and not files.has("tokenizer.json"):
                 raise UserError(f"--tokenizer-from {path}: no tokenizer.json beside {meta}; "
                                 "give a prepared dataset or a run directory")
-            return kind, path
-    if (path / "config.json").is_file():  # the tokenizer saved beside a model's weights
-        return _weights_tokenizer(path)
+            return kind, path if files.remote else Path(path)
+    if not files.remote and (Path(path) / "config.json").is_file():  # beside a model's weights
+        return _weights_tokenizer(Path(path))
     raise UserError(f"--tokenizer-from {path}: neither a prepared dataset (meta.json), a run "
                     "directory (data_meta.json) nor a transformers directory (config.json); give "
                     "one of them")
@@ -289,8 +289,9 @@ def _tokenizer(cfg: PrepareConfig, job: dict, tmp: Path):
         return SimpleNamespace(kind=row.tokenizer, vocab_size=row.vocab_size, eot_id=row.eot_id,
                                save=lambda d: None)
     if info["dir"] is not None and info["kind"] == "bpe":
-        if not (tmp / "tokenizer.json").is_file():
-            copy_file(Path(info["dir"]) / "tokenizer.json", tmp / "tokenizer.json")  # whole
+        if not (tmp / "tokenizer.json").is_file():  # whole (Directory.write: atomic_write)
+            storage.Directory(tmp).write("tokenizer.json",
+                                         storage.open_dir(info["dir"]).read("tokenizer.json"))
         return load_tokenizer(tmp, "bpe")
     if info["kind"] != "bpe":
         return TokenizerSpec(info["kind"])()
