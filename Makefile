@@ -7,6 +7,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data/stdlib
 RUN    ?= runs/demo
 NPROC  ?= 2
+TEST_WORKERS ?= 2
 # A nanoGPT checkout for the speedrun benchmark (git clone https://github.com/karpathy/nanoGPT);
 # empty: that benchmark skips nanoGPT, with one line, and times ddpgpt's recipes alone.
 NANOGPT ?=
@@ -14,7 +15,7 @@ NANOGPT ?=
 # Muon, 128-token sequences, 32 of them per step (the same 4,096 tokens per step as tiny's).
 DEMO_FLAGS := --optim.name muon --model.block-size 128 --data.global-batch 32 --data.eval-windows 0
 
-.PHONY: setup test demo bench lint clean data device-check
+.PHONY: setup test test-fast demo bench lint clean data device-check
 
 setup: $(STAMP)
 
@@ -24,8 +25,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# The suite on $(TEST_WORKERS) pytest-xdist workers, each test file whole on one of them (its
+# module-scoped shared runs built once); it ends with its total time and the 15 slowest tests.
+# test-fast: the unit tests alone, for the edit-and-test loop.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=5 tests/unit
 
 # The quick start: prepare the standard-library corpus (once), train the tiny preset on $(NPROC)
 # CPU processes (its last step scores the val split), then print a sample, and draw its curves
