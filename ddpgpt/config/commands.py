@@ -34,6 +34,14 @@ class PrepareConfig:
     skip_bad_rows: bool = False
     """Skip (and count) jsonl lines that are not JSON objects with a string text field, instead
     of stopping at the first."""
+    chat: bool = False
+    """Each record (a jsonl line, a parquet or hf: row) is a conversation: a list of {role,
+    content} messages in its `messages` field (or --text-field), rendered by the chat template
+    into tokens and a loss mask on the assistant's replies; the tokenizer gets the template's
+    special tokens (docs/chat.md)."""
+    strict: bool = False
+    """With --chat: stop at the first record that is not a conversation (no assistant turn, an
+    unknown role, empty content), instead of counting and skipping it."""
     workers: int = 0
     """Processes that read and encode; 0: every core this process may use. The output is
     the same for any number."""
@@ -71,12 +79,20 @@ class PrepareConfig:
         _require(self.workers >= 0, f"--workers {self.workers} must be >= 0 (0: every core)")
         _require(self.max_tokens >= 0, f"--max-tokens {self.max_tokens} must be >= 0 (0: all)")
         _require(bool(self.text_field), "--text-field must name a field")
+        _require(self.chat or not self.strict, "--strict refuses records that are not "
+                 "conversations: it goes with --chat")
         if self.part is not None:
             i, _, n = self.part.partition("/")
             _require(i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n),
                      f"--part {self.part}: expected I/N with 1 <= I <= N, e.g. --part 3/8")
             _require(not self.merge, "--part and --merge contradict each other: prepare the "
                      "parts first, then merge them")
+
+    @property
+    def record_field(self) -> str:
+        """The field each record's document or conversation is read from: --text-field, whose
+        default for --chat is `messages`, the hub's chat sets' name."""
+        return "messages" if self.chat and self.text_field == "text" else self.text_field
 
     @property
     def part_of(self) -> tuple[int, int] | None:
