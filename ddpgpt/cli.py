@@ -285,7 +285,7 @@ class _PretrainedShape:
         self.before: TrainConfig | None = None
 
     def __call__(self, cfg: TrainConfig, explicit: dict) -> TrainConfig:
-        from ddpgpt.hf.init_from import apply_shape
+        from ddpgpt.run.init_weights import apply_shape
         self.before = cfg
         return apply_shape(cfg, explicit)
 

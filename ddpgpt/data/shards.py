@@ -310,7 +310,11 @@ class TokenDataset:
         """A mean loss per token (nats) as bits per byte of the split's text: the bits to encode
         the split at that loss over its UTF-8 bytes, which compares across tokenizers. Exact for
         a loss over the whole split; for a sample of its windows it assumes the split's average
-        bytes per token. None for a dataset whose meta.json has no byte counts."""
+        bytes per token. None for a dataset whose meta.json has no byte counts, and for one of
+        conversations (its loss is over the assistant's tokens alone, its bytes are all the
+        text's)."""
+        if self.masked:
+            return None
         try:
             n_bytes = int(self.split_bytes[split])
         except (TypeError, KeyError, ValueError):

@@ -242,6 +242,38 @@ def with_chat(tok):
     return ChatTokens(tok)
 
 
+def grows_by_chat(base: tuple[str, str | Path], grown: tuple[str, str | Path]) -> bool:
+    """Whether the tokenizer `grown` (kind, directory) is `base`'s with the chat template's
+    tokens after its own ids, and nothing else changed: what `prepare --chat --tokenizer-from`
+    makes of a base run's, a dataset's or an export's tokenizer (so a model of the base's ids
+    reads every id of it but the new ones, whose rows it grows: run/init_weights.py)."""
+    (base_kind_, base_dir), (kind, directory) = base, grown
+    if base_kind_ in ("byte", "gpt2"):
+        return kind == base_kind_ + CHAT_KIND
+    if base_kind_ != "bpe" or kind != "bpe":
+        return False
+    try:
+        old, new = (_normalized(Path(d) / "tokenizer.json") for d in (base_dir, directory))
+    except Exception:  # tokenizers raises plain Exception on a bad file, json ValueError
+        return False
+    size = BPETokenizer(_tokenizers().Tokenizer.from_str(json.dumps(old))).vocab_size
+    added = [t for t in new.get("added_tokens", []) if t["content"] in chat.TOKENS]
+    new["added_tokens"] = [t for t in new.get("added_tokens", []) if t not in added]
+    return (len(added) == len(chat.TOKENS) and all(t["id"] >= size for t in added)
+            and new == old)
+
+
+def _tokenizers():
+    import tokenizers
+    return tokenizers
+
+
+def _normalized(path: Path) -> dict:
+    """A tokenizer.json as `tokenizers` writes it back (transformers' copy and ours differ in
+    layout, not in content)."""
+    return json.loads(_tokenizers().Tokenizer.from_file(str(path)).to_str())
+
+
 def base_kind(kind: str) -> str:
     """A tokenizer kind without the chat tokens' suffix: byte+chat -> byte."""
     return kind.removesuffix(CHAT_KIND)
