@@ -167,6 +167,30 @@ def save_format_2(root: Path, step: int, state: dict, meta: dict) -> Path:
     return final
 
 
+def write_run(run: Path, model, kind: str, vocab: int, step: int = 3, seed: int = 1):
+    """A run dir as `ddpgpt train` leaves it, without training: `model` (a ModelConfig) built
+    from `seed` (its embedding drawn wider, as trained rows differ), one checkpoint at `step`,
+    config.json, the data's meta.json (tokenizer `kind`, `vocab` ids). Returns the weights."""
+    import torch
+
+    from ddpgpt.config.schema import TrainConfig
+    from ddpgpt.data.tokenizer import fingerprint
+    from ddpgpt.model.gpt import GPT
+
+    cfg = TrainConfig(model=model)
+    net = GPT(model, seed=seed)
+    with torch.no_grad():
+        net.wte.weight.normal_(generator=torch.Generator().manual_seed(seed))
+    (run / "checkpoints").mkdir(parents=True)
+    save_format_2(run / "checkpoints", step, {"model": net.state_dict()},
+                  {"config": cfg.to_dict(), "world_size": 1,
+                   "tokenizer_fingerprint": fingerprint(kind, run)})
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (run / "data_meta.json").write_text(json.dumps({"tokenizer": kind, "vocab_size": vocab,
+                                                    "eot_id": 256}))
+    return net.state_dict()
+
+
 def reference_step(stream: np.ndarray, seed: int, seq_len: int, G: int, k: int,
                    version: int = 2) -> np.ndarray:
     """Step k's G windows, shape (G, T+1), straight from the documented ordering rule: the

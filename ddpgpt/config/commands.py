@@ -1,5 +1,5 @@
-"""The settings of every command but `train` (config.py): prepare, sample, plot, eval, export,
-doctor, bench and rendezvous. Each is one dataclass whose fields become the command's flags
+"""The settings of every command but `train` (config.py): prepare, sample, chat, plot, eval,
+export, doctor, bench and rendezvous. Each is one dataclass whose fields become the command's flags
 (cli.py), with a docstring under every field and one line for a bad value."""
 
 from __future__ import annotations
@@ -142,6 +142,49 @@ class SampleConfig:
         _require(self.top_k >= 0, f"--top-k {self.top_k} must be >= 0 (0: off)")
         _require(self.num_samples >= 1, f"--num-samples {self.num_samples} must be >= 1")
         _choice("sample", "device", self.device, Device)
+
+
+@dataclass
+class ChatConfig:
+    """`ddpgpt chat`: a conversation with a model fine-tuned on conversations (docs/chat.md). At
+    a terminal: type a message, Enter; Ctrl-D ends. From a pipe: one user turn a line, one reply
+    a turn."""
+
+    run_dir: str = field(default=RUN_DIR, metadata={"alias": "--run"})
+    """Run directory: its newest complete checkpoint answers (or --step's)."""
+    step: int = 0
+    """The checkpoint's step; 0: the newest complete one."""
+    init_from: str = ""
+    """Chat with this transformers directory (`ddpgpt export`'s, with its chat template) instead
+    of a run's checkpoint."""
+    system: str = ""
+    """A system message that opens the conversation."""
+    temperature: float = 0.7
+    """Softmax temperature; 0 is greedy (the most likely token each time)."""
+    top_k: int = 50
+    """Sample among the k most likely tokens; 0 samples from all."""
+    max_new_tokens: int = 256
+    """Tokens a reply has at most (it ends earlier at <|assistant_end|>); the conversation keeps
+    this much of the model's context free, its oldest turns dropped when it would not."""
+    seed: int = 1337
+    """Sampling seed."""
+    device: Device = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    threads: int = 0
+    """CPU threads; 0: one for a small model (as sample's --threads), else the usable cores."""
+
+    def __post_init__(self):
+        _finite(self, "--")
+        _require(self.max_new_tokens >= 1, f"--max-new-tokens {self.max_new_tokens} must be >= 1")
+        _require(self.temperature >= 0, f"--temperature {self.temperature} must be >= 0 (0: "
+                 "greedy)")
+        _require(self.top_k >= 0, f"--top-k {self.top_k} must be >= 0 (0: off)")
+        _require(self.threads >= 0, f"--threads {self.threads} must be >= 0 (0: auto)")
+        _require(self.step >= 0, f"--step {self.step} must be >= 0 (0: the newest checkpoint)")
+        _require(not self.init_from or (self.run_dir == RUN_DIR and not self.step),
+                 f"--init-from {self.init_from} is the model to chat with: drop --run-dir and "
+                 "--step")
+        _choice("chat", "device", self.device, Device)
 
 
 @dataclass

@@ -134,3 +134,20 @@ def prompt(conv: list[dict], encode: Callable[[list[str]], list[np.ndarray]],
 def missing(ids: dict[str, int]) -> list[str]:
     """The template's tokens a tokenizer's `special` ids lack."""
     return [t for t in TOKENS if t not in ids]
+
+
+def fit(conv: list[dict], encode: Callable[[list[str]], list[np.ndarray]], ids: dict[str, int],
+        bos: int, room: int) -> tuple[list[dict], np.ndarray, bool]:
+    """The conversation cut to what fits `room` tokens of prompt (a reply's room left of the
+    model's context): its oldest exchanges dropped, a system message kept, until the prompt
+    fits or only the last user turn (and the system message) is left. Returns (the messages
+    kept, their prompt, whether any was dropped)."""
+    system = conv[:1] if conv and conv[0]["role"] == "system" else []
+    turns = conv[len(system):]
+    dropped = False
+    while True:
+        ids_ = prompt(system + turns, encode, ids, bos)
+        users = [i for i, m in enumerate(turns) if m["role"] == "user"]
+        if len(ids_) <= room or len(users) <= 1:
+            return system + turns, ids_, dropped
+        turns, dropped = turns[users[1]:], True  # from the second user turn on

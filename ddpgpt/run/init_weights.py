@@ -42,6 +42,21 @@ NOT_WEIGHTS = ("doc_mask", "bos_id", "attention", "kernels", "dropout", "init_fr
 GROWN = ("wte.weight", "lm_head.weight")  # the rows of ids: the embedding, an untied head
 
 
+class Shape:
+    """--model.init-from's shape for config.io.build (apply_shape; the weights read only when
+    asked for); `note(cfg)`, once the config is built, the line that says what they changed."""
+
+    def __init__(self):
+        self.before: TrainConfig | None = None
+
+    def __call__(self, cfg: TrainConfig, explicit: dict) -> TrainConfig:
+        self.before = cfg
+        return apply_shape(cfg, explicit)
+
+    def note(self, cfg: TrainConfig) -> list[str]:
+        return [] if self.before is None else [hf.shape_note(self.before, cfg)]
+
+
 def checkpoint_of(spec: str) -> tuple[Path, dict] | None:
     """The checkpoint `spec` names when it is a ddpgpt run directory (its newest complete one)
     or one of a run's checkpoints, with its meta.json; None for anything else."""

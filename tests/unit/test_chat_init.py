@@ -3,7 +3,6 @@ model's shape from the run, the vocabulary grown by the chat template's tokens (
 mean of the trained ones, said in one line), another tokenizer refused in one line, and a
 GPT-2 model's padded rows taken as they are."""
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +15,7 @@ from ddpgpt.errors import UserError
 from ddpgpt.model.gpt import GPT
 from ddpgpt.run.init_weights import apply_shape, grow_vocab, grown, read_state
 from ddpgpt.run.preflight import preflight
-from tests.helpers import save_format_2, write_dataset
+from tests.helpers import write_dataset, write_run
 
 BASE = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=257, arch="modern")
 
@@ -26,16 +25,7 @@ def base_run(tmp_path_factory):
     """A run dir as `ddpgpt train` leaves it, of a byte-level base model: its config, its data's
     meta.json, one checkpoint (step 3)."""
     run = tmp_path_factory.mktemp("base") / "run"
-    cfg = TrainConfig(model=BASE)
-    model = GPT(BASE, seed=1)
-    with torch.no_grad():
-        model.wte.weight.normal_()  # rows that differ from each other, as trained ones do
-    (run / "checkpoints").mkdir(parents=True)
-    save_format_2(run / "checkpoints", 3, {"model": model.state_dict()},
-                  {"config": cfg.to_dict(), "world_size": 1, "tokenizer_fingerprint": "byte"})
-    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
-    (run / "data_meta.json").write_text(json.dumps({"tokenizer": "byte", "vocab_size": 257}))
-    return run, model.state_dict()
+    return run, write_run(run, BASE, "byte", 257)
 
 
 def configure(data, init, tmp_path):
