@@ -82,3 +82,8 @@ def test_the_exported_template_renders_the_ids_chat_feeds_and_generate_replies_a
     assert_greedy_agrees([prompt + mine[:n]], [prompt + want[:n]],
                          lambda p: model(p).logits[:, -1, :].float())
     assert capsys.readouterr().out == tok.decode(mine) + "\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(CONVERSATIONS[0][0]["content"] + "\n"))
+    command.run(ChatConfig(init_from=str(out), temperature=0, max_new_tokens=12, device="cpu",
+                           threads=1))  # the export, read back as ddpgpt's model: the same
+    assert_greedy_agrees([prompt + talks[1].drawn[:n]], [prompt + mine[:n]],
+                         lambda p: model(p).logits[:, -1, :].float())
