@@ -103,7 +103,7 @@ def test_chat_refuses_sources_whose_records_cannot_be_conversations(tmp_path):
     text.write_text("plain text")
     with pytest.raises(UserError, match=r"a\.txt is a text source, whose records cannot be "
                        r"conversations; give records with a list of messages \(jsonl, parquet, "
-                       r"hf\)$"):
+                       r"hf, stdlib-chat\)$"):
         prepare_chat([text], tmp_path / "d")
     with pytest.raises(UserError, match="^invalid config: --strict refuses records that are not "
                        "conversations: "

@@ -52,7 +52,7 @@ class Unit:
     the format's: text (paths: files, one document each), jsonl (the lines that start in bytes
     [start, end) of paths[0]; end -1: the whole, compressed, file), parquet (row group `start` of
     paths[0]), hf (paths: name, config, split), llmc (paths[0], whose tokens all go to
-    `split`)."""
+    `split`), stdlib-chat (paths[0]: the standard library; its conversations of `split`)."""
 
     kind: str
     paths: tuple = ()
@@ -92,6 +92,7 @@ class Format:
     prefix: str | None = None  # a streamed source: its specs start with this
     tokens = False  # its units are tokens already (then: tokenizer, vocab_size, eot_id, ...)
     conversations = False  # its records may hold conversations: records(), plan_file(chat=)
+    only_conversations = False  # and nothing else (prepare --chat only)
 
     @property
     def described(self) -> str:
@@ -106,6 +107,10 @@ class Format:
 
     def stream(self, spec: str) -> tuple:
         raise NotImplementedError(f"{self.name} is not a streamed source")
+
+    def plan_stream(self, paths: tuple) -> list[Unit]:
+        """A streamed source's units: one (a format may cut it, a unit per split)."""
+        return [Unit(self.name, paths)]
 
     def stream_record(self, paths: tuple) -> dict:
         return {self.name: ":".join(p or "" for p in paths)}

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ddpgpt.data.formats import base, hf, jsonl, llmc, parquet, text
+from ddpgpt.data.formats import base, hf, jsonl, llmc, parquet, stdlib_chat, text
 from ddpgpt.data.formats.base import Format, Unit, UnitStats
 from ddpgpt.errors import UserError
 
@@ -29,6 +29,7 @@ FORMATS: dict[str, Format] = {row.name: row for row in (
     parquet.ROW,   # .parquet, a unit per row group
     llmc.ROW,      # llm.c's .bin shards (by their header): tokens already
     hf.ROW,        # hf:NAME[:CONFIG][:SPLIT], streamed
+    stdlib_chat.ROW,  # stdlib-chat: the built-in conversations (prepare --chat)
 )}
 FALLBACK = "text"  # a file no format claims
 
@@ -88,7 +89,7 @@ def plan(corpus, text_field: str, chat: bool = False) -> Plan:
         close_group()  # a unit never spans two sources
         if isinstance(part, Stream):
             _check_chat(chat, FORMATS[part.kind], f"{part.kind}:{part.paths[0]}")
-            out.units.append(Unit(part.kind, part.paths))
+            out.units += FORMATS[part.kind].plan_stream(part.paths)
             out.files.append(FORMATS[part.kind].stream_record(part.paths))
             out.text_bytes = None
             continue
@@ -119,6 +120,8 @@ def plan(corpus, text_field: str, chat: bool = False) -> Plan:
 
 
 def _check_chat(chat: bool, row: Format, where) -> None:
+    if not chat and row.only_conversations:
+        raise UserError(f"{row.described} are conversations: prepare them with --chat")
     if chat and not row.conversations:
         holding = ", ".join(r.name for r in FORMATS.values() if r.conversations)
         raise UserError(f"prepare --chat: {where} is a {row.name} source, whose records cannot "

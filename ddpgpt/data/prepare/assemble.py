@@ -115,17 +115,19 @@ class Assembler:
 
     def add(self, tokens: np.ndarray, record: dict, mask: np.ndarray | None = None) -> None:
         """Appends one unit: `record["docs"]` lists each document's (tokens, bytes) in `tokens`
-        (`mask`: their loss mask, conversations'); an llm.c unit instead names the split all its
-        tokens go to."""
+        (`mask`: their loss mask, conversations'), each to the split is_val gives it, or all to
+        `record["split"]` (a unit of one split: the built-in conversations'); an llm.c unit
+        instead names the split all its tokens go to."""
         self.units += 1
         self.stats.add(record.get("stats", {}))
-        if record.get("split"):  # llm.c tokens: no documents of ours, bytes unknown
+        if record.get("split") and "docs" not in record:  # llm.c: no documents, bytes unknown
             self._write(record["split"], tokens)
         start = 0
         for n_tokens, n_bytes in record.get("docs", ()):
             if self.full:
                 break
-            self.split = "val" if is_val(sum(self.documents.values()), self.ppm) else "train"
+            self.split = record.get("split") or \
+                ("val" if is_val(sum(self.documents.values()), self.ppm) else "train")
             self.documents[self.split] += 1
             self.bytes[self.split] += n_bytes
             self._write(self.split, tokens[start:start + n_tokens],

@@ -90,7 +90,8 @@ def encode_unit(unit: Unit, tok, dtype: str, work: Path, index: int, text_field:
             e.filename = str(tok_path)
         raise
     record = {"dtype": dtype, "docs": docs, "stats": asdict(stats),
-              **({"mask": True} if reading is not None else {})}
+              **({"mask": True} if reading is not None else {}),
+              **({"split": unit.split} if unit.split else {})}  # a unit of one split
     with atomic_write(rec_path) as f:
         f.write(json.dumps(record, separators=(",", ":")).encode())
 
