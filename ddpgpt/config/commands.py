@@ -232,7 +232,8 @@ class EvalConfig:
     given with --task-data (KIND:NAME: a task of another kind, evals/kinds.py). Each prints
     NAME_acc_norm (lowest mean loss per token, llm.c's), NAME_acc (lowest sum) and NAME_acc_char
     (sum per character, lm-evaluation-harness's). core: CORE's 22 tasks as nanochat scores them
-    (core_metric, each task's core_LABEL_acc and core_LABEL_centered)."""
+    (core_metric, each task's core_LABEL_acc and core_LABEL_centered). chat:NAME: a task asked
+    in the chat template, each ending as the assistant's reply (a fine-tuned model)."""
     task_data: str = ""
     """The tasks' jsonl files, comma-separated in --task's order: one example per line, {"ctx":
     ..., "endings": [...], "label": INDEX}. Empty for hellaswag: its cached download. core's: the
