@@ -190,3 +190,16 @@ def test_every_kind_of_tokenizer_takes_the_template_tokens(tmp_path):
     plain = load_tokenizer(base.path, "bpe")
     assert tok.encode_batch(["plain text"])[0].tolist() == \
         plain.encode_batch(["plain text"])[0].tolist()  # the base's ids unchanged
+
+
+def test_conversations_prepared_as_text_are_told_to_use_chat(tmp_path):
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": conv(0)}])
+    with pytest.raises(UserError) as e:
+        prepare.run(PrepareConfig(sources=[str(src)], out=str(tmp_path / "d"), workers=1))
+    assert str(e.value) == (f"{src}:1: no field 'text', and its 'messages' is a conversation; "
+                            "prepare conversations with --chat")
+    with pytest.raises(UserError) as e:
+        prepare.run(PrepareConfig(sources=[str(src)], out=str(tmp_path / "d"), workers=1,
+                                  text_field="messages"))
+    assert str(e.value) == (f"{src}:1: field 'messages' holds a conversation (a list of "
+                            "messages), not text; prepare conversations with --chat")

@@ -46,6 +46,9 @@ class Jsonl(Format):
                 stats.bad_rows += 1
                 continue
             where = f"{unit.paths[0]}:{_line_number(unit, number)}"
+            if looks_like_messages(text):
+                raise UserError(f"{where}: field {text_field!r} holds a conversation (a list "
+                                "of messages), not text; prepare conversations with --chat")
             raise UserError(f"{where}: field {text_field!r} is {type(text).__name__}, not a "
                             f"string; fix the line, {SKIP_HINT}")
 
@@ -82,8 +85,17 @@ def _rows(unit: Unit, field: str, skip_bad: bool,
         if not isinstance(row, dict):
             raise UserError(f"{where}: a JSON {type(row).__name__}, not an object; one object "
                             f"per line is expected; fix the line, {SKIP_HINT}")
+        if looks_like_messages(row.get("messages")):
+            raise UserError(f"{where}: no field {field!r}, and its 'messages' is a "
+                            "conversation; prepare conversations with --chat")
         raise UserError(f"{where}: no field {field!r} (fields: {', '.join(row)}); "
                         f"name the text field with --text-field, {SKIP_HINT}")
+
+
+def looks_like_messages(value) -> bool:
+    """A list of {role, content} objects: a conversation given where text was asked for."""
+    return isinstance(value, list) and bool(value) and \
+        all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
 def _jsonl_lines(unit: Unit) -> Iterator[tuple[int, bytes]]:
