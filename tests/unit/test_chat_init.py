@@ -3,6 +3,7 @@ model's shape from the run, the vocabulary grown by the chat template's tokens (
 mean of the trained ones, said in one line), another tokenizer refused in one line, and a
 GPT-2 model's padded rows taken as they are."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -74,3 +75,34 @@ def test_a_gpt2_models_padded_rows_hold_the_template_tokens():
     assert grow_vocab(cfg, SimpleNamespace(vocab_size=50257)) is cfg  # nothing to grow
     plain = TrainConfig(model=ModelConfig(vocab_size=4096))
     assert grow_vocab(plain, SimpleNamespace(vocab_size=4102)).model.vocab_size == 4102
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_a_fine_tune_from_an_export_grows_its_vocabulary_alike(tmp_path, kind):
+    """The base exported (transformers writes its tokenizer anew), conversations prepared with
+    --tokenizer-from the export: its tokenizer with the template's tokens after its ids."""
+    pytest.importorskip("transformers")
+    from ddpgpt.commands import export
+    from ddpgpt.config.commands import ExportConfig, PrepareConfig
+    from ddpgpt.data.prepare import main as prepare
+    from ddpgpt.data.tokenizer import BPETokenizer
+    from tests.helpers import write_conversations
+
+    run = tmp_path / "base"
+    run.mkdir()
+    vocab = 257
+    if kind == "bpe":
+        BPETokenizer.train(["some text to learn a few merges from " * 30], 300, False).save(run)
+        vocab = BPETokenizer.load(run).vocab_size
+    weights = write_run(run, dataclasses.replace(BASE, vocab_size=vocab), kind, vocab)
+    export.run(ExportConfig(run_dir=str(run), out=str(tmp_path / "exported")))
+    prepare.run(PrepareConfig(sources=[str(write_conversations(tmp_path / "c.jsonl", 40))],
+                              chat=True, tokenizer_from=str(tmp_path / "exported"),
+                              val_fraction=0.2, out=str(tmp_path / "chat"), workers=1))
+    cfg, dataset = configure(tmp_path / "chat", tmp_path / "exported", tmp_path)
+    assert dataset.vocab_size == vocab + 6 and cfg.model.vocab_size >= vocab + 6
+    state = read_state(str(tmp_path / "exported"), cfg.model, dataset.vocab_size)
+    for name in ("wte.weight", "lm_head.weight"):
+        torch.testing.assert_close(state[name][:vocab], weights[name])
+        torch.testing.assert_close(state[name][vocab:vocab + 6],
+                                   weights[name].mean(0).expand(6, 32))
