@@ -147,7 +147,7 @@ def test_every_readme_command_runs_or_says_why_not(tmp_path):
     # what the commands made is what README says they make
     assert (tmp_path / "runs" / "mine.png").is_file()
     assert (tmp_path / "exported" / "mine" / "model.safetensors").is_file()
-    for data in ("mine", "edu10b", "edu", "edu10b-merged", "mine-gpt2"):
+    for data in ("mine", "edu10b", "edu", "edu10b-merged", "mine-gpt2", "chat"):
         assert (tmp_path / "data" / data / "meta.json").is_file(), data
     assert ((tmp_path / "data" / "edu10b" / "train_000000.bin").read_bytes()
             == (tmp_path / "data" / "edu10b-merged" / "train_000000.bin").read_bytes())
