@@ -18,7 +18,7 @@ conversation so far followed by <|assistant_start|>; a reply ends at <|assistant
 
 `JINJA` is the same template in transformers' chat_template language: an exported tokenizer's
 `apply_chat_template(messages, add_generation_prompt=True)` gives exactly `prompt`'s ids
-(tests/unit/test_chat.py renders both). The six tokens are real tokens of the tokenizer,
+(tests/unit/test_chat_export.py renders both). The six tokens are real tokens of the tokenizer,
 never text: a content that spells one is not a conversation (it would render as the token).
 """
 

@@ -179,3 +179,19 @@ def test_a_fine_tune_resumes_exactly(chat_data, tmp_path):
     second = trainer(chat_data, tmp_path / "c")
     second.load_state_dict(state, saved_world_size=1)
     assert head + steps(second, 2) == straight  # bitwise: the same W, the same arithmetic
+
+
+def test_a_dataset_of_conversations_in_object_storage_reads_as_its_local_copy(chat_data, s3):
+    """Its masks travel with its tokens: the same rows and targets from a bucket (ranged reads)
+    as from the disk, the packing included."""
+    url = s3.bucket("chat") + "/chat"
+    fs = s3.fs()
+    for path in sorted(chat_data.iterdir(), key=lambda p: p.name == "meta.json"):
+        if path.suffix in (".bin", ".mask", ".json") and path.name != "verified.json":
+            fs.put_file(str(path), f"{url[5:]}/{path.name}")
+    remote = TokenDataset(url)
+    assert remote.masked and remote.fingerprint == TokenDataset(chat_data).fingerprint
+    loaders = [TrainLoader(ds, seq_len=T, micro_batch=4, accum_steps=2, align="bos")
+               for ds in (remote, TokenDataset(chat_data))]
+    for (x, y), (x0, y0) in zip(*(loader.next_step() for loader in loaders)):
+        assert torch.equal(x, x0) and torch.equal(y, y0)
