@@ -102,7 +102,7 @@ def test_the_built_in_conversations_go_with_chat_and_their_own_split(library, tm
                                   out=str(tmp_path / "b")))
 
 
-def test_this_pythons_library_gives_thousands_of_conversations():
+def test_this_pythons_library_is_split_by_module():
     """The real standard library: its public modules, about one in 20 of them val's."""
     modules = [m for m, _ in stdlib_chat.modules(stdlib_chat.library())]
     assert "json" in modules and "os" in modules and not any(".test" in m for m in modules)
