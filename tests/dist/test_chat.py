@@ -17,26 +17,30 @@ import numpy as np
 import pytest
 
 from ddpgpt.config.commands import PrepareConfig
+from ddpgpt.config.model import ModelConfig
 from ddpgpt.data.prepare import main as prepare
 from ddpgpt.sync.modes import MODES
 from tests.conftest import CORPUS, STDLIB
-from tests.helpers import run_ranks
+from tests.helpers import run_ranks, write_run
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 STEPS = 6
 TOL = 1e-5
 
 
-def variants(world: int, mix: str) -> list[dict]:
+def variants(world: int, mix: str, base: str) -> list[dict]:
     """Every mode at b = 2; ddp at the other micro-batches that divide G = 8 at this W (b = 1,
     4); the per-micro-batch mean at b = 2 and 4 (at b = 1 a micro-batch of one row without an
-    assistant token has no mean: NaN, the whole run with it); the mixture at b = 2."""
+    assistant token has no mean: NaN, the whole run with it); the mixture at b = 2; a fine-tune
+    from a base run (--init-from, its vocabulary grown) at b = 1 and 4."""
     fits = [b for b in (1, 2, 4) if 8 % (world * b) == 0]
     out = [{"name": f"{mode} b=2", "mode": mode, "b": 2} for mode in MODES]
     out += [{"name": f"ddp b={b}", "mode": "ddp", "b": b} for b in fits if b != 2]
     out += [{"name": f"per-micro b={b}", "mode": "ddp", "b": b, "per_micro": True}
             for b in fits if b != 1]
     out += [{"name": "mix b=2", "mode": "ddp", "b": 2, "data": mix}]
+    out += [{"name": f"init b={b}", "mode": "ddp", "b": b, "init": base} for b in fits
+            if b != 2]
     return out
 
 
@@ -47,11 +51,14 @@ def runs(chat_data, tmp_path_factory):
     prepare.run(PrepareConfig(sources=[str(STDLIB / f) for f in CORPUS[:3]], out=str(plain),
                               tokenizer_from=str(chat_data), val_fraction=0.2, workers=1))
     mix = f"{chat_data}:0.7,{plain}:0.3"
+    base = tmp / "base"  # a byte-level base run of the same shape, not fine-tuned
+    write_run(base, ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=257,
+                                arch="modern"), "byte", 257)
     result = {}
     for world in (1, 2, 4):
         out = tmp / f"out_{world}.json"
         args = {"data": str(chat_data), "run_dir": str(tmp / "run"), "steps": STEPS,
-                "variants": variants(world, mix), "group_at_one": world == 1}
+                "variants": variants(world, mix, str(base)), "group_at_one": world == 1}
         run_ranks([["-m", "tests.dist.workers_chat", "sft", json.dumps(args), str(out)]] * world,
                   tmp / f"logs_{world}", timeout=300)
         result[world] = json.loads(out.read_text())
@@ -65,7 +72,7 @@ def test_the_fine_tune_is_the_same_at_every_world_size_micro_batch_and_mode(runs
     worst = 0.0
     for world, named in runs.items():
         for name, run in named.items():
-            if name.startswith(("per-micro", "mix")):
+            if name.startswith(("per-micro", "mix", "init")):
                 continue
             np.testing.assert_allclose(run["losses"], reference, rtol=TOL, atol=0,
                                        err_msg=f"{name} W={world}")
@@ -99,3 +106,16 @@ def test_a_plain_source_mixed_in_keeps_the_invariance(runs):
     for world in (2, 4):
         np.testing.assert_allclose(runs[world]["mix b=2"]["losses"], reference, rtol=TOL,
                                    atol=0, err_msg=f"W={world}")
+
+
+def test_a_fine_tune_from_a_base_run_is_the_same_at_w_1_2_4_and_b_1_4(runs):
+    """--init-from the base run (its 257 ids grown to the template's 263), at W = 1 and 2 with
+    b = 1 and 4, and at W = 4 with b = 1: the same losses, and not those from scratch."""
+    reference = runs[1]["init b=1"]["losses"]
+    assert reference != runs[1]["ddp b=2"]["losses"]
+    for world, named in runs.items():
+        for name in ("init b=1", "init b=4"):
+            if name in named:
+                np.testing.assert_allclose(named[name]["losses"], reference, rtol=TOL, atol=0,
+                                           err_msg=f"{name} W={world}")
+    assert {"init b=4"} <= set(runs[2]) and {"init b=1"} <= set(runs[4])
