@@ -9,6 +9,7 @@ import contextlib
 import copy
 import logging
 import time
+from collections.abc import Iterable
 from typing import get_args
 
 import torch
@@ -308,7 +309,7 @@ class Trainer:
             norm = self.sync.clip(self.cfg.optim.grad_clip or float("inf"))
         return (loss_sum / self.accum if weight is None else loss_sum), norm
 
-    def _batches(self) -> tuple[list | object, torch.Tensor | None]:
+    def _batches(self) -> tuple[Iterable[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
         """This rank's micro-batches of the next step, and, when some targets are masked out
         (conversations: -1), the weight of each unmasked target's loss, W / N for the N unmasked
         targets of the whole global batch (every rank, every micro-step): the step's batches are
