@@ -5,6 +5,7 @@ train has its own flags, built from the config's sections, and `--nproc` goes to
     ddpgpt prepare [SOURCE ...] --out DIR          corpus -> token shards
     ddpgpt train --data DIR [--preset tiny]        train, 1 process or --nproc N
     ddpgpt sample --run-dir DIR --prompt TEXT      generate from a checkpoint
+    ddpgpt chat --run-dir DIR                      talk with a fine-tuned model
     ddpgpt eval --run-dir DIR                      validation loss
     ddpgpt doctor [--nproc N]                      environment and all-reduce probe
     ddpgpt bench [--nproc N] [--sync MODES]        what each sync mode costs
@@ -31,6 +32,7 @@ from pathlib import Path
 from ddpgpt import __version__
 from ddpgpt.config.commands import (
     BenchConfig,
+    ChatConfig,
     CheckConfig,
     DoctorConfig,
     EvalConfig,
@@ -123,6 +125,9 @@ COMMANDS = {
     "plot": (PlotConfig, "ddpgpt.commands.plot:run",
              "draw runs' loss curves and tokens/s into one PNG",
              "ddpgpt plot runs/adamw runs/muon --out curves.png"),
+    "chat": (ChatConfig, "ddpgpt.commands.chat:run",
+             "talk with a model fine-tuned on conversations (docs/chat.md)",
+             "ddpgpt chat --run-dir runs/sft --system 'Answer in one line.'"),
     "export": (ExportConfig, "ddpgpt.commands.export:run",
                "write a checkpoint as a Hugging Face transformers directory",
                "ddpgpt export --run-dir runs/demo --out exported/demo"),
@@ -241,7 +246,8 @@ def train_config(values: dict) -> tuple[TrainConfig, int | None, int, str]:
                         "(--preset, --config)"), flags, str(saved))
         if base is None and not whole and url:
             base, saved_world = _from_checkpoints(url, flags)
-    shape = _PretrainedShape()
+    from ddpgpt.run.init_weights import Shape
+    shape = Shape()
     cfg = build(options["preset"], options["config"], flags, shape=shape, base=base)
     notes = shape.note(cfg)
     if base is not None and nproc is None and not options["resolved_config"]:
@@ -276,25 +282,6 @@ def read_config(path: str | Path, where: str, fix: str = "") -> dict:
         return json.loads(text)
     except ValueError as e:
         raise UserError(f"{where} {path}: not valid JSON ({e}){fix}") from None
-
-
-class _PretrainedShape:
-    """--model.init-from: the shape of its weights (read only when asked for); `note(cfg)`, once
-    the config is built, the line that says what they changed of it."""
-
-    def __init__(self):
-        self.before: TrainConfig | None = None
-
-    def __call__(self, cfg: TrainConfig, explicit: dict) -> TrainConfig:
-        from ddpgpt.hf.init_from import apply_shape
-        self.before = cfg
-        return apply_shape(cfg, explicit)
-
-    def note(self, cfg: TrainConfig) -> list[str]:
-        from ddpgpt.hf.init_from import shape_note
-        if self.before is None:
-            return []
-        return [shape_note(self.before, cfg)]
 
 
 TRUE, FALSE = ("true", "yes", "1"), ("false", "no", "0")

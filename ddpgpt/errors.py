@@ -88,6 +88,11 @@ class DataError(UserError):
     """A dataset directory or shard that is missing, malformed or inconsistent."""
 
 
+class ChatError(UserError):
+    """A model, tokenizer or dataset that cannot hold a conversation where one is needed (no
+    chat template tokens, no loss masks)."""
+
+
 def closest(word: str, choices) -> str | None:
     """The choice closest to a mistyped `word` (difflib's ratio at least 0.6), or else the one
     of the same letters in another order (`tyni`: tiny, whose ratio is 0.5), or None."""

@@ -9,6 +9,7 @@ import contextlib
 import copy
 import logging
 import time
+from collections.abc import Iterable
 from typing import get_args
 
 import torch
@@ -85,6 +86,7 @@ class Trainer:
         `init`: pretrained weights (--init-from) to start from instead of the seed's. `digest`:
         take `init_digest` (a start from scratch compares it across ranks; a resume does not)."""
         self.cfg, self.env, self.dataset, self.guard = cfg, env, dataset, guard
+        self.world = 1 if local else env.world_size  # the ranks whose gradients the sync averages
         dev, data, run = env.device, cfg.data, cfg.run
         self.accum = accum_steps(cfg, env.world_size)
         # 1. The same weights on every rank: drawn from run.seed by the model's private generator,
@@ -281,21 +283,29 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over this rank's A micro-batches, gradients synced once, at the last.
-        Returns (this rank's mean loss, the global gradient norm before clipping)."""
+        Returns (this rank's share of the loss: the mean over ranks of it is the global mean
+        loss; the global gradient norm before clipping)."""
         self.batch = self.loader.batch_index  # the global batch this step reads
         loss_sum = torch.zeros((), device=self.env.device)
         # A lost peer shows in whichever collective comes first: the last backward's (DDP, the
         # buckets), any forward's (fsdp2 gathers each block's weights), finish()'s or the norm's.
         with collective() if self.env.world_size > 1 else contextlib.nullcontext():
-            for m, (x, y) in enumerate(self.loader.next_step()):
+            batches, weight = self._batches()
+            for m, (x, y) in enumerate(batches):
                 last = m == self.accum - 1
                 # Before the last micro-step no gradient is synced: they accumulate locally.
                 with self.sync.micro_step(last):
                     with self.autocast():
-                        _, loss = self.model(x, y)  # mean over this micro-batch's b·T tokens
+                        if weight is None:  # mean over this micro-batch's b·T tokens
+                            _, loss = self.model(x, y)
+                        else:  # summed over its unmasked targets, each weighted W / N
+                            _, loss = self.model(x, y, reduction="sum")
+                            loss = loss * weight
                     # /A: summed over micro-steps, then averaged over W ranks by the sync, the
                     # gradient is that of the mean loss over the global batch (T targets each).
-                    scaled = loss / self.accum
+                    # With a mask, W / N: the sync's mean over W then leaves the sum over the
+                    # global batch's N unmasked targets divided by N, at any W, A and b.
+                    scaled = loss / self.accum if weight is None else loss
                     (self.scaler.scale(scaled) if self.scaler else scaled).backward()
                 loss_sum += loss.detach()
             self.sync.finish()
@@ -303,7 +313,24 @@ class Trainer:
                 self.scaler.unscale_(self.optimizer)
             # After the sync every rank holds the same gradients, so this is the global norm.
             norm = self.sync.clip(self.cfg.optim.grad_clip or float("inf"))
-        return loss_sum / self.accum, norm
+        return (loss_sum / self.accum if weight is None else loss_sum), norm
+
+    def _batches(self) -> tuple[Iterable[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
+        """This rank's micro-batches of the next step, and, when some targets are masked out
+        (conversations: -1), the weight of each unmasked target's loss, W / N for the N unmasked
+        targets of the whole global batch (every rank, every micro-step): the step's batches are
+        read up front and N is one all-reduce of a count, before the first backward. (The
+        count of every rank's rows could be known without it only by reading every rank's
+        masks, or by a table of every row's count kept beside the data.) None: no mask, the
+        plain mean, as fast as ever."""
+        batches = self.loader.next_step()
+        if not self.loader.masked:
+            return batches, None
+        batches = list(batches)
+        count = torch.stack([(y >= 0).sum() for _, y in batches]).sum().double()
+        if self.world > 1:  # (bench's no-collective baseline: each rank its own N)
+            collectives.all_reduce(self.env, count)
+        return batches, (self.world / count.clamp(min=1)).float()  # no target at all: loss 0
 
     def evaluate(self, tasks: Scorer | None = None, progress: bool = False) -> dict:
         """An eval row: val_loss and val_bpb, train_eval_loss (data.train_eval_windows; a

@@ -38,6 +38,19 @@ def tiny_data(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def chat_data(tmp_path_factory) -> Path:
+    """300 conversations (tests/helpers.write_conversations) as a byte+chat dataset with loss
+    masks, 10% of them val."""
+    from tests.helpers import write_conversations
+
+    tmp = tmp_path_factory.mktemp("chat")
+    src = write_conversations(tmp / "chats.jsonl", 300)
+    prepare.run(PrepareConfig(sources=[str(src)], out=str(tmp / "chat"), tokenizer="byte",
+                              chat=True, val_fraction=0.1, workers=1))
+    return tmp / "chat"
+
+
+@pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3 server (moto's, tests/s3.py) on a free localhost port for the whole session.
     Nothing points at it unless a test asks for `s3`."""

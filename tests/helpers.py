@@ -29,19 +29,46 @@ SMALL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64
 
 
 def write_dataset(path: Path, train: np.ndarray, val: np.ndarray, vocab_size: int,
-                  shard_tokens: int = 10**9, eot_id: int = 0, kind: str = "byte") -> Path:
+                  shard_tokens: int = 10**9, eot_id: int = 0, kind: str = "byte",
+                  masks: tuple[np.ndarray, np.ndarray] | None = None) -> Path:
     """A dataset dir holding exactly these token streams (split into shards of `shard_tokens`),
     under the tokenizer name `kind` (gpt2: GPT-2's ids, made without its tokenizer files). Its
-    meta.json has no byte counts, as datasets prepared before they were recorded."""
+    meta.json has no byte counts, as datasets prepared before they were recorded. `masks`:
+    (train, val) loss masks beside them, as a dataset of conversations has."""
     path.mkdir(parents=True, exist_ok=True)
     dtype = dtype_for_vocab(vocab_size)
-    shards = {}
-    for split, tokens in (("train", train), ("val", val)):
+    shards, mask_shards = {}, {} if masks is not None else None
+    for i, (split, tokens) in enumerate((("train", train), ("val", val))):
         writer = SplitWriter(path, split, dtype, shard_tokens)
         writer.write(np.asarray(tokens))
         shards[split] = writer.close()
+        if masks is not None:
+            writer = SplitWriter(path, split, "uint8", shard_tokens, mask=True)
+            writer.write(np.asarray(masks[i], dtype=np.uint8))
+            mask_shards[split] = writer.close()
     tok = SimpleNamespace(kind=kind, vocab_size=vocab_size, eot_id=eot_id)
-    (path / "meta.json").write_text(json.dumps(make_meta(tok, dtype, shards, {"specs": ["test"]})))
+    meta = make_meta(tok, dtype, shards, {"specs": ["test"]}, masks=mask_shards)
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+def write_conversations(path: Path, n: int, seed: int = 0) -> Path:
+    """`n` conversations as jsonl (`prepare --chat`'s input): arithmetic questions and their
+    answers, a system turn in some, a second exchange in others, of varied lengths (from ~30 to
+    ~110 bytes), so that rows of 33 tokens hold varied numbers of the assistant's tokens."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for i in range(n):
+        a, b = (int(v) for v in rng.integers(0, 100, 2))
+        messages = [{"role": "user", "content": f"What is {a}+{b}?"},
+                    {"role": "assistant", "content": f"{a}+{b} is {a + b}."}]
+        if i % 3 == 0:
+            messages.insert(0, {"role": "system", "content": "Answer in one short line."})
+        if i % 4 == 1:
+            messages += [{"role": "user", "content": "And twice that?"},
+                         {"role": "assistant", "content": f"Twice {a + b} is {2 * (a + b)}."}]
+        lines.append(json.dumps({"messages": messages}))
+    path.write_text("\n".join(lines) + "\n")
     return path
 
 
@@ -146,6 +173,30 @@ def save_format_2(root: Path, step: int, state: dict, meta: dict) -> Path:
         "format_version": 2, "step": step, **meta,
         "files": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}))
     return final
+
+
+def write_run(run: Path, model, kind: str, vocab: int, step: int = 3, seed: int = 1):
+    """A run dir as `ddpgpt train` leaves it, without training: `model` (a ModelConfig) built
+    from `seed` (its embedding drawn wider, as trained rows differ), one checkpoint at `step`,
+    config.json, the data's meta.json (tokenizer `kind`, `vocab` ids). Returns the weights."""
+    import torch
+
+    from ddpgpt.config.schema import TrainConfig
+    from ddpgpt.data.tokenizer import fingerprint
+    from ddpgpt.model.gpt import GPT
+
+    cfg = TrainConfig(model=model)
+    net = GPT(model, seed=seed)
+    with torch.no_grad():
+        net.wte.weight.normal_(generator=torch.Generator().manual_seed(seed))
+    (run / "checkpoints").mkdir(parents=True)
+    save_format_2(run / "checkpoints", step, {"model": net.state_dict()},
+                  {"config": cfg.to_dict(), "world_size": 1,
+                   "tokenizer_fingerprint": fingerprint(kind, run)})
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (run / "data_meta.json").write_text(json.dumps({"tokenizer": kind, "vocab_size": vocab,
+                                                    "eot_id": 256}))
+    return net.state_dict()
 
 
 def reference_step(stream: np.ndarray, seed: int, seq_len: int, G: int, k: int,

@@ -44,9 +44,9 @@ from ddpgpt.distributed.group import DistEnv, session
 from ddpgpt.errors import UserError
 from ddpgpt.files import describe, install, writable_dir
 from ddpgpt.guard.health import Guard, StopSignal
-from ddpgpt.hf.init_from import apply_shape
 from ddpgpt.optim.schedule import Schedule
 from ddpgpt.run import launch
+from ddpgpt.run.init_weights import apply_shape
 from ddpgpt.run.precision import configure
 from ddpgpt.run.preflight import preflight
 from ddpgpt.sync.modes import MODES, Traffic

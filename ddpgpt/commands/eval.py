@@ -102,15 +102,16 @@ def report(cfg: EvalConfig, dataset: TokenDataset | MixedDataset, row: dict, sco
            tasks: list, step: int, windows: int, seq_len: int, world_size: int) -> None:
     """One line per result, or with --json one object. `row`: evaluate_sets' (val_loss,
     val_bpb; a mixture's each source's too)."""
-    bpb = row["val_bpb"]
-    if bpb is None:
+    bpb, masked = row["val_bpb"], dataset.masked
+    if bpb is None and not masked:  # conversations' loss is the assistant's tokens': no bpb
         warn(dataset.bytes_advice())
     if cfg.json:
         print(json.dumps({"step": step, **row, **_shown(scores)}))
         return
     bits = "" if bpb is None else f", val_bpb {bpb:.4f}"
     on = f", on {cfg.data}" if cfg.data else ""  # other data than the run's, on purpose
-    print(f"{val_text(row)}{bits} (step {step}, {windows} windows of {seq_len} tokens, "
+    over = "the assistant's tokens of " if masked else ""
+    print(f"{val_text(row)}{bits} (step {step}, {over}{windows} windows of {seq_len} tokens, "
           f"{world_size} process{'es' if world_size > 1 else ''}{on})")
     print_tasks(tasks, scores)
 

@@ -17,6 +17,12 @@ naming the setting. And the run's tokenizer:
   transformers encodes and decodes exactly as ddpgpt's byte tokenizer does;
 - gpt2: GPT-2's tokenizer, converted from tiktoken's encoding (cached by `prepare --tokenizer
   gpt2`), or else the Hugging Face hub's openai-community/gpt2 files (cached or downloaded).
+A run fine-tuned on conversations (its tokenizer holds the chat template's tokens: byte+chat,
+gpt2+chat, or a bpe with them) exports them as special tokens at the same ids, the template as
+the tokenizer's `chat_template` (data/chat.py's JINJA: `apply_chat_template(messages,
+add_generation_prompt=True)` gives the ids `ddpgpt chat` feeds the model) and
+<|assistant_end|> beside end-of-text among generation_config's eos_token_id, so greedy
+`generate` stops where `ddpgpt chat` does.
 The vocabulary is cut to the tokenizer's own ids (our padding rows are not exported), and a GPT-2
 model without biases gets zero biases. config.json also records the tokenizer's fingerprint under
 `ddpgpt`, so `--init-from` the directory checks it against a dataset's. Needs the export extra.
@@ -31,8 +37,9 @@ from pathlib import Path
 from ddpgpt.checkpoint.read import run_checkpoint
 from ddpgpt.config.commands import ExportConfig
 from ddpgpt.config.model import ModelConfig
+from ddpgpt.data import chat
 from ddpgpt.data.prepare.output import check_out, publish
-from ddpgpt.data.tokenizer import EOT_TEXT, BPETokenizer, fingerprint
+from ddpgpt.data.tokenizer import EOT_TEXT, BPETokenizer, base_kind, fingerprint
 from ddpgpt.errors import UserError
 from ddpgpt.files import as_created, require
 from ddpgpt.hf import gpt2, llama
@@ -55,9 +62,9 @@ def run(cfg: ExportConfig) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         kind = data_meta["tokenizer"]
+        ends = write_tokenizer(tmp, kind, run_dir.path, model_cfg.block_size)
         written = write_model(tmp, found.weights, model_cfg, int(data_meta["vocab_size"]),
-                              int(data_meta["eot_id"]), fingerprint(kind, run_dir.path))
-        write_tokenizer(tmp, kind, run_dir.path, model_cfg.block_size)
+                              int(data_meta["eot_id"]), fingerprint(kind, run_dir.path), ends)
         check_out(out, cfg.force)
         publish(tmp, out)
     except OSError as e:
@@ -70,11 +77,12 @@ def run(cfg: ExportConfig) -> None:
 
 
 def write_model(out: Path, weights: dict, model: ModelConfig, vocab: int, eot: int,
-                tokenizer_fingerprint: str) -> str:
+                tokenizer_fingerprint: str, ends: list[int] | None = None) -> str:
     """config.json, generation_config.json and model.safetensors for the transformers class that
     computes `model` (its name is returned): GPT2LMHeadModel for learned positions (gpt2.py's
     layout), Qwen3ForCausalLM, LlamaForCausalLM or ApertusForCausalLM for rotary ones
-    (llama.py's); a model that none computes exactly is refused in one line naming the setting."""
+    (llama.py's); a model that none computes exactly is refused in one line naming the setting.
+    `ends`: the ids generation stops at (a chat model's <|assistant_end|> too; else eot)."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
@@ -103,7 +111,8 @@ def write_model(out: Path, weights: dict, model: ModelConfig, vocab: int, eot: i
             ddpgpt={"tokenizer": tokenizer_fingerprint, "bias": model.bias}
         ).save_pretrained(str(out))
         tensors = gpt2.to_gpt2(weights, vocab, model.bias)
-    GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot).save_pretrained(str(out))
+    GenerationConfig(bos_token_id=eot, eos_token_id=ends if ends else eot,
+                     pad_token_id=eot).save_pretrained(str(out))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     as_created(out / "model.safetensors")
     return name
@@ -119,22 +128,34 @@ def layout(model: ModelConfig) -> str:
     return "GPT2LMHeadModel"
 
 
-def write_tokenizer(out: Path, kind: str, run_dir, max_length: int) -> None:
+def write_tokenizer(out: Path, kind: str, run_dir, max_length: int) -> list[int] | None:
     """The run's tokenizer as transformers' PreTrainedTokenizerFast files (`run_dir`: a local
-    directory or the URL of a run's checkpoints, which holds its tokenizer.json too)."""
+    directory or the URL of a run's checkpoints, which holds its tokenizer.json too); with the
+    chat template's tokens (a fine-tuned run's), the template too, and the ids a reply ends at
+    (<|assistant_end|>, end-of-text) are returned (else None)."""
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
     special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT,
                "model_max_length": max_length}
-    if kind == "bpe":
-        source = {"tokenizer_object": BPETokenizer.load(run_dir).backend}
-    elif kind == "byte":
-        source = {"tokenizer_object": byte_tokenizer()}
-    elif kind == "gpt2":
-        source = {"tokenizer_object": gpt2_tokenizer()}
+    base = base_kind(kind)
+    if base == "bpe":
+        tok = BPETokenizer.load(run_dir).backend
+    elif base == "byte":
+        tok = byte_tokenizer()
+    elif base == "gpt2":
+        tok = gpt2_tokenizer()
     else:
         raise UserError(f"run {run_dir}: unknown tokenizer {kind!r} in data_meta.json")
-    PreTrainedTokenizerFast(**source, **special).save_pretrained(str(out))
+    if kind != base:  # byte+chat, gpt2+chat: the template's tokens after the base's ids
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in chat.TOKENS])
+    ids = {t: tok.token_to_id(t) for t in chat.TOKENS}
+    templated = not chat.missing({t: i for t, i in ids.items() if i is not None})
+    if templated:
+        special.update(chat_template=chat.JINJA, additional_special_tokens=list(chat.TOKENS))
+    PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(str(out))
+    return [ids["<|assistant_end|>"], tok.token_to_id(EOT_TEXT)] if templated else None
 
 
 def byte_tokenizer():

@@ -6,25 +6,14 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ddpgpt.checkpoint.read import load_model
 from ddpgpt.config.commands import SampleConfig
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.distributed.group import resolve_device
-from ddpgpt.run.precision import Precision, flush_denormals
+from ddpgpt.run.precision import Precision, flush_denormals, sampling_threads
 from ddpgpt.run.run_dir import RunDir
-
-SMALL_STEP = 200e6  # parameters × samples: one thread below (see SampleConfig.threads)
-
-
-def sampling_threads(work: float) -> int:
-    """Measured on a 2-core VM with another process busy, the tiny preset, 200 tokens: 1 thread
-    3.0 s, 2 threads 19.9 s (idle: 3.0 s and 2.8 s). Each step is a few small matmuls; the
-    threads wait on each other at every one of them."""
-    return 1 if work < SMALL_STEP else max(1, len(os.sched_getaffinity(0)))
 
 
 def run(cfg: SampleConfig) -> None:

@@ -30,7 +30,7 @@ from ddpgpt.checkpoint import store
 from ddpgpt.checkpoint.saver import Saver
 from ddpgpt.checkpoint.saver import token as saver_token
 from ddpgpt.config.schema import RunConfig, TrainConfig
-from ddpgpt.data.mixture import MixedDataset, one_document_notes, taken_now
+from ddpgpt.data.mixture import MixedDataset, packing_notes, taken_now
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.distributed import collectives
@@ -145,12 +145,13 @@ def setup(cfg: TrainConfig, env: DistEnv, dataset: TokenDataset, start: resume.S
           guard: Guard, announce: bool = True) -> Trainer:
     init = None
     if start.path is None and cfg.model.init_from:  # a fresh start; restarts resume instead
-        from ddpgpt.hf.init_from import read_state
+        from ddpgpt.run.init_weights import grown, loaded, read_state
+        spec, vocab = cfg.model.init_from, dataset.vocab_size
         # Every rank reads the weights itself; one that cannot stops them all.
-        init = collectives.together(env, lambda: read_state(cfg.model.init_from, cfg.model))
-        if env.is_main and announce:
-            from ddpgpt.hf.init_from import loaded
-            print(loaded(cfg.model.init_from, init), file=sys.stderr)
+        init = collectives.together(env, lambda: read_state(spec, cfg.model, vocab))
+        if env.is_main and announce:  # (and the vocabulary grown by the chat template's tokens)
+            print("\n".join(filter(None, [loaded(spec, init), grown(spec, cfg.model, vocab)])),
+                  file=sys.stderr)
     trainer = Trainer(cfg, env, dataset, guard, init=init, digest=start.path is None)
     trainer.origin = start.origin
 
@@ -333,8 +334,11 @@ def open_metrics(trainer: Trainer, run_dir: RunDir, start: resume.Start) -> Metr
         print(summary(trainer), file=sys.stderr)
         if trainer.dataset.split_bytes is None:
             warn(trainer.dataset.bytes_advice())
-        for note in one_document_notes(trainer.loader) + warmup_notes(cfg.optim, cfg.run.steps):
+        warnings, notes = packing_notes(trainer.loader)  # one document; conversations
+        for note in warnings + warmup_notes(cfg.optim, cfg.run.steps):
             warn(note)
+        for note in notes:
+            say(f"ddpgpt: {note}")
         if trainer.first_step_waits():
             print(trainer.first_step_waits(), file=sys.stderr)
         # Worth saying only for a run longer than the default checkpoint period: a shorter

@@ -1,5 +1,5 @@
-"""The settings of every command but `train` (config.py): prepare, sample, plot, eval, export,
-doctor, bench and rendezvous. Each is one dataclass whose fields become the command's flags
+"""The settings of every command but `train` (config.py): prepare, sample, chat, plot, eval,
+export, doctor, bench and rendezvous. Each is one dataclass whose fields become the command's flags
 (cli.py), with a docstring under every field and one line for a bad value."""
 
 from __future__ import annotations
@@ -34,6 +34,14 @@ class PrepareConfig:
     skip_bad_rows: bool = False
     """Skip (and count) jsonl lines that are not JSON objects with a string text field, instead
     of stopping at the first."""
+    chat: bool = False
+    """Each record (a jsonl line, a parquet or hf: row) is a conversation: a list of {role,
+    content} messages in its `messages` field (or --text-field), rendered by the chat template
+    into tokens and a loss mask on the assistant's replies; the tokenizer gets the template's
+    special tokens (docs/chat.md)."""
+    strict: bool = False
+    """With --chat: stop at the first record that is not a conversation (no assistant turn, an
+    unknown role, empty content), instead of counting and skipping it."""
     workers: int = 0
     """Processes that read and encode; 0: every core this process may use. The output is
     the same for any number."""
@@ -71,12 +79,20 @@ class PrepareConfig:
         _require(self.workers >= 0, f"--workers {self.workers} must be >= 0 (0: every core)")
         _require(self.max_tokens >= 0, f"--max-tokens {self.max_tokens} must be >= 0 (0: all)")
         _require(bool(self.text_field), "--text-field must name a field")
+        _require(self.chat or not self.strict, "--strict refuses records that are not "
+                 "conversations: it goes with --chat")
         if self.part is not None:
             i, _, n = self.part.partition("/")
             _require(i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n),
                      f"--part {self.part}: expected I/N with 1 <= I <= N, e.g. --part 3/8")
             _require(not self.merge, "--part and --merge contradict each other: prepare the "
                      "parts first, then merge them")
+
+    @property
+    def record_field(self) -> str:
+        """The field each record's document or conversation is read from: --text-field, whose
+        default for --chat is `messages`, the hub's chat sets' name."""
+        return "messages" if self.chat and self.text_field == "text" else self.text_field
 
     @property
     def part_of(self) -> tuple[int, int] | None:
@@ -130,6 +146,49 @@ class SampleConfig:
 
 
 @dataclass
+class ChatConfig:
+    """`ddpgpt chat`: a conversation with a model fine-tuned on conversations (docs/chat.md). At
+    a terminal: type a message, Enter; Ctrl-D ends. From a pipe: one user turn a line, one reply
+    a turn."""
+
+    run_dir: str = field(default=RUN_DIR, metadata={"alias": "--run"})
+    """Run directory: its newest complete checkpoint answers (or --step's)."""
+    step: int = 0
+    """The checkpoint's step; 0: the newest complete one."""
+    init_from: str = ""
+    """Chat with this transformers directory (`ddpgpt export`'s, with its chat template) instead
+    of a run's checkpoint."""
+    system: str = ""
+    """A system message that opens the conversation."""
+    temperature: float = 0.7
+    """Softmax temperature; 0 is greedy (the most likely token each time)."""
+    top_k: int = 50
+    """Sample among the k most likely tokens; 0 samples from all."""
+    max_new_tokens: int = 256
+    """Tokens a reply has at most (it ends earlier at <|assistant_end|>); the conversation keeps
+    this much of the model's context free, its oldest turns dropped when it would not."""
+    seed: int = 1337
+    """Sampling seed."""
+    device: Device = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    threads: int = 0
+    """CPU threads; 0: one for a small model (as sample's --threads), else the usable cores."""
+
+    def __post_init__(self):
+        _finite(self, "--")
+        _require(self.max_new_tokens >= 1, f"--max-new-tokens {self.max_new_tokens} must be >= 1")
+        _require(self.temperature >= 0, f"--temperature {self.temperature} must be >= 0 (0: "
+                 "greedy)")
+        _require(self.top_k >= 0, f"--top-k {self.top_k} must be >= 0 (0: off)")
+        _require(self.threads >= 0, f"--threads {self.threads} must be >= 0 (0: auto)")
+        _require(self.step >= 0, f"--step {self.step} must be >= 0 (0: the newest checkpoint)")
+        _require(not self.init_from or (self.run_dir == RUN_DIR and not self.step),
+                 f"--init-from {self.init_from} is the model to chat with: drop --run-dir and "
+                 "--step")
+        _choice("chat", "device", self.device, Device)
+
+
+@dataclass
 class PlotConfig:
     """`ddpgpt plot`: loss curves and throughput of one or more runs, in one picture."""
 
@@ -176,7 +235,8 @@ class EvalConfig:
     given with --task-data (KIND:NAME: a task of another kind, evals/kinds.py). Each prints
     NAME_acc_norm (lowest mean loss per token, llm.c's), NAME_acc (lowest sum) and NAME_acc_char
     (sum per character, lm-evaluation-harness's). core: CORE's 22 tasks as nanochat scores them
-    (core_metric, each task's core_LABEL_acc and core_LABEL_centered)."""
+    (core_metric, each task's core_LABEL_acc and core_LABEL_centered). chat:NAME: a task asked
+    in the chat template, each ending as the assistant's reply (a fine-tuned model)."""
     task_data: str = ""
     """The tasks' jsonl files, comma-separated in --task's order: one example per line, {"ctx":
     ..., "endings": [...], "label": INDEX}. Empty for hellaswag: its cached download. core's: the
@@ -317,9 +377,8 @@ class CheckConfig:
     the CPU in fp32)."""
     quick: bool = False
     """A subset: one compile row (ddp, fp32, W=1) instead of one per mode, precision and W, and
-    fewer timed steps in the speed rows (on a 2-core CPU, measured: 2.7 minutes of CPU time
-    against 3.7 for the full matrix; a compile of a new graph is 15-55 s there. The wall time
-    grows with the machine's load: 7.5 minutes at a load of 6)."""
+    fewer timed steps in the speed rows (2-core CPU, measured: 2.7 CPU minutes, the full matrix
+    3.7; a new graph compiles in 15-55 s; the wall time grows with load: 7.5 min at a load of 6)."""
     out: str = "device-check"
     """Directory for device-check.md, device-check.json and the runs the rows train."""
     nproc: int = 0

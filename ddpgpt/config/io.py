@@ -189,9 +189,11 @@ def from_dict(values: dict, source: str = "config.json") -> TrainConfig:
             del fields[key]
         else:
             fields[key] = successor.get(fields[key], fields[key])
-    model = values.get("model")
+    model, data = values.get("model"), values.get("data")
     if isinstance(model, dict) and "arch" not in model:
         model["arch"] = "gpt2"  # saved before model.arch existed, when every model was GPT-2's
+    if isinstance(data, dict) and "align" not in data:
+        data["align"] = "stream"  # saved before data.align existed: every row was a window
     return overlay(TrainConfig(), values, source)
 
 

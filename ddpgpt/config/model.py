@@ -136,9 +136,9 @@ class ModelConfig:
     --init-from sets it to the weights' vocabulary."""
     init_from: str = field(default="", metadata={"alias": "--init-from"})
     """Start from pretrained weights instead of a random init: gpt2, gpt2-medium, gpt2-large,
-    gpt2-xl (Hugging Face hub), or a local transformers directory (GPT-2, Llama, Qwen3 or
-    Apertus) or .safetensors file. The shape and architecture come from the weights; a resumed
-    run continues from its own checkpoints."""
+    gpt2-xl (Hugging Face hub), a transformers directory (GPT-2, Llama, Qwen3 or Apertus),
+    .safetensors file, or a ddpgpt run or checkpoint. The shape comes from the weights (the
+    vocabulary grows by the chat template's tokens); a resume uses its own checkpoints."""
 
     def __post_init__(self):
         _finite(self, "model.")

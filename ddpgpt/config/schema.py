@@ -49,11 +49,11 @@ class DataConfig:
     """Seed of the data order (the per-epoch permutation of windows)."""
     shuffle: bool = True
     """Visit windows in a seeded random order each epoch (else in file order)."""
-    align: choices.Align = "stream"
+    align: choices.Align = "auto"
     """Where a training or validation row of seq_len + 1 tokens starts. stream: anywhere in the
-    concatenated documents (windows seq_len apart). bos: at a document start; documents are
-    packed best-fit into rows, what does not fit carried into the next row, not cropped (data/
-    packing.py; cached beside the shards). With bos, model.doc_mask is on unless set."""
+    concatenated documents (windows seq_len apart). bos: at a document start; documents packed
+    best-fit into rows (conversations whole: docs/chat.md), not cropped (data/packing.py; cached
+    beside the shards); model.doc_mask on unless set. auto: bos for conversations, else stream."""
     eval_windows: int = 256
     """Validation windows per evaluation, evenly spaced over the val split; 0 uses all."""
     train_eval_windows: int = -1

@@ -19,9 +19,22 @@ def is_text_type(arrow_type) -> bool:
             or pa.types.is_string_view(arrow_type) or pa.types.is_null(arrow_type))
 
 
-def check_parquet_column(path, name: str, arrow_type) -> None:
+def check_parquet_column(path, name: str, arrow_type, chat: bool = False) -> None:
+    """Text, or with `chat` (prepare --chat) a list (of messages)."""
+    if chat:
+        import pyarrow as pa
+
+        if not (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)):
+            raise UserError(f"{path}: column {name!r} holds {arrow_type} values, not a list of "
+                            "messages; name the conversations' column with --text-field")
+        return
     if not is_text_type(arrow_type):
-        raise UserError(f"{path}: column {name!r} holds {arrow_type} values, not text; {FIX}")
+        import pyarrow as pa
+
+        chat = " (conversations: prepare them with --chat)" if pa.types.is_list(arrow_type) \
+            or pa.types.is_large_list(arrow_type) else ""
+        raise UserError(f"{path}: column {name!r} holds {arrow_type} values, not text{chat}; "
+                        f"{FIX}")
 
 
 def check_value(where: str, name: str, value) -> None:

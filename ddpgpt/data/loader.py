@@ -53,16 +53,33 @@ def row_source(dataset: TokenDataset, split: str, seq_len: int, align: str = "st
     return packing.row_source(dataset, split, seq_len, align, cache)
 
 
-def _to_device(buf: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(b, T+1) tokens -> x, y views of shape (b, T) on `device`."""
+def _to_device(buf: torch.Tensor, device: torch.device,
+               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, T+1) tokens -> x, y views of shape (b, T) on `device`. `mask` (b, T+1, uint8): the
+    tokens' loss mask; a target whose mask is 0 becomes -1, which the loss ignores."""
     if device.type == "cuda":
         # buf is pinned; the caching host allocator keeps it alive until the copy has run.
         buf = buf.to(device, non_blocking=True)
-    return buf[:, :-1], buf[:, 1:]
+        mask = None if mask is None else mask.to(device, non_blocking=True)
+    if mask is None:
+        return buf[:, :-1], buf[:, 1:]
+    return buf[:, :-1], buf[:, 1:].masked_fill(mask[:, 1:] == 0, -1)
 
 
-def _new_buffer(rows: int, span: int, device: torch.device) -> torch.Tensor:
-    return torch.empty((rows, span), dtype=torch.int64, pin_memory=device.type == "cuda")
+def _new_buffer(rows: int, span: int, device: torch.device,
+                dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.empty((rows, span), dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def read_rows(stream, rows: np.ndarray, b: int, device: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`rows` of a row source into a new (b, T+1) buffer (rows past len(rows) left unset), and,
+    for a source of conversations (`masked`), their masks (b, T+1) beside it."""
+    span = stream.seq_len + 1
+    buf = _new_buffer(b, span, device)
+    mask = _new_buffer(b, span, device, torch.uint8) if stream.masked else None
+    stream.read(rows, buf.numpy(), None if mask is None else mask.numpy())
+    return buf, mask
 
 
 def require_windows(stream: TokenStream, need: int, what: str = "") -> None:
@@ -85,6 +102,7 @@ class TrainLoader:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.stream = row_source(dataset, split, seq_len, align, cache)
         self.align = align
+        self.masked = self.stream.masked  # conversations: targets outside the mask are -1
         self.seq_len, self.micro_batch = seq_len, micro_batch
         self.world_size, self.rank, self.accum_steps = world_size, rank, accum_steps
         self.global_batch = world_size * accum_steps * micro_batch
@@ -164,9 +182,8 @@ class TrainLoader:
         b, W = self.micro_batch, self.world_size
         for m in range(self.accum_steps):
             start = (m * W + self.rank) * b
-            buf = _new_buffer(b, self.seq_len + 1, self.device)
-            self.stream.read(step[start:start + b], buf.numpy())
-            yield _to_device(buf, self.device)
+            buf, mask = read_rows(self.stream, step[start:start + b], b, self.device)
+            yield _to_device(buf, self.device, mask)
 
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "epoch": self.epoch, "consumed": self.consumed,
@@ -248,11 +265,11 @@ class EvalLoader:
         for i in range(self.num_batches):
             ids = self.mine[i * b:(i + 1) * b]
             self.stream.prefetch(self.mine[(i + 2) * b:(i + 3) * b])  # two batches ahead
-            buf = _new_buffer(b, self.seq_len + 1, self.device)
-            arr = buf.numpy()
-            self.stream.read(ids, arr)
-            arr[len(ids):] = 0
-            x, y = _to_device(buf, self.device)
+            buf, mask = read_rows(self.stream, ids, b, self.device)
+            buf.numpy()[len(ids):] = 0
+            if mask is not None:
+                mask.numpy()[len(ids):] = 1
+            x, y = _to_device(buf, self.device, mask)
             if len(ids) < b:  # padding rows: any input, no targets
                 y = y.clone()
                 y[len(ids):] = -1

@@ -44,7 +44,7 @@ from ddpgpt.data.loader import (
     require_windows,
     row_source,
 )
-from ddpgpt.data.packing import one_document
+from ddpgpt.data.packing import conversations_note, one_document
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import DataError
 
@@ -117,6 +117,7 @@ class MixedDataset:
                     f"--tokenizer-from {first.path}")
         self.path, self.meta_bytes, self.tokenizer = first.path, first.meta_bytes, first.tokenizer
         self.vocab_size, self.eot_id, self.dtype = first.vocab_size, first.eot_id, first.dtype
+        self.masked = any(ds.masked for ds in self.datasets)  # conversations among them
         lacking = [ds for ds in self.datasets if ds.split_bytes is None]
         self.split_bytes = None if lacking else {}
         self._lacking = lacking[0] if lacking else None
@@ -185,6 +186,9 @@ class MixtureLoader:
         self.streams = [row_source(ds, "train", seq_len, align, cache) for ds in data.datasets]
         for stream in self.streams:
             require_windows(stream, 1)
+        # Conversations among the sources: every row's targets follow its mask (a plain
+        # source's are all ones), and the loss is normalized by the unmasked count (trainer).
+        self.masked = any(stream.masked for stream in self.streams)
         self.seq_len, self.micro_batch = seq_len, micro_batch
         self.world_size, self.rank, self.accum_steps = world_size, rank, accum_steps
         self.global_batch = world_size * accum_steps * micro_batch
@@ -256,18 +260,21 @@ class MixtureLoader:
     def batch(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of global batch `index`, the cursor unmoved."""
         source, windows = self.rows(index)
-        b, W = self.micro_batch, self.world_size
+        b, W, span = self.micro_batch, self.world_size, self.seq_len + 1
         for m in range(self.accum_steps):
             start = (m * W + self.rank) * b
-            buf = _new_buffer(b, self.seq_len + 1, self.device)
-            arr = buf.numpy()
+            buf = _new_buffer(b, span, self.device)
+            mask = _new_buffer(b, span, self.device, torch.uint8) if self.masked else None
             for i, stream in enumerate(self.streams):
                 mine = np.flatnonzero(source[start:start + b] == i)
                 if len(mine):
-                    rows = np.empty((len(mine), self.seq_len + 1), dtype=np.int64)
-                    stream.read(windows[start + mine], rows)
-                    arr[mine] = rows
-            yield _to_device(buf, self.device)
+                    rows = np.empty((len(mine), span), dtype=np.int64)
+                    masks = np.empty((len(mine), span), dtype=np.uint8)
+                    stream.read(windows[start + mine], rows, masks if self.masked else None)
+                    buf.numpy()[mine] = rows
+                    if mask is not None:  # a plain source's: all ones
+                        mask.numpy()[mine] = masks
+            yield _to_device(buf, self.device, mask)
 
     def skip(self, batches: int) -> list[dict]:
         """Past `batches` global batches unread (a rollback); returns [{"start", "end"}], the
@@ -316,11 +323,13 @@ class MixtureLoader:
                             "new": dict(zip(self.names, [p / RESOLUTION for p in parts]))}
 
 
-def one_document_notes(loader: TrainLoader | MixtureLoader) -> list[str]:
-    """The warnings for training rows packed from a split of one document, each source's
-    (packing.one_document): said once, by the run's start."""
+def packing_notes(loader: TrainLoader | MixtureLoader) -> tuple[list[str], list[str]]:
+    """What a run's start says of its training rows, each source's: warnings for rows packed
+    from a split of one document (packing.one_document), and notes on rows packed from
+    conversations (packing.conversations_note: the ones split across rows, the padding)."""
     streams = loader.streams if isinstance(loader, MixtureLoader) else [loader.stream]
-    return [note for note in map(one_document, streams) if note]
+    return ([note for note in map(one_document, streams) if note],
+            [note for note in map(conversations_note, streams) if note])
 
 
 def taken_now(loader: TrainLoader | MixtureLoader) -> dict[str, int] | None:

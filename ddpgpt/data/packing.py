@@ -20,6 +20,13 @@ target there is (as in the stream). No token is cropped: only the last row of th
 full, is dropped (fewer than T+1 tokens). What a document loses is context: a continuation does
 not see the start of its document (docs/performance.md measures the share of such tokens).
 
+Conversations (a dataset with loss masks, data/chat.py) are packed whole: where no pooled
+conversation fits the room left, the row is padded to its end (end-of-text tokens whose mask is
+0: they are attended to as documents of their own and never trained on) rather than filled
+with the head of one; only a conversation longer than a whole row is split (step 3, from a row's
+start), with its mask, and the split ones are counted (`conversations_note`). The last, partial
+row is padded, not dropped.
+
 The packing depends only on the split's tokens and T; the epoch's order of the rows is the
 loader's (order.py), seeded by (seed, epoch). So the rows of step k depend only on (data, seed,
 T, G, k), at any W, and the loader's state is the same cursor as the stream's.
@@ -78,12 +85,13 @@ def doc_starts(stream: TokenStream, eot_id: int) -> np.ndarray:
     return starts[1:] if len(starts) > 1 and starts[1] == 0 else starts
 
 
-def pack(starts: np.ndarray, num_tokens: int, span: int,
-         lookahead: int = LOOKAHEAD) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pack(starts: np.ndarray, num_tokens: int, span: int, lookahead: int = LOOKAHEAD,
+         whole: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The packing of the module docstring for documents beginning at `starts` in a stream of
     num_tokens. Returns (piece_start, piece_len, row_ptr): row i is the pieces
-    row_ptr[i]..row_ptr[i+1]-1, each tokens piece_start..piece_start+piece_len-1 of the stream,
-    summing to `span`."""
+    row_ptr[i]..row_ptr[i+1]-1, each tokens piece_start..piece_start+piece_len-1 of the stream
+    (piece_start -1: padding), summing to `span`. `whole`: conversations' packing (a document
+    shorter than a row is never split: the row is padded instead)."""
     ends = np.append(starts[1:], num_tokens)
     piece_start, piece_len, row_ptr = array("q"), array("q"), array("q", [0])
     pool: list[tuple[int, int]] = []  # (length, document) of the waiting documents, sorted
@@ -104,6 +112,11 @@ def pack(starts: np.ndarray, num_tokens: int, span: int,
             if not pool:
                 break
             i = bisect_right(pool, (room, len(starts))) - 1  # the longest that fits whole
+            if i < 0 and whole and room < span:  # none fits: the rest of the row is padding
+                piece_start.append(-1)
+                piece_len.append(room)
+                room = 0
+                break
             length, doc = pool.pop(i if i >= 0 else -1)
             take = min(length, room)
             piece_start.append(int(starts[doc]))
@@ -111,6 +124,10 @@ def pack(starts: np.ndarray, num_tokens: int, span: int,
             if take < length:  # none fits: the longest fills the row and goes on in the next
                 carry = (int(starts[doc]) + take, length - take)
             room -= take
+        if room and whole and room < span:  # the data ran out: conversations' is padded
+            piece_start.append(-1)
+            piece_len.append(room)
+            room = 0
         if room:  # the data ran out: the last, partial row is dropped
             del piece_start[row_ptr[-1]:], piece_len[row_ptr[-1]:]
             break
@@ -127,18 +144,28 @@ class PackedRows:
         self.stream = TokenStream(dataset, split, seq_len, cache)
         self.dataset_path, self.split, self.seq_len = dataset.path, split, seq_len
         self.num_tokens, self.eot_id = self.stream.num_tokens, dataset.eot_id
-        self.piece_start, self.piece_len, self.row_ptr, self.documents = _index(dataset,
-                                                                               self.stream)
+        self.masked = self.stream.masked  # conversations: packed whole, padded (pack)
+        (self.piece_start, self.piece_len, self.row_ptr, self.documents,
+         self.long) = _index(dataset, self.stream)
         self.num_windows = len(self.row_ptr) - 1
 
-    def read(self, rows: np.ndarray, out: np.ndarray) -> None:
-        """Copies rows into `out`, shape (len(rows), T+1), converting to out's dtype."""
+    def read(self, rows: np.ndarray, out: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Copies rows into `out`, shape (len(rows), T+1), converting to out's dtype; `mask`
+        (the same shape): their loss masks (all ones for a dataset without; 0 on padding)."""
         buf = np.empty((len(rows), self.seq_len + 1), dtype=self.stream.dtype)
-        for row, r in zip(buf, rows):
+        for i, r in enumerate(rows):
             filled = 0
             for p in range(self.row_ptr[r], self.row_ptr[r + 1]):
-                n = int(self.piece_len[p])
-                self.stream.read_span(int(self.piece_start[p]), row[filled:filled + n])
+                n, start = int(self.piece_len[p]), int(self.piece_start[p])
+                piece = slice(filled, filled + n)
+                if start < 0:  # padding: documents of one end-of-text token, never targets
+                    buf[i, piece] = self.eot_id
+                else:
+                    self.stream.read_span(start, buf[i, piece])
+                if mask is not None and start >= 0 and self.masked:
+                    self.stream.masks.read_span(start, mask[i, piece])
+                elif mask is not None:
+                    mask[i, piece] = start >= 0
                 filled += n
         out[:len(buf)] = buf
 
@@ -146,17 +173,20 @@ class PackedRows:
         """The rows read next (TokenStream.prefetch): their pieces' spans."""
         self.stream.prefetch_spans([(int(self.piece_start[p]), int(self.piece_len[p]))
                                     for r in rows for p in range(self.row_ptr[r],
-                                                                 self.row_ptr[r + 1])])
+                                                                 self.row_ptr[r + 1])
+                                    if self.piece_start[p] >= 0])
 
     def stats(self) -> dict:
         """What the packing kept and lost: tokens in rows, tokens dropped (the last partial row),
         and tokens in continuations (pieces that do not begin at their document's start), with
         the number of documents split."""
         starts = doc_starts(self.stream, self.eot_id)
-        continued = ~np.isin(self.piece_start, starts)
+        real = self.piece_start >= 0
+        continued = real & ~np.isin(self.piece_start, starts)
         return {"tokens": self.num_tokens, "rows": self.num_windows,
-                "in_rows": int(self.piece_len.sum()),
-                "dropped": self.num_tokens - int(self.piece_len.sum()),
+                "in_rows": int(self.piece_len[real].sum()),
+                "dropped": self.num_tokens - int(self.piece_len[real].sum()),
+                "padding": int(self.piece_len[~real].sum()),
                 "continued": int(self.piece_len[continued].sum()),
                 "docs": len(starts), "docs_split": len(np.unique(
                     np.searchsorted(starts, self.piece_start[continued], side="right")))}
@@ -173,6 +203,22 @@ def one_document(rows: TokenStream | PackedRows) -> str | None:
             "row is a slice of it and model.doc_mask masks nothing; prepare the data with its "
             "documents apart (ddpgpt prepare puts an end-of-text token before each), or use "
             "--data.align stream")
+
+
+def conversations_note(rows: TokenStream | PackedRows) -> str | None:
+    """For rows packed from conversations: how many are longer than a row, so split across
+    rows with their masks (their later rows do not see their start), and how much of the rows
+    is padding; None for other rows."""
+    if not isinstance(rows, PackedRows) or not rows.masked:
+        return None
+    pad = int(rows.piece_len[rows.piece_start < 0].sum())
+    share = pad / max(1, rows.num_windows * (rows.seq_len + 1))
+    split = (f"{rows.long:,} of {rows.documents:,} conversations are longer than a row of "
+             f"{rows.seq_len + 1} tokens, each split across rows with its mask (their later rows "
+             "do not see their start)" if rows.long else f"each of its {rows.documents:,} "
+             f"conversations fits a row of {rows.seq_len + 1} tokens whole")
+    return (f"the {rows.split} split of {rows.dataset_path}: {split}; padding is {share:.1%} "
+            f"of the rows' {rows.num_windows:,} × {rows.seq_len + 1} tokens")
 
 
 def row_source(dataset: TokenDataset, split: str, seq_len: int,
@@ -193,7 +239,7 @@ def _index(dataset: TokenDataset, stream: TokenStream) -> tuple[np.ndarray, ...]
     span = stream.seq_len + 1
     name = f"packing-{stream.split}-{span}.npz"
     files = [dataset.files.identity(info.file) for info in dataset.shards[stream.split]]
-    key = f"{VERSION} {dataset.fingerprint} {span} {files}"
+    key = f"{VERSION} {dataset.fingerprint} {span} {files}" + (" whole" if stream.masked else "")
     if dataset.files.has(name) and (found := _load(lambda: dataset.files.read(name), key)):
         return found
     if not dataset.files.remote:
@@ -211,7 +257,7 @@ def _load(read, key: str) -> tuple[np.ndarray, ...] | None:
         with np.load(io.BytesIO(read())) as saved:
             if str(saved["key"]) == key:
                 return (saved["piece_start"], saved["piece_len"], saved["row_ptr"],
-                        int(saved["documents"]))
+                        int(saved["documents"]), int(saved["long"]) if "long" in saved else 0)
     return None
 
 
@@ -220,17 +266,19 @@ def _build(dataset: TokenDataset, stream: TokenStream, key: str, name: str,
     """The packing made (the whole split read once), kept beside the shards when they can be
     written, and in `here` (this machine's copy of a URL's)."""
     starts = doc_starts(stream, dataset.eot_id)
-    arrays = pack(starts, stream.num_tokens, stream.seq_len + 1)
+    span = stream.seq_len + 1
+    arrays = pack(starts, stream.num_tokens, span, whole=stream.masked)
+    long = int(np.count_nonzero(np.diff(np.append(starts, stream.num_tokens)) > span))
     data = io.BytesIO()
     np.savez(data, key=np.array(key), piece_start=arrays[0], piece_len=arrays[1],
-             row_ptr=arrays[2], documents=np.array(len(starts)))
+             row_ptr=arrays[2], documents=np.array(len(starts)), long=np.array(long))
     with contextlib.suppress(OSError, UserError):  # a read-only dataset: packed again next time
         dataset.files.write(name, data.getvalue())
     if here is not None:
         with contextlib.suppress(OSError):  # no cache here: packed again next time
             with atomic_write(here) as f:
                 f.write(data.getvalue())
-    return (*arrays, len(starts))
+    return (*arrays, len(starts), long)
 
 
 @contextlib.contextmanager

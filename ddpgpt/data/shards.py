@@ -9,6 +9,13 @@ A shard is a fixed 1024-byte header followed by the tokens, little-endian:
     16      8     token count (u64)
     24      1000  zero padding
 
+A dataset of conversations (data/chat.py) also holds a loss mask shard beside each token shard,
+`train_NNNNNN.mask`: the same header with magic b"DDPGPTMK" and dtype code 3 (uint8), then one
+byte per token of its token shard, 1 where that token is a target the loss counts. meta.json
+lists them under "masks" and says format version 2 (version 1, no masks: every target counts;
+a dataset without masks is written as version 1, so an older ddpgpt still reads it, and a
+masked one is refused there rather than trained on with its masks ignored).
+
 A dataset directory holds `meta.json` (written last, see `prepare/finish.py`), the shards
 `train_NNNNNN.bin` / `val_NNNNNN.bin`, and `tokenizer.json` for the bpe tokenizer; it is a local
 directory or a prefix of object storage (storage.py). Opening a dataset reads its meta.json and
@@ -34,12 +41,13 @@ from ddpgpt.errors import DataError, beside
 from ddpgpt.files import sha256
 
 MAGIC = b"DDPGPTTK"
+MASK_MAGIC = b"DDPGPTMK"  # a loss mask shard's
 FORMAT_VERSION = 1
 HEADER_BYTES = 1024
-META_FORMAT_VERSION = 1
+META_FORMAT_VERSION = 2  # 2: loss masks ("masks"); written only by datasets that have them
 _HEADER = struct.Struct("<8sIIQ")  # magic, version, dtype code, token count
-DTYPE_CODES = {1: np.dtype(np.uint16), 2: np.dtype(np.uint32)}
-DTYPE_NAMES = {"uint16": 1, "uint32": 2}
+DTYPE_CODES = {1: np.dtype(np.uint16), 2: np.dtype(np.uint32), 3: np.dtype(np.uint8)}
+DTYPE_NAMES = {"uint16": 1, "uint32": 2, "uint8": 3}
 REPREPARE = "re-run ddpgpt prepare"
 
 
@@ -64,18 +72,19 @@ class ShardWriter:
     fails validation with a size or magic error rather than passing as a short shard.
     """
 
-    def __init__(self, path: str | os.PathLike, dtype: str):
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike, dtype: str, magic: bytes = MAGIC):
+        self.path, self.magic = Path(path), magic
         self.dtype = np.dtype(dtype)
         self.count = 0
         self._f = open(self.path, "wb")
         self._f.write(bytes(HEADER_BYTES))
 
     @classmethod
-    def reopen(cls, path: str | os.PathLike, dtype: str, count: int) -> ShardWriter:
+    def reopen(cls, path: str | os.PathLike, dtype: str, count: int,
+               magic: bytes = MAGIC) -> ShardWriter:
         """The writer of an unfinished shard, at its first `count` tokens (the rest dropped)."""
         self = cls.__new__(cls)
-        self.path, self.dtype, self.count = Path(path), np.dtype(dtype), count
+        self.path, self.dtype, self.count, self.magic = Path(path), np.dtype(dtype), count, magic
         self._f = open(self.path, "r+b")
         self._f.truncate(HEADER_BYTES + count * self.dtype.itemsize)
         self._f.seek(0, os.SEEK_END)
@@ -93,7 +102,7 @@ class ShardWriter:
             os.fsync(self._f.fileno())
 
     def close(self) -> ShardInfo:
-        header = _HEADER.pack(MAGIC, FORMAT_VERSION, DTYPE_NAMES[self.dtype.name], self.count)
+        header = _HEADER.pack(self.magic, FORMAT_VERSION, DTYPE_NAMES[self.dtype.name], self.count)
         with self._named():
             self._f.seek(0)
             self._f.write(header)
@@ -112,7 +121,7 @@ class ShardWriter:
             raise
 
 
-def read_header(path: Path) -> tuple[np.dtype, int]:
+def read_header(path: Path, magic: bytes = MAGIC) -> tuple[np.dtype, int]:
     """Validates a shard's header and size; returns (dtype, token count)."""
     try:
         size = path.stat().st_size
@@ -120,18 +129,19 @@ def read_header(path: Path) -> tuple[np.dtype, int]:
             raw = f.read(_HEADER.size)
     except OSError as e:
         raise DataError(f"{path}: cannot read shard ({e.strerror}); {REPREPARE}") from None
-    return parse_header(raw, size, path)
+    return parse_header(raw, size, path, magic)
 
 
-def parse_header(raw: bytes, size: int, path) -> tuple[np.dtype, int]:
+def parse_header(raw: bytes, size: int, path, magic: bytes = MAGIC) -> tuple[np.dtype, int]:
     """(dtype, token count) of a shard of `size` bytes whose first bytes are `raw`, validated;
-    `path` names it in the one line of a DataError."""
+    `path` names it in the one line of a DataError. `magic`: a token shard's, or a mask's."""
     if len(raw) < _HEADER.size:
         raise DataError(f"{path}: truncated shard ({size} bytes, shorter than its header); "
                         f"{REPREPARE}")
-    magic, version, code, count = _HEADER.unpack(raw[:_HEADER.size])
-    if magic != MAGIC:
-        raise DataError(f"{path}: not a ddpgpt shard (bad magic {magic!r}); {REPREPARE}")
+    found, version, code, count = _HEADER.unpack(raw[:_HEADER.size])
+    if found != magic:
+        what = "shard" if magic == MAGIC else "mask shard"
+        raise DataError(f"{path}: not a ddpgpt {what} (bad magic {found!r}); {REPREPARE}")
     if version > FORMAT_VERSION:
         raise DataError(
             f"{path}: shard format version {version} is newer than this ddpgpt reads "
@@ -150,9 +160,9 @@ def parse_header(raw: bytes, size: int, path) -> tuple[np.dtype, int]:
     return dtype, count
 
 
-def open_shard(path: Path) -> np.ndarray:
+def open_shard(path: Path, magic: bytes = MAGIC) -> np.ndarray:
     """A read-only memory map of a validated shard's tokens, shape (count,)."""
-    dtype, count = read_header(path)
+    dtype, count = read_header(path, magic)
     if count == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
@@ -206,6 +216,8 @@ class TokenDataset:
             version = int(self.meta["format_version"])
             listed = {split: [ShardInfo(**s) for s in self.meta["shards"][split]]
                       for split in ("train", "val")}
+            masks = {split: [ShardInfo(**s) for s in self.meta["masks"][split]]
+                     for split in ("train", "val")} if "masks" in self.meta else None
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{meta_where}: corrupt or incomplete meta.json "
                             f"({type(e).__name__}: {e}); {REPREPARE}") from None
@@ -215,30 +227,42 @@ class TokenDataset:
                 f"({META_FORMAT_VERSION}); upgrade ddpgpt or {REPREPARE}"
             )
         self.shards = listed
+        self.masks = masks  # each token shard's loss mask (conversations); None: all ones
+        self.masked = masks is not None
         self.split_bytes: dict | None = self.meta.get("bytes")  # absent before bits per byte
-        infos = [info for split in ("train", "val") for info in listed[split]]
-        headers = self._headers(infos)
-        opened = iter([self._check(info, *header) for info, header in zip(infos, headers)])
-        self._shards = {split: [next(opened) for _ in listed[split]] for split in ("train", "val")}
+        self._shards = self._open(listed, MAGIC, self.dtype)
+        self._masks = self._open(masks, MASK_MAGIC, np.dtype(np.uint8)) if masks else None
+        for split in ("train", "val") if masks else ():
+            if [len(s) for s in self._masks[split]] != [len(s) for s in self._shards[split]]:
+                raise DataError(f"{meta_where}: the {split} split's mask shards do not match its "
+                                f"token shards one for one; {REPREPARE}")
 
-    def _headers(self, infos: list[ShardInfo]) -> list[tuple[np.dtype, int]]:
+    def _open(self, listed: dict[str, list[ShardInfo]], magic: bytes,
+              dtype: np.dtype) -> dict[str, list[Shard]]:
+        """The splits' shards listed, each header and size validated against meta.json."""
+        infos = [info for split in ("train", "val") for info in listed[split]]
+        headers = self._headers(infos, magic)
+        opened = iter([self._check(info, *header, dtype) for info, header in zip(infos, headers)])
+        return {split: [next(opened) for _ in listed[split]] for split in ("train", "val")}
+
+    def _headers(self, infos: list[ShardInfo], magic: bytes) -> list[tuple[np.dtype, int]]:
         """Each shard's (dtype, count), its header and size validated."""
         for info in infos:
             if not self.files.has(info.file):
                 raise DataError(f"{self.files.where('meta.json')} lists {info.file} but the file "
                                 f"is missing; {REPREPARE}")
         if not self.remote:
-            return [read_header(self.path / info.file) for info in infos]
+            return [read_header(self.path / info.file, magic) for info in infos]
         raws = self.files.ranges([(i.file, 0, min(_HEADER.size, self.files.size(i.file)))
                                   for i in infos])
-        return [parse_header(raw, self.files.size(i.file), self.files.where(i.file))
+        return [parse_header(raw, self.files.size(i.file), self.files.where(i.file), magic)
                 for i, raw in zip(infos, raws)]
 
-    def _check(self, info: ShardInfo, dtype: np.dtype, count: int) -> Shard:
+    def _check(self, info: ShardInfo, dtype: np.dtype, count: int, expected: np.dtype) -> Shard:
         where = self.files.where(info.file)
-        if dtype != self.dtype:
+        if dtype != expected:
             raise DataError(f"{where}: header dtype {dtype.name} but meta.json says "
-                            f"{self.dtype.name}; {REPREPARE}")
+                            f"{expected.name}; {REPREPARE}")
         if count != info.tokens:
             raise DataError(f"{where}: holds {count} tokens but meta.json says "
                             f"{info.tokens}; {REPREPARE}")
@@ -255,17 +279,24 @@ class TokenDataset:
         from ddpgpt.data.tokenizer import fingerprint
         return fingerprint(self.tokenizer, self.path)
 
-    def shard_files(self, split: str) -> list[Shard]:
-        """The split's shards in order; together they are one token stream (stream.py)."""
-        return self._shards[split]
+    def shard_files(self, split: str, masks: bool = False) -> list[Shard]:
+        """The split's shards in order; together they are one token stream (stream.py).
+        `masks`: its mask shards instead (a dataset of conversations)."""
+        return (self._masks if masks else self._shards)[split]
 
-    def tokens(self, split: str) -> list[np.ndarray]:
-        """The split's shards' tokens, in order: memory maps of a local dataset; a remote
-        dataset's read whole (for tests and small data: a training reads windows)."""
+    def infos(self) -> list[ShardInfo]:
+        """Every file meta.json lists with its sha256: the token shards, then the masks."""
+        return [i for listed in (self.shards, self.masks or {}) for infos in listed.values()
+                for i in infos]
+
+    def tokens(self, split: str, masks: bool = False) -> list[np.ndarray]:
+        """The split's shards' tokens (`masks`: their loss masks), in order: memory maps of a
+        local dataset; a remote dataset's read whole (for tests and small data: a training
+        reads windows)."""
         out = []
-        for shard in self._shards[split]:
+        for shard in self.shard_files(split, masks):
             if not self.remote:
-                out.append(open_shard(self.path / shard.file))
+                out.append(open_shard(self.path / shard.file, MASK_MAGIC if masks else MAGIC))
                 continue
             raw = self.files.read(shard.file)
             out.append(np.frombuffer(raw, dtype=shard.dtype, offset=HEADER_BYTES,
@@ -279,7 +310,11 @@ class TokenDataset:
         """A mean loss per token (nats) as bits per byte of the split's text: the bits to encode
         the split at that loss over its UTF-8 bytes, which compares across tokenizers. Exact for
         a loss over the whole split; for a sample of its windows it assumes the split's average
-        bytes per token. None for a dataset whose meta.json has no byte counts."""
+        bytes per token. None for a dataset whose meta.json has no byte counts, and for one of
+        conversations (its loss is over the assistant's tokens alone, its bytes are all the
+        text's)."""
+        if self.masked:
+            return None
         try:
             n_bytes = int(self.split_bytes[split])
         except (TypeError, KeyError, ValueError):
@@ -305,7 +340,7 @@ class TokenDataset:
     def verify(self, part: int = 0, parts: int = 1) -> int:
         """Re-hashes shards against meta.json (every `parts`-th from `part`, so that W ranks can
         share the work); returns the number of shards checked."""
-        mine = [info for infos in self.shards.values() for info in infos][part::parts]
+        mine = self.infos()[part::parts]
         for info in mine:
             actual = self.files.sha256(info.file)
             if actual != info.sha256:

@@ -1,5 +1,6 @@
 """A split's shards as one token stream, read span by span: the loader's windows (loader.py)
-and the packed rows' pieces (packing.py) are spans of it."""
+and the packed rows' pieces (packing.py) are spans of it. A dataset of conversations has a
+second stream beside it, its loss masks (shards.py), read at the same positions."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ class TokenStream:
     of data a run samples; docs/performance.md, "A start at any size".) `prefetch` names the
     spans read next, so that a remote dataset's reader fetches them while the step computes."""
 
-    def __init__(self, dataset: TokenDataset, split: str, seq_len: int, cache: str = ""):
+    def __init__(self, dataset: TokenDataset, split: str, seq_len: int, cache: str = "",
+                 masks: bool = False):
+        """`masks`: the stream of the split's loss masks (a dataset of conversations)."""
         self.dataset_path, self.split = dataset.path, split
-        self.shards = [s for s in dataset.shard_files(split) if len(s)]
+        self.shards = [s for s in dataset.shard_files(split, masks) if len(s)]
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])  # token offset of each shard
         self.num_tokens = int(self.starts[-1])
         self.seq_len = seq_len
@@ -32,23 +35,34 @@ class TokenStream:
         self.dtype = self.shards[0].dtype if self.shards else np.dtype(np.uint16)
         self.where = dataset.files.where
         self.reader = dataset.files.reader(cache)
+        self.masks = TokenStream(dataset, split, seq_len, cache, True) \
+            if dataset.masked and not masks else None
+        self.masked = self.masks is not None
 
-    def read(self, windows: np.ndarray, out: np.ndarray) -> None:
-        """Copies windows into `out`, shape (len(windows), T+1), converting to out's dtype."""
+    def read(self, windows: np.ndarray, out: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Copies windows into `out`, shape (len(windows), T+1), converting to out's dtype;
+        `mask` (the same shape): their loss masks (all ones for a dataset without)."""
         span = self.seq_len + 1
         buf = np.empty((len(windows), span), dtype=self.dtype)  # (rows, T+1), read into directly
         for row, w in zip(buf, windows):
             self.read_span(int(w) * self.seq_len, row)
         out[:len(buf)] = buf
+        if mask is not None:
+            if self.masks is None:
+                mask[:len(buf)] = 1
+            else:
+                self.masks.read(windows, mask)
 
     def prefetch(self, windows: np.ndarray) -> None:
         """The windows read next: a remote reader fetches them in the background."""
         self.prefetch_spans([(int(w) * self.seq_len, self.seq_len + 1) for w in windows])
 
     def prefetch_spans(self, spans: list[tuple[int, int]]) -> None:
-        """(position, tokens) spans of the stream read next."""
+        """(position, tokens) spans of the stream read next (and of its masks)."""
         self.reader.prefetch([self._request(k, local, n) for pos, length in spans
                               for k, local, n in self.pieces(pos, length)])
+        if self.masks is not None:
+            self.masks.prefetch_spans(spans)
 
     def pieces(self, pos: int, length: int) -> list[tuple[int, int, int]]:
         """Tokens pos..pos+length of the stream as (shard, its first token, tokens) pieces: a

@@ -1,7 +1,11 @@
 """Tokenizers: `bpe` (byte-level BPE trained on the corpus), `byte` (raw UTF-8 bytes), `gpt2`.
 
 All three share one small interface: `vocab_size`, `eot_id`, `encode_batch(texts)` returning one
-uint32 array per text (no end-of-text tokens added; `prepare` places them), and `decode(ids)`.
+uint32 array per text (no end-of-text tokens added; `prepare` places them), `decode(ids)`, and
+`special`: the chat template's tokens it holds, by id (data/chat.py). A bpe holds them in its
+tokenizer.json (reserved when prepare trains it for conversations, added by `with_chat`); byte
+and gpt2, whose ids are fixed, take them after their own ids, as the kinds `byte+chat` and
+`gpt2+chat` (`ChatTokens`).
 
 The bpe tokenizer splits text into pre-tokens (runs of letters, of digits, of other symbols, of
 whitespace; BPE never merges across them) with GPT-2's pattern, each run capped at
@@ -19,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddpgpt.data import storage
+from ddpgpt.data import chat, storage
 from ddpgpt.errors import DataError, UserError
 from ddpgpt.files import atomic_write, require
 
@@ -38,6 +42,10 @@ class ByteTokenizer:
     kind = "byte"
     vocab_size = 257
     eot_id = 256
+
+    @property
+    def special(self) -> dict[str, int]:
+        return {}
 
     def encode_batch(self, texts: list[str | bytes]) -> list[np.ndarray]:
         """bytes are taken as they are (a file's exact bytes), str as its UTF-8."""
@@ -71,16 +79,29 @@ class BPETokenizer:
         self._tok = tok
         self.vocab_size = tok.get_vocab_size()
         self.eot_id = tok.token_to_id(EOT_TEXT)
+        self.special = {t: i for t in chat.TOKENS if (i := tok.token_to_id(t)) is not None}
+
+    def with_tokens(self, tokens: Iterable[str]) -> BPETokenizer:
+        """This tokenizer with `tokens` added as special tokens (new ids after its own; those
+        it has already keep theirs)."""
+        from tokenizers import AddedToken, Tokenizer
+
+        tok = Tokenizer.from_str(self._tok.to_str())
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+        return BPETokenizer(tok)
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int,
-              show_progress: bool = True) -> BPETokenizer:
+    def train(cls, texts: Iterable[str], vocab_size: int, show_progress: bool = True,
+              reserved: tuple[str, ...] = ()) -> BPETokenizer:
+        """`reserved`: special tokens beside end-of-text (the chat template's), ids 1.. ."""
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-        if vocab_size < MIN_BPE_VOCAB:
+        if vocab_size < MIN_BPE_VOCAB + len(reserved):
+            also = f" + {len(reserved)} chat tokens" if reserved else ""
             raise UserError(
                 f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least "
-                f"{MIN_BPE_VOCAB} (256 bytes + end-of-text); use e.g. --vocab-size 4096"
+                f"{MIN_BPE_VOCAB + len(reserved)} (256 bytes + end-of-text{also}); use e.g. "
+                "--vocab-size 4096"
             )
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.Sequence([  # saved in tokenizer.json, used by sample
@@ -90,7 +111,7 @@ class BPETokenizer:
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
-            special_tokens=[EOT_TEXT],
+            special_tokens=[EOT_TEXT, *reserved],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=show_progress,
         )
@@ -155,6 +176,10 @@ class GPT2Tokenizer:
         self.vocab_size = self._enc.n_vocab
         self.eot_id = self._enc.eot_token
 
+    @property
+    def special(self) -> dict[str, int]:
+        return {}
+
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         if self.threads == 1:
             batch = [self._enc.encode_ordinary(t) for t in texts]
@@ -179,6 +204,86 @@ def _byte_level_chars() -> dict[int, str]:
     return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
 
 
+class ChatTokens:
+    """A byte or gpt2 tokenizer with the chat template's tokens after its own ids (kind
+    `byte+chat`, `gpt2+chat`): text encodes as the base's does, never to them."""
+
+    def __init__(self, base):
+        self.base, self.kind, self.eot_id = base, base.kind + CHAT_KIND, base.eot_id
+        self.special = {t: base.vocab_size + i for i, t in enumerate(chat.TOKENS)}
+        self.vocab_size = base.vocab_size + len(chat.TOKENS)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return self.base.encode_batch(texts)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        names = {i: t for t, i in self.special.items()}
+        out, run = [], []
+        for i in ids:
+            if i in names:
+                out += [self.base.decode(run), names[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(out) + self.base.decode(run)
+
+    def decode_bytes(self, ids: np.ndarray) -> bytes:
+        ids = np.asarray(ids)
+        return self.base.decode_bytes(ids[ids < self.base.vocab_size])
+
+    def save(self, out_dir: Path) -> None:
+        self.base.save(out_dir)
+
+
+CHAT_KIND = "+chat"
+
+
+def with_chat(tok):
+    """`tok` with the chat template's tokens (itself if it has them all)."""
+    if not chat.missing(tok.special):
+        return tok
+    if isinstance(tok, BPETokenizer):
+        return tok.with_tokens(chat.TOKENS)
+    return ChatTokens(tok)
+
+
+def grows_by_chat(base: tuple[str, str | Path], grown: tuple[str, str | Path]) -> bool:
+    """Whether the tokenizer `grown` (kind, directory) is `base`'s with the chat template's
+    tokens after its own ids, and nothing else changed: what `prepare --chat --tokenizer-from`
+    makes of a base run's, a dataset's or an export's tokenizer (so a model of the base's ids
+    reads every id of it but the new ones, whose rows it grows: run/init_weights.py)."""
+    (base_kind_, base_dir), (kind, directory) = base, grown
+    if base_kind_ in ("byte", "gpt2"):
+        return kind == base_kind_ + CHAT_KIND
+    if base_kind_ != "bpe" or kind != "bpe":
+        return False
+    try:
+        old, new = (_normalized(Path(d) / "tokenizer.json") for d in (base_dir, directory))
+    except Exception:  # tokenizers raises plain Exception on a bad file, json ValueError
+        return False
+    size = BPETokenizer(_tokenizers().Tokenizer.from_str(json.dumps(old))).vocab_size
+    added = [t for t in new.get("added_tokens", []) if t["content"] in chat.TOKENS]
+    new["added_tokens"] = [t for t in new.get("added_tokens", []) if t not in added]
+    return (len(added) == len(chat.TOKENS) and all(t["id"] >= size for t in added)
+            and new == old)
+
+
+def _tokenizers():
+    import tokenizers
+    return tokenizers
+
+
+def _normalized(path: Path) -> dict:
+    """A tokenizer.json as `tokenizers` writes it back (transformers' copy and ours differ in
+    layout, not in content)."""
+    return json.loads(_tokenizers().Tokenizer.from_file(str(path)).to_str())
+
+
+def base_kind(kind: str) -> str:
+    """A tokenizer kind without the chat tokens' suffix: byte+chat -> byte."""
+    return kind.removesuffix(CHAT_KIND)
+
+
 class TokenizerSpec:
     """What a prepare worker needs to make its own tokenizer (picklable): the kind, and for bpe
     the tokenizer.json to load. Workers run one thread each."""
@@ -187,8 +292,9 @@ class TokenizerSpec:
         self.kind, self.directory = kind, directory
 
     def __call__(self):
-        if self.kind == "gpt2":
-            return GPT2Tokenizer(threads=1)
+        if base_kind(self.kind) == "gpt2":
+            tok = GPT2Tokenizer(threads=1)
+            return ChatTokens(tok) if self.kind != "gpt2" else tok
         return load_tokenizer(self.directory, self.kind)
 
 
@@ -241,6 +347,8 @@ def folder_tokenizer(folder: Path, where: str) -> str | None:
 
 def load_tokenizer(data_dir: str | Path, kind: str):
     """The tokenizer a prepared dataset was made with (`kind` from its meta.json)."""
+    if kind in ("byte" + CHAT_KIND, "gpt2" + CHAT_KIND):
+        return ChatTokens(load_tokenizer(data_dir, base_kind(kind)))
     if kind == "bpe":
         return BPETokenizer.load(data_dir)
     if kind == "byte":

@@ -83,7 +83,7 @@ def stale(dataset: TokenDataset) -> list[ShardInfo]:
     files = dataset.files
     caches = [read_cache(files) if files.has(CACHE) else {}, _read_local(files)]
     out = []
-    for info in (i for infos in dataset.shards.values() for i in infos):
+    for info in dataset.infos():
         if not any(_vouches(c.get(info.file), info, files) for c in caches):
             out.append(info)
     return out
@@ -101,7 +101,7 @@ def hash_share(dataset: TokenDataset, part: int = 0, parts: int = 1,
     vouch for (`every`: all of them) against meta.json; returns their cache entries. A mismatch
     is one line naming the shard."""
     files = dataset.files
-    shards = [i for infos in dataset.shards.values() for i in infos][part::parts]
+    shards = dataset.infos()[part::parts]
     todo = shards if every else [i for i in stale(dataset) if i in shards]
     entries = {}
     for info in todo:

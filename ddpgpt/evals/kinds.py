@@ -48,6 +48,10 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          "ddpgpt.evals.multiple_choice:TaskScorer", metrics=("acc_norm", "acc", "acc_char"),
          headline="acc_norm", label="acc_norm (llm.c's HellaSwag rule)",
          row='{"ctx": ..., "endings": [...], "label": ...}'),
+    # the same tasks asked in the chat template, the choice as the assistant's reply
+    Kind("chat", "ddpgpt.evals.multiple_choice:example", "ddpgpt.evals.chat_choice:ChatScorer",
+         metrics=("acc_norm", "acc", "acc_char"), headline="acc_norm",
+         label="acc_norm (the chat format)", row='{"ctx": ..., "endings": [...], "label": ...}'),
     # DCLM's CORE tasks as nanochat scores them (evals/bundle.py reads, evals/core.py scores)
     Kind("core", "", "ddpgpt.evals.core:CoreScorer", metrics=("metric",), headline="metric",
          label="CORE (centered accuracy, nanochat's)",

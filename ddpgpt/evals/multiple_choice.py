@@ -91,9 +91,16 @@ def render(example: Example, tokenizer, block_size: int) -> Rendered:
     """Context tokens then " " + ending tokens, one row per ending, the last block_size tokens
     of each kept; inputs are a row's tokens but the last, targets its tokens but the first."""
     ctx, *endings = tokenizer.encode_batch([example.ctx, *(" " + e for e in example.endings)])
+    return rows_of(ctx.tolist(), [end.tolist() for end in endings], example, block_size)
+
+
+def rows_of(ctx: list[int], endings: list[list[int]], example: Example,
+            block_size: int) -> Rendered:
+    """The rows of a context's tokens then each ending's (the last block_size tokens of each),
+    the endings' tokens scored."""
     rows = []
     for end in endings:
-        tokens = [*ctx.tolist(), *end.tolist()][-block_size:]
+        tokens = [*ctx, *end][-block_size:]
         scored = min(len(end), len(tokens) - 1)  # the first token kept has no prediction
         unscored = len(tokens) - 1 - scored
         rows.append((tokens[:-1], [-1] * unscored + tokens[unscored + 1:]))
@@ -125,13 +132,16 @@ def correct(sums: torch.Tensor, counts: torch.Tensor, r: Rendered) -> tuple[int,
 
 class TaskScorer:
     """One task, this rank holding its rendered share (rendered once; scored at every evaluation
-    during training)."""
+    during training). `render`: how an example becomes its rows (a subclass may render it in
+    another format: evals/chat_choice.py)."""
+
+    render = staticmethod(render)
 
     def __init__(self, task: Task, tokenizer, block_size: int, env: DistEnv):
         self.env, self.size = env, len(task.examples)
         mine = task.examples[env.rank::env.world_size]
         # A rank without examples renders the first one for its uncounted forwards.
-        self.share = [render(e, tokenizer, block_size) for e in (mine or task.examples[:1])]
+        self.share = [self.render(e, tokenizer, block_size) for e in (mine or task.examples[:1])]
 
     def score(self, model: torch.nn.Module, autocast=contextlib.nullcontext,
               bar: str | bool = False) -> dict:

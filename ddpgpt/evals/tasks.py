@@ -69,7 +69,7 @@ def pairs(names: str, files: str, flag: str, data_flag: str) -> list[tuple[str, 
         path = given[i] if given else ""
         if not path and KINDS[kind].read:
             raise UserError(f"{flag} {spec}: give its {KINDS[kind].row} with {data_flag} DIR")
-        if not path and (kind, name) != (DEFAULT, HELLASWAG):
+        if not path and (name != HELLASWAG or KINDS[kind].parse != KINDS[DEFAULT].parse):
             raise UserError(f"{flag} {spec}: only hellaswag downloads itself; give the task's "
                             f"jsonl (one {KINDS[kind].row} per line) with {data_flag} FILE")
         out.append((spec, path))

@@ -33,7 +33,7 @@ import torch
 from ddpgpt.config.checks import ConfigError
 from ddpgpt.config.model import ARCHS, Pieces
 from ddpgpt.config.schema import TrainConfig, padded_vocab
-from ddpgpt.data.tokenizer import GPT2_VOCAB, fingerprint, folder_tokenizer
+from ddpgpt.data.tokenizer import GPT2_VOCAB, fingerprint, folder_tokenizer, grows_by_chat
 from ddpgpt.errors import UserError, warn
 from ddpgpt.hf import gpt2, llama
 
@@ -233,7 +233,8 @@ def check_tokenizer(cfg: TrainConfig, dataset) -> None:
     """The dataset was made with the tokenizer of the --init-from weights, or one line. The
     tokenizer.json saved beside them is theirs too: a dataset prepared with it (`prepare
     --tokenizer-from` the directory) fits, whatever the fingerprint config.json records (`ddpgpt
-    export` saves the run's tokenizer through transformers, which writes it anew)."""
+    export` saves the run's tokenizer through transformers, which writes it anew); so does it
+    with the chat template's tokens added (`prepare --chat`: the vocabulary grows)."""
     spec = cfg.model.init_from
     (theirs, note), ours = weights_tokenizer(spec), dataset.tokenizer_fingerprint
     folder = Path(spec) if Path(spec).is_dir() else Path(spec).parent
@@ -243,7 +244,8 @@ def check_tokenizer(cfg: TrainConfig, dataset) -> None:
                         "with there (ddpgpt export does)")
     beside = fingerprint("bpe", folder) if spec not in gpt2.HUB and \
         (folder / "tokenizer.json").is_file() else None
-    if ours not in (theirs, beside):
+    grown = grows_by_chat((theirs.partition(":")[0], folder), (dataset.tokenizer, dataset.path))
+    if ours not in (theirs, beside) and not grown:  # (grown: the vocabulary grows, init_weights)
         how = ("prepare the data with --tokenizer gpt2" if theirs == "gpt2" else
                f"prepare the data with theirs: ddpgpt prepare SOURCES --tokenizer-from {folder} "
                "--out DIR")

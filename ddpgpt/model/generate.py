@@ -18,6 +18,8 @@ The no-cache path follows the same windows, so both give the same tokens.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -38,7 +40,18 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
              top_k: int | None = None, generator: torch.Generator | None = None,
              vocab_size: int | None = None, use_cache: bool = True) -> torch.Tensor:
     """Appends `max_new_tokens` sampled tokens to each row of idx (B, T): B prompts of one
-    length, sampled together.
+    length, sampled together (`tokens`, drawn to the end)."""
+    drawn = list(tokens(model, idx, max_new_tokens, temperature, top_k, generator, vocab_size,
+                        use_cache))
+    return torch.cat([idx, *drawn], dim=1)
+
+
+@torch.no_grad()
+def tokens(model, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+           top_k: int | None = None, generator: torch.Generator | None = None,
+           vocab_size: int | None = None, use_cache: bool = True) -> Iterator[torch.Tensor]:
+    """The tokens drawn after each row of idx (B, T), one (B, 1) at a time, as they are drawn:
+    a caller that stops reading (a chat's reply at its end-of-turn token) draws no more.
 
     With `use_cache` (the default) the prompt is encoded once, then each token costs one token's
     forward (and, with learned positions, each restart of the window one forward of the kept
@@ -83,4 +96,4 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
             probs = F.softmax(logits, dim=-1)
             nxt = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
         idx = torch.cat([idx, nxt], dim=1)
-    return idx
+        yield nxt

@@ -4,9 +4,10 @@ at once, with one line, before anything is written:
     cfg, dataset = preflight(cfg, world_size=2, local_world_size=2)
 
 Every `auto` is resolved here, once: the device kind, the backend, the precision, the sequence
-length, the vocabulary size, the attention of masks (model.attention), the CPU threads and whether
-to evaluate before the first step. Resolving a resolved config changes nothing, so the `--nproc`
-launcher resolves it, writes it as the run's config.json, and its workers start from that file.
+length, the vocabulary size, where rows start (data.align), the attention of masks
+(model.attention), the CPU threads and whether to evaluate before the first step. Resolving a
+resolved config changes nothing, so the `--nproc` launcher resolves it, writes it as the run's
+config.json, and its workers start from that file.
 The accumulation A = G / (W·b) is derived here too, the one place that checks it.
 """
 
@@ -90,7 +91,10 @@ def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> T
     ns_dtype = cfg.optim.muon_ns_dtype
     if ns_dtype == "auto":
         ns_dtype = "fp32" if precision == "fp32" else "bf16"
-    doc_mask = cfg.data.align == "bos" if cfg.model.doc_mask is None else cfg.model.doc_mask
+    align = cfg.data.align  # auto: conversations are packed whole (data/packing.py)
+    if align == "auto":
+        align = "bos" if dataset.masked else "stream"
+    doc_mask = align == "bos" if cfg.model.doc_mask is None else cfg.model.doc_mask
     attention = flex.choose(cfg.model.attention, device, cfg.model.dropout, cfg.seq_len,
                             doc_mask)
     if attention == "flex" and flex.refusal(device, cfg.model.dropout):
@@ -99,7 +103,8 @@ def resolve(cfg: TrainConfig, dataset: TokenDataset, local_world_size: int) -> T
                                 doc_mask=doc_mask, attention=attention,
                                 bos_id=dataset.eot_id if cfg.model.bos_id < 0 else cfg.model.bos_id)
     return dataclasses.replace(cfg, model=model,
-                               data=dataclasses.replace(cfg.data, seq_len=cfg.seq_len), run=run,
+                               data=dataclasses.replace(cfg.data, seq_len=cfg.seq_len,
+                                                        align=align), run=run,
                                optim=dataclasses.replace(cfg.optim, muon_ns_dtype=ns_dtype))
 
 
@@ -146,11 +151,11 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int,
     if cfg.run.checkpoint_url:  # a bucket that is not there or not ours: one line, now
         location.check_writable(cfg.run.checkpoint_url)
     dataset = open_data(cfg.data.sources())
-    if cfg.model.init_from:
-        from ddpgpt.hf.init_from import check_tokenizer, locate
+    if cfg.model.init_from:  # a hub name is downloaded here, once, before any worker
+        from ddpgpt.run.init_weights import check_tokenizer, grow_vocab
 
         check_tokenizer(cfg, dataset)
-        locate(cfg.model.init_from)  # a hub name is downloaded here, once, before any worker
+        cfg = grow_vocab(cfg, dataset)  # the chat template's tokens: the vocabulary grows
     cfg = resolve(cfg, dataset, local_world_size)
     check_windows(cfg, dataset)
     return cfg, dataset

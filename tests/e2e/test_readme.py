@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import STDLIB
+from tests.conftest import CORPUS, STDLIB
 from tests.helpers import REPO, TIKTOKEN_GPT2, kill_tree
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -62,6 +62,9 @@ def skipped(command: str) -> str | None:
 
 def small(words: list[str]) -> list[str]:
     """A `train` command made small as the module says; any other command as it is."""
+    if "|" in words:  # a pipeline: its ddpgpt command's
+        i = words.index("|") + 1
+        return [*words[:i], *small(words[i:])]
     if words[:2] != ["ddpgpt", "train"]:
         return words
     for flag in ("--run.steps", "--optim.schedule-start"):  # a step: 1/200 of it too
@@ -75,10 +78,16 @@ def small(words: list[str]) -> list[str]:
 
 
 def write_inputs(root: Path) -> None:
-    """What README's commands read, small: your text, FineWeb-Edu's parquet, llm.c's shards."""
+    """What README's commands read, small: your text, FineWeb-Edu's parquet, llm.c's shards,
+    and `make demo`'s data/stdlib (a few of the library's files, a small bpe)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from ddpgpt.config.commands import PrepareConfig
+    from ddpgpt.data.prepare import main as prepare
+
+    prepare.run(PrepareConfig(sources=[str(STDLIB / f) for f in CORPUS], vocab_size=512,
+                              val_fraction=0.3, out=str(root / "data" / "stdlib"), workers=1))
     texts = [(STDLIB / name).read_text() for name in
              ("textwrap.py", "shlex.py", "heapq.py", "fnmatch.py", "glob.py", "bisect.py")]
     (root / "notes").mkdir()
@@ -102,7 +111,12 @@ def write_inputs(root: Path) -> None:
 
 
 def run(words: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "ddpgpt", *words[1:]] if words[0] == "ddpgpt" else words
+    """The command (a pipeline's through the shell), ddpgpt as this interpreter's module."""
+    ddpgpt = [sys.executable, "-m", "ddpgpt"]
+    argv = [w for i, word in enumerate(words) for w in (
+        ddpgpt if word == "ddpgpt" and (i == 0 or words[i - 1] == "|") else [word])]
+    if "|" in words:
+        argv = ["bash", "-o", "pipefail", "-c", shlex.join(argv).replace(" '|' ", " | ")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TIKTOKEN_CACHE_DIR": str(TIKTOKEN_GPT2)}
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -135,7 +149,7 @@ def test_every_readme_command_runs_or_says_why_not(tmp_path):
     # what the commands made is what README says they make
     assert (tmp_path / "runs" / "mine.png").is_file()
     assert (tmp_path / "exported" / "mine" / "model.safetensors").is_file()
-    for data in ("mine", "edu10b", "edu", "edu10b-merged", "mine-gpt2"):
+    for data in ("mine", "edu10b", "edu", "edu10b-merged", "mine-gpt2", "chat"):
         assert (tmp_path / "data" / data / "meta.json").is_file(), data
     assert ((tmp_path / "data" / "edu10b" / "train_000000.bin").read_bytes()
             == (tmp_path / "data" / "edu10b-merged" / "train_000000.bin").read_bytes())

@@ -79,7 +79,8 @@ def test_a_task_kind_added_from_outside_is_scored_like_a_built_in_one(tmp_path, 
 
 def test_a_task_of_an_unknown_kind_is_one_line(monkeypatch):
     with pytest.raises(UserError, match=r"^--task tox:mine: unknown task kind 'tox' \(did you "
-                                        r"mean toy\?\); choose one of multiple_choice, core, toy "):
+                                        r"mean toy\?\); choose one of multiple_choice, chat, "
+                                        r"core, toy "):
         monkeypatch.setitem(KINDS, "toy", toy_task.ROW)
         tasks.pairs("tox:mine", "m.jsonl", "--task", "--task-data")
 

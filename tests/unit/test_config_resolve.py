@@ -73,7 +73,7 @@ def test_resolve_takes_the_datasets_vocab_and_the_block_size(dataset):
         dataclasses.replace(_model().model.resolved(), vocab_size=100,  # the pieces: gpt2
                             doc_mask=False, bos_id=0,  # align stream: no mask; the eot id
                             attention="sdpa"),  # auto on a CPU
-        dataclasses.replace(_model().data, seq_len=16),
+        dataclasses.replace(_model().data, seq_len=16, align="stream"),  # auto: no masks
         dataclasses.replace(_model().optim, muon_ns_dtype="fp32"))  # auto: fp32 under fp32
 
 

@@ -137,7 +137,7 @@ def test_rows_packed_from_one_document_are_said(tmp_path, eots, said):
     """No end-of-text token, or one at the start: the split is one document, its packed rows
     are slices of it (their first tokens are no document starts). Two documents: nothing to say;
     the stream never is."""
-    from ddpgpt.data.mixture import MixedDataset, MixtureLoader, one_document_notes
+    from ddpgpt.data.mixture import MixedDataset, MixtureLoader, packing_notes
 
     tokens = np.arange(1, 400) % 50 + 1
     tokens[[0, 200][:eots]] = EOT
@@ -145,20 +145,21 @@ def test_rows_packed_from_one_document_are_said(tmp_path, eots, said):
                          eot_id=EOT)
     rows = PackedRows(TokenDataset(path), "train", T)
     assert rows.documents == max(1, eots)
-    notes = one_document_notes(TrainLoader(TokenDataset(path), seq_len=T, micro_batch=2,
-                                           align="bos"))
+    notes, none = packing_notes(TrainLoader(TokenDataset(path), seq_len=T, micro_batch=2,
+                                            align="bos"))
+    assert none == []  # no conversations
     assert notes == ([f"data.align bos: the train split of dataset {path} is one document (no "
                       f"end-of-text token, id {EOT}, between its tokens), so every row is a "
                       "slice of it and model.doc_mask masks nothing; prepare the data with its "
                       "documents apart (ddpgpt prepare puts an end-of-text token before each), "
                       "or use --data.align stream"] if said else [])
     assert PackedRows(TokenDataset(path), "train", T).documents == rows.documents  # cached
-    assert one_document_notes(TrainLoader(TokenDataset(path), seq_len=T, micro_batch=2)) == []
+    assert packing_notes(TrainLoader(TokenDataset(path), seq_len=T, micro_batch=2)) == ([], [])
     other = write_dataset(tmp_path / "e", np.where(np.arange(400) % 20, 3, EOT),
                           tokens[:3 * (T + 1)], vocab_size=70_000, eot_id=EOT)
     mix = MixtureLoader(MixedDataset([(str(path), 0.5), (str(other), 0.5)]), seq_len=T,
                         micro_batch=2, align="bos")
-    assert one_document_notes(mix) == notes
+    assert packing_notes(mix)[0] == notes
 
 
 @pytest.mark.parametrize("damage", [b"", b"not a zip", b"PK\x03\x04 cut short"])

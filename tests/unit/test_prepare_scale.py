@@ -126,12 +126,12 @@ def test_a_crash_mid_unit_then_the_same_command_gives_the_same_dataset(corpus, t
     monkeypatch.setattr(build, "COMMIT_SECONDS", 0.0)
     add = Assembler.add
 
-    def crashing_add(self, tokens, record):
+    def crashing_add(self, tokens, record, mask=None):
         if self.units == 6:
             self._write("train", tokens[:len(tokens) // 2])
             self.writers["train"].sync()
             raise RuntimeError("power cut")
-        add(self, tokens, record)
+        add(self, tokens, record, mask)
 
     monkeypatch.setattr(Assembler, "add", crashing_add)
     with pytest.raises(RuntimeError, match="power cut"):
@@ -150,10 +150,10 @@ def test_a_crash_mid_unit_then_the_same_command_gives_the_same_dataset(corpus, t
 def test_changed_settings_are_refused_with_how_to_start_over(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(build, "COMMIT_SECONDS", 0.0)
 
-    def stop_at_3(self, tokens, record, add=Assembler.add):
+    def stop_at_3(self, tokens, record, mask=None, add=Assembler.add):
         if self.units == 3:
             raise KeyboardInterrupt
-        add(self, tokens, record)
+        add(self, tokens, record, mask)
 
     monkeypatch.setattr(Assembler, "add", stop_at_3)
     with pytest.raises(KeyboardInterrupt):

@@ -12,6 +12,10 @@ A format answers four questions, and declares the settings that do not apply to 
                             a unit's documents, each a str (None: a null row, counted); or
     pieces(...)             the same as (begins a document, piece) pairs, when a format reads
                             its own (text files: bytes, exactly, for the byte tokenizer)
+    records(unit, field, skip_bad, stats)
+                            a format of records (`conversations`: jsonl, parquet): each
+                            record's (where, value of `field`), whatever its type, for
+                            `prepare --chat` (data/chat.py reads the value as messages)
     refuses                 prepare's settings (PrepareConfig's field names) that do not apply
                             to sources all of this format: given, they are refused in one line
 
@@ -48,7 +52,7 @@ class Unit:
     the format's: text (paths: files, one document each), jsonl (the lines that start in bytes
     [start, end) of paths[0]; end -1: the whole, compressed, file), parquet (row group `start` of
     paths[0]), hf (paths: name, config, split), llmc (paths[0], whose tokens all go to
-    `split`)."""
+    `split`), stdlib-chat (paths[0]: the standard library; its conversations of `split`)."""
 
     kind: str
     paths: tuple = ()
@@ -68,6 +72,11 @@ class UnitStats:
     null_rows: int = 0  # rows whose text is null (parquet, hf)
     replaced: int = 0  # invalid UTF-8 sequences (or lone surrogates) replaced by U+FFFD
     text_bytes: int = 0
+    # records that are not conversations (prepare --chat: data/chat.py's REASONS)
+    chat_malformed: int = 0
+    chat_unknown_role: int = 0
+    chat_empty: int = 0
+    chat_no_assistant: int = 0
 
     def add(self, other: dict) -> None:
         for key, value in other.items():
@@ -82,6 +91,8 @@ class Format:
     groups = False  # consecutive files of this format share a unit (up to UNIT_BYTES, UNIT_FILES)
     prefix: str | None = None  # a streamed source: its specs start with this
     tokens = False  # its units are tokens already (then: tokenizer, vocab_size, eot_id, ...)
+    conversations = False  # its records may hold conversations: records(), plan_file(chat=)
+    only_conversations = False  # and nothing else (prepare --chat only)
 
     @property
     def described(self) -> str:
@@ -97,6 +108,10 @@ class Format:
     def stream(self, spec: str) -> tuple:
         raise NotImplementedError(f"{self.name} is not a streamed source")
 
+    def plan_stream(self, paths: tuple) -> list[Unit]:
+        """A streamed source's units: one (a format may cut it, a unit per split)."""
+        return [Unit(self.name, paths)]
+
     def stream_record(self, paths: tuple) -> dict:
         return {self.name: ":".join(p or "" for p in paths)}
 
@@ -107,6 +122,10 @@ class Format:
     def texts(self, unit: Unit, text_field: str, skip_bad: bool,
               stats: UnitStats) -> Iterator[str | None]:
         raise NotImplementedError(f"{self.name} has no texts")
+
+    def records(self, unit: Unit, field: str, skip_bad: bool,
+                stats: UnitStats) -> Iterator[tuple[str, object]]:
+        raise NotImplementedError(f"{self.name} has no records")
 
     def pieces(self, unit: Unit, stats: UnitStats, text_field: str, skip_bad: bool,
                raw: bool) -> Iterator[tuple[bool, str | bytes]]:
@@ -120,13 +139,13 @@ class Format:
                 stats.skipped_empty += 1
                 continue
             stats.documents += 1
-            text = _clean(text, stats)
+            text = clean(text, stats)
             piece_list = cut([text], PIECE_CHARS) if len(text) > PIECE_CHARS else [text]
             for i, piece in enumerate(piece_list):
                 yield i == 0, piece.encode("utf-8") if raw else piece
 
 
-def _clean(text: str, stats: UnitStats) -> str:
+def clean(text: str, stats: UnitStats) -> str:
     """A str from JSON may hold lone surrogates (`"\\ud800"`), which are no UTF-8: each becomes
     U+FFFD, counted."""
     try:

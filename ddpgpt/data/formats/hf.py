@@ -1,5 +1,6 @@
 """Hugging Face datasets, streamed: `hf:NAME[:CONFIG][:SPLIT]` (the split defaults to train),
-each row's text column (`--text-field`) one document, the whole dataset one unit. Needs the hf
+each row's text column (`--text-field`) one document (or, prepare --chat, one conversation), the
+whole dataset one unit. Needs the hf
 extra (`datasets`); offline, HF_DATASETS_OFFLINE=1 reads a cached copy.
 """
 
@@ -15,6 +16,7 @@ from ddpgpt.files import require
 class Hf(Format):
     name = "hf"
     prefix = "hf:"
+    conversations = True
 
     def stream(self, spec: str) -> tuple:
         """(name, config, split) of `hf:NAME[:CONFIG][:SPLIT]`."""
@@ -29,6 +31,11 @@ class Hf(Format):
     def texts(self, unit: Unit, text_field: str, skip_bad: bool,
               stats: UnitStats) -> Iterator[str]:
         return hf_texts(*unit.paths, text_field=text_field)
+
+    def records(self, unit: Unit, field: str, skip_bad: bool,
+                stats: UnitStats) -> Iterator[tuple[str, object]]:
+        for i, value in enumerate(hf_texts(*unit.paths, text_field=field)):
+            yield f"hf:{unit.paths[0]} row {i}", value
 
 
 def hf_texts(name: str, config: str | None, split: str,

@@ -23,11 +23,13 @@ SKIP_HINT = "or pass --skip-bad-rows to count and skip such rows"
 
 class Jsonl(Format):
     name = "jsonl"
+    conversations = True
 
     def claims(self, path: Path) -> bool:
         return path.name.lower().endswith(SUFFIXES)
 
-    def plan_file(self, path: Path, size: int, record: dict, text_field: str) -> list[Unit]:
+    def plan_file(self, path: Path, size: int, record: dict, text_field: str,
+                  chat: bool = False) -> list[Unit]:
         if not path.name.lower().endswith(".jsonl"):  # compressed: read from the start, whole
             return [Unit(self.name, (str(path),))]
         return [Unit(self.name, (str(path),), start, min(start + base.UNIT_BYTES, size))
@@ -35,35 +37,65 @@ class Jsonl(Format):
 
     def texts(self, unit: Unit, text_field: str, skip_bad: bool,
               stats: UnitStats) -> Iterator[str]:
-        path = unit.paths[0]
-        for number, line in _jsonl_lines(unit):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                if skip_bad:
-                    stats.bad_rows += 1
-                    continue
-                where = f"{path}:{_line_number(unit, number)}"
-                raise UserError(f"{where}: not a JSON object ({first_line(e)}); fix the line, "
-                                f"{SKIP_HINT}") from None
-            text = row.get(text_field) if isinstance(row, dict) else None
+        for number, row in _rows(unit, text_field, skip_bad, stats):
+            text = row[text_field]
             if isinstance(text, str):
                 yield text
                 continue
             if skip_bad:
                 stats.bad_rows += 1
                 continue
-            where = f"{path}:{_line_number(unit, number)}"
-            if not isinstance(row, dict):
-                raise UserError(f"{where}: a JSON {type(row).__name__}, not an object; one object "
-                                f"per line is expected; fix the line, {SKIP_HINT}")
-            if text_field not in row:
-                raise UserError(f"{where}: no field {text_field!r} (fields: {', '.join(row)}); "
-                                f"name the text field with --text-field, {SKIP_HINT}")
+            where = f"{unit.paths[0]}:{_line_number(unit, number)}"
+            if looks_like_messages(text):
+                raise UserError(f"{where}: field {text_field!r} holds a conversation (a list "
+                                "of messages), not text; prepare conversations with --chat")
             raise UserError(f"{where}: field {text_field!r} is {type(text).__name__}, not a "
                             f"string; fix the line, {SKIP_HINT}")
+
+    def records(self, unit: Unit, field: str, skip_bad: bool,
+                stats: UnitStats) -> Iterator[tuple[str, object]]:
+        for number, row in _rows(unit, field, skip_bad, stats):
+            yield f"{unit.paths[0]}:{_line_number(unit, number)}", row[field]
+
+
+def _rows(unit: Unit, field: str, skip_bad: bool,
+          stats: UnitStats) -> Iterator[tuple[int, dict]]:
+    """(line number in the unit, object) of each line that is an object holding `field`; other
+    lines are one line naming FILE:LINE, or, `skip_bad`, counted and skipped."""
+    path = unit.paths[0]
+    for number, line in _jsonl_lines(unit):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            if skip_bad:
+                stats.bad_rows += 1
+                continue
+            where = f"{path}:{_line_number(unit, number)}"
+            raise UserError(f"{where}: not a JSON object ({first_line(e)}); fix the line, "
+                            f"{SKIP_HINT}") from None
+        if isinstance(row, dict) and field in row:
+            yield number, row
+            continue
+        if skip_bad:
+            stats.bad_rows += 1
+            continue
+        where = f"{path}:{_line_number(unit, number)}"
+        if not isinstance(row, dict):
+            raise UserError(f"{where}: a JSON {type(row).__name__}, not an object; one object "
+                            f"per line is expected; fix the line, {SKIP_HINT}")
+        if looks_like_messages(row.get("messages")):
+            raise UserError(f"{where}: no field {field!r}, and its 'messages' is a "
+                            "conversation; prepare conversations with --chat")
+        raise UserError(f"{where}: no field {field!r} (fields: {', '.join(row)}); "
+                        f"name the text field with --text-field, {SKIP_HINT}")
+
+
+def looks_like_messages(value) -> bool:
+    """A list of {role, content} objects: a conversation given where text was asked for."""
+    return isinstance(value, list) and bool(value) and \
+        all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
 def _jsonl_lines(unit: Unit) -> Iterator[tuple[int, bytes]]:

@@ -19,13 +19,20 @@ BATCH_ROWS = 1024
 
 class Parquet(Format):
     name = "parquet"
+    conversations = True
 
     def claims(self, path: Path) -> bool:
         return path.name.lower().endswith(".parquet")
 
-    def plan_file(self, path: Path, size: int, record: dict, text_field: str) -> list[Unit]:
-        record["row_groups"] = _row_groups(path, text_field)
+    def plan_file(self, path: Path, size: int, record: dict, text_field: str,
+                  chat: bool = False) -> list[Unit]:
+        record["row_groups"] = _row_groups(path, text_field, chat)
         return [Unit(self.name, (str(path),), i) for i in range(record["row_groups"])]
+
+    def records(self, unit: Unit, field: str, skip_bad: bool,
+                stats: UnitStats) -> Iterator[tuple[str, object]]:
+        for i, value in enumerate(self.texts(unit, field, skip_bad, stats)):
+            yield f"{unit.paths[0]}: row group {unit.start}, row {i}", value
 
     def texts(self, unit: Unit, text_field: str, skip_bad: bool,
               stats: UnitStats) -> Iterator[str | None]:
@@ -44,7 +51,7 @@ class Parquet(Format):
                             "download the file again or remove it from the sources") from None
 
 
-def _row_groups(path: Path, text_field: str) -> int:
+def _row_groups(path: Path, text_field: str, chat: bool = False) -> int:
     pq = _pyarrow()
     try:
         meta = pq.ParquetFile(path)
@@ -55,7 +62,8 @@ def _row_groups(path: Path, text_field: str) -> int:
     if text_field not in names:
         raise UserError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}); "
                         "name the text column with --text-field")
-    columns.check_parquet_column(path, text_field, meta.schema_arrow.field(text_field).type)
+    columns.check_parquet_column(path, text_field, meta.schema_arrow.field(text_field).type,
+                                 chat)
     return meta.num_row_groups
 
 

@@ -5,7 +5,8 @@ given, files sorted, rows in file order): each file goes to the first format tha
 (text if none does), a streamed source to the format of its prefix. A unit is what one worker
 encodes at a time and what a resumed prepare skips once done: small enough that a kill loses
 little, large enough that its overhead is nothing. `pieces(unit)` reads a unit's documents, in
-pieces of at most `base.PIECE_CHARS`, by its format.
+pieces of at most `base.PIECE_CHARS`, by its format; `records(unit)` its records' values, for a
+format whose records may be conversations (prepare --chat).
 
 A new format is one module (a `base.Format`) and one row here; `plan`, `pieces`, the worker
 processes, the settings a format refuses (prepare/settings.py) and a tokens format's place in
@@ -18,8 +19,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ddpgpt.data.formats import base, hf, jsonl, llmc, parquet, text
+from ddpgpt.data.formats import base, hf, jsonl, llmc, parquet, stdlib_chat, text
 from ddpgpt.data.formats.base import Format, Unit, UnitStats
+from ddpgpt.errors import UserError
 
 FORMATS: dict[str, Format] = {row.name: row for row in (
     text.ROW,      # any file no other format claims; small files share a unit
@@ -27,6 +29,7 @@ FORMATS: dict[str, Format] = {row.name: row for row in (
     parquet.ROW,   # .parquet, a unit per row group
     llmc.ROW,      # llm.c's .bin shards (by their header): tokens already
     hf.ROW,        # hf:NAME[:CONFIG][:SPLIT], streamed
+    stdlib_chat.ROW,  # stdlib-chat: the built-in conversations (prepare --chat)
 )}
 FALLBACK = "text"  # a file no format claims
 
@@ -70,9 +73,10 @@ class Stream:
     paths: tuple
 
 
-def plan(corpus, text_field: str) -> Plan:
+def plan(corpus, text_field: str, chat: bool = False) -> Plan:
     """The units of `corpus` (prepare/sources.py: its parts, each a list of paths or a
-    `Stream`), in its fixed order; refuses what cannot be read before any work."""
+    `Stream`), in its fixed order; refuses what cannot be read before any work. `chat`: each
+    record a conversation (prepare --chat): a source of a format without records is refused."""
     out, group, group_bytes = Plan(), [], 0
 
     def close_group():
@@ -84,12 +88,14 @@ def plan(corpus, text_field: str) -> Plan:
     for part in corpus.parts:
         close_group()  # a unit never spans two sources
         if isinstance(part, Stream):
-            out.units.append(Unit(part.kind, part.paths))
+            _check_chat(chat, FORMATS[part.kind], f"{part.kind}:{part.paths[0]}")
+            out.units += FORMATS[part.kind].plan_stream(part.paths)
             out.files.append(FORMATS[part.kind].stream_record(part.paths))
             out.text_bytes = None
             continue
         for path in part:
             row, size = file_format(path), path.stat().st_size
+            _check_chat(chat, row, path)
             record = {"path": str(path), "bytes": size}
             regular = path.is_file()  # a pipe's size and time say nothing of its contents
             out.stamps.append([size, path.stat().st_mtime_ns] if regular else None)
@@ -105,11 +111,21 @@ def plan(corpus, text_field: str) -> Plan:
                 out.files.append(record)
                 continue
             close_group()
-            out.units += row.plan_file(path, size, record, text_field)
+            out.units += row.plan_file(path, size, record, text_field,
+                                       **({"chat": True} if chat else {}))
             out.files.append(record)
     close_group()
     _check_tokens(out)
     return out
+
+
+def _check_chat(chat: bool, row: Format, where) -> None:
+    if not chat and row.only_conversations:
+        raise UserError(f"{row.described} are conversations: prepare them with --chat")
+    if chat and not row.conversations:
+        holding = ", ".join(r.name for r in FORMATS.values() if r.conversations)
+        raise UserError(f"prepare --chat: {where} is a {row.name} source, whose records cannot "
+                        f"be conversations; give records with a list of messages ({holding})")
 
 
 def _check_tokens(out: Plan) -> None:
@@ -132,6 +148,12 @@ def pieces(unit: Unit, stats: UnitStats, text_field: str, skip_bad: bool,
     if row.tokens:
         raise ValueError(f"unit kind {unit.kind} has no text")
     return row.pieces(unit, stats, text_field, skip_bad, raw)
+
+
+def records(unit: Unit, stats: UnitStats, name: str,
+            skip_bad: bool) -> Iterator[tuple[str, object]]:
+    """The unit's records as (where, value of field `name`): prepare --chat's conversations."""
+    return FORMATS[unit.kind].records(unit, name, skip_bad, stats)
 
 
 def plan_record(p: Plan) -> dict:

@@ -133,9 +133,9 @@ class Build:
                     if self.asm.units > self.committed:  # moment to save what is there
                         self._commit(force=True)
                     return False
-                tokens, record = unitfiles.read_unit(work, index)
-                self.asm.add(tokens, record)
-                del tokens
+                tokens, record, mask = unitfiles.read_unit(work, index)
+                self.asm.add(tokens, record, mask)
+                del tokens, mask
             bar.update(1)
             self._commit()
         return self.asm.full
@@ -150,7 +150,8 @@ class Build:
         self.committed = self.asm.units
         if not self.sources:  # our own unit files: in the shards now, not needed again
             for index in range(self._dropped, self.asm.units):
-                for path in unitfiles.unit_paths(self.work, index):
+                for path in (*unitfiles.unit_paths(self.work, index),
+                             unitfiles.mask_path(self.work, index)):
                     path.unlink(missing_ok=True)
             self._dropped = self.asm.units
 

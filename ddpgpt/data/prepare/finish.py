@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ddpgpt import __version__
 from ddpgpt.config.commands import PrepareConfig
+from ddpgpt.data import chat
 from ddpgpt.data.prepare.assemble import Assembler
 from ddpgpt.data.prepare.build import Build
 from ddpgpt.data.shards import META_FORMAT_VERSION, ShardInfo
@@ -27,7 +28,9 @@ def finish_dataset(cfg: PrepareConfig, job: dict, tok, dtype: str, tmp: Path, bu
     if not tokens and asm.documents["train"] == 0:
         build.restart_assembly()  # the split by position rewrites the shards
     shards, note = asm.finish(None if tokens else tok.decode_bytes)
-    record_shards(tmp, shards)  # hashed as written: a training start need not hash them again
+    masks = asm.mask_infos if asm.masks is not None else None
+    record_shards(tmp, {**shards, **{f"{k} masks": v for k, v in (masks or {}).items()}})
+    # (hashed as written: a training start need not hash them again)
     for split in ("train", "val"):
         if not shards[split] or not sum(i.tokens for i in shards[split]):
             raise UserError(tokens.empty_split(split, job["specs"]) if tokens else
@@ -37,7 +40,9 @@ def finish_dataset(cfg: PrepareConfig, job: dict, tok, dtype: str, tmp: Path, bu
               "val_fraction": cfg.val_fraction, "split": split_how,
               "text_field": job.get("text_field", cfg.text_field), "max_tokens": cfg.max_tokens,
               "stats": _stats(asm)}
-    meta = make_meta(tok, dtype, shards, source, None if tokens else asm.bytes)
+    if masks is not None:
+        source["trained_tokens"] = dict(asm.trained)
+    meta = make_meta(tok, dtype, shards, source, None if tokens else asm.bytes, masks)
     if not tokens:
         tok.save(tmp)
     build.clean()
@@ -56,6 +61,9 @@ def _check_documents(cfg: PrepareConfig, job: dict, asm: Assembler) -> None:
     if job["plan"].tokens or sum(asm.documents.values()):
         return
     s = asm.stats
+    if asm.masks is not None:
+        raise UserError(f"no conversations in {' '.join(job['specs'])}: {skipped_records(s)}; "
+                        "give records whose messages hold an assistant turn")
     bad = f", {s.bad_rows} bad rows" if s.bad_rows else ""
     raise UserError(f"no documents in {' '.join(job['specs'])} ({s.skipped_binary} binary "
                     f"and {s.skipped_empty} empty files skipped{bad}); give a source with text")
@@ -85,13 +93,25 @@ def finish_part(cfg: PrepareConfig, job: dict, tok, tmp: Path, build: Build):
         "prepare --merge PART_DIRS --out DIR")
 
 
+def skipped_records(s) -> str:
+    """What the records that were not conversations were, counted (UnitStats)."""
+    counts = [(getattr(s, key), why) for key, why in chat.REASONS.items() if getattr(s, key)]
+    total = sum(n for n, _ in counts)
+    if not total:
+        return "every record was a conversation"
+    return (f"skipped {total:,} record{'s' if total > 1 else ''} that are not conversations ("
+            + "; ".join(f"{n:,}: {why}" for n, why in counts) + "; --strict refuses them)")
+
+
 def make_meta(tok, dtype: str, shards: dict[str, list[ShardInfo]], source: dict,
-              split_bytes: dict[str, int] | None = None) -> dict:
+              split_bytes: dict[str, int] | None = None,
+              masks: dict[str, list[ShardInfo]] | None = None) -> dict:
     """The contents of a dataset's meta.json (read back by `shards.TokenDataset`). `bytes`: each
     split's UTF-8 bytes of text, which with its token count turns a loss per token into bits
-    per byte (datasets prepared before it, and from llm.c shards, lack it)."""
+    per byte (datasets prepared before it, and from llm.c shards, lack it). `masks`: the loss
+    mask shards of conversations (then format version 2, and the chat template's name)."""
     meta = {
-        "format_version": META_FORMAT_VERSION,
+        "format_version": META_FORMAT_VERSION if masks is not None else 1,
         "tokenizer": tok.kind,
         "vocab_size": tok.vocab_size,
         "eot_id": tok.eot_id,
@@ -102,6 +122,9 @@ def make_meta(tok, dtype: str, shards: dict[str, list[ShardInfo]], source: dict,
     }
     if split_bytes is not None:
         meta["bytes"] = dict(split_bytes)
+    if masks is not None:
+        meta["masks"] = {s: [asdict(i) for i in infos] for s, infos in masks.items()}
+        meta["chat"] = {"template": chat.TEMPLATE}
     return meta
 
 
@@ -114,10 +137,15 @@ def _summary(meta: dict, asm: Assembler, tok, note: str | None, row):
     total = tokens["train"] + tokens["val"]
     s, docs = asm.stats, asm.documents
     n_docs = docs['train'] + docs['val']
-    what = (f"{n_docs:,} document{'s' if n_docs != 1 else ''} ({docs['train']:,} train, "
+    named = "conversation" if asm.masks is not None else "document"
+    what = (f"{n_docs:,} {named}{'s' if n_docs != 1 else ''} ({docs['train']:,} train, "
             f"{docs['val']:,} val)" if row is None
             else f"{asm.units} {row.units_named}")
     extra = []
+    if asm.masks is not None:
+        trained = sum(asm.trained.values())
+        extra.append(f"{trained:,} of the {sum(tokens.values()):,} tokens are the assistant's "
+                     f"(the loss mask's 1s); {skipped_records(s)}")
     if s.bad_rows:
         extra.append(f"skipped {s.bad_rows:,} bad rows (--skip-bad-rows)")
     if s.null_rows:

@@ -9,6 +9,7 @@
     ddpgpt prepare SOURCES --part 3/8 --tokenizer gpt2 --out parts/3   # then, once all 8 exist:
     ddpgpt prepare --merge 'parts/*' --out data/edu10b
     ddpgpt prepare --verify data/stdlib                # re-hash every shard against meta.json
+    ddpgpt prepare chats.jsonl --chat --tokenizer-from runs/base --out data/chat  # conversations
 
 Each text file, jsonl line or parquet row is one document, in a fixed order (sources in the order
 given, files sorted, rows in file order; meta.json lists the files). Text files: invalid UTF-8
@@ -38,7 +39,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ddpgpt.config.commands import PrepareConfig
-from ddpgpt.data import storage
+from ddpgpt.data import chat, storage
 from ddpgpt.data.formats import table
 from ddpgpt.data.formats.base import Unit, UnitStats
 from ddpgpt.data.formats.table import Plan
@@ -54,9 +55,11 @@ from ddpgpt.data.tokenizer import (
     EOT_TEXT,
     BPETokenizer,
     TokenizerSpec,
+    base_kind,
     fingerprint,
     folder_tokenizer,
     load_tokenizer,
+    with_chat,
 )
 from ddpgpt.data.verify import check_all
 from ddpgpt.errors import UserError
@@ -140,7 +143,7 @@ def _source_job(cfg: PrepareConfig, out: Path, tmp: Path) -> dict:
     corpus = resolve_sources(cfg.sources or ["stdlib"], exclude=[out.resolve(), tmp.resolve()])
     if corpus.repeated:
         print(corpus.repeated_note(), file=sys.stderr)
-    plan = table.plan(corpus, cfg.text_field)
+    plan = table.plan(corpus, cfg.record_field, cfg.chat)
     settings_of.check_sources(cfg, plan.formats)
     tok = _tokenizer_choice(cfg, plan)
     if cfg.part_of is not None:
@@ -157,8 +160,10 @@ def _source_job(cfg: PrepareConfig, out: Path, tmp: Path) -> dict:
         "val_fraction": cfg.val_fraction, "shard_tokens": cfg.shard_tokens,
         "text_field": cfg.text_field, "skip_bad_rows": cfg.skip_bad_rows,
         "max_tokens": cfg.max_tokens, "part": cfg.part, "bpe_train_mb": cfg.bpe_train_mb,
+        **({"chat": chat.TEMPLATE, "strict": cfg.strict} if cfg.chat else {}),
     }
-    return {"plan": plan, "tok": tok, "settings": settings, "specs": corpus.specs}
+    return {"plan": plan, "tok": tok, "settings": settings, "specs": corpus.specs,
+            "chat": cfg.chat, "text_field": cfg.record_field}
 
 
 def _tokenizer_choice(cfg: PrepareConfig, plan: Plan) -> dict:
@@ -205,7 +210,7 @@ def _weights_tokenizer(path: Path) -> tuple[str, Path]:
             return kind, path
         raise UserError(f"--tokenizer-from {path}: its tokenizer.json has no {EOT_TEXT} token, "
                         "which ddpgpt's documents end with; give a tokenizer that has one")
-    if kind in ("byte", "gpt2"):
+    if base_kind(kind) in ("byte", "gpt2"):
         return kind, path
     raise UserError(f"--tokenizer-from {path}: no tokenizer ddpgpt reads beside the weights (a "
                     "tokenizer.json, or GPT-2's vocab.json); give a directory `ddpgpt export` "
@@ -249,7 +254,8 @@ def _merge_job(cfg: PrepareConfig) -> tuple[PrepareConfig, dict]:
     settings = {"merge": [str(d.resolve()) for d in dirs], "val_fraction": cfg.val_fraction,
                 "shard_tokens": cfg.shard_tokens, "max_tokens": cfg.max_tokens}
     return cfg, {"plan": plan, "tok": tok, "settings": settings, "specs": first["specs"],
-                 "owners": owners, "text_field": first["settings"]["text_field"]}
+                 "owners": owners, "text_field": first["settings"]["text_field"],
+                 "chat": bool(first["settings"].get("chat"))}
 
 
 # --- the build -----------------------------------------------------------------------------
@@ -263,12 +269,13 @@ def _build(cfg: PrepareConfig, job: dict, tmp: Path, out: Path):
     dtype = dtype_for_vocab(tok.vocab_size)
     part = cfg.part_of
     asm = None if part else Assembler(tmp, dtype, cfg.shard_tokens, cfg.val_fraction,
-                                      cfg.max_tokens)
+                                      cfg.max_tokens, masked=job["chat"])
     workers = cfg.workers or len(os.sched_getaffinity(0))
     spec = TokenizerSpec(tok.kind, str(tmp) if tok.kind == "bpe" else None)
     owned = part_range(len(plan.units), part) if part else None
-    build = Build(tmp, plan, asm, workers, (spec, dtype, tmp / "units", cfg.text_field,
-                                            cfg.skip_bad_rows), owned)
+    reading = chat.Reading(cfg.strict) if job["chat"] else None
+    build = Build(tmp, plan, asm, workers, (spec, dtype, tmp / "units", job["text_field"],
+                                            cfg.skip_bad_rows, reading), owned)
     build.sources, build.local_tok = job.get("owners", {}), tok
     job["build"] = build
     if resumed and build.done:
@@ -282,13 +289,22 @@ def _build(cfg: PrepareConfig, job: dict, tmp: Path, out: Path):
 
 def _tokenizer(cfg: PrepareConfig, job: dict, tmp: Path):
     """The tokenizer, with its tokenizer.json in the partial for bpe (trained once: a resumed
-    prepare loads the one it trained)."""
+    prepare loads the one it trained); for conversations, with the chat template's tokens."""
+    tok = _plain_tokenizer(cfg, job, tmp)
+    if not job["chat"] or not chat.missing(tok.special):
+        return tok
+    tok = with_chat(tok)  # added after the tokenizer's own ids
+    tok.save(tmp)  # a bpe's tokenizer.json, with them, for the workers and the dataset
+    return tok
+
+
+def _plain_tokenizer(cfg: PrepareConfig, job: dict, tmp: Path):
     info = job["tok"]
     row = job["plan"].tokens
     if row:  # the units are tokens already
         return SimpleNamespace(kind=row.tokenizer, vocab_size=row.vocab_size, eot_id=row.eot_id,
-                               save=lambda d: None)
-    if info["dir"] is not None and info["kind"] == "bpe":
+                               save=lambda d: None, special={})
+    if info["dir"] is not None and base_kind(info["kind"]) == "bpe":
         if not (tmp / "tokenizer.json").is_file():  # whole (Directory.write: atomic_write)
             storage.Directory(tmp).write("tokenizer.json",
                                          storage.open_dir(info["dir"]).read("tokenizer.json"))
@@ -298,7 +314,8 @@ def _tokenizer(cfg: PrepareConfig, job: dict, tmp: Path):
     if (tmp / "tokenizer.json").is_file():
         return load_tokenizer(tmp, "bpe")
     tok = BPETokenizer.train(_training_texts(job["plan"], cfg), cfg.vocab_size,
-                             show_progress=sys.stderr.isatty())
+                             show_progress=sys.stderr.isatty(),
+                             reserved=chat.TOKENS if job["chat"] else ())
     tok.save(tmp)  # atomically: a tokenizer.json in the partial is whole
     return tok
 
@@ -308,11 +325,23 @@ def _training_texts(plan: Plan, cfg: PrepareConfig):
     limit, seen = cfg.bpe_train_mb << 20, 0
     stats = UnitStats()
     for unit in plan.units:
-        for _, piece in table.pieces(unit, stats, cfg.text_field, cfg.skip_bad_rows, False):
+        for piece in _unit_texts(unit, stats, cfg):
             yield piece
             seen += len(piece)
             if seen >= limit:
                 return
+
+
+def _unit_texts(unit: Unit, stats: UnitStats, cfg: PrepareConfig):
+    """A unit's texts as the bpe trains on them: documents' pieces, or conversations'
+    contents."""
+    if not cfg.chat:
+        yield from (piece for _, piece in table.pieces(unit, stats, cfg.text_field,
+                                                       cfg.skip_bad_rows, False))
+        return
+    records = table.records(unit, stats, cfg.record_field, cfg.skip_bad_rows)
+    for conv in chat.conversations(records, stats, chat.Reading(cfg.strict), UserError):
+        yield from (m["content"] for m in conv)
 
 
 def verify(path: str) -> None:

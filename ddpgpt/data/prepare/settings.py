@@ -23,7 +23,7 @@ from ddpgpt.errors import UserError
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(PrepareConfig)
             if f.default is not dataclasses.MISSING}
 PARTS_ONLY = ("tokenizer", "tokenizer_from", "text_field", "skip_bad_rows", "vocab_size",
-              "bpe_train_mb", "workers")
+              "bpe_train_mb", "workers", "chat", "strict")
 BPE_ONLY = ("vocab_size", "bpe_train_mb")
 
 

@@ -3,9 +3,11 @@
 A unit's result is two files in the work directory, named by the unit's index: `NNNNNNNN.tok`
 (the unit's token stream, end-of-text before each document, in the dataset's dtype) and
 `NNNNNNNN.json` (each document's tokens and UTF-8 bytes, and what reading found), the json
-renamed into place last: a unit whose json exists is done, whoever did it and whenever. Each
-unit is encoded alone from its own inputs, so the files do not depend on how many workers there
-were or which one took it: the shards assembled from them are byte-identical for any N.
+renamed into place last (conversations, prepare --chat: also `NNNNNNNN.mask`, the loss mask of
+each token, data/chat.py; the json says "mask"): a unit whose json exists is done, whoever did
+it and whenever. Each unit is encoded alone from its own inputs, so the files do not depend on
+how many workers there were or which one took it: the shards assembled from them are
+byte-identical for any N.
 
 Workers are spawned processes (the parent may hold threads: the bpe trainer's, tqdm's), each with
 its own single-threaded tokenizer: tokenizing, JSON and parquet decoding all hold the GIL or their
@@ -19,6 +21,7 @@ parent registered is read there too.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import multiprocessing
 import os
@@ -32,13 +35,15 @@ from pathlib import Path
 
 import numpy as np
 
+from ddpgpt.data import chat
 from ddpgpt.data.formats import table
-from ddpgpt.data.formats.base import Unit, UnitStats
+from ddpgpt.data.formats.base import Unit, UnitStats, clean
 from ddpgpt.data.prepare.space import FULL
 from ddpgpt.errors import UserError
 from ddpgpt.files import atomic_write
 
 BATCH_BYTES = 4 << 20  # text per encode_batch call
+BATCH_CONVERSATIONS = 1024  # conversations per encode_batch call
 
 
 def unit_paths(work: Path, index: int) -> tuple[Path, Path]:
@@ -49,29 +54,44 @@ def is_done(work: Path, index: int) -> bool:
     return unit_paths(work, index)[1].is_file()
 
 
-def read_unit(work: Path, index: int) -> tuple[np.ndarray, dict]:
-    """A finished unit: its tokens (a memory map) and its record."""
+def mask_path(work: Path, index: int) -> Path:
+    return work / f"{index:08d}.mask"
+
+
+def _mapped(path: Path, dtype) -> np.ndarray:
+    n = path.stat().st_size // np.dtype(dtype).itemsize
+    return np.memmap(path, dtype=dtype, mode="r") if n else np.zeros(0, dtype=dtype)
+
+
+def read_unit(work: Path, index: int) -> tuple[np.ndarray, dict, np.ndarray | None]:
+    """A finished unit: its tokens (a memory map), its record and its loss mask (None but for
+    conversations)."""
     tok, rec = unit_paths(work, index)
     record = json.loads(rec.read_text())
-    dtype = np.dtype(record["dtype"])
-    n = tok.stat().st_size // dtype.itemsize
-    tokens = np.memmap(tok, dtype=dtype, mode="r") if n else np.zeros(0, dtype=dtype)
-    return tokens, record
+    mask = _mapped(mask_path(work, index), np.uint8) if record.get("mask") else None
+    return _mapped(tok, np.dtype(record["dtype"])), record, mask
 
 
 def encode_unit(unit: Unit, tok, dtype: str, work: Path, index: int, text_field: str,
-                skip_bad: bool) -> None:
-    """Reads, encodes and writes one unit (see the module docstring); memory: a batch."""
+                skip_bad: bool, reading: chat.Reading | None = None) -> None:
+    """Reads, encodes and writes one unit (see the module docstring); memory: a batch.
+    `reading`: the records are conversations, read so (prepare --chat)."""
     tok_path, rec_path = unit_paths(work, index)
     stats, docs = UnitStats(), []
     raw = tok.kind == "byte"
     try:
-        _encode_into(tok_path, unit, tok, dtype, text_field, skip_bad, stats, docs, raw)
+        if reading is None:
+            _encode_into(tok_path, unit, tok, dtype, text_field, skip_bad, stats, docs, raw)
+        else:
+            _encode_chat(tok_path, mask_path(work, index), unit, tok, dtype, text_field,
+                         skip_bad, reading, stats, docs)
     except OSError as e:
         if e.errno in FULL and not e.filename:  # a write's error names no file: this one
             e.filename = str(tok_path)
         raise
-    record = {"dtype": dtype, "docs": docs, "stats": asdict(stats)}
+    record = {"dtype": dtype, "docs": docs, "stats": asdict(stats),
+              **({"mask": True} if reading is not None else {}),
+              **({"split": unit.split} if unit.split else {})}  # a unit of one split
     with atomic_write(rec_path) as f:
         f.write(json.dumps(record, separators=(",", ":")).encode())
 
@@ -95,6 +115,30 @@ def _encode_into(tok_path: Path, unit: Unit, tok, dtype: str, text_field: str, s
             f.write(np.concatenate(arrays).tobytes())
 
 
+def _encode_chat(tok_path: Path, mask_file: Path, unit: Unit, tok, dtype: str, field: str,
+                 skip_bad: bool, reading: chat.Reading, stats: UnitStats, docs: list) -> None:
+    """The unit's conversations rendered by the chat template, tokens and mask apart."""
+    records = table.records(unit, stats, field, skip_bad)
+    convs = chat.conversations(records, stats, reading, UserError)
+    with open(tok_path, "wb") as f, open(mask_file, "wb") as g:
+        batch: list = []
+        for conv in itertools.chain(convs, [None]):  # None: the end, the last batch goes
+            if conv is not None:
+                for m in conv:
+                    m["content"] = clean(m["content"], stats)
+                batch.append(conv)
+            if batch and (conv is None or len(batch) == BATCH_CONVERSATIONS):
+                for conv_, (tokens, mask) in zip(batch, chat.render(
+                        batch, tok.encode_batch, tok.special, tok.eot_id)):
+                    size = sum(len(m["content"].encode("utf-8")) for m in conv_)
+                    stats.documents += 1
+                    stats.text_bytes += size
+                    docs.append([len(tokens), size])
+                    f.write(tokens.astype(dtype).tobytes())
+                    g.write(mask.tobytes())
+                batch = []
+
+
 def _batches(pieces: Iterator[tuple[bool, str | bytes]]) -> Iterator[list]:
     batch, size = [], 0
     for piece in pieces:
@@ -112,9 +156,10 @@ class Encoder:
     the order they finish. One worker encodes on this process (no spawn, no pipes)."""
 
     def __init__(self, workers: int, make_tok, dtype: str, work: Path, text_field: str,
-                 skip_bad: bool, local=None):
-        """`local`: the tokenizer this process already has, for one worker."""
-        self.args = (dtype, str(work), text_field, skip_bad)
+                 skip_bad: bool, reading: chat.Reading | None = None, local=None):
+        """`local`: the tokenizer this process already has, for one worker; `reading`:
+        conversations (encode_unit)."""
+        self.args = (dtype, str(work), text_field, skip_bad, reading)
         self.make_tok, self.work = make_tok, work
         self.procs: list = []
         self.conns: list = []
@@ -209,7 +254,7 @@ def _serve(conn, make_tok, args, formats: dict) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_parent()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
-    dtype, work, text_field, skip_bad = args
+    dtype, work, text_field, skip_bad, reading = args
     table.FORMATS.clear()  # the parent's table: a format registered there is known here
     table.FORMATS.update(formats)
     tok = make_tok()
@@ -222,7 +267,7 @@ def _serve(conn, make_tok, args, formats: dict) -> None:
             return
         index, unit = job
         try:
-            encode_unit(unit, tok, dtype, Path(work), index, text_field, skip_bad)
+            encode_unit(unit, tok, dtype, Path(work), index, text_field, skip_bad, reading)
             reply = ("ok", "")
         except UserError as e:
             reply = ("error", str(e))
