@@ -31,8 +31,9 @@ def check_parquet_column(path, name: str, arrow_type, chat: bool = False) -> Non
     if not is_text_type(arrow_type):
         import pyarrow as pa
 
-        chat = " (conversations: prepare them with --chat)" if pa.types.is_list(arrow_type) \
-            or pa.types.is_large_list(arrow_type) else ""
+        listed = pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
+        chat = " (conversations: prepare them with --chat)" \
+            if listed and pa.types.is_struct(arrow_type.value_type) else ""  # of messages
         raise UserError(f"{path}: column {name!r} holds {arrow_type} values, not text{chat}; "
                         f"{FIX}")
 

@@ -190,6 +190,17 @@ def test_a_parquet_text_column_that_is_not_text_is_one_line(tmp_path, values, ki
         "column with --text-field")
 
 
+def test_a_parquet_column_of_messages_read_as_text_says_chat(tmp_path):
+    """A list of {role, content} records is a conversation: the line says --chat (a list of
+    strings is not, and its line does not)."""
+    messages = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]] * 2
+    write_parquet(tmp_path / "a.parquet", messages, row_group_size=2)
+    assert refused([tmp_path / "a.parquet"], tmp_path) == (
+        f"{tmp_path}/a.parquet: column 'text' holds list<element: struct<role: string, content: "
+        "string>> values, not text (conversations: prepare them with --chat); name the text "
+        "column with --text-field")
+
+
 def test_null_parquet_rows_are_counted_as_null_rows(tmp_path, capsys):
     texts = ["first", None, "", "fourth", None]
     write_parquet(tmp_path / "a.parquet", texts, row_group_size=2)

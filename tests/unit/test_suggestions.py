@@ -93,7 +93,8 @@ def test_a_mistyped_command_names_the_command_meant(capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err == (
         "ddpgpt: error: unknown command 'trian' (did you mean train?); the commands: prepare, "
-        "train, sample, eval, doctor, bench, plot, export, check, rendezvous (ddpgpt --help)\n")
+        "train, sample, eval, doctor, bench, plot, chat, export, check, rendezvous "
+        "(ddpgpt --help)\n")
 
 
 def test_a_mistyped_run_to_continue_names_the_run_meant(tmp_path, monkeypatch, capsys):
