@@ -15,6 +15,7 @@ import pytest
 from ddpgpt.data import storage, verify
 from ddpgpt.data.prepare import upload
 from ddpgpt.data.shards import HEADER_BYTES, TokenDataset
+from ddpgpt.errors import UserError
 
 MiB = 1 << 20
 
@@ -102,3 +103,35 @@ def test_merge_downloads_a_part_again_when_its_objects_changed(s3, tmp_path, mon
     assert upload.fetch_parts([url]) == [local]
     assert got[2:] == ["train_000000.bin", "part.json"]
     assert (Path(local) / "train_000000.bin").read_bytes() == b"b" * 100
+
+
+def test_an_upload_cut_short_is_no_dataset_and_the_same_upload_again_sends_the_rest(
+        s3, staged, monkeypatch):
+    """An upload killed after its first shard (Ctrl-C, as SIGKILL or the server gone would leave
+    it) leaves no meta.json at the URL, so nothing reads it as a dataset; publishing the same
+    staging again sends only what is missing, and the dataset then reads as the local one."""
+    url = s3.bucket("cut") + "/tiny"
+    real, calls = storage.Objects.upload, []
+
+    def cut(self, local, name):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(name)
+        return real(self, local, name)
+
+    monkeypatch.setattr(storage.Objects, "upload", cut)
+    with pytest.raises(KeyboardInterrupt):
+        upload.publish(staged, url)
+    there = storage.Objects(url).listing(fresh=True)
+    assert list(there) == calls and "meta.json" not in there
+    with pytest.raises(UserError, match="meta.json"):
+        TokenDataset(url)
+    monkeypatch.setattr(storage.Objects, "upload", real)
+    sent = uploads(monkeypatch)
+    upload.publish(staged, url)
+    assert calls[0] not in sent and sent[-1] == "meta.json"  # the first shard is not sent again
+    local, remote = TokenDataset(staged), TokenDataset(url)
+    for split in local.meta["shards"]:
+        for a, b in zip(local.meta["shards"][split], remote.meta["shards"][split], strict=True):
+            assert a == b
+    verify.hash_share(remote)  # the objects hash to meta.json's sha256
