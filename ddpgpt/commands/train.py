@@ -82,9 +82,13 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
         trainer.doing = f"step {trainer.step + 1}"
         rates = trainer.schedule.at(trainer.step)
         loss, norm = trainer.train_step()
-        health = guard.exchange(loss, norm, scaled=trainer.scaler is not None, saving=saver.busy)
+        health = guard.exchange(loss, norm, scaled=trainer.scaler is not None, saving=saver.busy,
+                                waits=(trainer.data_wait_s, trainer.ckpt_wait_s))
+        trainer.ckpt_wait_s = 0.0
+        metrics.waited(health.data_wait_s, health.ckpt_wait_s)
         if health.saved or health.bad:  # every rank's save is done, or a stop must name one
-            settle(trainer, saver, run_dir)
+            with trainer.timed("checkpoint"):
+                settle(trainer, saver, run_dir)
         verdict = guard.judge(trainer.step + 1, health, trainer.batch, trainer.probe)
         if verdict.action == "rollback":
             settle(trainer, saver, run_dir)  # a rollback reads the newest complete checkpoint
