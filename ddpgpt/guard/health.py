@@ -162,6 +162,7 @@ class Health:
     bad: list[int]           # the ranks that saw a non-finite loss or gradient norm
     stop: bool               # some rank was asked to stop
     saved: bool = True       # no rank has a checkpoint save still running (checkpoint/saver.py)
+    trouble: bool = False    # rank 0's background work failed (Guard.exchange): all stop
     data_wait_s: float = 0.0  # the most any rank waited for its batch in the step
     ckpt_wait_s: float = 0.0  # ... and for checkpoints since the previous exchange
 
@@ -182,22 +183,24 @@ class Guard:
         self.spikes = SpikePolicy(cfg, vocab)
 
     def exchange(self, loss: torch.Tensor, norm: torch.Tensor, scaled: bool,
-                 saving: bool = False, waits: tuple[float, float] = (0.0, 0.0)) -> Health:
+                 saving: bool = False, waits: tuple[float, float] = (0.0, 0.0),
+                 trouble: bool = False) -> Health:
         """The one collective of a step. `scaled`: fp16 with a GradScaler, which skips steps
         whose gradients overflow by itself, so only the loss counts. `saving`: this rank's
         checkpoint save is still running in the background. `waits`: the seconds this rank's
         loop waited for its data and for checkpoints since the last exchange (the Health holds
-        the max over ranks: a synchronous step waits for the slowest)."""
+        the max over ranks: a synchronous step waits for the slowest). `trouble`: rank 0 has a
+        failure from its background work to report (the lease's renewal: every rank stops)."""
         finite = torch.isfinite(loss) & (torch.isfinite(norm) | scaled)
-        flags = torch.tensor([float(self.signal.requested), float(saving), *waits],
-                             device=loss.device)
+        flags = torch.tensor([float(self.signal.requested), float(saving), float(trouble),
+                              *waits], device=loss.device)
         rows = collectives.all_gather(self.env, torch.cat([loss.float().view(1),
                                                           finite.float().view(1), flags])).cpu()
-        # rows: (W, 6)
+        # rows: (W, 7)
         bad = [r for r in range(self.env.world_size) if not rows[r, 1]]
         return Health(rows[:, 0].mean().item(), bad, bool(rows[:, 2].any()),
-                      not bool(rows[:, 3].any()), rows[:, 4].max().item(),
-                      rows[:, 5].max().item())
+                      not bool(rows[:, 3].any()), bool(rows[:, 4].any()),
+                      rows[:, 5].max().item(), rows[:, 6].max().item())
 
     def judge(self, step: int, health: Health, batch: int,
               probe: Callable[[int], float]) -> Verdict:
