@@ -55,9 +55,13 @@ def _exists(root) -> bool:
 
 
 def in_place(path):
-    """Where `path` is once `repair` has run: a swap's copy is its step's step_N/."""
+    """Where `path` is once `repair` has run: a swap's copy is its step's step_N/. A copy still
+    standing (in a directory this start did not repair: --resume of another run's step) is read
+    where it is."""
     step = None if path is None else _copy_of(path)
-    return path if step is None else store.step_dir(path.parent, step)
+    if step is None or (path / "meta.json").is_file():
+        return path
+    return store.step_dir(path.parent, step)
 
 
 def standing(path):

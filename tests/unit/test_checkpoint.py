@@ -205,13 +205,14 @@ def test_a_resave_killed_between_its_renames_keeps_the_previous_copy(tmp_path):
     shutil.copytree(root / "step_0000002", root / ".tmp-step_0000003-77")
     aside = root / ".old-step_0000003-77"
     assert find_latest(tmp_path)[0] == aside and swap.standing(root / "step_0000003") == aside
-    assert swap.in_place(aside) == root / "step_0000003"
+    assert swap.in_place(aside) == aside  # standing: read where it is until repaired
     assert swap.repair(root) == [
         f"ddpgpt: note: checkpoint {root / 'step_0000003'}: saving step 3 again was cut short "
         "while swapping the new copy in; the previous copy is back in place, and this start goes "
         "on from it"]
     store.remove_temporaries(root)
     assert sorted(p.name for p in root.iterdir()) == ["step_0000002", "step_0000003"]
+    assert swap.in_place(aside) == root / "step_0000003"
     path, meta = find_latest(tmp_path)
     loaded = model(seed=99)
     load_into(path, loaded)
