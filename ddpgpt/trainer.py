@@ -9,7 +9,7 @@ import contextlib
 import copy
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import get_args
 
 import torch
@@ -134,6 +134,11 @@ class Trainer:
         self._elapsed_before, self._started = 0.0, time.perf_counter()
         # Of that wall time, the seconds spent evaluating and blocked on checkpoints (timed).
         self.eval_s = self.checkpoint_s = 0.0
+        # What the step loop waited for, this rank's, until the next health exchange reports
+        # it (the max over ranks is what a synchronous step waits): the batch of the step
+        # (train_step: inside the loader's calls), and checkpoints (timed: the save's copy to
+        # host memory, the previous save still in flight, the lease checked at a URL).
+        self.data_wait_s = self.ckpt_wait_s = 0.0
         self._seed_rng(0)
 
     @property
@@ -143,12 +148,16 @@ class Trainer:
 
     @contextlib.contextmanager
     def timed(self, what: str):
-        """Counts the time inside into eval_s or checkpoint_s (`what`: eval, checkpoint)."""
+        """Counts the time inside into eval_s or checkpoint_s (`what`: eval, checkpoint; a
+        checkpoint's into ckpt_wait_s too)."""
         start = time.perf_counter()
         try:
             yield
         finally:
-            setattr(self, f"{what}_s", getattr(self, f"{what}_s") + time.perf_counter() - start)
+            spent = time.perf_counter() - start
+            setattr(self, f"{what}_s", getattr(self, f"{what}_s") + spent)
+            if what == "checkpoint":
+                self.ckpt_wait_s += spent
 
     def first_step_waits(self) -> str:
         return first_step_waits(self.cfg.run.compile, self.cfg.model.kernels,
@@ -286,6 +295,7 @@ class Trainer:
         Returns (this rank's share of the loss: the mean over ranks of it is the global mean
         loss; the global gradient norm before clipping)."""
         self.batch = self.loader.batch_index  # the global batch this step reads
+        self.data_wait_s = 0.0
         loss_sum = torch.zeros((), device=self.env.device)
         # A lost peer shows in whichever collective comes first: the last backward's (DDP, the
         # buckets), any forward's (fsdp2 gathers each block's weights), finish()'s or the norm's.
@@ -323,7 +333,9 @@ class Trainer:
         count of every rank's rows could be known without it only by reading every rank's
         masks, or by a table of every row's count kept beside the data.) None: no mask, the
         plain mean, as fast as ever."""
-        batches = self.loader.next_step()
+        start = time.perf_counter()
+        batches = self._waited(self.loader.next_step())  # (names the windows to fetch ahead)
+        self.data_wait_s += time.perf_counter() - start
         if not self.loader.masked:
             return batches, None
         batches = list(batches)
@@ -331,6 +343,20 @@ class Trainer:
         if self.world > 1:  # (bench's no-collective baseline: each rank its own N)
             collectives.all_reduce(self.env, count)
         return batches, (self.world / count.clamp(min=1)).float()  # no target at all: loss 0
+
+    def _waited(self, batches: Iterable) -> Iterator:
+        """`batches`, the time inside each read (the step blocked on its data) added to
+        data_wait_s."""
+        batches = iter(batches)
+        while True:
+            start = time.perf_counter()
+            try:
+                item = next(batches)
+            except StopIteration:
+                return
+            finally:
+                self.data_wait_s += time.perf_counter() - start
+            yield item
 
     def evaluate(self, tasks: Scorer | None = None, progress: bool = False) -> dict:
         """An eval row: val_loss and val_bpb, train_eval_loss (data.train_eval_windows; a

@@ -7,8 +7,13 @@ interleave their steps. The job's rank 0, once it knows whether this start is it
 
     {"token": a random id of this start, "host", "pid", "run_dir", "since", "renewed_at"}
 
-and rewrites it (renewed_at) before each checkpoint, after checking that it still holds it; at
-the end of the run it deletes it. A start finding a lease of another start:
+and rewrites it (renewed_at) after checking that it still holds it: from a thread of its own
+every run.lease_stale_s / 4 (`keep`), so a lease is fresh however far apart the checkpoints are,
+and before each checkpoint; at the end of the run it deletes it. A renewal the thread cannot
+make (the lease taken over, the storage failing) is the main thread's to raise, at the next
+step (`failure`: commands/train.py stops every rank with its line).
+
+A start finding a lease of another start:
   - its own job's restart (job.json lists one of its launchers): takes it over (an elastic
     restart, a `--nproc` launcher's restart of its workers) without a word;
   - a lease written on this host by a process that is gone, or not renewed for
@@ -25,7 +30,7 @@ is a start that reads before the other's write and writes after the other's read
 within the same few requests' time): then both go on, and the one overwritten finds it at its
 next checkpoint (the renewal sees another token) and stops before writing that checkpoint. The
 age of a lease is measured with the clocks of two machines: they must roughly agree (NTP), which
-run.lease_stale_s's default (an hour) leaves ample room for.
+run.lease_stale_s's default (ten minutes) leaves ample room for.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 import uuid
 
@@ -41,6 +47,7 @@ from ddpgpt.errors import UserError, warn
 from ddpgpt.files import WriteError
 
 LEASE = "lease.json"
+RENEWALS = 4  # renewals per run.lease_stale_s: one or two may fail before the lease goes stale
 
 
 class LeaseHeld(UserError):
@@ -74,6 +81,9 @@ class Lease:
         self.info = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
                      "run_dir": str(run_dir), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         self.held = False
+        self.renewals = 0  # made since acquire, by either thread
+        self.failure: UserError | None = None  # the renewing thread's, for the main thread
+        self._lock, self._stop = threading.Lock(), threading.Event()
 
     def read(self) -> dict | None:
         """The lease at the URL, or None (none, or unreadable: a torn writer's is not a job)."""
@@ -114,31 +124,57 @@ class Lease:
                         "--run.checkpoint-url, or, if that job is dead, add --run.take-over "
                         "(a lease not renewed for run.lease_stale_s is taken over by itself)")
 
+    def keep(self, stale_s: float) -> None:
+        """Rank 0, once acquired: renews the lease every stale_s / RENEWALS seconds from a
+        daemon thread until release(); its first failure stops it and waits in `failure`."""
+        threading.Thread(target=self._keep, args=(stale_s / RENEWALS,), name="ddpgpt-lease",
+                         daemon=True).start()
+
+    def _keep(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                self.renew()
+            except UserError as e:
+                self.failure = e
+                return
+
+    def check(self) -> None:
+        """The main thread: raises what the renewing thread could not do, if anything."""
+        if self.failure is not None:
+            raise self.failure
+
     def renew(self) -> None:
-        """Rank 0, before each checkpoint: the lease still ours, rewritten with the time; else
-        LeaseHeld, and the run stops before it writes into another job's checkpoints."""
-        found = self.read()
-        if found is None or found.get("token") != self.info["token"]:
-            self.held = False
-            who = describe(found) if found else "none: it was deleted"
-            raise LeaseHeld(f"checkpoint URL {self.root}: this run's lease was taken over by "
-                            f"another job ({who}); this run stops before its next checkpoint so "
-                            "that the two do not interleave; continue it with another "
-                            "--run.checkpoint-url")
-        try:
-            self._write()
-        except WriteError as e:  # the checkpoint's own writes will say it, if it lasts
-            warn(f"checkpoint URL {self.root}: cannot renew the lease: {e}")
+        """Rank 0, before each checkpoint and on its own clock (`keep`): the lease still ours,
+        rewritten with the time; else LeaseHeld, and the run stops before it writes into
+        another job's checkpoints."""
+        with self._lock:  # one renewal at a time; none after release
+            if self._stop.is_set():
+                return
+            found = self.read()
+            if found is None or found.get("token") != self.info["token"]:
+                self.held = False
+                who = describe(found) if found else "none: it was deleted"
+                raise LeaseHeld(f"checkpoint URL {self.root}: this run's lease was taken over by "
+                                f"another job ({who}); this run stops before its next checkpoint "
+                                "so that the two do not interleave; continue it with another "
+                                "--run.checkpoint-url")
+            try:
+                self._write()
+                self.renewals += 1
+            except WriteError as e:  # the checkpoint's own writes will say it, if it lasts
+                warn(f"checkpoint URL {self.root}: cannot renew the lease: {e}")
 
     def release(self) -> None:
-        """At the end of the run: the lease deleted, if still ours (quietly: a later start
-        takes a dead job's lease over anyway)."""
-        if not self.held:
-            return
-        self.held = False
-        try:
-            found = self.read()
-            if found is not None and found.get("token") == self.info["token"]:
-                self.path.unlink(missing_ok=True)
-        except (UserError, WriteError, OSError):
-            pass
+        """At the end of the run: the renewals stopped, and the lease deleted if still ours
+        (quietly: a later start takes a dead job's lease over anyway)."""
+        self._stop.set()
+        with self._lock:  # a renewal in flight ends first
+            if not self.held:
+                return
+            self.held = False
+            try:
+                found = self.read()
+                if found is not None and found.get("token") == self.info["token"]:
+                    self.path.unlink(missing_ok=True)
+            except (UserError, WriteError, OSError):
+                pass

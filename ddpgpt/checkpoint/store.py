@@ -23,8 +23,8 @@ sees one half deleted; keep-last-k also keeps the one checkpoint the caller name
 known healthy (a loss spike's rollback target). A rollback after a loss spike supersedes the
 checkpoints written after its target in one durable write (`record_rollback`, below), so that no
 restart can go on from the history it abandoned. A step saved again is replaced so that it
-always has a complete copy, even through a kill (`_publish`, `remove_temporaries`). Formats 1
-and 2 (model.safetensors + trainer.pt, written whole by rank 0) still load.
+always has a complete copy, even through a kill (`_publish`, swap.py). Formats 1 and 2
+(model.safetensors + trainer.pt, written whole by rank 0) still load.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from ddpgpt.errors import UserError, warn
 from ddpgpt.files import (
     WriteError,
     describe,
-    move,
     os_error_in,
     publish_dir,
 )
@@ -54,6 +53,7 @@ FORMAT_VERSION = 3
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 TEMPORARY = (".tmp-step_*", ".old-step_*", ".del-step_*")
 RESAVE = re.compile(r"^\.tmp-step_(\d{7,})-")  # a step saved again in object storage, until swapped
+ASIDE = re.compile(r"^\.old-step_(\d{7,})-")  # a local step's previous copy, while swapped
 ROLLBACK = "rollback.json"  # a rollback decided, until a checkpoint of the history it goes on with
 
 
@@ -78,19 +78,21 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     """(step, path) of every `step_NNNNNNN` directory in `root`, oldest first; complete or not;
     never one that a pending rollback has superseded (see record_rollback)."""
     root = location.at(root)
-    found = _listed_steps(root)
+    found = listed_steps(root)
     record = pending_rollback(root, found) if found else None
     return found if record is None else [(s, p) for s, p in found if not _abandoned(s, p, record)]
 
 
-def _listed_steps(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every step directory in `root`, oldest first. In object storage, a re-save
-    of a step cut during its swap (`_publish`) is complete under its temporary prefix while
-    step_NNNNNNN has no meta.json: that prefix is then the step's checkpoint."""
+def listed_steps(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every step directory in `root`, oldest first. A re-save of a step cut
+    during its swap (`_publish`; swap.py puts it back) leaves step_NNNNNNN without meta.json, or
+    none, and a complete copy beside it, which is then the step's checkpoint: in object storage
+    the new one under its temporary prefix, locally the previous one renamed aside."""
     listed = location.children(root)
     found = {int(m.group(1)): p for p in listed if (m := STEP_DIR.match(p.name)) and p.is_dir()}
-    resaved = [(int(m.group(1)), p) for p in listed if location.is_remote(root)
-               and (m := RESAVE.match(p.name)) and p.is_dir() and (p / "meta.json").is_file()]
+    copy = RESAVE if location.is_remote(root) else ASIDE
+    resaved = [(int(m.group(1)), p) for p in listed
+               if (m := copy.match(p.name)) and p.is_dir() and (p / "meta.json").is_file()]
     for step, tmp in resaved:
         if step not in found or not (found[step] / "meta.json").is_file():
             found[step] = tmp
@@ -130,7 +132,7 @@ def pending_rollback(root: Path, found: list | None = None) -> dict | None:
                               "rollback after a loss spike: move it away to resume from the "
                               "newest checkpoint instead") from None
     if found is None:
-        found = _listed_steps(location.at(root))
+        found = listed_steps(location.at(root))
     spent = any(_rollbacks_in(p) >= record["rollbacks"] for _, p in found)
     return None if spent else record
 
@@ -138,7 +140,7 @@ def pending_rollback(root: Path, found: list | None = None) -> dict | None:
 def superseded(root: Path) -> list[Path]:
     """The checkpoints a pending rollback has superseded (to be moved out of the way)."""
     root = location.at(root)
-    found = _listed_steps(root)
+    found = listed_steps(root)
     record = pending_rollback(root, found) if found else None
     if record is None:
         return []
@@ -185,7 +187,7 @@ def temporary(root: Path, step: int, token: str) -> Path:
 def discard(tmp: Path, final: Path) -> None:
     """What a failed save wrote goes, unless it is a complete re-save in object storage whose
     swap was cut after the previous copy was unpublished: that one is now the step's checkpoint
-    (_listed_steps)."""
+    (listed_steps)."""
     if tmp != final and location.is_remote(tmp) and (tmp / "meta.json").is_file() \
             and not (final / "meta.json").is_file():
         return
@@ -264,7 +266,7 @@ def _publish(tmp: Path, final: Path) -> None:
     beside the previous one (`temporary`) replaces it: the previous one unpublished (meta.json
     first), the new one copied in server-side (meta.json last). At every moment one of them is
     complete and listed: the previous one, the new one under its temporary prefix
-    (_listed_steps), then the new one in place."""
+    (listed_steps), then the new one in place."""
     if tmp == final:
         return
     if location.is_remote(final):
@@ -292,21 +294,18 @@ def prune(root: Path, keep: int, protect: int | None = None) -> None:
 
 def remove_temporaries(root: Path) -> list[Path]:
     """Deletes what interrupted saves and deletes left behind (run at startup, under the run's
-    lock, so no save is in progress). Returns what was removed."""
+    lock, so no save is in progress), but a copy still standing for its step (a re-save whose
+    swap was cut: swap.repair puts it back in place first). Returns what was removed."""
     root = location.at(root)
+    if not (location.is_remote(root) or root.is_dir()):
+        return []
+    standing = {p for _, p in listed_steps(root)}
     if location.is_remote(root):  # prefixes an upload left without a meta.json, and re-saves
-        listed = root.iterdir()   # whose swap was cut (the one still standing for its step stays)
-        standing = {p for _, p in _listed_steps(root)}
-        leftovers = [p for p in listed if p.is_dir() and (
+        leftovers = [p for p in root.iterdir() if p.is_dir() and (
             RESAVE.match(p.name) and p not in standing
             or STEP_DIR.match(p.name) and "meta.json" not in location.sizes(p))]
-    else:  # a re-save killed between publish_dir's renames: the previous copy goes back
-        for old in root.glob(".old-step_*") if root.is_dir() else []:
-            final = root / old.name[len(".old-"):].rsplit("-", 1)[0]
-            if not final.exists() and (old / "meta.json").is_file():
-                move(old, final)
-        leftovers = [p for pattern in TEMPORARY for p in root.glob(pattern)] \
-            if root.is_dir() else []
+    else:
+        leftovers = [p for pattern in TEMPORARY for p in root.glob(pattern) if p not in standing]
     for path in leftovers:
         location.remove_tree(path)
     return leftovers

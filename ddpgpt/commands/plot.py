@@ -3,14 +3,15 @@
     ddpgpt plot runs/adamw runs/muon --out compare.png
 
 Three panels: train loss (smoothed, the raw rows faint behind it) and val loss against optimizer
-steps, the same against tokens, and tokens/s against steps; one with each eval task's headline
-score (its kind's: acc_norm for multiple choice) against steps when a run scored any
-(run.eval_tasks); and for a mixture two more: each source's val and train-sample loss (the
-headline val loss is their sum under the weights in force, so it moves when they change), and
-each source's realized share of the rows beside its weight. A star marks where a run reached its
-run.target_val_loss; vertical lines on the first panel mark where a run stopped, resumed with
-other settings (what changed written along the line) or started again otherwise, or rolled back
-past a loss spike. One colour per run, named once in a
+steps, the same against tokens, and tokens/s against steps (on its right axis the seconds per
+step the run waited for data and for checkpoints, if it logged them: plot_waits.py); one with
+each eval task's headline score (its kind's: acc_norm for multiple choice) against steps when a
+run scored any (run.eval_tasks); and for a mixture two more: each source's val and train-sample
+loss (the headline val loss is their sum under the weights in force, so it moves when they
+change), and each source's realized share of the rows beside its weight. A star marks where a
+run reached its run.target_val_loss; vertical lines on the first panel mark where a run stopped,
+resumed with other settings (what changed written along the line) or started again otherwise, or
+rolled back past a loss spike. One colour per run, named once in a
 legend above the panels (the run dir, its optimizer, sync mode and the world size it trained
 most steps at, from config.json and configs.jsonl); solid lines are train loss, circles val
 loss. The picture goes next to the first run (runs/NAME -> runs/NAME.png; the URL of a run's
@@ -35,6 +36,7 @@ import sys
 from pathlib import Path
 
 from ddpgpt.checkpoint.store import step_dirs
+from ddpgpt.commands.plot_waits import draw_waits
 from ddpgpt.config.commands import PlotConfig
 from ddpgpt.data import storage
 from ddpgpt.errors import UserError, beside
@@ -321,6 +323,7 @@ def draw(runs: list[dict], beta: float | None, fmt: str) -> bytes:
                     " (a mixture's: weighted by its weights then)" if mixed else ""))]
     handles += [Line2D([], [], color="0.3", lw=1, alpha=0.6, label=kind, **style)
                 for kind, style in MARKS.items() if any(run["marks"][kind] for run in runs)]
+    handles += draw_waits(speed, runs)
     if any(run["target"] for run in runs):
         handles.append(Line2D([], [], color="0.3", marker="*", ls="", ms=12, mec="black",
                               label="target val loss reached"))

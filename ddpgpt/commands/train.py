@@ -78,13 +78,22 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
     the rollback verdict of a spike, if one comes."""
     cfg, env, total, guard = trainer.cfg, trainer.env, trainer.cfg.run.steps, trainer.guard
     saved_at = trainer.last_checkpoint  # the newest checkpoint taken: resumed from, or saved
+    lease = run_dir.lease  # rank 0's of a checkpoint URL, renewed by a thread of its own
     while trainer.step < total:
         trainer.doing = f"step {trainer.step + 1}"
         rates = trainer.schedule.at(trainer.step)
         loss, norm = trainer.train_step()
-        health = guard.exchange(loss, norm, scaled=trainer.scaler is not None, saving=saver.busy)
+        health = guard.exchange(loss, norm, scaled=trainer.scaler is not None, saving=saver.busy,
+                                waits=(trainer.data_wait_s, trainer.ckpt_wait_s),
+                                trouble=lease is not None and lease.failure is not None)
+        trainer.ckpt_wait_s = 0.0
+        metrics.waited(health.data_wait_s, health.ckpt_wait_s)
+        if health.trouble:  # rank 0's lease could not be renewed: every rank stops with its line
+            collectives.together(env, saving(trainer, saver, str(run_dir))(
+                lambda: lease.check()), main_only=True)
         if health.saved or health.bad:  # every rank's save is done, or a stop must name one
-            settle(trainer, saver, run_dir)
+            with trainer.timed("checkpoint"):
+                settle(trainer, saver, run_dir)
         verdict = guard.judge(trainer.step + 1, health, trainer.batch, trainer.probe)
         if verdict.action == "rollback":
             settle(trainer, saver, run_dir)  # a rollback reads the newest complete checkpoint

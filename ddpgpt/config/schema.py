@@ -162,9 +162,9 @@ class RunConfig:
     """Write the checkpoints to this URL of object storage (s3://BUCKET/PREFIX; the cloud extra)
     instead of the run dir's checkpoints/ (which stays local, with the logs); on another machine,
     train --run-dir NEW --run.checkpoint-url URL goes on from its newest checkpoint."""
-    lease_stale_s: float = 3600.0
-    """Seconds after which another job's lease of checkpoint_url (renewed at each checkpoint) is
-    taken over, its job taken as dead: longer than between checkpoints."""
+    lease_stale_s: float = 600.0
+    """Seconds after which another job's lease of checkpoint_url (renewed every lease_stale_s / 4
+    and at each checkpoint) is taken over, its job taken as dead."""
     take_over: bool = False
     """Take over another job's lease of checkpoint_url: that job is dead (this start only)."""
     keep_checkpoints: int = 3

@@ -7,9 +7,10 @@ first counts as the same event: launchers (torchrun, SLURM) forward to workers a
 workers may already have received, and that must not turn a clean stop into a kill.
 
 The exchange. After every step the ranks all-gather one small tensor per rank: its loss, whether
-its loss and gradient norm are finite, and whether it was asked to stop. From it every rank logs
-the same global loss, skips or stops on a non-finite value, and stops for pre-emption, all at the
-same step: a signal that reaches one rank stops them all.
+its loss and gradient norm are finite, whether it was asked to stop, and the seconds it waited
+for its data and for checkpoints (metrics.jsonl's data_wait_s, ckpt_wait_s: the max over
+ranks). From it every rank logs the same global loss, skips or stops on a non-finite value, and
+stops for pre-emption, all at the same step: a signal that reaches one rank stops them all.
 """
 
 from __future__ import annotations
@@ -161,6 +162,9 @@ class Health:
     bad: list[int]           # the ranks that saw a non-finite loss or gradient norm
     stop: bool               # some rank was asked to stop
     saved: bool = True       # no rank has a checkpoint save still running (checkpoint/saver.py)
+    trouble: bool = False    # rank 0's background work failed (Guard.exchange): all stop
+    data_wait_s: float = 0.0  # the most any rank waited for its batch in the step
+    ckpt_wait_s: float = 0.0  # ... and for checkpoints since the previous exchange
 
 
 class Guard:
@@ -179,18 +183,24 @@ class Guard:
         self.spikes = SpikePolicy(cfg, vocab)
 
     def exchange(self, loss: torch.Tensor, norm: torch.Tensor, scaled: bool,
-                 saving: bool = False) -> Health:
+                 saving: bool = False, waits: tuple[float, float] = (0.0, 0.0),
+                 trouble: bool = False) -> Health:
         """The one collective of a step. `scaled`: fp16 with a GradScaler, which skips steps
         whose gradients overflow by itself, so only the loss counts. `saving`: this rank's
-        checkpoint save is still running in the background."""
+        checkpoint save is still running in the background. `waits`: the seconds this rank's
+        loop waited for its data and for checkpoints since the last exchange (the Health holds
+        the max over ranks: a synchronous step waits for the slowest). `trouble`: rank 0 has a
+        failure from its background work to report (the lease's renewal: every rank stops)."""
         finite = torch.isfinite(loss) & (torch.isfinite(norm) | scaled)
-        flags = torch.tensor([float(self.signal.requested), float(saving)], device=loss.device)
+        flags = torch.tensor([float(self.signal.requested), float(saving), float(trouble),
+                              *waits], device=loss.device)
         rows = collectives.all_gather(self.env, torch.cat([loss.float().view(1),
                                                           finite.float().view(1), flags])).cpu()
-        # rows: (W, 4)
+        # rows: (W, 7)
         bad = [r for r in range(self.env.world_size) if not rows[r, 1]]
         return Health(rows[:, 0].mean().item(), bad, bool(rows[:, 2].any()),
-                      not bool(rows[:, 3].any()))
+                      not bool(rows[:, 3].any()), bool(rows[:, 4].any()),
+                      rows[:, 5].max().item(), rows[:, 6].max().item())
 
     def judge(self, step: int, health: Health, batch: int,
               probe: Callable[[int], float]) -> Verdict:

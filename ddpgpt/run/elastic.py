@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from ddpgpt.checkpoint import store
+from ddpgpt.checkpoint import store, swap
 from ddpgpt.config.schema import TrainConfig
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.distributed import collectives
 from ddpgpt.distributed.group import DistEnv
+from ddpgpt.errors import say
 from ddpgpt.run import resume
 from ddpgpt.run.run_dir import RunDir
 
@@ -76,9 +77,12 @@ def claim(run_dir: RunDir, cfg: TrainConfig, env: DistEnv, dataset: TokenDataset
             if start.set_aside:
                 run_dir.rewind(start.set_aside, start.step)
             resume.set_abandoned_aside(run_dir, start)  # a rollback a kill interrupted
+        for line in swap.repair(run_dir.checkpoints):  # a re-save cut while swapped in
+            say(line)
         store.remove_temporaries(run_dir.checkpoints)
         if launchers:  # after the rules: a start that dies before this applies them again
             run_dir.record_job(launchers, first)
 
     collectives.together(env, take, main_only=True)
-    return settled, start, env
+    # The plan may have found a step in a swap's copy: repaired, it is the step's own directory.
+    return settled, dataclasses.replace(start, path=swap.in_place(start.path)), env

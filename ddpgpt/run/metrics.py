@@ -1,7 +1,8 @@
 """Rank 0's progress bar and `metrics.jsonl`; throughput and MFU.
 
 metrics.jsonl holds one JSON object per logged step,
-    {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s"}
+    {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s",
+     "data_wait_s", "ckpt_wait_s"}
 one per evaluation, {"step", "val_loss", "val_bpb"} (bits per byte of the val text; absent for
 datasets prepared without byte counts), "train_eval_loss" (a fixed sample of training windows,
 data.train_eval_windows; absent when off); of a mixture each source's too, as val_loss/NAME,
@@ -15,8 +16,15 @@ at run.target_val_loss: "target", with val_loss, elapsed_s, train_s and tokens).
 optimizer steps completed (the row after the first step says 1); `tokens` is the global count so
 far; `tokens_per_s` is global, over the steps since the previous row (a mixture's rows also hold
 mix/NAME, each source's share of the rows since the previous row: the realized proportions);
-`mfu` is the model FLOPs per second per process divided by one device's peak. On resume the file
-is cut back to the checkpoint's step, so it never holds a step twice or skips one.
+`mfu` is the model FLOPs per second per process divided by one device's peak; `data_wait_s` and
+`ckpt_wait_s` are the seconds per step, averaged over the steps since the previous row, that the
+step loop was blocked on its batch (inside the loader's calls, over the step's micro-batches) and
+on checkpoints (a save's synchronous part: the copy to host memory, the previous save still in
+flight, the lease checked at a URL; a checkpoint after a row counts in the next one), each the
+max over ranks (the slowest rank is what a synchronous step waits for: guard/health.py's
+exchange carries them). The step line shows `data=N%` when the data wait is over 5% of the step.
+On resume the file is cut back to the checkpoint's step, so it never holds a step twice or skips
+one.
 
 The peak. A GPU's is its data sheet's. A CPU has none we can trust (turbo, SMT, a VM's share), so
 its peak is measured: the best of several matmul windows at startup, the best over the ranks.
@@ -81,6 +89,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return measure_matmul_flops(device, dtype, windows=4, seconds=0.04)
 
 
+DATA_SHOWN = 0.05  # the step line shows the data wait above this share of the step
+
 # The events a start logs at its first step, about itself (what it changed of the checkpoint
 # it resumed): a later start from the same checkpoint says them again, or not, for itself.
 START_EVENTS = ("data_switch", "mixture_change", "config_change")
@@ -140,6 +150,14 @@ def trained_to(path: Path) -> int:
     return reached
 
 
+def data_share(data_wait_s: float, step_s: float, above: float = DATA_SHOWN) -> str:
+    """The step line's word on the data wait: its share of the step ("12%") when more than
+    `above` of it, else "" (a few percent is noise, not a loader to fix)."""
+    if step_s <= 0 or data_wait_s <= above * step_s:
+        return ""
+    return f"{min(data_wait_s / step_s, 1.0):.0%}"
+
+
 class Metrics:
     """On rank 0: a progress bar (loss, tokens/s, ETA), metrics.jsonl and the tracker that
     mirrors it (trackers.py), if any. Elsewhere: silent no-ops."""
@@ -152,6 +170,7 @@ class Metrics:
         self.peak, self.world_size = peak, world_size  # one device's, raised by what runs faster
         self.mark, self.mark_step = time.perf_counter(), start_step
         self.taken_mark: dict[str, int] | None = None  # a mixture's rows per source at the mark
+        self.waits = [0.0, 0.0]  # seconds waited for data, for checkpoints, since the mark
         if not enabled:
             return
         self.path = Path(path)
@@ -170,23 +189,33 @@ class Metrics:
         if self.tracker is not None and "event" not in row:
             self.tracker.log(row["step"], row)
 
+    def waited(self, data_s: float, ckpt_s: float) -> None:
+        """A step's waits (Health's: the max over ranks), for the next row's means."""
+        self.waits[0] += data_s
+        self.waits[1] += ckpt_s
+
     def log_step(self, step: int, loss: float | None, lr: float, grad_norm: float | None,
                  elapsed_s: float, taken: dict[str, int] | None = None) -> dict:
         """A training row; loss and grad_norm are null for a step skipped as non-finite.
         `taken`: a mixture's rows so far from each source (MixtureLoader.taken_now): the row
         then holds mix/NAME, each source's share of the rows since the previous row."""
         now = time.perf_counter()
+        steps = max(step - self.mark_step, 1)
         tps = (step - self.mark_step) * self.tokens_per_step / max(now - self.mark, 1e-9)
-        self.mark, self.mark_step = now, step
+        data_wait, ckpt_wait = (w / steps for w in self.waits)
+        share = data_share(data_wait, (now - self.mark) / steps)
+        self.mark, self.mark_step, self.waits = now, step, [0.0, 0.0]
         per_device = tps * self.flops_per_token / self.world_size  # model FLOP/s per process
         self.peak = max(self.peak, per_device)
         row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                "tokens": step * self.tokens_per_step, "tokens_per_s": tps,
-               "mfu": per_device / self.peak, "elapsed_s": elapsed_s, **self._mix(taken)}
+               "mfu": per_device / self.peak, "elapsed_s": elapsed_s,
+               "data_wait_s": data_wait, "ckpt_wait_s": ckpt_wait, **self._mix(taken)}
         if self.enabled:
             self._write(row)
             self.bar.set_postfix(loss="skipped" if loss is None else f"{loss:.4f}",
-                                 lr=f"{lr:.3g}", tok_s=f"{tps:,.0f}", refresh=False)
+                                 lr=f"{lr:.3g}", tok_s=f"{tps:,.0f}",
+                                 **({"data": share} if share else {}), refresh=False)
             self.bar.update(step - self.bar.n)
         return row
 
@@ -257,7 +286,7 @@ class Metrics:
     def rewind(self, step: int) -> None:
         """Back to `step` (a rollback): the rows after it go, as on resume, and the bar with
         them; the throughput is measured afresh from here."""
-        self.mark, self.mark_step = time.perf_counter(), step
+        self.mark, self.mark_step, self.waits = time.perf_counter(), step, [0.0, 0.0]
         if self.enabled:
             self.file.close()
             cut_log(self.path, step)

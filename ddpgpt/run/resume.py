@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpgpt.checkpoint import location, store
+from ddpgpt.checkpoint import location, store, swap
 from ddpgpt.checkpoint.read import trained_tokenizer
 from ddpgpt.checkpoint.store import CheckpointError
 from ddpgpt.config.checks import ConfigError
@@ -206,6 +206,7 @@ def _latest(root: Path, verify: bool, quiet: bool) -> tuple[Path, dict] | None:
 
 def _explicit(run_dir: RunDir, path: Path, first_start: bool, verify: bool) -> Start:
     origin_path = str(path.resolve())
+    path = swap.standing(path)  # a step whose re-save was cut while swapped in: its copy
     for _, candidate in reversed(store.step_dirs(run_dir.checkpoints)):
         try:
             meta = store.read_meta(candidate, verify=False)

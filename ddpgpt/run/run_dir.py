@@ -1,8 +1,7 @@
 """The one place that knows a run directory's layout, and the lock that gives it to one run.
 
     runs/NAME/
-      .lock              held (flock) by the run training into this directory; names its PID
-                         and host
+      .lock              held (flock) by the run training here; names its PID and host
       job.json           the launchers (elastic agents) of the job that trains here: a start is
                          the job's first unless one of its launchers is listed (elastic.py)
       config.json        the resolved config (no `auto` left); `--nproc` workers start from it
@@ -262,6 +261,7 @@ class RunDir:
         if self.remote:
             self.lease = Lease(self.remote, self.path)
             self.lease.acquire(restart, take_over, stale_s)
+            self.lease.keep(stale_s)  # renewed on its own clock, not only at checkpoints
 
     def unlock(self) -> None:
         if self.lease is not None:

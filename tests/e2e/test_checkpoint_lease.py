@@ -2,12 +2,14 @@
 a second job (another run dir, another machine) finding a live job's lease refuses in one line
 and writes nothing there; a dead job's lease (its process gone, or not renewed for
 run.lease_stale_s) or --run.take-over is taken over; a restart of the same job takes its own;
-a job whose lease another took stops before its next checkpoint; a run that ends gives it back."""
+a job whose lease another took stops before its next checkpoint; a run that ends gives it back;
+a lease is renewed on its own clock, between checkpoints."""
 
 from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +18,7 @@ import pytest
 
 from ddpgpt.checkpoint import location
 from ddpgpt.checkpoint.lease import LEASE, Lease, LeaseHeld
-from tests.helpers import run_cli, tiny_train_args
+from tests.helpers import Launch, run_cli, tiny_train_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -105,3 +107,60 @@ def test_a_job_whose_lease_was_taken_stops_before_its_next_checkpoint(s3):
         first.renew()
     first.release()  # not ours any more: left alone
     assert json.loads(s3.fs().cat_file(f"{url[5:]}/{LEASE}"))["token"] == second.info["token"]
+
+
+def test_the_lease_is_renewed_between_checkpoints_and_a_second_job_meanwhile_refused(
+        s3, tiny_data, tmp_path):
+    """run.lease_stale_s 4 and no checkpoint before the end: the first job holds after step 1
+    (until a stop signal) for longer than lease_stale_s, its lease renewed meanwhile by its own
+    thread (every 1 s), so a second job finds it live and refuses; stopped, the first checkpoints
+    and gives the lease back."""
+    url = s3.bucket("lease") + "/renewed"
+    args = tiny_train_args(tiny_data, tmp_path / "first", 4, run__checkpoint_every=0)
+    first = Launch([sys.executable, *args, "--run.checkpoint-url", url, "--run.lease-stale-s",
+                    "4"], env={"DDPGPT_FAULT": "hold@1"})
+    try:
+        first.wait_for("fault: hold until a stop signal", 120)
+        lease = json.loads(s3.fs().cat_file(f"{url[5:]}/{LEASE}"))
+        since = lease["renewed_at"]
+        while lease["renewed_at"] < since + 5:  # renewed after more than lease_stale_s
+            time.sleep(0.2)
+            lease = json.loads(s3.fs().cat_file(f"{url[5:]}/{LEASE}"))
+            assert first.proc.poll() is None, first.text
+        assert steps_at(s3, url) == []  # no checkpoint renewed it
+        second = train(tiny_data, tmp_path / "second", url, "--run.lease-stale-s", "4")
+        assert second.returncode == 2 and re.search(
+            rf"ddpgpt: error: checkpoint URL {url} is leased by another job training into it "
+            rf"\(PID {first.proc.pid} on host ", second.stderr), second.stderr
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.wait(120) == 75, first.text  # stopped with a checkpoint
+    finally:
+        first.kill()
+    assert steps_at(s3, url) == ["step_0000002"]
+    assert not s3.fs().exists(f"{url[5:]}/{LEASE}")  # given back
+
+
+def test_a_renewal_that_fails_between_checkpoints_stops_the_run_at_the_next_step(
+        s3, tiny_data, tmp_path, monkeypatch, capsys):
+    """The renewing thread meets the storage gone (made to, at once): the main thread says it at
+    the next step, as any object storage failing between two checkpoints is said (the step, why,
+    the newest complete checkpoint), and exits 1, nothing written there after."""
+    from ddpgpt.cli import main
+    from ddpgpt.errors import UserError
+
+    def gone(lease, stale_s):
+        lease.failure = UserError(f"reading {lease.path}: cannot reach the S3 endpoint (gone)")
+        lease.failure.storage = str(lease.root)
+
+    monkeypatch.setattr(Lease, "keep", gone)
+    url = s3.bucket("lease") + "/renewal-fails"
+    args = tiny_train_args(tiny_data, tmp_path / "run", 4, run__checkpoint_every=0)[3:]
+    with pytest.raises(SystemExit) as stop:
+        main(["train", *args, "--run.checkpoint-url", url])
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ddpgpt:")
+            and not line.startswith("ddpgpt: training on")]
+    assert stop.value.code == 1 and said == [
+        f"ddpgpt: error: step 1: reading {url}/{LEASE}: cannot reach the S3 endpoint (gone). The "
+        "last complete checkpoint (none yet) is intact: wait until the storage answers, then run "
+        "the same command with --reset to start over"], said
+    assert steps_at(s3, url) == []

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from ddpgpt.checkpoint import location, read, store
+from ddpgpt.checkpoint import location, read, store, swap
 from ddpgpt.checkpoint import read as load_module
 from ddpgpt.checkpoint.store import CheckpointError
 from ddpgpt.config.model import ModelConfig
@@ -194,19 +194,30 @@ def test_a_failed_replacement_keeps_the_previous_copy(tmp_path, monkeypatch):
 
 def test_a_resave_killed_between_its_renames_keeps_the_previous_copy(tmp_path):
     """Saving a step that exists renames the previous copy aside, then the new one into place:
-    a process killed between the two renames leaves no step_0000003; the next start puts the
-    previous copy back instead of deleting it with the temporaries."""
+    a process killed between the two renames leaves no step_0000003. The copy aside is step 3's
+    checkpoint to a reader (the newest, and what --resume of step_0000003 reads), and the next
+    start puts it back in place (swap.repair, under the run's lock: one line naming it) instead
+    of deleting it with the temporaries."""
     save(tmp_path, 2)
     save(tmp_path, 3, seed=1)
     root = tmp_path / "checkpoints"
     os.rename(root / "step_0000003", root / ".old-step_0000003-77")  # the state a kill leaves
     shutil.copytree(root / "step_0000002", root / ".tmp-step_0000003-77")
+    aside = root / ".old-step_0000003-77"
+    assert find_latest(tmp_path)[0] == aside and swap.standing(root / "step_0000003") == aside
+    assert swap.in_place(aside) == aside  # standing: read where it is until repaired
+    assert swap.repair(root) == [
+        f"ddpgpt: note: checkpoint {root / 'step_0000003'}: saving step 3 again was cut short "
+        "while swapping the new copy in; the previous copy is back in place, and this start goes "
+        "on from it"]
     store.remove_temporaries(root)
     assert sorted(p.name for p in root.iterdir()) == ["step_0000002", "step_0000003"]
+    assert swap.in_place(aside) == root / "step_0000003"
     path, meta = find_latest(tmp_path)
     loaded = model(seed=99)
     load_into(path, loaded)
     assert meta["step"] == 3 and torch.equal(loaded.wte.weight, model(1).wte.weight)
+    assert swap.repair(root) == []  # nothing left to put back
 
 
 def test_a_parent_that_cannot_be_synced_after_the_rename_is_a_warning(tmp_path, monkeypatch,

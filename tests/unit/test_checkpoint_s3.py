@@ -241,3 +241,38 @@ def test_the_background_saver_swaps_a_step_saved_again_in(s3, root, monkeypatch)
     weights = read.load(path, meta, weights_only=True)["model"]
     assert all(torch.equal(weights[k], v) for k, v in model(40).state_dict().items())
     assert all(torch.equal(seen[-1][k], v) for k, v in model(4).state_dict().items())
+
+
+def test_a_resave_cut_while_swapped_in_is_put_in_place_at_the_next_start(s3, root, monkeypatch):
+    """Step 4 saved again (seed 40) and cut once its previous copy is unpublished and deleted,
+    before the new one is moved in: the new copy, complete under its temporary prefix, is step
+    4's checkpoint to a reader (the newest, and what --resume of step_0000004 reads); the next
+    start (swap.repair) moves it in place with one line naming it, and nothing else is left."""
+    from ddpgpt.checkpoint import swap
+
+    for step in (2, 4):
+        save(root, step)
+
+    def cut(tmp, final):  # the swap's first half; the process dies before the second
+        location.delete_checkpoint(final, "")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store, "_publish", cut)
+    with pytest.raises(KeyboardInterrupt):
+        store.save(root, 4, {"model": model(40).state_dict(), "optimizer": {"step": 4}},
+                   {"config": {}}, 10)
+    monkeypatch.undo()
+    copy, meta = store.find_latest(root)
+    assert copy.name.startswith(".tmp-step_0000004-") and meta["step"] == 4
+    assert swap.standing(location.at(f"{root}/step_0000004")) == copy
+    assert swap.repair(root) == [
+        f"ddpgpt: note: checkpoint {root}/step_0000004: saving step 4 again was cut short while "
+        "swapping the new copy in; the new copy, complete, is back in place, and this start goes "
+        "on from it"]
+    assert store.remove_temporaries(root) == []
+    assert names(s3, root) == [f"step_000000{step}/{n}" for step in (2, 4) for n in (
+        ".metadata", "__0_0.distcp", "meta.json", "trainer.pt")]
+    path, meta = store.find_latest(root)
+    weights = read.load(path, meta, weights_only=True)["model"]
+    assert str(path) == f"{root}/step_0000004" and swap.in_place(copy) == path
+    assert all(torch.equal(weights[k], v) for k, v in model(40).state_dict().items())

@@ -269,3 +269,32 @@ def test_a_mixture_is_drawn_source_by_source_with_its_shares_and_changes(tmp_pat
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert "settings changed" in labels and "restarted" not in labels
     assert "val loss (a mixture's: weighted by its weights then)" in labels
+
+
+@pytest.mark.parametrize("waits", [True, False])
+def test_the_waits_are_drawn_when_a_run_logged_them(tmp_path, monkeypatch, waits):
+    """data_wait_s and ckpt_wait_s on the tokens/s panel's right axis, one line each per run,
+    with the rows' values; a metrics.jsonl from before they were logged draws as it did."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    a = fake_run(tmp_path / "a", "adamw", steps=6)
+    if waits:
+        rewrite_rows(a, lambda rows: [{**r, "data_wait_s": r["step"] / 100, "ckpt_wait_s": 0.0}
+                                      if "loss" in r else r for r in rows])
+    main(["plot", str(a)])
+    axes = figures[0].axes
+    labels = [t.get_text() for t in figures[0].legends[0].get_texts()]
+    if not waits:
+        assert len(axes) == 3 and not any("waited" in label for label in labels)
+        return
+    right = axes[3]
+    assert right.bbox.bounds == axes[2].bbox.bounds  # the tokens/s panel's twin
+    data, ckpt = right.lines
+    np.testing.assert_array_equal(data.get_xdata(), range(1, 7))
+    np.testing.assert_allclose(data.get_ydata(), [s / 100 for s in range(1, 7)])
+    np.testing.assert_allclose(ckpt.get_ydata(), [0.0] * 6)
+    assert {"waited for data (s per step, right axis)",
+            "waited for checkpoints (s per step, right axis)"} <= set(labels)
