@@ -14,10 +14,15 @@ credentials, an endpoint that does not answer) is one line naming the URL and th
 (`failing`).
 
 Reading a window is a ranged GET of exactly its bytes (fetch.RemoteReader): a rank reads its own
-windows and nothing else. Ranged reads cost a round trip each, so the loader names the next
-step's windows ahead of time (`prefetch`) and a background thread fetches them in one
-concurrent batch while the step computes: a step waits on the network only if a fetch takes
-longer than a step. With a cache directory (data.cache, per node), what is read is kept there
+windows and nothing else. Ranged reads cost a round trip each (20-100 ms on a cloud's
+store), so the loader names the windows of the next steps ahead of time (`prefetch`) and
+background threads fetch each step's in one concurrent batch while the steps compute. How far
+ahead follows what the reader measures: a fetch that takes longer than a step is asked for
+ceil(arrival / step) + 1 steps ahead (fetch.ahead_steps: 2 to 16 steps, at most 64 MiB of
+windows per rank), and the batches of those steps are in flight together on the client's pool
+of POOL_CONNECTIONS connections (botocore's default, 10, would queue a step's windows behind
+each other), so a step waits on the network only when the store's bandwidth, not its latency,
+is short. With a cache directory (data.cache, per node), what is read is kept there
 in blocks of fetch.CACHE_BLOCK bytes, each written whole (files.atomic_write), keyed by the
 object's URL and identity (size and ETag), so later epochs, restarts and the node's other ranks
 read it from the local disk; a block is fetched whole, so with the cache a rank reads the blocks
@@ -46,6 +51,7 @@ PACKAGES = {"s3": ("s3fs", "cloud"), "s3a": ("s3fs", "cloud"), "gs": ("gcsfs", "
             "gcs": ("gcsfs", "gcs")}
 HASH_BLOCK = 8 << 20  # bytes read at a time when hashing an object
 PART = 50 << 20  # an upload's part size (s3fs's multipart put_file): its ETag depends on it
+POOL_CONNECTIONS = 128  # an S3 client's connections at most (botocore's max_pool_connections)
 
 
 def is_url(where) -> bool:
@@ -62,7 +68,9 @@ def filesystem(url: str):
 
     asyn.get_loop().set_exception_handler(_orphaned_requests)
     try:
-        return fsspec.core.url_to_fs(url, use_listings_cache=False)
+        extra = {"config_kwargs": {"max_pool_connections": POOL_CONNECTIONS}} \
+            if package == "s3fs" else {}
+        return fsspec.core.url_to_fs(url, use_listings_cache=False, **extra)
     except ImportError:
         raise UserError(missing(package, extra, url)) from None
     except ValueError as e:
