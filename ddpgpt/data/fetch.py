@@ -21,6 +21,7 @@ from ddpgpt.files import atomic_write
 OPEN_FILES = 256  # local shard files a reader keeps open at most (2e10 tokens: 200 shards)
 CACHE_BLOCK = 1 << 20  # bytes per block of the local cache of remote shards
 MIN_AHEAD, MAX_AHEAD = 2, 16  # steps whose windows are named at once: this one and the next..
+START_AHEAD = 4  # ..and before a fetch and a step have been timed: a guess, within the cap
 AHEAD_BYTES = 64 << 20  # bytes of windows a rank holds fetched ahead at most (one stream)
 ARRIVALS = 8  # fetches whose arrival time the reader remembers (it answers their longest)
 
@@ -32,11 +33,12 @@ def ahead_steps(arrival_s: float, step_s: float, step_bytes: int,
     `arrival_s` (from being asked for to its last byte) and a step `step_s`, n =
     ceil(arrival / step) + 1 (the one beyond covers a slower fetch). Between MIN_AHEAD and
     MAX_AHEAD, and no more than `cap_bytes` of windows (`step_bytes` a step) unless that is
-    under MIN_AHEAD: MIN_AHEAD while either time is not known yet."""
-    if arrival_s <= 0 or step_s <= 0:
-        return MIN_AHEAD
-    wanted = math.ceil(arrival_s / step_s) + 1
+    under MIN_AHEAD. While either time is not known yet (the first steps): START_AHEAD, so
+    that the second step's windows are not asked for only as it starts."""
     fits = cap_bytes // max(1, step_bytes)
+    if arrival_s <= 0 or step_s <= 0:
+        return max(MIN_AHEAD, min(START_AHEAD, fits))
+    wanted = math.ceil(arrival_s / step_s) + 1
     return max(MIN_AHEAD, min(wanted, MAX_AHEAD, fits))
 
 

@@ -14,19 +14,16 @@ credentials, an endpoint that does not answer) is one line naming the URL and th
 (`failing`).
 
 Reading a window is a ranged GET of exactly its bytes (fetch.RemoteReader): a rank reads its own
-windows and nothing else. Ranged reads cost a round trip each (20-100 ms on a cloud's
-store), so the loader names the windows of the next steps ahead of time (`prefetch`) and
-background threads fetch each step's in one concurrent batch while the steps compute. How far
-ahead follows what the reader measures: a fetch that takes longer than a step is asked for
-ceil(arrival / step) + 1 steps ahead (fetch.ahead_steps: 2 to 16 steps, at most 64 MiB of
-windows per rank), and the batches of those steps are in flight together on the client's pool
-of POOL_CONNECTIONS connections (botocore's default, 10, would queue a step's windows behind
-each other), so a step waits on the network only when the store's bandwidth, not its latency,
-is short. With a cache directory (data.cache, per node), what is read is kept there
-in blocks of fetch.CACHE_BLOCK bytes, each written whole (files.atomic_write), keyed by the
-object's URL and identity (size and ETag), so later epochs, restarts and the node's other ranks
-read it from the local disk; a block is fetched whole, so with the cache a rank reads the blocks
-around its windows, not only the windows.
+windows and nothing else. A GET costs a round trip (20-100 ms on a cloud's store), so the loader
+names the windows of the next steps ahead (`prefetch`), each step's fetched in one concurrent
+batch by a background thread while the steps compute: ceil(arrival / step) + 1 steps ahead,
+as the reader measures a fetch's arrival (fetch.ahead_steps: 2 to 16 steps, 64 MiB of windows
+at most), those batches in flight together on POOL_CONNECTIONS connections (botocore's 10 would
+queue them), so a step waits only when bandwidth is short. With a cache directory (data.cache,
+per node), what is read is kept in blocks of fetch.CACHE_BLOCK bytes, each written whole
+(files.atomic_write), keyed by the object's URL and identity (size and ETag), so later epochs,
+restarts and the node's other ranks read it from the local disk; a block is fetched whole, so
+with the cache a rank reads the blocks around its windows, not only the windows.
 
 An object's identity is its size and ETag (or version id): an object rewritten gets a new one,
 as a local file rewritten gets a new (size, mtime, inode); a file:// URL's file (no ETag) has
@@ -68,13 +65,17 @@ def filesystem(url: str):
 
     asyn.get_loop().set_exception_handler(_orphaned_requests)
     try:
-        extra = {"config_kwargs": {"max_pool_connections": POOL_CONNECTIONS}} \
-            if package == "s3fs" else {}
-        return fsspec.core.url_to_fs(url, use_listings_cache=False, **extra)
+        return fsspec.core.url_to_fs(url, use_listings_cache=False, **client_options(url))
     except ImportError:
         raise UserError(missing(package, extra, url)) from None
     except ValueError as e:
         raise UserError(f"{url}: {e}; give an s3:// (or gs://) URL, or a local path") from None
+
+
+def client_options(url: str) -> dict:
+    """fsspec's options for `url`'s client: an S3 client keeps POOL_CONNECTIONS connections."""
+    s3 = PACKAGES.get(url.split("://", 1)[0].lower(), ("",))[0] == "s3fs"
+    return {"config_kwargs": {"max_pool_connections": POOL_CONNECTIONS}} if s3 else {}
 
 
 def _orphaned_requests(loop, context: dict) -> None:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from ddpgpt.data.fetch import AHEAD_BYTES, MAX_AHEAD, MIN_AHEAD, ahead_steps
+from ddpgpt.data.fetch import AHEAD_BYTES, MAX_AHEAD, MIN_AHEAD, START_AHEAD, ahead_steps
 from ddpgpt.data.loader import TrainLoader
 from ddpgpt.data.shards import TokenDataset
 
@@ -16,8 +16,8 @@ MB = 1 << 20
 
 
 @pytest.mark.parametrize("arrival, step, expected", [
-    (0.0, 0.1, MIN_AHEAD),  # nothing fetched yet
-    (0.5, 0.0, MIN_AHEAD),  # no step timed yet
+    (0.0, 0.1, START_AHEAD),  # nothing fetched yet: a guess
+    (0.5, 0.0, START_AHEAD),  # no step timed yet
     (0.05, 0.1, 2),  # arrives within a step: this one and the next
     (0.1, 0.1, 2),
     (0.101, 0.1, 3),
@@ -33,6 +33,7 @@ def test_the_distance_holds_no_more_than_the_memory_cap():
     assert ahead_steps(1.0, 0.1, step_bytes=AHEAD_BYTES // 5) == 5
     assert ahead_steps(1.0, 0.1, step_bytes=AHEAD_BYTES // 5, cap_bytes=AHEAD_BYTES) == 5
     assert ahead_steps(1.0, 0.1, step_bytes=AHEAD_BYTES) == MIN_AHEAD  # the floor wins
+    assert ahead_steps(0.0, 0.0, step_bytes=AHEAD_BYTES // 3) == 3  # the guess too is capped
 
 
 def test_a_loader_through_100_ms_reads_the_local_batches_and_reaches_ahead(
