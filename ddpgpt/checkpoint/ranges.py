@@ -20,7 +20,9 @@ from bisect import bisect_right
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.futures import Future
 
-CHUNK = 16 << 20  # bytes per ranged GET
+CHUNK = 64 << 20  # bytes per ranged GET: a 1.5 GB state is 23 GETs at once (fewer, larger
+# GETs than that cost as much on a real store, and far less on a server that reads the whole
+# object for each range, as moto's does: docs/performance.md)
 BATCH = 512 << 20  # bytes of items fetched before DCP reads them (and the next batch is fetched)
 
 
