@@ -20,26 +20,26 @@ from ddpgpt.files import atomic_write
 
 OPEN_FILES = 256  # local shard files a reader keeps open at most (2e10 tokens: 200 shards)
 CACHE_BLOCK = 1 << 20  # bytes per block of the local cache of remote shards
-MIN_AHEAD, MAX_AHEAD = 2, 16  # steps whose windows are named at once: this one and the next..
-START_AHEAD = 4  # ..and before a fetch and a step have been timed: a guess, within the cap
+MIN_AHEAD, MAX_AHEAD = 4, 16  # steps whose windows are named at once, this one included
 AHEAD_BYTES = 64 << 20  # bytes of windows a rank holds fetched ahead at most (one stream)
-ARRIVALS = 8  # fetches whose arrival time the reader remembers (it answers their longest)
+ARRIVALS = 32  # fetches whose arrival time the reader remembers (it answers their longest)
 
 
 def ahead_steps(arrival_s: float, step_s: float, step_bytes: int,
                 cap_bytes: int = AHEAD_BYTES) -> int:
     """How many steps' windows a loader keeps named to its reader, this step's included: the
     windows of step k+n must be asked for by the time step k starts if a fetch takes
-    `arrival_s` (from being asked for to its last byte) and a step `step_s`, n =
-    ceil(arrival / step) + 1 (the one beyond covers a slower fetch). Between MIN_AHEAD and
-    MAX_AHEAD, and no more than `cap_bytes` of windows (`step_bytes` a step) unless that is
-    under MIN_AHEAD. While either time is not known yet (the first steps): START_AHEAD, so
-    that the second step's windows are not asked for only as it starts."""
-    fits = cap_bytes // max(1, step_bytes)
-    if arrival_s <= 0 or step_s <= 0:
-        return max(MIN_AHEAD, min(START_AHEAD, fits))
-    wanted = math.ceil(arrival_s / step_s) + 1
-    return max(MIN_AHEAD, min(wanted, MAX_AHEAD, fits))
+    `arrival_s` (from being asked for to its last byte; the longest of the last ARRIVALS) and a
+    step `step_s` (without its reads), n = ceil(arrival / step) + 1, the one beyond covering a
+    fetch slower than those. At least MIN_AHEAD (also while either time is not known yet):
+    three steps of slack for a request the store answers late (its latency's tail, a busy
+    host), which costs little, a step's windows being ~2 KB each; at most MAX_AHEAD, and no
+    more than `cap_bytes` of windows (`step_bytes` a step), but never fewer than this step and
+    the next."""
+    wanted = MIN_AHEAD
+    if arrival_s > 0 and step_s > 0:
+        wanted = max(MIN_AHEAD, math.ceil(arrival_s / step_s) + 1)
+    return max(2, min(wanted, MAX_AHEAD, cap_bytes // max(1, step_bytes)))
 
 
 class LocalReader:

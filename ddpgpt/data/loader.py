@@ -117,6 +117,7 @@ class TrainLoader:
         self._order: orders.Order | None = None
         self._order_epoch = -1
         self.fetched_until = 0  # the global batches before this one are named to the reader
+        self.ahead = 0  # how many steps' windows the last step named, its own included
         self.step_s = 0.0  # seconds between two steps but their reads (a moving average)
         self.read_s = 0.0  # seconds this step spent reading its windows so far
         self._last_step: float | None = None
@@ -167,9 +168,9 @@ class TrainLoader:
         tokens = getattr(self.stream, "stream", self.stream)  # packed rows: their stream's
         step_bytes = self.accum_steps * self.micro_batch * (self.seq_len + 1) * \
             tokens.dtype.itemsize * (2 if self.masked else 1)  # this rank's windows of a step
-        ahead = ahead_steps(self.stream.arrival_s, self.step_s, step_bytes)
+        self.ahead = ahead_steps(self.stream.arrival_s, self.step_s, step_bytes)
         current = self.batch_index - 1
-        for index in range(max(self.fetched_until, current), current + ahead):
+        for index in range(max(self.fetched_until, current), current + self.ahead):
             epoch, k = divmod(index, self.steps_per_epoch)
             if epoch != self.epoch:  # the next epoch's order: named once it starts
                 break

@@ -14,7 +14,7 @@ import pytest
 
 from ddpgpt.config.schema import DataConfig
 from ddpgpt.data import storage, verify
-from ddpgpt.data.fetch import START_AHEAD
+from ddpgpt.data.fetch import MIN_AHEAD
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.mixture import MixedDataset, MixtureLoader
 from ddpgpt.data.shards import HEADER_BYTES, TokenDataset
@@ -147,13 +147,13 @@ def test_the_next_step_is_fetched_while_this_one_computes(s3_data, monkeypatch):
     list(loader.next_step())
     assert calls[0][1] == per_step, calls  # the first step: its windows in one batch
     settle(loader)  # the step's forward and backward: the fetch ahead has finished meanwhile
-    first = len(calls)  # the next steps' (fetch.START_AHEAD - 1 of them: nothing timed yet)
-    assert first == START_AHEAD and calls[1:] == [(False, per_step)] * (first - 1), calls
+    first = len(calls)  # the next steps' (fetch.MIN_AHEAD - 1 of them: nothing timed yet)
+    assert first == MIN_AHEAD and calls[1:] == [(False, per_step)] * (first - 1), calls
     list(loader.next_step())
     settle(loader)
     # the steps after it that the loader named (as many as a fetch takes in step times: up to
     # fetch.MAX_AHEAD here, where steps take no time), each in one batch behind, none in front
-    assert loader.fetched_until > START_AHEAD
+    assert loader.fetched_until > MIN_AHEAD
     assert calls[first:] == [(False, per_step)] * (loader.fetched_until - first), calls
 
 
