@@ -83,13 +83,15 @@ def loader_run(url: str, world: int, step_s: float, steps: int, cache: str) -> d
         t.join()
     mine, later = waits[0], waits[0][1:]
     mean = statistics.fmean(later)
-    ahead = loaders[0].fetched_until - loaders[0].batch_index
+    ahead = loaders[0].ahead  # the distance the last step asked for, its own step included
     fetched = sum(lo.stream.reader.fetched_bytes for lo in loaders)
     for lo in loaders:
         lo.stream.reader.close()
     return {"first_wait_s": mine[0], "wait_s": mean, "wait_pct": 100 * mean / step_s,
-            "max_wait_s": max(later), "tokens_per_s": G // world * T / (step_s + mean),
-            "ahead_steps": ahead, "fetched_mb": fetched / 1e6}
+            "median_wait_s": statistics.median(later), "max_wait_s": max(later),
+            "tokens_per_s": G // world * T / (step_s + mean),
+            "ahead_steps": ahead, "fetched_mb": fetched / 1e6,
+            "waits_ms": [round(w * 1e3, 1) for w in mine]}
 
 
 def state_of(params: float) -> dict[str, torch.Tensor]:

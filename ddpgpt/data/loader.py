@@ -45,6 +45,7 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.stream import TokenStream
 from ddpgpt.errors import DataError
 
+RAMP = 2  # steps newly named to a remote reader per step at most (_fetch_ahead)
 STATE_VERSION = 3  # 2: records the order's version (absent: 1, the permutation built whole);
 # 3: records data.align (absent: stream)
 
@@ -159,7 +160,7 @@ class TrainLoader:
     def _fetch_ahead(self) -> None:
         """Names to a remote reader the windows of this step and of the steps after it in the
         epoch, as many as a fetch's arrival time takes in step times (fetch.ahead_steps), each
-        step's in one concurrent batch; only the ones not named yet."""
+        step's in one concurrent batch; only the ones not named yet, RAMP more a step."""
         now = time.monotonic()
         if self._last_step is not None:  # the step's own time: what it waited for data not
             took = max(1e-3, now - self._last_step - self.read_s)  # (or a wait sustains itself)
@@ -170,7 +171,13 @@ class TrainLoader:
             tokens.dtype.itemsize * (2 if self.masked else 1)  # this rank's windows of a step
         self.ahead = ahead_steps(self.stream.arrival_s, self.step_s, step_bytes)
         current = self.batch_index - 1
-        for index in range(max(self.fetched_until, current), current + self.ahead):
+        first = max(self.fetched_until, current)
+        # at most RAMP new steps a step once some are named ahead: a distance that grows (a slow
+        # first answer, a slower store) does not send a burst of GETs at once
+        last = current + self.ahead
+        if self.fetched_until > current:
+            last = min(last, first + RAMP)
+        for index in range(first, last):
             epoch, k = divmod(index, self.steps_per_epoch)
             if epoch != self.epoch:  # the next epoch's order: named once it starts
                 break
