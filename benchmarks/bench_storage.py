@@ -3,7 +3,7 @@ standalone server, the one the tests start: tests/s3.py) behind a shaper (tests/
 holds every request `--delay` seconds and caps each connection at `--rate` bytes/s.
 
     python -m benchmarks.bench_storage [--delay 0.03,0.1] [--rate 50e6] [--step 0.1,0.5] \\
-        [--worlds 1,4] [--steps 20] [--params 41e6] [--json out.json]
+        [--worlds 1,4] [--steps 40] [--windows 8] [--params 41e6] [--json out.json]
 
 1. The loader, first epoch, for each delay, step time (a sleep standing for the GPU's compute),
    W and data.cache off/on (a new, empty cache): W ranks of one node as W loaders in threads of
@@ -60,8 +60,9 @@ def point_at(endpoint: str) -> None:
     s3fs.S3FileSystem.clear_instance_cache()
 
 
-def loader_run(url: str, world: int, step_s: float, steps: int, cache: str) -> dict:
-    """Rank 0's waits over `steps` steps of `world` ranks (threads) with `step_s` of compute."""
+def loader_run(url: str, world: int, step_s: float, steps: int, cache: str, G: int = G) -> dict:
+    """Rank 0's waits over `steps` steps of `world` ranks (threads) with `step_s` of compute,
+    G windows a step."""
     ds = TokenDataset(url)
     loaders = [TrainLoader(ds, seq_len=T, micro_batch=G // world, world_size=world, rank=r,
                            seed=7, cache=cache) for r in range(world)]
@@ -160,7 +161,9 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=50e6)
     parser.add_argument("--step", type=floats, default=[0.1, 0.5])
     parser.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--windows", type=int, default=G, help="G: windows a step, all ranks")
+    parser.add_argument("--no-cache-only", action="store_true")
     parser.add_argument("--tokens", type=float, default=32e6)
     parser.add_argument("--params", type=float, default=41e6)
     parser.add_argument("--skip", choices=["loader", "checkpoint"], default=None)
@@ -187,10 +190,11 @@ def main() -> None:
             point_at(cloud.endpoint)
             for step_s in a.step if a.skip != "loader" else []:
                 for world in a.worlds:
-                    for cached in (False, True):
+                    for cached in (False,) if a.no_cache_only else (False, True):
                         cache = tempfile.mkdtemp(dir=work) if cached else ""
                         row = {"delay_s": delay, "step_s": step_s, "W": world, "cache": cached,
-                               **loader_run(url, world, step_s, a.steps, cache)}
+                               "G": a.windows,
+                               **loader_run(url, world, step_s, a.steps, cache, a.windows)}
                         results["loader"].append(row)
                         print(json.dumps(row), flush=True)
             if state:
