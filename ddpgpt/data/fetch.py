@@ -54,7 +54,7 @@ class LocalReader:
         read (fewer at the end of the file)."""
         return os.preadv(self._fd(name), [into], offset)
 
-    arrival_s = 0.0  # a read is as fast as a step can want: the loader names 2 steps ahead
+    arrival_s = 0.0  # nothing is fetched ahead (prefetch does nothing): no time to measure
 
     def prefetch(self, requests: list[tuple[str, int, int]]) -> None:
         """Nothing to do: the page cache reads ahead for a local disk."""
