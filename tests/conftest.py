@@ -92,3 +92,26 @@ def s3_dataset(s3_server, tiny_data) -> str:
 def s3_data(s3, s3_dataset) -> str:
     """s3_dataset's URL, for a test that reads it (with the server's variables: `s3`)."""
     return s3_dataset
+
+
+@pytest.fixture
+def cloud(s3, monkeypatch):
+    """`cloud(delay_s, rate)`: the S3 server behind a shaper (tests/shaper.py: `delay_s` of
+    latency per request, `rate` bytes/s per connection); its endpoint URL, which this test's
+    AWS_ENDPOINT_URL then names (s3fs's cached clients dropped, as `s3` does)."""
+    import s3fs
+
+    from tests.shaper import Shaper
+
+    made: list[Shaper] = []
+
+    def make(delay_s: float, rate: float = 0.0) -> str:
+        made.append(Shaper(s3.port, delay_s, rate))
+        monkeypatch.setenv("AWS_ENDPOINT_URL", made[-1].endpoint)
+        s3fs.S3FileSystem.clear_instance_cache()
+        return made[-1].endpoint
+
+    yield make
+    s3fs.S3FileSystem.clear_instance_cache()
+    for shaper in made:
+        shaper.stop()

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ddpgpt.data import storage
 from ddpgpt.errors import UserError
 
 INDEX = ".metadata"  # DCP's name for its index of every chunk
@@ -286,7 +287,10 @@ def _remote_classes():
             return super().prepare_global_plan(plans)
 
     class RemoteReader(Reader, FsspecReader):
-        pass
+        def read_data(self, plan, planner):
+            # every range the plan needs fetched concurrently, then read from memory
+            from ddpgpt.checkpoint import ranges
+            return ranges.read_data(self, plan, planner, super().read_data)
 
     return RemoteWriter, RemoteReader
 
@@ -301,7 +305,8 @@ def writer_for(path) -> Writer:
 
 def reader_for(path, index: dcp_metadata.Metadata) -> Reader:
     if hasattr(path, "url"):
-        return _remote_classes()[1](path.url, index, use_listings_cache=False)
+        return _remote_classes()[1](path.url, index, use_listings_cache=False,
+                                    **storage.client_options(path.url))
     return Reader(path, index)
 
 

@@ -25,12 +25,14 @@ Everything is passed in; the loader reads no environment variables and calls no 
 single-process test can play rank 3 of 4. Reading is one pread per window (per shard it crosses)
 from the shard files: a rank reads only its own windows' bytes, and its memory does not grow with
 the data it samples. For a dataset in object storage a window is a ranged read, and each step
-names the next step's windows to the reader (`prefetch`), which fetches them in the background
-while this step computes (data/storage.py).
+names the windows of the steps after it to the reader (`prefetch`), which fetches them in the
+background while this step computes: as many steps as a fetch takes to arrive in step times,
+plus one (2 to 16 steps, 64 MiB of windows at most: fetch.ahead_steps; data/storage.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -38,10 +40,12 @@ import torch
 
 from ddpgpt.data import order as orders
 from ddpgpt.data import packing
+from ddpgpt.data.fetch import ahead_steps
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.stream import TokenStream
 from ddpgpt.errors import DataError
 
+RAMP = 2  # steps newly named to a remote reader per step at most (_fetch_ahead)
 STATE_VERSION = 3  # 2: records the order's version (absent: 1, the permutation built whole);
 # 3: records data.align (absent: stream)
 
@@ -113,6 +117,11 @@ class TrainLoader:
         self.order_version = orders.VERSION
         self._order: orders.Order | None = None
         self._order_epoch = -1
+        self.fetched_until = 0  # the global batches before this one are named to the reader
+        self.ahead = 0  # how many steps' windows the last step named, its own included
+        self.step_s = 0.0  # seconds between two steps but their reads (a moving average)
+        self.read_s = 0.0  # seconds this step spent reading its windows so far
+        self._last_step: float | None = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -145,11 +154,37 @@ class TrainLoader:
         read lazily: an iterator of (x, y), int64, each of shape (b, T)."""
         start = self._advance()
         step = self.order(self.epoch).items(start, start + self.global_batch)
-        self.stream.prefetch(self.mine(step))  # a remote reader: in one concurrent batch
-        if self.consumed + self.global_batch <= self.stream.num_windows:  # the next, same epoch
-            self.stream.prefetch(self.mine(self.order(self.epoch).items(
-                self.consumed, self.consumed + self.global_batch)))
+        self._fetch_ahead()
         return self._micro_batches(step)
+
+    def _fetch_ahead(self) -> None:
+        """Names to a remote reader the windows of this step and of the steps after it in the
+        epoch, as many as a fetch's arrival time takes in step times (fetch.ahead_steps), each
+        step's in one concurrent batch; only the ones not named yet, RAMP more a step."""
+        now = time.monotonic()
+        if self._last_step is not None:  # the step's own time: what it waited for data not
+            took = max(1e-3, now - self._last_step - self.read_s)  # (or a wait sustains itself)
+            self.step_s = took if not self.step_s else 0.5 * (self.step_s + took)
+        self._last_step, self.read_s = now, 0.0
+        tokens = getattr(self.stream, "stream", self.stream)  # packed rows: their stream's
+        step_bytes = self.accum_steps * self.micro_batch * (self.seq_len + 1) * \
+            tokens.dtype.itemsize * (2 if self.masked else 1)  # this rank's windows of a step
+        self.ahead = ahead_steps(self.stream.arrival_s, self.step_s, step_bytes)
+        current = self.batch_index - 1
+        first = max(self.fetched_until, current)
+        # at most RAMP new steps a step once some are named ahead: a distance that grows (a slow
+        # first answer, a slower store) does not send a burst of GETs at once
+        last = current + self.ahead
+        if self.fetched_until > current:
+            last = min(last, first + RAMP)
+        for index in range(first, last):
+            epoch, k = divmod(index, self.steps_per_epoch)
+            if epoch != self.epoch:  # the next epoch's order: named once it starts
+                break
+            start = k * self.global_batch
+            self.stream.prefetch(self.mine(self.order(epoch).items(start,
+                                                                   start + self.global_batch)))
+            self.fetched_until = index + 1
 
     def mine(self, step: np.ndarray) -> np.ndarray:
         """This rank's windows of a step's G, in the order its micro-batches read them."""
@@ -182,7 +217,9 @@ class TrainLoader:
         b, W = self.micro_batch, self.world_size
         for m in range(self.accum_steps):
             start = (m * W + self.rank) * b
+            began = time.monotonic()
             buf, mask = read_rows(self.stream, step[start:start + b], b, self.device)
+            self.read_s += time.monotonic() - began
             yield _to_device(buf, self.device, mask)
 
     def state_dict(self) -> dict:
@@ -212,6 +249,7 @@ class TrainLoader:
             raise DataError(f"the checkpoint's data order is version {version}, newer than this "
                             "ddpgpt reads; upgrade ddpgpt (pip install -U ddpgpt)")
         self.order_version, self._order = version, None
+        self.fetched_until = 0
 
 
 SAMPLE_EPOCH = 2**31 - 1  # the training sample's order: an epoch no run reaches

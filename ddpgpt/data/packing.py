@@ -169,6 +169,10 @@ class PackedRows:
                 filled += n
         out[:len(buf)] = buf
 
+    @property
+    def arrival_s(self) -> float:
+        return self.stream.arrival_s
+
     def prefetch(self, rows: np.ndarray) -> None:
         """The rows read next (TokenStream.prefetch): their pieces' spans."""
         self.stream.prefetch_spans([(int(self.piece_start[p]), int(self.piece_len[p]))

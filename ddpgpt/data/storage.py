@@ -14,14 +14,16 @@ credentials, an endpoint that does not answer) is one line naming the URL and th
 (`failing`).
 
 Reading a window is a ranged GET of exactly its bytes (fetch.RemoteReader): a rank reads its own
-windows and nothing else. Ranged reads cost a round trip each, so the loader names the next
-step's windows ahead of time (`prefetch`) and a background thread fetches them in one
-concurrent batch while the step computes: a step waits on the network only if a fetch takes
-longer than a step. With a cache directory (data.cache, per node), what is read is kept there
-in blocks of fetch.CACHE_BLOCK bytes, each written whole (files.atomic_write), keyed by the
-object's URL and identity (size and ETag), so later epochs, restarts and the node's other ranks
-read it from the local disk; a block is fetched whole, so with the cache a rank reads the blocks
-around its windows, not only the windows.
+windows and nothing else. A GET costs a round trip (20-100 ms on a cloud's store), so the loader
+names the windows of the next steps ahead (`prefetch`), each step's fetched in one concurrent
+batch by a background thread while the steps compute: ceil(arrival / step) + 1 steps ahead,
+as the reader measures a fetch's arrival (fetch.ahead_steps: 2 to 16 steps, 64 MiB of windows
+at most), those batches in flight together on POOL_CONNECTIONS connections (botocore's 10 would
+queue them), so a step waits only when bandwidth is short. With a cache directory (data.cache,
+per node), what is read is kept in blocks of fetch.CACHE_BLOCK bytes, each written whole
+(files.atomic_write), keyed by the object's URL and identity (size and ETag), so later epochs,
+restarts and the node's other ranks read it from the local disk; a block is fetched whole, so
+with the cache a rank reads the blocks around its windows, not only the windows.
 
 An object's identity is its size and ETag (or version id): an object rewritten gets a new one,
 as a local file rewritten gets a new (size, mtime, inode); a file:// URL's file (no ETag) has
@@ -46,6 +48,7 @@ PACKAGES = {"s3": ("s3fs", "cloud"), "s3a": ("s3fs", "cloud"), "gs": ("gcsfs", "
             "gcs": ("gcsfs", "gcs")}
 HASH_BLOCK = 8 << 20  # bytes read at a time when hashing an object
 PART = 50 << 20  # an upload's part size (s3fs's multipart put_file): its ETag depends on it
+POOL_CONNECTIONS = 128  # an S3 client's connections at most (botocore's max_pool_connections)
 
 
 def is_url(where) -> bool:
@@ -62,11 +65,17 @@ def filesystem(url: str):
 
     asyn.get_loop().set_exception_handler(_orphaned_requests)
     try:
-        return fsspec.core.url_to_fs(url, use_listings_cache=False)
+        return fsspec.core.url_to_fs(url, use_listings_cache=False, **client_options(url))
     except ImportError:
         raise UserError(missing(package, extra, url)) from None
     except ValueError as e:
         raise UserError(f"{url}: {e}; give an s3:// (or gs://) URL, or a local path") from None
+
+
+def client_options(url: str) -> dict:
+    """fsspec's options for `url`'s client: an S3 client keeps POOL_CONNECTIONS connections."""
+    s3 = PACKAGES.get(url.split("://", 1)[0].lower(), ("",))[0] == "s3fs"
+    return {"config_kwargs": {"max_pool_connections": POOL_CONNECTIONS}} if s3 else {}
 
 
 def _orphaned_requests(loop, context: dict) -> None:

@@ -53,6 +53,11 @@ class TokenStream:
             else:
                 self.masks.read(windows, mask)
 
+    @property
+    def arrival_s(self) -> float:
+        """How long a fetch ahead takes to arrive (fetch.RemoteReader; 0 for a local disk)."""
+        return max(self.reader.arrival_s, self.masks.arrival_s if self.masks else 0.0)
+
     def prefetch(self, windows: np.ndarray) -> None:
         """The windows read next: a remote reader fetches them in the background."""
         self.prefetch_spans([(int(w) * self.seq_len, self.seq_len + 1) for w in windows])

@@ -14,6 +14,7 @@ import pytest
 
 from ddpgpt.config.schema import DataConfig
 from ddpgpt.data import storage, verify
+from ddpgpt.data.fetch import MIN_AHEAD
 from ddpgpt.data.loader import EvalLoader, TrainLoader
 from ddpgpt.data.mixture import MixedDataset, MixtureLoader
 from ddpgpt.data.shards import HEADER_BYTES, TokenDataset
@@ -54,9 +55,13 @@ def test_each_rank_reads_the_local_batches_and_only_its_own_windows(s3_data, tin
             for (x1, y1), (x2, y2) in zip(a.next_step(), b.next_step()):
                 assert np.array_equal(x1, x2) and np.array_equal(y1, y2)
         settle(a)
-        # its windows of 3 steps and of the next one (fetched ahead), nothing else
-        ahead = a.mine(a.order(a.epoch).items(a.consumed, a.consumed + a.global_batch))
-        expected = (len(windows) + len(ahead)) * (T + 1) * remote.dtype.itemsize
+        # its windows of 3 steps and of the steps after them that it named to the reader
+        # (fetch.ahead_steps: at least the next one), nothing else
+        assert a.fetched_until >= 4
+        for index in range(3, a.fetched_until):
+            start = index * a.global_batch
+            windows += list(a.mine(a.order(a.epoch).items(start, start + a.global_batch)))
+        expected = len(windows) * (T + 1) * remote.dtype.itemsize
         assert a.stream.reader.fetched_bytes == expected
 
 
@@ -128,7 +133,7 @@ def test_a_dataset_replaced_at_its_url_is_never_read_from_the_cache(s3, tiny_dat
 def test_the_next_step_is_fetched_while_this_one_computes(s3_data, monkeypatch):
     """Counted, not timed: the first step's windows are fetched in one concurrent batch (not one
     request after another); while it computes, the next step's are fetched in the background,
-    so that step makes no request of its own."""
+    so that step makes no request of its own; and so on for the steps named after."""
     real, calls = storage.Objects.ranges, []
 
     def noting(self, requests):
@@ -142,11 +147,14 @@ def test_the_next_step_is_fetched_while_this_one_computes(s3_data, monkeypatch):
     list(loader.next_step())
     assert calls[0][1] == per_step, calls  # the first step: its windows in one batch
     settle(loader)  # the step's forward and backward: the fetch ahead has finished meanwhile
-    first = len(calls)
-    assert first == 2 and calls[1] == (False, per_step), calls  # the next step's, behind
+    first = len(calls)  # the next steps' (fetch.MIN_AHEAD - 1 of them: nothing timed yet)
+    assert first == MIN_AHEAD and calls[1:] == [(False, per_step)] * (first - 1), calls
     list(loader.next_step())
     settle(loader)
-    assert calls[first:] == [(False, per_step)], calls  # only the one after it, behind
+    # the steps after it that the loader named (as many as a fetch takes in step times: up to
+    # fetch.MAX_AHEAD here, where steps take no time), each in one batch behind, none in front
+    assert loader.fetched_until > MIN_AHEAD
+    assert calls[first:] == [(False, per_step)] * (loader.fetched_until - first), calls
 
 
 def test_an_object_rewritten_is_hashed_again_and_its_change_is_one_line(s3, tiny_data):
