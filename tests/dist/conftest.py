@@ -1,7 +1,6 @@
 """Fixtures shared by several files of tests/dist: the uninterrupted run that
-tests/dist/test_recovery_one_node.py and tests/dist/test_recovery_nodes.py compare with (built
-once a session). test_reliability.py and test_resume.py have a `straight` of their own, which
-takes the place of this one there."""
+tests/dist/test_recovery_one_node.py, test_recovery_nodes.py and test_reliability.py compare
+with, and test_resume.py resumes from a copy of (built once a session)."""
 
 from __future__ import annotations
 
