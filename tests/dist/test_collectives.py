@@ -25,12 +25,22 @@ def test_ranks_that_stop_for_another_exit_with_its_code(tmp_path):
     assert worker(tmp_path, 3, "fail_on_main") == [[2, False], [2, True], [2, True]]
 
 
-@pytest.mark.parametrize("max_windows", [0, 13])
-def test_eval_all_reduce_equals_single_process(tiny_data, tmp_path, max_windows):
+MAX_WINDOWS = [0, 13]
+
+
+@pytest.fixture(scope="module")
+def eval_at_w3(tiny_data, tmp_path_factory):
+    """max_windows -> the W=3 evaluation's loss, every setting in one launch."""
+    losses = worker(tmp_path_factory.mktemp("eval"), 3, "eval_losses", data=str(tiny_data),
+                    max_windows=MAX_WINDOWS)
+    return dict(zip(MAX_WINDOWS, losses))
+
+
+@pytest.mark.parametrize("max_windows", MAX_WINDOWS)
+def test_eval_all_reduce_equals_single_process(eval_at_w3, tiny_data, max_windows):
     single = workers.eval_loss(DistEnv(), str(tiny_data), max_windows)  # one process: every window
     # W=3 and b=3: the windows do not divide evenly, so some ranks evaluate padding rows.
-    assert worker(tmp_path, 3, "eval_loss", data=str(tiny_data),
-                  max_windows=max_windows) == pytest.approx(single, rel=1e-6)
+    assert eval_at_w3[max_windows] == pytest.approx(single, rel=1e-6)
 
 
 def test_gradients_sync_once_per_step(tiny_data, tmp_path):

@@ -1,11 +1,12 @@
 """model.attention flex trains on a CPU (torch's forward, model/flex_cpu.py's backward): a run's
-losses equal the same run's through SDPA's dense mask at W=1 and W=2, and a flex run resumed from
-its step-3 checkpoint is bitwise the uninterrupted flex run, at W=1 and at W=2.
+losses at W=1 and W=2 equal the same run's through SDPA's dense mask at W=1 (test_align.py
+holds SDPA's with the document mask to the same losses at W=1, 2 and 4), and a flex run resumed
+from its step-3 checkpoint is bitwise the uninterrupted flex run, at W=1 and at W=2.
 
 One set of runs serves every assertion: 6 steps of rows that start at documents (data.align bos,
-the document mask) of 160 tokens (two blocks of 128 a side, the second cut), through sdpa and
-flex at W=1 and W=2, then each flex run resumed from step 3 (its step-6 checkpoint removed, as
-after a crash) at its own W. The data: test_align's short documents (5 to 60 bytes), several to
+the document mask) of 160 tokens (two blocks of 128 a side, the second cut), through sdpa at W=1
+and flex at W=1 and W=2, then each flex run resumed from step 3 (its step-6 checkpoint removed,
+as after a crash) at its own W. The data: test_align's short documents (5 to 60 bytes), several to
 a row, crossing row starts.
 """
 
@@ -32,12 +33,11 @@ def args(data, run_dir, attention):
 def runs(docs_data, tmp_path_factory):  # noqa: F811 -- the imported fixture
     root = tmp_path_factory.mktemp("flex")
     out = {}
-    for attention in ("sdpa", "flex"):
-        for W in (1, 2):
-            run_dir = root / f"{attention}{W}" / "run"
-            run_ranks([args(docs_data, run_dir, attention)] * W, run_dir.parent / "logs",
-                      timeout=300)
-            out[f"{attention}{W}"] = run_dir
+    for attention, W in (("sdpa", 1), ("flex", 1), ("flex", 2)):
+        run_dir = root / f"{attention}{W}" / "run"
+        run_ranks([args(docs_data, run_dir, attention)] * W, run_dir.parent / "logs",
+                  timeout=300)
+        out[f"{attention}{W}"] = run_dir
     for W in (1, 2):
         run_dir = root / f"resumed{W}" / "run"
         shutil.copytree(out[f"flex{W}"], run_dir)
@@ -69,9 +69,10 @@ def test_the_runs_are_what_they_say(runs):
 
 @pytest.mark.parametrize("W", [1, 2])
 def test_flex_s_losses_are_sdpa_s(runs, W):
-    got, want = losses(runs[f"flex{W}"]), losses(runs[f"sdpa{W}"])
+    """Against SDPA's run at W=1 (SDPA's losses with the document mask are the same at W=1, 2
+    and 4: tests/dist/test_align.py)."""
+    got, want = losses(runs[f"flex{W}"]), losses(runs["sdpa1"])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
-    np.testing.assert_allclose(got, losses(runs["sdpa1"]), rtol=1e-5, atol=0)  # and W=1's
 
 
 @pytest.mark.parametrize("W", [1, 2])

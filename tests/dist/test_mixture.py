@@ -80,12 +80,19 @@ def test_resume_at_the_same_world_size_is_bitwise(runs, tiny_data, prose, tmp_pa
     assert [r["mix/zen"] for r in rows[1:]] == [r["mix/zen"] for r in ref[1:]]
 
 
-def test_changed_weights_on_resume_at_another_w_are_applied_and_recorded(runs, tiny_data,
-                                                                          prose, tmp_path):
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def changed(runs, tiny_data, prose, tmp_path_factory):
+    """The W=1 run resumed from step K at W=2 with the weights changed to 0.5/0.5: (its run
+    dir, its ranks' results). Checked and drawn by the two tests below."""
+    run_dir = tmp_path_factory.mktemp("changed") / "run"
     shutil.copytree(runs[1], run_dir)
     shutil.rmtree(run_dir / "checkpoints" / f"step_{STEPS:07d}")
-    results = train(tiny_data, prose, run_dir, 2, weights={"a": 0.5, "b": 0.5})
+    return run_dir, train(tiny_data, prose, run_dir, 2, weights={"a": 0.5, "b": 0.5})
+
+
+def test_changed_weights_on_resume_at_another_w_are_applied_and_recorded(runs, changed, tiny_data,
+                                                                          prose):
+    run_dir, results = changed
     assert ("ddpgpt: the mixture changed on resume (applied from step 3): tiny 0.7 -> 0.5, "
             "zen 0.3 -> 0.5") in results[0].stderr
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -101,20 +108,16 @@ def test_changed_weights_on_resume_at_another_w_are_applied_and_recorded(runs, t
     assert config["data"]["dir"] == mixture(tiny_data, prose, 0.5, 0.5)
 
 
-def test_a_mixture_runs_plot_shows_its_sources_and_the_change(runs, tiny_data, prose, tmp_path,
-                                                              monkeypatch):
-    """The run of weights changed on resume, drawn: each source's val and train-sample loss as
-    metrics.jsonl holds them, the shares, the change marked at its step; its eval lines say the
-    headline is the weighted sum, with the weights in force."""
+def test_a_mixture_runs_plot_shows_its_sources_and_the_change(changed, tmp_path, monkeypatch):
+    """The run of weights changed on resume (`changed`), drawn: each source's val and
+    train-sample loss as metrics.jsonl holds them, the shares, the change marked at its step; its
+    eval lines say the headline is the weighted sum, with the weights in force."""
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
     from ddpgpt.cli import main
 
-    run_dir = tmp_path / "run"
-    shutil.copytree(runs[1], run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / f"step_{STEPS:07d}")
-    results = train(tiny_data, prose, run_dir, 1, weights={"a": 0.5, "b": 0.5})
+    run_dir, results = changed
     rows, evals = read_metrics(run_dir)
     last = evals[-1]
     assert (f"step {STEPS}: val_loss {last['val_loss']:.4f} = 0.5 × tiny "

@@ -1,7 +1,8 @@
 """Crashes, pre-emption, stalls and non-finite values on 2 CPU processes, injected at exact steps
 through DDPGPT_FAULT (see ddpgpt/faults.py). Each test checks what the job did (exit code, the one
 line it printed, the checkpoints and metrics it left) and, where the job goes on, that its losses
-and weights equal those of an uninterrupted run, bitwise.
+and weights equal those of the uninterrupted run, bitwise: the session's `straight`
+(tests/dist/conftest.py, shared with tests/dist/test_recovery_*.py).
 
 The timings printed (run with -s) are the figures quoted in docs/reliability.md.
 """
@@ -16,18 +17,10 @@ import torch
 
 from ddpgpt.checkpoint import store
 from ddpgpt.guard.health import EXIT_PREEMPTED
-from tests.helpers import (
-    Launch,
-    codes,
-    read_metrics,
-    run_ranks,
-    saved_state,
-    saved_weights,
-    tiny_train_args,
-)
+from tests.dist.recovery_runs import STEPS, assert_same_as_straight
+from tests.helpers import Launch, codes, read_metrics, run_ranks, saved_state, tiny_train_args
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
-STEPS = 8
 
 
 def launch_args(data, run_dir, *extra, **overrides):
@@ -35,25 +28,6 @@ def launch_args(data, run_dir, *extra, **overrides):
     overrides.setdefault("run__checkpoint_every", 4)
     return [sys.executable, *tiny_train_args(data, run_dir, STEPS, **overrides), "--nproc", "2",
             *extra]
-
-
-@pytest.fixture(scope="module")
-def straight(tiny_data, tmp_path_factory):
-    """The uninterrupted run everything is compared with: 8 steps at W=2, checkpoints at 4 and 8."""
-    run_dir = tmp_path_factory.mktemp("straight") / "run"
-    job = Launch(launch_args(tiny_data, run_dir))
-    assert job.wait(180) == 0, job.text
-    return run_dir
-
-
-def assert_same_as(run_dir, straight):
-    rows, ref = read_metrics(run_dir)[0], read_metrics(straight)[0]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # no step twice, none missing
-    for key in ("loss", "grad_norm", "lr"):
-        assert [r[key] for r in rows] == [r[key] for r in ref], key
-    final = f"checkpoints/step_{STEPS:07d}"
-    weights, ref_weights = saved_weights(run_dir / final), saved_weights(straight / final)
-    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
 
 
 def test_sigkill_of_a_worker_restarts_and_resumes(straight, tiny_data, tmp_path):
@@ -66,7 +40,7 @@ def test_sigkill_of_a_worker_restarts_and_resumes(straight, tiny_data, tmp_path)
     killed = job.when("fault: kill at step 5")
     resumed = job.when(f"resuming from {run_dir / 'checkpoints' / 'step_0000004'} (step 4",
                        after=killed)
-    assert_same_as(run_dir, straight)
+    assert_same_as_straight(run_dir, straight)
     print(f"\n[figure] SIGKILL of a worker -> restarted group resuming: {resumed - killed:.1f} s; "
           f"steps lost: 5 - 4 = 1; whole job {job.end - job.start:.1f} s")
 
@@ -85,7 +59,7 @@ def test_sigterm_to_one_rank_checkpoints_and_stops_all(straight, tiny_data, tmp_
     again = Launch(launch_args(tiny_data, run_dir))
     assert again.wait(180) == 0, again.text
     assert f"resuming from {stop} (step 6" in again.text
-    assert_same_as(run_dir, straight)
+    assert_same_as_straight(run_dir, straight)
 
 
 def test_sigint_to_the_launcher_is_forwarded(straight, tiny_data, tmp_path):
@@ -109,7 +83,7 @@ def test_sigint_to_the_launcher_is_forwarded(straight, tiny_data, tmp_path):
           f"{job.end - signaled:.1f} s")
     again = Launch(launch_args(tiny_data, run_dir))
     assert again.wait(180) == 0, again.text
-    assert_same_as(run_dir, straight)
+    assert_same_as_straight(run_dir, straight)
 
 
 def test_second_signal_exits_at_once(tiny_data, tmp_path):

@@ -1,9 +1,10 @@
 """Exact resume: n straight steps == k steps + resume + n-k steps.
 
-The straight run trains 6 steps at W=2 with checkpoints at 3 and 6. A copy of its run dir without
-the step-6 checkpoint resumes from step 3 (as after a crash), at W=2 (bitwise equal: weights,
-optimizer state, losses, gradient norms) and at W=1 with A doubled (equal within the equivalence
-tolerances: the data is the same, only the order of float sums differs).
+The straight run is the session's (tests/dist/conftest.py): 8 steps at W=2, checkpoints every 2
+steps, the last 3 kept (4, 6, 8). A copy of its run dir without the checkpoints of steps 6 and 8
+resumes from step 4 (as after a crash), at W=2 (bitwise equal: weights, optimizer state, losses,
+gradient norms) and at W=1 with A doubled (equal within the equivalence tolerances: the data is
+the same, only the order of float sums differs).
 """
 
 import shutil
@@ -12,29 +13,23 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import read_metrics, run_ranks, saved_state, tiny_train_args
+from tests.dist.recovery_runs import STEPS, train_args
+from tests.helpers import read_metrics, run_ranks, saved_state
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
-STEPS, K = 6, 3
-
-
-@pytest.fixture(scope="module")
-def straight(tiny_data, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("straight") / "run"
-    run_ranks([tiny_train_args(tiny_data, run_dir, STEPS)] * 2, run_dir.parent / "logs")
-    return run_dir
+K = 4
 
 
 def resumed(straight, tiny_data, tmp_path, W):
     run_dir = tmp_path / "run"
     shutil.copytree(straight, run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / f"step_{STEPS:07d}")
-    results = run_ranks([tiny_train_args(tiny_data, run_dir, STEPS)] * W, tmp_path / "logs")
+    for step in range(K + 1, STEPS + 1):
+        shutil.rmtree(run_dir / "checkpoints" / f"step_{step:07d}", ignore_errors=True)
+    args = train_args(tiny_data, run_dir, nproc=0)[1:]  # "-m ddpgpt train ...", as each rank runs
+    results = run_ranks([args] * W, tmp_path / "logs")
     assert (f"resuming from {run_dir / 'checkpoints' / f'step_{K:07d}'} "
             f"(step {K}, saved at world size 2)" in results[0].stderr)
     return run_dir
-
-
 def final(run_dir):
     path = run_dir / "checkpoints" / f"step_{STEPS:07d}"
     state = saved_state(path)
@@ -44,7 +39,7 @@ def final(run_dir):
 def test_resume_same_world_size_is_bitwise(straight, tiny_data, tmp_path):
     run_dir = resumed(straight, tiny_data, tmp_path, W=2)
     rows, ref_rows = read_metrics(run_dir)[0], read_metrics(straight)[0]
-    # cut back to 3, then 4..6 once each
+    # cut back to 4, then 5..8 once each
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for key in ("loss", "grad_norm", "lr", "tokens"):
         assert [r[key] for r in rows] == [r[key] for r in ref_rows], key

@@ -8,23 +8,23 @@ import json
 import numpy as np
 import pytest
 
-from tests.helpers import REPO, read_metrics, run_ranks, tiny_train_args
+from tests.dist.recovery_runs import STEPS, train_args
+from tests.helpers import REPO, read_metrics, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 
 
-def train(tmp_path, tiny_data, mode: str) -> list[float]:
-    run_dir = tmp_path / mode
-    args = tiny_train_args(tiny_data, run_dir, steps=4, run__sync=mode, run__checkpoint_every=0)
-    args[1] = "tests.dist.toy_sync"  # -m tests.dist.toy_sync train ...: the row, then ddpgpt
-    run_ranks([args] * 2, tmp_path / f"logs-{mode}", timeout=200)
-    assert json.loads((run_dir / "config.json").read_text())["run"]["sync"] == mode
-    return [r["loss"] for r in read_metrics(run_dir)[0]]
-
-
-def test_a_mode_added_from_outside_trains_like_ddp(tmp_path, tiny_data):
-    toy, ddp = train(tmp_path, tiny_data, "toy"), train(tmp_path, tiny_data, "ddp")
-    assert len(toy) == 4
+def test_a_mode_added_from_outside_trains_like_ddp(straight, tmp_path, tiny_data):
+    """The toy mode's run against the session's straight run (tests/dist/conftest.py: ddp at W=2,
+    the same config and steps)."""
+    run_dir = tmp_path / "toy"
+    args = train_args(tiny_data, run_dir, nproc=0, run__sync="toy", run__checkpoint_every=0)
+    args[2] = "tests.dist.toy_sync"  # -m tests.dist.toy_sync train ...: the row, then ddpgpt
+    run_ranks([args[1:]] * 2, tmp_path / "logs-toy", timeout=200)
+    assert json.loads((run_dir / "config.json").read_text())["run"]["sync"] == "toy"
+    assert json.loads((straight / "config.json").read_text())["run"]["sync"] == "ddp"
+    toy, ddp = ([r["loss"] for r in read_metrics(d)[0]] for d in (run_dir, straight))
+    assert len(toy) == STEPS
     np.testing.assert_allclose(toy, ddp, rtol=1e-6, atol=0)
 
 

@@ -2,7 +2,8 @@
 on loopback), each with its own local run dir and no common path; the dataset in S3 and the
 checkpoints to S3 (a real server: moto's, tests/s3.py). One node is SIGKILLed mid-run; the job
 goes on from the URL alone, first as one process on a third machine (W=1), then as two new
-nodes (W=2), and every step's loss is the uninterrupted run's."""
+nodes (W=2), and every step's loss is the uninterrupted run's: the session's straight run
+(tests/dist/conftest.py: the same config and data, read from a local dir, at W=2)."""
 
 from __future__ import annotations
 
@@ -51,12 +52,9 @@ def losses(*run_dirs) -> dict[int, float]:
     return out
 
 
-def test_two_nodes_without_a_shared_filesystem_lose_one_and_go_on(s3, s3_data, tiny_data,
+def test_two_nodes_without_a_shared_filesystem_lose_one_and_go_on(s3, s3_data, straight,
                                                                   tmp_path):
-    straight = tmp_path / "straight"
-    ref = run_cli("train", *args(tiny_data, straight)[2:], "--nproc", "2", timeout=200)
-    assert ref.returncode == 0, ref.stderr
-    expected = losses(straight)
+    expected = losses(straight)  # the session's (tests/dist/conftest.py): these 8 steps at W=2
     url = s3.bucket("nodes") + "/run"
 
     first = [tmp_path / "node-a" / "run", tmp_path / "node-b" / "run"]

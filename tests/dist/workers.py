@@ -32,6 +32,11 @@ def eval_loss(env, data: str, max_windows: int) -> float:
     return evaluate(model, loader, env)
 
 
+def eval_losses(env, data: str, max_windows: list[int]) -> list[float]:
+    """eval_loss for each of `max_windows`, one after another in one process group."""
+    return [eval_loss(env, data, m) for m in max_windows]
+
+
 def core_model(block: int, seed: int):
     from ddpgpt.config.model import ModelConfig
     from ddpgpt.model.gpt import GPT

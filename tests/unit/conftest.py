@@ -2,10 +2,11 @@ import pytest
 import torch
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def one_thread():
-    """Tensors this small gain nothing from intra-op threads, and a busy second core makes the
-    thread barrier cost 100x the work."""
+    """Every test on one thread: tensors this small gain nothing from intra-op threads, and a
+    busy second core (pytest -n 2) makes the thread barrier cost 100x the work. (Tests that
+    name it still do: it was theirs before every test had it.)"""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
