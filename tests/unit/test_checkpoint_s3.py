@@ -9,8 +9,7 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
-import sys
+import time
 
 import pytest
 import torch
@@ -137,36 +136,53 @@ def test_keep_last_k_and_a_rollback_record_at_a_url(s3, root):
         "rollbacks"] == 1
 
 
-# A re-save of step 4 (other weights: seed 40) that SIGKILLs its own process just before its
-# KILL_AT-th request that changes the bucket; prints how many it made when it is not killed.
-RESAVE = """
-import os, signal, sys
-import s3fs
-from ddpgpt.checkpoint import store
-from tests.unit.test_checkpoint_s3 import model
+# A re-save of step 4 (other weights: seed 40) in a child forked from this process (its torch and
+# s3fs imported already: fsspec starts its event loop and clients anew in a child), which SIGKILLs
+# itself just before its KILL_AT-th request that changes the bucket; returns the child's exit
+# status and, when it was not killed, how many such requests it made.
 CHANGING = ("put_object", "delete_object", "delete_objects", "copy_object",
             "create_multipart_upload", "upload_part", "complete_multipart_upload")
-made, real = [0], s3fs.S3FileSystem._call_s3
-async def counting(self, method, *args, **kwargs):
-    if method in CHANGING:
-        made[0] += 1
-        if made[0] == int(sys.argv[2]):
-            os.kill(os.getpid(), signal.SIGKILL)
-    return await real(self, method, *args, **kwargs)
-s3fs.S3FileSystem._call_s3 = counting
-store.save(sys.argv[1], 4, {"model": model(40).state_dict(), "optimizer": {"step": 4}},
-           {"config": {}}, 10)
-print(made[0])
-"""
 
 
 def resave(s3, url, kill_at):
-    return subprocess.run([sys.executable, "-c", RESAVE, url, str(kill_at)], text=True,
-                          capture_output=True, timeout=120, env={**os.environ, **s3.env()})
+    import s3fs
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(read_end)
+            made, real = [0], s3fs.S3FileSystem._call_s3
+
+            async def counting(self, method, *args, **kwargs):
+                if method in CHANGING:
+                    made[0] += 1
+                    if made[0] == kill_at:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                return await real(self, method, *args, **kwargs)
+
+            s3fs.S3FileSystem._call_s3 = counting
+            store.save(url, 4, {"model": model(40).state_dict(), "optimizer": {"step": 4}},
+                       {"config": {}}, 10)
+            os.write(write_end, str(made[0]).encode())
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    os.close(write_end)
+    deadline = time.monotonic() + 120  # a hang guard, far above the second a save takes
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the re-save killed at request {kill_at} hung")
+        time.sleep(0.02)
+    with os.fdopen(read_end) as out:
+        made = out.read()
+    status = -os.WTERMSIG(done[1]) if os.WIFSIGNALED(done[1]) else os.WEXITSTATUS(done[1])
+    return status, int(made) if made else None
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # a process started for each of ~15 requests
+@pytest.mark.timeout(600)  # a child forked for each of ~15 requests
 def test_a_step_saved_again_always_has_a_complete_checkpoint_even_killed_mid_save(s3):
     """Step 4 at the URL is saved again (a rollback re-trained it) and the writer is killed
     before each of the save's requests in turn: the newest complete checkpoint is step 4 at every
@@ -178,16 +194,15 @@ def test_a_step_saved_again_always_has_a_complete_checkpoint_even_killed_mid_sav
         return url
 
     url = seeded(s3.bucket("resave") + "/run")
-    whole = resave(s3, url, 0)
-    assert whole.returncode == 0, whole.stderr
+    status, made = resave(s3, url, 0)
+    assert status == 0
     assert names(s3, url) == [f"step_000000{step}/{n}" for step in (2, 4) for n in (
         ".metadata", "__0_0.distcp", "meta.json", "trainer.pt")]
-    assert int(whole.stdout) >= 10  # the writes, then the swap's deletes and copies
+    assert made >= 10  # the writes, then the swap's deletes and copies
     copies = {seed: model(seed).state_dict() for seed in (4, 40)}
-    for kill_at in range(1, int(whole.stdout) + 1):
+    for kill_at in range(1, made + 1):
         url = seeded(s3.bucket("resave") + "/run")
-        out = resave(s3, url, kill_at)
-        assert out.returncode == -signal.SIGKILL, (kill_at, out.stderr)
+        assert resave(s3, url, kill_at) == (-signal.SIGKILL, None), kill_at
         for restart in (False, True):
             if restart:
                 store.remove_temporaries(url)
