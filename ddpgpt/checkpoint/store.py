@@ -197,9 +197,7 @@ def save(root: Path, step: int, state: dict, meta: dict, keep: int,
     """One process: writes checkpoint `step` of `state` ({"model": weights, ...rest}) atomically
     and prunes to the newest `keep`. `meta` (JSON) describes it: what resuming needs to decide
     before loading. (A training saves through saver.Saver: every rank its share.)"""
-    from ddpgpt.checkpoint import sharded  # DCP (torch.distributed.checkpoint): imported
-    # where a checkpoint is written or read, not by what only finds one (a launcher's start)
-
+    from ddpgpt.checkpoint import sharded  # DCP (~1 CPU s): here, not for a launcher's start
     root, final = location.at(root), step_dir(root, step)
     tmp = temporary(root, step, str(os.getpid()))
     rest = {k: v for k, v in state.items() if k != "model"}
