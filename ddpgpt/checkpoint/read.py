@@ -14,12 +14,13 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file as save_safetensors_file
 
-from ddpgpt.checkpoint import location, sharded
+from ddpgpt.checkpoint import location
 from ddpgpt.checkpoint.store import (
     CheckpointError,
     CheckpointGone,
@@ -35,7 +36,9 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import fingerprint
 from ddpgpt.errors import UserError, beside
 from ddpgpt.files import as_created, describe, os_error_in
-from ddpgpt.model.gpt import GPT
+
+if TYPE_CHECKING:  # the model (dynamo, through flex) is imported where one is built
+    from ddpgpt.model.gpt import GPT
 
 
 def load(path: Path, meta: dict, weights_only: bool = False) -> dict:
@@ -72,6 +75,8 @@ def read_verified(path: Path, meta: dict, name: str) -> bytes:
 def open_sharded(path: Path, meta: dict, rest: bool = True):
     """(DCP's index, the rest from trainer.pt or None) of a format-3 checkpoint, each read once
     and checked on those bytes; the index is unpickled with DCP's own classes only."""
+    from ddpgpt.checkpoint import sharded  # DCP: where a checkpoint is read (see store.save)
+
     data = read_verified(path, meta, sharded.INDEX)
     try:
         index = sharded.parse_index(data)
@@ -86,12 +91,16 @@ def open_sharded(path: Path, meta: dict, rest: bool = True):
 
 def read_tensors(path: Path, index, prefix: str) -> dict[str, torch.Tensor]:
     """Every tensor whose name starts with `prefix`, whole (sharded.read_whole)."""
+    from ddpgpt.checkpoint import sharded
+
     with _reading(path):
         return sharded.read_whole(path, index, prefix)
 
 
 def read_into(path: Path, index, targets: dict) -> None:
     """The chunks `targets` (sharded.Pieces) ask for, in place, on this process alone."""
+    from ddpgpt.checkpoint import sharded
+
     with _reading(path):
         sharded.load(targets, path, index, None)
 
@@ -102,6 +111,8 @@ def _reading(path: Path):
     try:
         yield
     except BaseException as e:
+        from ddpgpt.checkpoint import sharded
+
         first = sharded.failures(e)[0][1]
         cause = os_error_in(first)
         if isinstance(cause, FileNotFoundError) and not path.exists():
@@ -297,6 +308,8 @@ def model_of(found: RunCheckpoint, device: torch.device | str) -> GPT:
     """The model a checkpoint holds, on `device`, in eval mode. Its attention is `device`'s
     (model.attention auto): the weights do not depend on it, and the run's own choice was made
     for the device it trained on."""
+    from ddpgpt.model.gpt import GPT  # the model (and dynamo, through flex): not for a launcher
+
     model = GPT(dataclasses.replace(found.config.model, attention="auto")).to(device)
     load_weights(found.path, model, found.weights)
     return model.eval()

@@ -33,16 +33,20 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as torch_dist
 
-from ddpgpt.checkpoint import location, sharded, store
+from ddpgpt.checkpoint import location, store
 from ddpgpt.data import storage
 from ddpgpt.distributed import collectives
 from ddpgpt.distributed.group import DistEnv, collective
 from ddpgpt.errors import UserError, warn
 from ddpgpt.files import WriteError, describe, os_error_in
+
+if TYPE_CHECKING:  # DCP (~1 CPU s) is imported where a save starts, not by a launcher's start
+    from ddpgpt.checkpoint import sharded
 
 
 class Stager:
@@ -141,6 +145,8 @@ class Saver:
         """Starts checkpoint `step` of this rank's `held` tensors (Trainer.shard_state); `rest`
         and `meta` are rank 0's. Every rank calls it at the same step. `wait`: returns once the
         checkpoint is published (or raises why not)."""
+        from ddpgpt.checkpoint import sharded
+
         started = time.perf_counter()
         self.settle()  # at most one in flight
         tmp = store.temporary(self.root, step, self.token)
@@ -218,6 +224,8 @@ class Saver:
 
     def _commit(self, step: int, tmp: Path, writer, written, rest: dict, meta: dict) -> None:
         """Steps 3-4 above on every rank; collective over the checkpoint group."""
+        from ddpgpt.checkpoint import sharded
+
         final = store.step_dir(self.root, step)
         hashes, problem, own = {}, None, False
         try:
@@ -286,6 +294,8 @@ def reason(error: BaseException, rank: int, where=None) -> str:
     """Why a save failed, in a few words: the OS's reason (a full disk) or object storage's
     (storage.explain: access denied, the server gone) and the rank that met it; anything else
     (a bug) by its type and message."""
+    from ddpgpt.checkpoint import sharded
+
     for failed, exc in sharded.failures(error):
         line = _storage_reason(exc, where)
         if line is not None:

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from ddpgpt import __version__
-from ddpgpt.checkpoint import location, sharded
+from ddpgpt.checkpoint import location
 from ddpgpt.errors import UserError, warn
 from ddpgpt.files import (
     WriteError,
@@ -199,6 +199,7 @@ def save(root: Path, step: int, state: dict, meta: dict, keep: int,
     """One process: writes checkpoint `step` of `state` ({"model": weights, ...rest}) atomically
     and prunes to the newest `keep`. `meta` (JSON) describes it: what resuming needs to decide
     before loading. (A training saves through saver.Saver: every rank its share.)"""
+    from ddpgpt.checkpoint import sharded  # DCP (~1 CPU s): here, not for a launcher's start
     root, final = location.at(root), step_dir(root, step)
     tmp = temporary(root, step, str(os.getpid()))
     rest = {k: v for k, v in state.items() if k != "model"}

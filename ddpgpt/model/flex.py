@@ -45,7 +45,20 @@ def _module():
     global _loaded
     if _loaded is None:
         _loaded = importlib.import_module(MODULE)
+        _keep_out_of_graphs()
     return _loaded
+
+
+def _keep_out_of_graphs() -> None:
+    """torch.compiler.disable on the functions a compiled model runs rather than traces (_probe,
+    _with_own_backward), applied once FlexAttention is first asked for (`unavailable`, as the
+    model is built), not as this module is imported: it imports dynamo (~1 CPU s), which a
+    process that only chooses the attention (the --nproc launcher's preflight) never uses."""
+    global _probe, _with_own_backward
+    if _probe is not _probe_run:  # done
+        return
+    _probe = torch.compiler.disable(_probe_run)
+    _with_own_backward = torch.compiler.disable(_own_backward_run)
 
 
 def unavailable() -> str:
@@ -56,6 +69,7 @@ def unavailable() -> str:
     except ImportError:
         return (f"torch {torch.__version__} has no FlexAttention ({MODULE} came with torch 2.5); "
                 "upgrade torch")
+    _keep_out_of_graphs()
     if not torch._dynamo.is_dynamo_supported():
         return f"FlexAttention needs torch.compile, which torch {torch.__version__} lacks here"
     return ""
@@ -71,8 +85,7 @@ def native_backward(device_type: str) -> bool:
     return _native[device_type]
 
 
-@torch.compiler.disable  # a forward and a backward: run, never traced into a compiled model
-def _probe(device_type: str) -> bool:
+def _probe_run(device_type: str) -> bool:
     """A 16-token forward and backward, which torch 2.13 refuses on a CPU at once
     (NotImplementedError; an older torch may refuse the device itself)."""
     q = torch.zeros(1, 1, 16, 16, device=device_type, requires_grad=True)
@@ -96,11 +109,9 @@ def choose(setting: str, device_type: str, dropout: float = 0.0, rows: int = 0,
     as set (`refusal` says where flex cannot train)."""
     if setting != "auto":
         return setting
-    if dropout or unavailable():
-        return "sdpa"
-    if device_type == "cuda":
-        return "flex"
-    return "flex" if device_type == "cpu" and masked and rows >= CPU_FLEX_FROM else "sdpa"
+    wanted = device_type == "cuda" or (device_type == "cpu" and masked and rows >= CPU_FLEX_FROM)
+    # unavailable() (it imports dynamo) asked only where the answer would be flex
+    return "flex" if wanted and not dropout and not unavailable() else "sdpa"
 
 
 def refusal(device_type: str, dropout: float) -> str:
@@ -148,9 +159,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -
     return forward(q, k, v, mask, gqa)
 
 
-@torch.compiler.disable  # in a compiled model, a graph break: the block lists are read as data
-def _with_own_backward(q, k, v, mask, gqa: bool) -> torch.Tensor:
+def _own_backward_run(q, k, v, mask, gqa: bool) -> torch.Tensor:
     return flex_cpu.attention(q, k, v, mask, gqa, forward)
+
+
+# Disabled for torch.compile once FlexAttention is loaded (_keep_out_of_graphs): the probe (a
+# forward and a backward) is run, never traced into a compiled model; flex_cpu's attention is a
+# graph break (the block lists are read as data).
+_probe, _with_own_backward = _probe_run, _own_backward_run
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:

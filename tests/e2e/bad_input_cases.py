@@ -7,6 +7,11 @@ session's `tiny_data`, never the fixture itself), the command line and the expec
 case exits with 2, the code for bad input; the command line exits within seconds with exactly one
 line on stderr, "ddpgpt: error: " + what is wrong, where and what to do; no traceback, nothing on
 stdout, and nothing written, overwritten or deleted in the data dir or the run dir.
+
+Each command runs in the test's process (tests/in_process.py: `ddpgpt.cli.main`, its output
+captured at fds 1 and 2, its exit code from SystemExit), not in a new one: the property is the
+line, the code and the untouched dirs, not a process's start (~2 CPU s of imports per case).
+tests/unit/test_in_process.py shows the two say the same.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import json_error, run_cli, tiny_train_args
+from tests.helpers import json_error, tiny_train_args
+from tests.in_process import run_in_process
 
 
 @dataclass
@@ -98,7 +104,7 @@ def check(setup, command, expected, tiny_data, tmp_path, request):
         c = setup(Ctx(tmp_path, tiny_data, request, stack))
         before = snapshot(c.data), snapshot(c.run)
         start = time.monotonic()
-        r = run_cli(*command(c), env=c.env, timeout=60)
+        r = run_in_process(*command(c), env=c.env)
         elapsed = time.monotonic() - start
     output = (f"exit {r.returncode} after {elapsed:.1f} s\nstdout: {r.stdout!r}\n"
               f"stderr: {r.stderr!r}")

@@ -12,7 +12,7 @@ import pytest
 from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.data.prepare import main as prepare
 from tests.e2e.hf_runs import DOCS, SHAPE, SMALL, STDLIB, _ok
-from tests.helpers import run_cli
+from tests.in_process import run_in_process
 
 
 @pytest.fixture(scope="session")
@@ -32,11 +32,11 @@ def bpe(bpe_data, tmp_path_factory):
     data, run, out = bpe_data, root / "run", root / "exported"
     args = ["train", "--data", data, "--run-dir", run, *SHAPE, *SMALL, "--run.eval-every", "2",
             "--run.checkpoint-every", "2", "--run.tracker", "tensorboard"]
-    _ok(run_cli(*args, "--run.steps", "4", timeout=120))
+    _ok(run_in_process(*args, "--run.steps", "4"))
     shutil.rmtree(run / "checkpoints" / "step_0000004")
-    resumed = _ok(run_cli(*args, "--run.steps", "6", timeout=120))
+    resumed = _ok(run_in_process(*args, "--run.steps", "6"))
     assert "resuming from" in resumed.stderr and "(step 2," in resumed.stderr
-    export = _ok(run_cli("export", "--run-dir", run, "--out", out, timeout=120))
+    export = _ok(run_in_process("export", "--run-dir", run, "--out", out))
     return SimpleNamespace(data=data, run=run, out=out, export=export)
 
 
@@ -46,7 +46,7 @@ def bpe_at_url(bpe_data, s3_server, tmp_path_factory):
     URL of the session's S3 server (run.checkpoint_url): its local run dir and the URL, both
     named `bpe`."""
     run, url = tmp_path_factory.mktemp("at-url") / "bpe", s3_server.bucket("run") + "/bpe"
-    _ok(run_cli("train", "--data", bpe_data, "--run-dir", run, *SHAPE, *SMALL, "--run.steps", "2",
-                "--run.eval-every", "2", "--run.checkpoint-every", "2", "--run.checkpoint-url",
-                url, env=s3_server.env(), timeout=120))
+    _ok(run_in_process("train", "--data", bpe_data, "--run-dir", run, *SHAPE, *SMALL,
+                       "--run.steps", "2", "--run.eval-every", "2", "--run.checkpoint-every", "2",
+                       "--run.checkpoint-url", url, env=s3_server.env()))
     return SimpleNamespace(run=run, url=url)

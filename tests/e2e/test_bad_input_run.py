@@ -33,7 +33,8 @@ from tests.e2e.bad_input_cases import (
     train,
     truncate_half,
 )
-from tests.helpers import run_cli, tiny_train_args
+from tests.helpers import tiny_train_args
+from tests.in_process import run_in_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -45,7 +46,7 @@ CKPT = "step_0000002"
 def trained_run(tiny_data, tmp_path_factory) -> Path:
     """A real run dir: 2 steps of the tiny model, one checkpoint (step 2). Cases copy it."""
     run = tmp_path_factory.mktemp("trained") / "run"
-    r = run_cli(*tiny_train_args(tiny_data, run, steps=2)[2:], timeout=120)
+    r = run_in_process(*tiny_train_args(tiny_data, run, steps=2)[2:])
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [CKPT]
     return run

@@ -7,7 +7,7 @@ import pytest
 
 from ddpgpt.commands import bench
 from ddpgpt.sync.modes import MODES
-from tests.helpers import run_cli
+from tests.in_process import run_in_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.dist, pytest.mark.timeout(240)]
 
@@ -19,8 +19,9 @@ SMALL = ("[model]\narch = \"gpt2\"\nn_layer = 2\nn_head = 2\nn_embd = 32\nblock_
 
 def test_bench_measures_every_mode(tiny_data, tmp_path):
     (tmp_path / "small.toml").write_text(SMALL)
-    r = run_cli("bench", "--nproc", "2", "--data", tiny_data, "--config", tmp_path / "small.toml",
-                "--steps", "3", "--warmup", "1", "--out", tmp_path / "out", timeout=200)
+    r = run_in_process("bench", "--nproc", "2", "--data", tiny_data, "--config",
+                       tmp_path / "small.toml", "--steps", "3", "--warmup", "1", "--out",
+                       tmp_path / "out")
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "out" / "bench.json").read_text())
     rows = {row["mode"]: row for row in result["rows"]}
@@ -44,9 +45,9 @@ def test_bench_with_muon_holds_half_of_its_state_per_rank(tiny_data, tmp_path):
     matrices only (the 8 matrices of this model split 4 and 4, the same cost: exactly half), and
     zero1 sends no more than ddp's gradient bytes (its matrices whole in its own buckets)."""
     (tmp_path / "small.toml").write_text(SMALL)
-    r = run_cli("bench", "--nproc", "2", "--data", tiny_data, "--config", tmp_path / "small.toml",
-                "--optim", "muon", "--steps", "2", "--warmup", "0", "--out", tmp_path / "out",
-                timeout=200)
+    r = run_in_process("bench", "--nproc", "2", "--data", tiny_data, "--config",
+                       tmp_path / "small.toml", "--optim", "muon", "--steps", "2", "--warmup", "0",
+                       "--out", tmp_path / "out")
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "out" / "bench.json").read_text())
     rows = {row["mode"]: row for row in result["rows"]}
@@ -64,9 +65,10 @@ def test_one_rank_group_runs_each_mode_for_real(tiny_data, tmp_path):
     """--group at world size 1: a one-rank gloo group, and each mode's own code (DDP, the
     buckets, zero1's shards), as a single GPU measures them under NCCL; rounds take turns."""
     (tmp_path / "small.toml").write_text(SMALL)
-    r = run_cli("bench", "--group", "--data", tiny_data, "--config", tmp_path / "small.toml",
-                "--sync", "ddp,rs-ag,zero1", "--steps", "2", "--warmup", "0", "--repeats", "2",
-                "--device", "cpu", "--out", tmp_path / "out", timeout=120)
+    r = run_in_process("bench", "--group", "--data", tiny_data, "--config",
+                       tmp_path / "small.toml", "--sync", "ddp,rs-ag,zero1", "--steps", "2",
+                       "--warmup", "0", "--repeats", "2", "--device", "cpu", "--out",
+                       tmp_path / "out")
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert (result["world_size"], result["backend"], result["repeats"]) == (1, "gloo", 2)
@@ -92,7 +94,7 @@ def test_an_unwritable_out_is_one_line_before_measuring(case, tiny_data, tmp_pat
     (tmp_path / "file").write_text("x")
     out = {"proc": "/proc/ddpgpt-bench", "file": tmp_path / "file",
            "below a file": tmp_path / "file" / "out"}[case]
-    r = run_cli("bench", "--data", tiny_data, "--device", "cpu", "--out", out, timeout=60)
+    r = run_in_process("bench", "--data", tiny_data, "--device", "cpu", "--out", out)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith(f"ddpgpt: error: --out {out}: cannot write there: ")
     assert r.stderr.endswith("; give a directory you can write to\n")
@@ -103,8 +105,8 @@ def test_bad_input_under_nproc_is_one_line_from_the_launcher(tiny_data, tmp_path
     """Checked once by the launcher, before any worker starts: not one line per rank plus the
     elastic agent's."""
     (tmp_path / "odd.toml").write_text(SMALL.replace("global_batch = 8", "global_batch = 6"))
-    r = run_cli("bench", "--nproc", "2", "--data", tiny_data, "--config", tmp_path / "odd.toml",
-                "--out", tmp_path / "out", timeout=60)
+    r = run_in_process("bench", "--nproc", "2", "--data", tiny_data, "--config",
+                       tmp_path / "odd.toml", "--out", tmp_path / "out")
     assert r.returncode == 2, r.stderr
     assert r.stderr == ("ddpgpt: error: data.global_batch = 6 is not divisible by world size 2 × "
                         "data.micro_batch 2 = 4; make the global batch a multiple of 4 or change "

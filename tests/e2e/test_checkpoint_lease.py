@@ -3,7 +3,9 @@ a second job (another run dir, another machine) finding a live job's lease refus
 and writes nothing there; a dead job's lease (its process gone, or not renewed for
 run.lease_stale_s) or --run.take-over is taken over; a restart of the same job takes its own;
 a job whose lease another took stops before its next checkpoint; a run that ends gives it back;
-a lease is renewed on its own clock, between checkpoints."""
+a lease is renewed on its own clock, between checkpoints. Most jobs train in this process
+(tests/in_process.py; --nproc 2's workers are processes): the lease names this process's PID,
+alive while the test runs, as a running job's would be."""
 
 from __future__ import annotations
 
@@ -18,14 +20,15 @@ import pytest
 
 from ddpgpt.checkpoint import location
 from ddpgpt.checkpoint.lease import LEASE, Lease, LeaseHeld
-from tests.helpers import Launch, run_cli, tiny_train_args
+from tests.helpers import Launch, tiny_train_args
+from tests.in_process import run_in_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
 def train(data, run_dir, url, *extra):
     args = tiny_train_args(data, run_dir, 2, run__checkpoint_every=1)[3:]
-    return run_cli("train", *args, "--run.checkpoint-url", url, *extra, timeout=180)
+    return run_in_process("train", *args, "--run.checkpoint-url", url, *extra)
 
 
 def foreign(url, host="node-7", age=0.0) -> dict:

@@ -1,6 +1,8 @@
 """The real command line end to end: prepare, train --nproc 2, resume, eval, sample, a deliberate
-switch of dataset. (Two launchers forming one job through c10d rendezvous, as two nodes would:
-tests/dist/test_recovery_nodes.py.)"""
+switch of dataset. Each command runs in this process (tests/in_process.py; --nproc's workers
+are processes still) but the first training, started as the console script from a folder that
+holds another `ddpgpt`, whose property is the processes' imports. (Two launchers forming one job
+through c10d rendezvous, as two nodes would: tests/dist/test_recovery_nodes.py.)"""
 
 import hashlib
 import json
@@ -16,14 +18,15 @@ from tests.helpers import (
     run_cli,
     tiny_train_args,
 )
+from tests.in_process import run_in_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def test_prepare_train_resume_eval_sample(tmp_path):
     data, run = tmp_path / "data", tmp_path / "run"
-    r = run_cli("prepare", *[STDLIB / f for f in CORPUS], "--out", data, "--tokenizer", "byte",
-                "--val-fraction", "0.2")
+    r = run_in_process("prepare", *[STDLIB / f for f in CORPUS], "--out", data, "--tokenizer",
+                       "byte", "--val-fraction", "0.2")
     assert r.returncode == 0, r.stderr
     train = tiny_train_args(data, run, steps=4, run__eval_every=2)[3:]  # drop "-m ddpgpt train"
 
@@ -49,8 +52,8 @@ def test_prepare_train_resume_eval_sample(tmp_path):
     # continue to step 6, with another weight decay: applied, printed once, recorded
     first_config = json.loads((run / "config.json").read_text())
     assert first_config["optim"]["decay_steps"] == 4  # the schedule's length: the first run.steps
-    r = run_cli("train", "--nproc", "2", *train[:-2], "--run.steps", "6",
-                "--optim.weight-decay", "0.5", timeout=180)
+    r = run_in_process("train", "--nproc", "2", *train[:-2], "--run.steps", "6",
+                       "--optim.weight-decay", "0.5")
     assert r.returncode == 0, r.stderr
     assert (f"resuming from {run / 'checkpoints' / 'step_0000004'} (step 4, saved at world size 2)"
             in r.stderr)
@@ -74,7 +77,7 @@ def test_prepare_train_resume_eval_sample(tmp_path):
                                                                                   (4, 0.5)]
     assert starts[0]["config"] == first_config
 
-    r = run_cli("eval", "--run", run, "--device", "cpu", timeout=120)
+    r = run_in_process("eval", "--run", run, "--device", "cpu")
     assert r.returncode == 0, r.stderr
     # one process against the training's evaluation at W=2: another reduction order, so the
     # printed 4 decimals agree within their rounding and float tolerance, not character for
@@ -85,10 +88,10 @@ def test_prepare_train_resume_eval_sample(tmp_path):
     for got, key in zip(map(float, found.groups()), ("val_loss", "val_bpb")):
         assert got == pytest.approx(evals[-1][key], abs=5e-5 + 1e-5 * evals[-1][key]), key
 
-    r = run_cli("sample", "--run", run, "--prompt", "def ", "--max-new-tokens", "40",
-                "--device", "cpu")
-    again = run_cli("sample", "--run", run, "--prompt", "def ", "--max-new-tokens", "40",
-                    "--device", "cpu")
+    r = run_in_process("sample", "--run", run, "--prompt", "def ", "--max-new-tokens", "40",
+                       "--device", "cpu")
+    again = run_in_process("sample", "--run", run, "--prompt", "def ", "--max-new-tokens", "40",
+                           "--device", "cpu")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("def ") and len(r.stdout) > 20
     assert r.stdout == again.stdout  # seeded
@@ -99,7 +102,8 @@ def test_flags_pass_through_torchrun_parser():
     abbreviation of one of its options (as --run would of --run-path)."""
     from torch.distributed.run import parse_args
 
-    help_text = run_cli("train", "--help-all").stdout + run_cli("eval", "--help").stdout
+    help_text = (run_in_process("train", "--help-all").stdout
+                 + run_in_process("eval", "--help").stdout)
     flags = sorted(set(re.findall(r"(?<![\w-])--[a-z][\w.-]*", help_text))
                    - {"--help", "--run", "--nproc", "--max-restarts"})
     assert "--run-dir" in flags and "--optim.lr" in flags
@@ -109,7 +113,7 @@ def test_flags_pass_through_torchrun_parser():
 
 @pytest.mark.parametrize("command", ["sample", "eval"])
 def test_sample_and_eval_need_a_checkpoint(tmp_path, command):
-    r = run_cli(command, "--run", tmp_path / "nothing", "--device", "cpu")
+    r = run_in_process(command, "--run", tmp_path / "nothing", "--device", "cpu")
     assert r.returncode == 2
     assert r.stderr == (f"ddpgpt: error: run {tmp_path / 'nothing'} has no complete checkpoint; "
                         f"train first (ddpgpt train --run-dir {tmp_path / 'nothing'})\n")
@@ -125,9 +129,9 @@ def test_deliberate_switch_of_dataset_is_recorded(tiny_data, tmp_path):
     meta = json.loads((other / "meta.json").read_text())
     meta["source"]["specs"] = ["another corpus"]
     (other / "meta.json").write_text(json.dumps(meta))
-    r = run_cli(*tiny_train_args(tiny_data, run, steps=2)[2:], timeout=120)
+    r = run_in_process(*tiny_train_args(tiny_data, run, steps=2)[2:])
     assert r.returncode == 0, r.stderr
-    r = run_cli(*tiny_train_args(other, run, steps=4)[2:], "--data.allow-switch", timeout=120)
+    r = run_in_process(*tiny_train_args(other, run, steps=4)[2:], "--data.allow-switch")
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     event, changed = [row for row in rows if "event" in row]

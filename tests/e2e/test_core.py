@@ -22,7 +22,8 @@ from ddpgpt.commands.plot import load_run, task_names
 from ddpgpt.evals.kinds import label_of
 from tests import core_oracle as oracle
 from tests.core_bundle import write_bundle
-from tests.helpers import TIKTOKEN_GPT2, read_metrics, run_cli, run_ranks, tiny_train_args
+from tests.helpers import TIKTOKEN_GPT2, read_metrics, run_ranks, tiny_train_args
+from tests.in_process import run_in_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 transformers = pytest.importorskip("transformers")
@@ -39,12 +40,11 @@ def run(tmp_path_factory, tiny_data):
     root = tmp_path_factory.mktemp("core")
     bundle = write_bundle(root, n=12)
     run_dir, hf = root / "run", root / "hf"
-    trained = _ok(run_cli(*tiny_train_args(
+    trained = _ok(run_in_process(*tiny_train_args(
         tiny_data, run_dir, steps=4, run__eval_every=2, run__checkpoint_every=2,
         run__eval_tasks="core", run__eval_task_data=bundle, run__eval_core_limit=8,
-        model__vocab_size=257)[2:],
-        timeout=240))
-    _ok(run_cli("export", "--run-dir", run_dir, "--out", hf, timeout=120))
+        model__vocab_size=257)[2:]))
+    _ok(run_in_process("export", "--run-dir", run_dir, "--out", hf))
     return SimpleNamespace(root=root, bundle=bundle, run=run_dir, hf=hf, trained=trained)
 
 
@@ -52,7 +52,7 @@ def _eval(*args, ranks: int = 1, workdir: Path | None = None) -> dict:
     """`ddpgpt eval ARGS --json` on `ranks` processes: rank 0's object."""
     argv = ["eval", *map(str, args), "--json", "--device", "cpu"]
     if ranks == 1:
-        return json.loads(_ok(run_cli(*argv, timeout=180)).stdout)
+        return json.loads(_ok(run_in_process(*argv)).stdout)
     results = run_ranks([["-m", "ddpgpt", *argv]] * ranks, workdir, timeout=180)
     assert all(r.stdout == "" for r in results[1:])  # rank 0 alone prints
     return json.loads(results[0].stdout)
@@ -110,8 +110,8 @@ def test_eval_at_w1_and_w2_equals_the_oracle_on_the_export(run):
 
 
 def test_eval_prints_core_and_a_line_per_task(run):
-    out = _ok(run_cli("eval", "--run-dir", run.run, "--task", "core", "--task-data", run.bundle,
-                      "--device", "cpu", timeout=180)).stdout.splitlines()
+    out = _ok(run_in_process("eval", "--run-dir", run.run, "--task", "core", "--task-data",
+                             run.bundle, "--device", "cpu")).stdout.splitlines()
     at = next(i for i, line in enumerate(out) if line.startswith("core: "))
     assert re.fullmatch(rf"core: metric -?\d\.\d{{4}} \(36 examples of {run.bundle}, "
                         r"\d+\.\d s\)", out[at])
@@ -139,8 +139,8 @@ def test_init_from_a_gpt2_directory_with_a_short_block(tmp_path, run):
     with torch.no_grad():
         hf.transformer.wte.weight.normal_(0, 0.5)  # choices far apart, no near ties
     hf.save_pretrained(str(tmp_path / "gpt2"))
-    r = _ok(run_cli("eval", "--init-from", tmp_path / "gpt2", "--task", "core", "--task-data",
-                    run.bundle, "--json", "--device", "cpu", timeout=180))
+    r = _ok(run_in_process("eval", "--init-from", tmp_path / "gpt2", "--task", "core",
+                           "--task-data", run.bundle, "--json", "--device", "cpu"))
     assert "their 50,257 ids taken for GPT-2's" in r.stderr
     encode = tiktoken.get_encoding("gpt2").encode_ordinary
     _assert_equal(json.loads(r.stdout), _transformers(tmp_path / "gpt2", run.bundle, encode))

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import CORPUS, STDLIB
-from tests.helpers import run_cli, tiny_train_args, write_dataset
+from tests.helpers import tiny_train_args, write_dataset
+from tests.in_process import run_in_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -25,7 +26,7 @@ def replaced(tiny_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
     data, run = root / "data", root / "run"
     shutil.copytree(tiny_data, data)
-    r = run_cli(*tiny_train_args(data, run, steps=2)[2:], timeout=120)
+    r = run_in_process(*tiny_train_args(data, run, steps=2)[2:])
     assert r.returncode == 0, r.stderr
     shutil.rmtree(data)
     prepare.run(PrepareConfig(sources=[str(STDLIB / f) for f in reversed(CORPUS)], out=str(data),
@@ -47,7 +48,7 @@ def fingerprint(data) -> str:
 
 def test_eval_refuses_data_replaced_since_the_run_trained(replaced, tiny_data):
     run, data, _ = replaced
-    line = one_line(run_cli("eval", "--run-dir", run, "--device", "cpu", timeout=120))
+    line = one_line(run_in_process("eval", "--run-dir", run, "--device", "cpu"))
     assert line == (f"ddpgpt: error: checkpoint {run / 'checkpoints' / 'step_0000002'} was "
                     f"trained on other data (fingerprint {fingerprint(tiny_data)}) than {data} "
                     f"holds now ({fingerprint(data)}): it was replaced or prepared again since; "
@@ -56,7 +57,7 @@ def test_eval_refuses_data_replaced_since_the_run_trained(replaced, tiny_data):
 
 def test_eval_data_evaluates_on_other_data_on_purpose(replaced):
     run, data, _ = replaced
-    r = run_cli("eval", "--run-dir", run, "--device", "cpu", "--data", str(data), timeout=120)
+    r = run_in_process("eval", "--run-dir", run, "--device", "cpu", "--data", str(data))
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("val_loss ") and r.stdout.endswith(f"1 process, on {data})\n")
 
@@ -65,8 +66,8 @@ def test_eval_refuses_data_of_another_tokenizer_in_one_line(replaced):
     """--data on purpose or not: GPT-2 ids under a byte-level model (an IndexError from the
     embedding and a traceback, before)."""
     run, _, gpt2 = replaced
-    line = one_line(run_cli("eval", "--run-dir", run, "--device", "cpu", "--data", str(gpt2),
-                            timeout=120))
+    line = one_line(run_in_process("eval", "--run-dir", run, "--device", "cpu", "--data",
+                                   str(gpt2)))
     assert line == (f"ddpgpt: error: checkpoint {run / 'checkpoints' / 'step_0000002'} was "
                     f"trained with another tokenizer (byte) than the one of {gpt2} (gpt2, 50257 "
                     "ids): its ids would mean other text; evaluate on data prepared with the "

@@ -25,7 +25,8 @@ from ddpgpt.data.shards import TokenDataset
 from ddpgpt.distributed.group import DistEnv
 from ddpgpt.evals.loss import eval_sets, evaluate_sets
 from ddpgpt.run.run_dir import RunDir
-from tests.helpers import read_metrics, run_cli
+from tests.helpers import read_metrics
+from tests.in_process import run_in_process
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -53,21 +54,21 @@ def _prepare(out: Path, files: list[str], **settings) -> Path:
 def tuned(tmp_path_factory):
     root = tmp_path_factory.mktemp("finetune")
     data, run, out = _prepare(root / "first", FIRST), root / "run", root / "exported"
-    _ok(run_cli("train", "--data", data, "--run-dir", run, "--model.n-layer", "1",
-                "--model.n-head", "2", "--model.n-embd", "32", "--model.block-size", "32",
-                "--run.steps", "2", *SMALL, timeout=120))
-    _ok(run_cli("export", "--run-dir", run, "--out", out, timeout=120))
+    _ok(run_in_process("train", "--data", data, "--run-dir", run, "--model.n-layer", "1",
+                       "--model.n-head", "2", "--model.n-embd", "32", "--model.block-size", "32",
+                       "--run.steps", "2", *SMALL))
+    _ok(run_in_process("export", "--run-dir", run, "--out", out))
     own = _prepare(root / "own", SECOND)  # a bpe of its own: not the weights' ids
-    refused = run_cli("train", "--data", own, "--run-dir", root / "refused", "--init-from", out,
-                      *SMALL, timeout=60)
+    refused = run_in_process("train", "--data", own, "--run-dir", root / "refused", "--init-from",
+                             out, *SMALL)
     # what the refusal says to run, as it says it
     second = root / "second"
-    _ok(run_cli("prepare", *(STDLIB / f for f in SECOND), "--tokenizer-from", out, "--out",
-                second, "--val-fraction", "0.4", timeout=120))
+    _ok(run_in_process("prepare", *(STDLIB / f for f in SECOND), "--tokenizer-from", out, "--out",
+                       second, "--val-fraction", "0.4"))
     by_run = _prepare(root / "by-run", SECOND, tokenizer_from=str(run))
     tuned = root / "tuned"
-    trained = _ok(run_cli("train", "--data", second, "--run-dir", tuned, "--init-from", out,
-                          "--preset", "tiny", "--run.steps", "1", *SMALL, timeout=120))
+    trained = _ok(run_in_process("train", "--data", second, "--run-dir", tuned, "--init-from", out,
+                                 "--preset", "tiny", "--run.steps", "1", *SMALL))
     return SimpleNamespace(run=run, out=out, own=own, refused=refused, second=second,
                            by_run=by_run, tuned=tuned, trained=trained)
 

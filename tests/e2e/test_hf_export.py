@@ -23,7 +23,8 @@ from ddpgpt.data.tokenizer import EOT_TEXT, load_tokenizer
 from ddpgpt.hf.init_from import apply_shape, check_tokenizer, read_state
 from ddpgpt.model.gpt import GPT
 from tests.e2e.hf_runs import DOCS, SHAPE, SMALL, STDLIB, _model, _ok
-from tests.helpers import assert_greedy_agrees, read_metrics, reference_step, run_cli
+from tests.helpers import assert_greedy_agrees, read_metrics, reference_step
+from tests.in_process import run_in_process
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -114,17 +115,17 @@ def modern(bpe):
     root = bpe.run.parent / "modern"
     run, straight, out, tuned = (root / n for n in ("run", "straight", "exported", "tuned"))
     args = ["train", "--data", bpe.data, *SHAPE, *SMALL, *MODERN]
-    _ok(run_cli(*args, "--run-dir", run, "--nproc", "2", "--run.sync", "fsdp2", "--run.steps", "4",
-                timeout=240))
-    resumed = _ok(run_cli(*args, "--run-dir", run, "--run.sync", "zero1", "--run.steps", "6",
-                          timeout=120))
-    _ok(run_cli(*args, "--run-dir", straight, "--run.steps", "6", timeout=120))
-    export = _ok(run_cli("export", "--run-dir", run, "--out", out, timeout=120))
-    evaluated = _ok(run_cli("eval", "--run-dir", run, "--device", "cpu", "--json", timeout=120))
-    sampled = _ok(run_cli("sample", "--run-dir", run, "--device", "cpu", "--prompt", "def ",
-                          "--max-new-tokens", "40", timeout=120))
-    trained = _ok(run_cli("train", "--data", bpe.data, "--run-dir", tuned, "--init-from", out,
-                          *SMALL, "--run.steps", "2", "--run.eval-every", "0", timeout=120))
+    _ok(run_in_process(*args, "--run-dir", run, "--nproc", "2", "--run.sync", "fsdp2",
+                       "--run.steps", "4"))
+    resumed = _ok(run_in_process(*args, "--run-dir", run, "--run.sync", "zero1",
+                                 "--run.steps", "6"))
+    _ok(run_in_process(*args, "--run-dir", straight, "--run.steps", "6"))
+    export = _ok(run_in_process("export", "--run-dir", run, "--out", out))
+    evaluated = _ok(run_in_process("eval", "--run-dir", run, "--device", "cpu", "--json"))
+    sampled = _ok(run_in_process("sample", "--run-dir", run, "--device", "cpu", "--prompt", "def ",
+                                 "--max-new-tokens", "40"))
+    trained = _ok(run_in_process("train", "--data", bpe.data, "--run-dir", tuned, "--init-from",
+                                 out, *SMALL, "--run.steps", "2", "--run.eval-every", "0"))
     return SimpleNamespace(run=run, straight=straight, out=out, tuned=tuned, resumed=resumed,
                            export=export, evaluated=evaluated, sampled=sampled, trained=trained)
 

@@ -18,18 +18,19 @@ import torch
 
 from ddpgpt.checkpoint import location, read
 from tests.conftest import CORPUS, STDLIB
-from tests.helpers import Launch, read_metrics, run_cli, saved_weights, tiny_train_args
+from tests.helpers import Launch, read_metrics, saved_weights, tiny_train_args
+from tests.in_process import run_in_process
 from tests.s3 import Cut
 
 pytestmark = [pytest.mark.e2e, pytest.mark.dist, pytest.mark.timeout(300)]
 STEPS, FIRST = 8, 6
 
 
-def train(data, run_dir, steps, *extra, nproc=2, env=None, timeout=200):
+def train(data, run_dir, steps, *extra, nproc=2, env=None):
     args = tiny_train_args(data, run_dir, steps, optim__decay_steps=STEPS,
                            run__checkpoint_every=2)[3:]
     launch = ["--nproc", str(nproc)] if nproc else []
-    return run_cli("train", *args, *launch, *extra, timeout=timeout, env=env)
+    return run_in_process("train", *args, *launch, *extra, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +73,8 @@ def test_a_new_machine_goes_on_from_the_url_alone_at_another_w(s3, in_s3, straig
     URL: tests/e2e/test_run_url.py.)"""
     _, url = in_s3
     new = tmp_path / "elsewhere"
-    out = run_cli("train", "--run-dir", new, "--run.checkpoint-url", url, "--run.steps", STEPS,
-                  "--nproc", 1, timeout=200)
+    out = run_in_process("train", "--run-dir", new, "--run.checkpoint-url", url, "--run.steps",
+                         STEPS, "--nproc", 1)
     assert out.returncode == 0, out.stderr
     assert f"resuming from {url}/step_0000006 (step 6, saved at world size 2)" in out.stderr
     assert "resuming with changed settings" in out.stderr and "run.dir" not in out.stderr
@@ -126,7 +127,7 @@ def test_prepare_to_s3_uploads_the_local_bytes_meta_json_last_even_after_a_kill(
     """prepare --out URL SIGKILLed as its second shard goes up, then the same command: the
     objects are the local prepare's files, byte for byte, and meta.json came last."""
     local = tmp_path / "local"
-    assert run_cli(*prepare_args(local)).returncode == 0
+    assert run_in_process(*prepare_args(local)).returncode == 0
     url = s3.bucket("prep") + "/tiny"
     env = {"DDPGPT_CACHE_DIR": str(tmp_path / "cache")}
     cut = Cut(s3, when=b"train_000001.bin")
@@ -136,7 +137,7 @@ def test_prepare_to_s3_uploads_the_local_bytes_meta_json_last_even_after_a_kill(
     assert job.wait(120) == -signal.SIGKILL, job.text
     fs = s3.fs()
     assert not fs.exists(f"{url[5:]}/meta.json")
-    again = run_cli(*prepare_args(url), env=env)
+    again = run_in_process(*prepare_args(url), env=env)
     assert again.returncode == 0, again.stderr
     assert "continuing the upload" in again.stdout, again.stdout
     for path in local.iterdir():
@@ -144,7 +145,7 @@ def test_prepare_to_s3_uploads_the_local_bytes_meta_json_last_even_after_a_kill(
             assert fs.cat_file(f"{url[5:]}/{path.name}") == path.read_bytes(), path.name
     modified = {p.rsplit("/", 1)[-1]: fs.info(p)["LastModified"] for p in fs.ls(url[5:])}
     assert modified["meta.json"] == max(modified.values())
-    verified = run_cli("prepare", "--verify", url)
+    verified = run_in_process("prepare", "--verify", url)
     assert verified.returncode == 0 and verified.stdout.startswith(f"{url}: ok ("), verified
 
 
@@ -152,13 +153,13 @@ def test_parts_prepared_to_s3_merge_into_the_local_prepare(s3, tmp_path):
     """Two --part I/2 prepares uploaded (part.json last), then --merge of the URLs' glob: the
     dataset's objects are the one-machine prepare's files."""
     local = tmp_path / "local"
-    assert run_cli(*prepare_args(local)).returncode == 0
+    assert run_in_process(*prepare_args(local)).returncode == 0
     base, env = s3.bucket("parts"), {"DDPGPT_CACHE_DIR": str(tmp_path / "cache")}
     for i in (1, 2):
-        out = run_cli(*prepare_args(f"{base}/parts/{i}"), "--part", f"{i}/2", env=env)
+        out = run_in_process(*prepare_args(f"{base}/parts/{i}"), "--part", f"{i}/2", env=env)
         assert out.returncode == 0, out.stderr
-    merged = run_cli("prepare", "--merge", f"{base}/parts/*", "--out", f"{base}/merged",
-                     env={"DDPGPT_CACHE_DIR": str(tmp_path / "elsewhere")})
+    merged = run_in_process("prepare", "--merge", f"{base}/parts/*", "--out", f"{base}/merged",
+                            env={"DDPGPT_CACHE_DIR": str(tmp_path / "elsewhere")})
     assert merged.returncode == 0, merged.stderr
     fs = s3.fs()
     for path in local.iterdir():

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.helpers import kill_tree, tiny_train_args
+from tests.in_process import run_in_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 NOTE = "ddpgpt: note: no checkpoint before step"
@@ -40,10 +41,12 @@ def test_a_log_file_gets_whole_lines(tiny_data, tmp_path):
 
 def test_the_rollback_note_is_for_runs_longer_than_the_checkpoint_period(tiny_data, tmp_path):
     """101 steps with no checkpoint before the end: a spike that does not heal would cost them."""
-    out = logged(tiny_train_args(tiny_data, tmp_path / "run", steps=101, run__checkpoint_every=0,
-                                 run__eval_every=0, data__eval_windows=2))
+    r = run_in_process(*tiny_train_args(tiny_data, tmp_path / "run", steps=101,
+                                        run__checkpoint_every=0, run__eval_every=0,
+                                        data__eval_windows=2)[2:])
+    assert r.returncode == 0, r.stderr
     assert (f"{NOTE} 101 (run.checkpoint_every = 0): a loss spike the model does not heal from "
-            "can only roll back to the start\n") in out
+            "can only roll back to the start\n") in r.stderr
 
 
 def test_compile_says_its_first_step_waits_and_no_profiler_note(tiny_data, tmp_path):

@@ -11,7 +11,8 @@ import re
 import pytest
 
 from ddpgpt import cli
-from tests.helpers import free_port, run_cli, tiny_train_args
+from tests.helpers import free_port, tiny_train_args
+from tests.in_process import run_in_process
 from tests.s3 import Cut, S3Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -36,7 +37,7 @@ def guarded(tmp_path_factory, tiny_data):
 
 
 def fails(args, env, code=2) -> str:
-    out = run_cli(*args, env=env, timeout=90)
+    out = run_in_process(*args, env=env)
     lines = [line for line in out.stderr.splitlines() if line.startswith("ddpgpt:")]
     assert out.returncode == code and len(lines) == 1, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
@@ -179,8 +180,7 @@ def test_the_server_gone_between_checkpoints_names_the_step_and_the_checkpoint(
     source = tiny_data if data == "local" else s3_data
     args = train(source, tmp_path, "--run.checkpoint-url", url, "--run.checkpoint-every", "2",
                  "--no-run.checkpoint-async", *(["--nproc", "2"] if nproc > 1 else []), steps=8)
-    out = run_cli(*args, env={"AWS_ENDPOINT_URL": cut.endpoint, "AWS_MAX_ATTEMPTS": "2"},
-                  timeout=120)
+    out = run_in_process(*args, env={"AWS_ENDPOINT_URL": cut.endpoint, "AWS_MAX_ATTEMPTS": "2"})
     assert cut.severed.is_set() and out.returncode == 1, out.stderr
     said = [line for line in out.stderr.splitlines()
             if line.startswith("ddpgpt:") and not line.startswith("ddpgpt: training on")]

@@ -25,7 +25,8 @@ from ddpgpt.evals.multiple_choice import Example, ending_losses, render
 from ddpgpt.model.gpt import GPT
 from ddpgpt.optim.schedule import lr_at
 from tests import hellaswag_oracle as oracle
-from tests.helpers import read_metrics, run_cli, run_ranks, tiny_train_args, write_dataset
+from tests.helpers import read_metrics, run_ranks, tiny_train_args, write_dataset
+from tests.in_process import run_in_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 SCORES = ("acc_norm", "acc", "acc_char", "n")
@@ -39,8 +40,7 @@ def _ok(r):
 def _train(data: Path, run: Path, *extra: str, **flags):
     common = dict(steps=8, run__eval_every=2, optim__schedule="wsd", optim__decay_fraction=0.25,
                   model__vocab_size=257)  # no padding rows: the export is the same model
-    return _ok(run_cli(*tiny_train_args(data, run, **{**common, **flags})[2:], *extra,
-                       timeout=180))
+    return _ok(run_in_process(*tiny_train_args(data, run, **{**common, **flags})[2:], *extra))
 
 
 def _task_scores(row: dict) -> dict:
@@ -111,7 +111,7 @@ def test_eval_equals_llm_c_definition_at_w1_and_w2(runs):
     and by the training's own last evaluation (the same weights)."""
     args = ["eval", "--run-dir", runs.w1, "--task", "mine,hellaswag", "--task-data",
             f"{runs.files['mine']},{runs.files['hellaswag']}", "--json", "--device", "cpu"]
-    one = json.loads(_ok(run_cli(*args)).stdout)
+    one = json.loads(_ok(run_in_process(*args)).stdout)
     results = run_ranks([["-m", "ddpgpt", *map(str, args)]] * 2, runs.root / "eval-w2")
     two = json.loads(results[0].stdout)
     assert results[1].stdout == ""  # rank 0 alone prints
@@ -156,7 +156,7 @@ def test_wsd_resumed_in_its_flat_phase_with_more_steps_stays_flat(runs):
 def test_an_export_scores_the_same_in_transformers_and_lm_eval(runs):
     transformers = pytest.importorskip("transformers")
     out = runs.root / "hf"
-    _ok(run_cli("export", "--run-dir", runs.w1, "--out", out))
+    _ok(run_in_process("export", "--run-dir", runs.w1, "--out", out))
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()  # the default arch: Qwen3
     assert type(hf).__name__ == "Qwen3ForCausalLM"
     model, tok = _model(runs.w1), ByteTokenizer()
@@ -190,11 +190,11 @@ def test_a_bad_task_file_is_one_line_in_eval_and_train(runs, tmp_path):
     bad.write_text('{"ctx": "a", "endings": ["b", "c"], "label": 0}\n'
                    '{"ctx": "a", "endings": ["b", "c"], "label": 5}\n')
     line = f"ddpgpt: error: {bad}:2: label 5 is not an index into the 2 endings (0 to 1)"
-    r = run_cli("eval", "--run-dir", runs.w1, "--task", "piqa", "--task-data", bad)
+    r = run_in_process("eval", "--run-dir", runs.w1, "--task", "piqa", "--task-data", bad)
     assert r.returncode == 2 and r.stderr.startswith(line) and r.stderr.count("\n") == 1
     run = tmp_path / "never"
     for nproc in ([], ["--nproc", "2"]):  # the launcher checks it before starting any worker
-        r = run_cli(*tiny_train_args(runs.data, run, run__eval_tasks="piqa",
-                                     run__eval_task_data=bad)[2:], *nproc)
+        r = run_in_process(*tiny_train_args(runs.data, run, run__eval_tasks="piqa",
+                                            run__eval_task_data=bad)[2:], *nproc)
         assert r.returncode == 2 and r.stderr.startswith(line) and r.stderr.count("\n") == 1
         assert not run.exists()  # refused before anything is written

@@ -6,7 +6,8 @@ mixture changed on purpose is judged on its own losses.
 The runs share one start: 20 steps of the tiny model on byte data at lr 3e-2 (its loss ~3.2
 against ln 257 = 5.55), on a cosine of 60 steps down to 1e-4, checkpoints every 5, spikes looked
 for against the median of the last 5 healthy steps, 5 steps of patience. Each resumes a copy of
-it to step 40 at another lr; the mixture's run is its own."""
+it to step 40 at another lr; the mixture's run is its own. The runs train in this process
+(tests/in_process.py): the verdict is their output and exit code."""
 
 import json
 import shutil
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 
 from ddpgpt.guard.health import EXIT_UNHEALTHY
-from tests.helpers import run_cli, tiny_train_args, write_dataset
+from tests.helpers import tiny_train_args, write_dataset
+from tests.in_process import run_in_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 SETTINGS = {"optim__warmup_steps": 3, "optim__decay_steps": 60, "optim__min_lr": 1e-4,
@@ -25,7 +27,7 @@ SETTINGS = {"optim__warmup_steps": 3, "optim__decay_steps": 60, "optim__min_lr":
 
 def train(data, run, steps: int, lr: float):
     args = tiny_train_args(data, run, steps=steps, optim__lr=lr, **SETTINGS)
-    return run_cli(*args[2:], timeout=180)
+    return run_in_process(*args[2:])
 
 
 def rows(run) -> list[dict]:
@@ -127,7 +129,7 @@ def test_a_mixture_changed_on_purpose_starts_the_spike_guard_anew(tiny_data, tmp
     for weights, steps in (((0.95, 0.05), 12), ((0.05, 0.95), 20)):
         args = tiny_train_args(f"{easy}:{weights[0]},{tiny_data}:{weights[1]}", run, steps=steps,
                                **settings)
-        r = run_cli(*args[2:], timeout=180)
+        r = run_in_process(*args[2:])
         assert r.returncode == 0, r.stderr
     events = [e["event"] for e in rows(run) if "event" in e]
     assert events == ["mixture_change", "config_change"], events
