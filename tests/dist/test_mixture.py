@@ -128,7 +128,7 @@ def test_a_mixture_runs_plot_shows_its_sources_and_the_change(changed, tmp_path,
     monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
     main(["plot", str(run_dir), "--out", str(tmp_path / "mix.png")])
     fig = figures[0]
-    lines = {line.get_gid(): line for axis in fig.axes[-2:] for line in axis.lines}
+    lines = {line.get_gid(): line for axis in fig.axes for line in axis.lines if line.get_gid()}
     for name in ("tiny", "zen"):
         np.testing.assert_array_equal(lines[f"val {name}"].get_xdata(), [K, STEPS])
         np.testing.assert_array_equal(lines[f"val {name}"].get_ydata(),

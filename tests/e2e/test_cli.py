@@ -43,7 +43,7 @@ def test_prepare_train_resume_eval_sample(tmp_path):
     rows, evals = read_metrics(run)
     assert [x["step"] for x in rows] == [1, 2, 3, 4] and [e["step"] for e in evals] == [2, 4]
     assert set(rows[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu",
-                            "elapsed_s"}
+                            "elapsed_s", "data_wait_s", "ckpt_wait_s"}
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "step_0000003", "step_0000004"]
     # resolved: the byte tokenizer's 257 ids as they are (64 × 5 = 320 would add 25%)
