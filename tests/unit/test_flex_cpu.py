@@ -144,6 +144,7 @@ def test_the_backward_is_the_same_bits_every_time():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a hang guard: a minute of compiling at load 3, four at load 15
 def test_a_compiled_model_trains_through_it(monkeypatch):
     """run.compile: the backward's call is a graph break (its block lists are read as data),
     torch's compiled kernel the forward; the gradients are still SDPA's (a minute to compile)."""
