@@ -14,18 +14,15 @@ the swap would have), says so in one line naming the step, and loads it from `st
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from ddpgpt.checkpoint import location, store
 from ddpgpt.files import move
 
-COPY = re.compile(r"^\.(?:old|tmp)-step_(\d{7,})-")  # a swap's copy of a step, beside step_N
-
 
 def _copy_of(path) -> int | None:
-    """The step whose swap copy `path` is, or None."""
-    found = COPY.match(path.name)
+    """The step whose swap copy `path` is (store.RESAVE's or store.ASIDE's name), or None."""
+    found = store.RESAVE.match(path.name) or store.ASIDE.match(path.name)
     return int(found.group(1)) if found else None
 
 

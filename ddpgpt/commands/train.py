@@ -89,8 +89,8 @@ def loop(trainer: Trainer, metrics: Metrics, run_dir: RunDir, saver: Saver,
         trainer.ckpt_wait_s = 0.0
         metrics.waited(health.data_wait_s, health.ckpt_wait_s)
         if health.trouble:  # rank 0's lease could not be renewed: every rank stops with its line
-            collectives.together(env, saving(trainer, saver, str(run_dir))(
-                lambda: lease.check()), main_only=True)
+            collectives.together(env, saving(trainer, saver, str(run_dir))(lease.check),
+                                main_only=True)
         if health.saved or health.bad:  # every rank's save is done, or a stop must name one
             with trainer.timed("checkpoint"):
                 settle(trainer, saver, run_dir)
