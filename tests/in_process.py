@@ -1,6 +1,6 @@
 """`ddpgpt ARGS` run in the test's own process: `run_in_process(*args)` returns what
-`tests.helpers.run_cli(*args)` returns (a CompletedProcess: exit code, stdout, stderr), without the
-~2 CPU s a new process spends importing torch. For a property that is not about processes (an
+`tests.processes.run_cli(*args)` returns (a CompletedProcess: exit code, stdout, stderr), without
+the ~2 CPU s a new process spends importing torch. For a property that is not about processes (an
 error line, an exit code, what a command writes); `--nproc N` still starts its workers, whose output
 lands in the same capture as a launcher's would.
 

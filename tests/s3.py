@@ -26,7 +26,7 @@ import threading
 import time
 import urllib.request
 
-from tests.helpers import free_port
+from tests.processes import free_port
 
 START_S = 30  # the longest a server may take to answer before the fixture fails
 BASE_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",

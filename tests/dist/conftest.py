@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.dist.recovery_runs import train_args
-from tests.helpers import Launch
+from tests.processes import Launch
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tests.conftest import CORPUS, STDLIB
-from tests.helpers import read_metrics, run_ranks, saved_state, tiny_train_args, write_dataset
+from tests.helpers import read_metrics, saved_state, tiny_train_args, write_dataset
+from tests.processes import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 STEPS, K = 6, 3

@@ -21,7 +21,8 @@ from ddpgpt.config.model import ModelConfig
 from ddpgpt.data.prepare import main as prepare
 from ddpgpt.sync.modes import MODES
 from tests.conftest import CORPUS, STDLIB
-from tests.helpers import run_ranks, write_run
+from tests.helpers import write_run
+from tests.processes import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 STEPS = 6

@@ -36,16 +36,13 @@ from ddpgpt.guard.health import EXIT_PREEMPTED
 from ddpgpt.model.gpt import GPT
 from tests.dist.test_recovery_one_node import mount_namespace
 from tests.helpers import (
-    Launch,
-    codes,
     read_metrics,
     reference_training,
-    run_cli,
-    run_ranks,
     save_format_2,
     saved_weights,
     tiny_train_args,
 )
+from tests.processes import Launch, codes, run_cli, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(420)]
 STEPS = 10

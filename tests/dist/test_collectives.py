@@ -7,7 +7,8 @@ import pytest
 
 from ddpgpt.distributed.group import DistEnv
 from tests.dist import workers
-from tests.helpers import codes, run_ranks, tiny_train_args
+from tests.helpers import tiny_train_args
+from tests.processes import codes, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 

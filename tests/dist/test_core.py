@@ -12,7 +12,7 @@ from ddpgpt.evals import bundle as core_bundle
 from ddpgpt.evals import core
 from tests.core_bundle import write_bundle
 from tests.dist import workers
-from tests.helpers import run_ranks
+from tests.processes import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tests.dist.recovery_runs import STEPS, train_args
-from tests.helpers import read_metrics, reference_training, run_ranks, saved_weights
+from tests.helpers import read_metrics, reference_training, saved_weights
+from tests.processes import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 G, T = 8, 32

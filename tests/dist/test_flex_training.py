@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tests.dist.test_align import EOT, docs_data  # noqa: F401 -- a fixture, used by name
-from tests.helpers import read_metrics, run_ranks, saved_state, tiny_train_args
+from tests.helpers import read_metrics, saved_state, tiny_train_args
+from tests.processes import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 STEPS, K, T = 6, 3, 160

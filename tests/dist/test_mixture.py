@@ -14,7 +14,8 @@ import this
 import numpy as np
 import pytest
 
-from tests.helpers import read_metrics, run_ranks, tiny_train_args, write_dataset
+from tests.helpers import read_metrics, tiny_train_args, write_dataset
+from tests.processes import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 STEPS, K, G = 6, 3, 8

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from ddpgpt.sync.modes import MODES
-from tests.helpers import read_metrics, run_ranks, tiny_train_args
+from tests.helpers import read_metrics, tiny_train_args
+from tests.processes import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 STEPS, HOP = 8, 2

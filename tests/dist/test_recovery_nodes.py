@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from tests.dist.recovery_runs import STEPS, assert_same_as_straight, train_args
-from tests.helpers import Launch, free_port, read_metrics
+from tests.helpers import read_metrics
+from tests.processes import Launch, free_port
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 

@@ -22,7 +22,8 @@ import pytest
 from ddpgpt.checkpoint import store
 from ddpgpt.guard.health import EXIT_PREEMPTED
 from tests.dist.recovery_runs import STEPS, assert_same_as_straight, train_args
-from tests.helpers import Launch, read_metrics, run_cli
+from tests.helpers import read_metrics
+from tests.processes import Launch, run_cli
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 

@@ -18,7 +18,8 @@ import torch
 from ddpgpt.checkpoint import store
 from ddpgpt.guard.health import EXIT_PREEMPTED
 from tests.dist.recovery_runs import STEPS, assert_same_as_straight
-from tests.helpers import Launch, codes, read_metrics, run_ranks, saved_state, tiny_train_args
+from tests.helpers import read_metrics, saved_state, tiny_train_args
+from tests.processes import Launch, codes, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 

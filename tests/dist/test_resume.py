@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.dist.recovery_runs import STEPS, train_args
-from tests.helpers import read_metrics, run_ranks, saved_state
+from tests.helpers import read_metrics, saved_state
+from tests.processes import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 K = 4

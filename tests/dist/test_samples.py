@@ -4,7 +4,8 @@ without samples (the rank-0-only path, and a resume, are tests/e2e/test_console.
 
 import pytest
 
-from tests.helpers import read_metrics, run_cli, tiny_train_args
+from tests.helpers import read_metrics, tiny_train_args
+from tests.processes import run_cli
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 

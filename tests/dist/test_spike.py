@@ -19,14 +19,13 @@ from ddpgpt.config.optim import OptimConfig
 from ddpgpt.guard.health import EXIT_PREEMPTED, EXIT_UNHEALTHY
 from ddpgpt.optim.schedule import lr_at
 from tests.helpers import (
-    codes,
     read_metrics,
     reference_training,
-    run_ranks,
     saved_state,
     saved_weights,
     tiny_train_args,
 )
+from tests.processes import codes, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 STEPS, G = 10, 8

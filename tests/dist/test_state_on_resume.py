@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ddpgpt.sync.modes import MODES
-from tests.helpers import run_ranks
+from tests.processes import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 STEPS = 3

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from ddpgpt.sync import modes
-from tests.helpers import reference_training, run_ranks
+from tests.helpers import reference_training
+from tests.processes import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 STEPS = 10

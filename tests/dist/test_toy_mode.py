@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from tests.dist.recovery_runs import STEPS, train_args
-from tests.helpers import REPO, read_metrics, run_ranks
+from tests.helpers import REPO, read_metrics
+from tests.processes import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 

@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import Launch, free_port, read_metrics, run_cli, tiny_train_args
+from tests.helpers import read_metrics, tiny_train_args
+from tests.processes import Launch, free_port, run_cli
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(420)]
 STEPS = 8

@@ -119,7 +119,7 @@ def test_a_signal_keeps_what_was_measured(tiny_data, tmp_path):
     left behind (no temporary run dirs)."""
     import signal
 
-    from tests.helpers import Launch
+    from tests.processes import Launch
 
     (tmp_path / "small.toml").write_text(SMALL)
     job = Launch([sys.executable, "-m", "ddpgpt", "bench", "--nproc", "2", "--data", tiny_data,

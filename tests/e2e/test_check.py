@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.processes import run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(620)]  # hang guards: 97 s at load 3
 

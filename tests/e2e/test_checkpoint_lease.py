@@ -20,8 +20,9 @@ import pytest
 
 from ddpgpt.checkpoint import location
 from ddpgpt.checkpoint.lease import LEASE, Lease, LeaseHeld
-from tests.helpers import Launch, tiny_train_args
+from tests.helpers import tiny_train_args
 from tests.in_process import run_in_process
+from tests.processes import Launch
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

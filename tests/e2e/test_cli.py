@@ -13,12 +13,9 @@ import pytest
 import torch
 
 from tests.conftest import CORPUS, STDLIB
-from tests.helpers import (
-    read_metrics,
-    run_cli,
-    tiny_train_args,
-)
+from tests.helpers import read_metrics, tiny_train_args
 from tests.in_process import run_in_process
+from tests.processes import run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -167,7 +164,7 @@ def test_ctrl_c_through_tee_still_checkpoints(tiny_data, tmp_path, nproc):
     import sys
     import time
 
-    from tests.helpers import kill_tree
+    from tests.processes import kill_tree
 
     run = tmp_path / "run"
     args = tiny_train_args(tiny_data, run, steps=400, run__checkpoint_every=0)

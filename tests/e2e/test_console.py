@@ -22,7 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers import REPO, kill_tree, read_metrics, run_cli, tiny_train_args
+from tests.helpers import REPO, read_metrics, tiny_train_args
+from tests.processes import kill_tree, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 PROMPT = "def "

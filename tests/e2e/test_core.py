@@ -22,8 +22,9 @@ from ddpgpt.commands.plot import load_run, task_names
 from ddpgpt.evals.kinds import label_of
 from tests import core_oracle as oracle
 from tests.core_bundle import write_bundle
-from tests.helpers import TIKTOKEN_GPT2, read_metrics, run_ranks, tiny_train_args
+from tests.helpers import TIKTOKEN_GPT2, read_metrics, tiny_train_args
 from tests.in_process import run_in_process
+from tests.processes import run_ranks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 transformers = pytest.importorskip("transformers")

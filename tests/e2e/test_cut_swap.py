@@ -11,7 +11,8 @@ import shutil
 
 import pytest
 
-from tests.helpers import run_cli, tiny_train_args
+from tests.helpers import tiny_train_args
+from tests.processes import run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -24,7 +24,8 @@ from ddpgpt import cli
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import EOT_TEXT
 from tests.e2e.hf_runs import DOCS, SMALL, STDLIB, _model, _ok
-from tests.helpers import read_metrics, reference_step, run_cli, write_dataset
+from tests.helpers import read_metrics, reference_step, write_dataset
+from tests.processes import run_cli
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -18,8 +18,9 @@ import torch
 
 from ddpgpt.checkpoint import location, read
 from tests.conftest import CORPUS, STDLIB
-from tests.helpers import Launch, read_metrics, saved_weights, tiny_train_args
+from tests.helpers import read_metrics, saved_weights, tiny_train_args
 from tests.in_process import run_in_process
+from tests.processes import Launch
 from tests.s3 import Cut
 
 pytestmark = [pytest.mark.e2e, pytest.mark.dist, pytest.mark.timeout(300)]

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from tests.helpers import kill_tree, tiny_train_args
+from tests.helpers import tiny_train_args
 from tests.in_process import run_in_process
+from tests.processes import kill_tree
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 NOTE = "ddpgpt: note: no checkpoint before step"

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import CORPUS, STDLIB
-from tests.helpers import REPO, TIKTOKEN_GPT2, kill_tree
+from tests.helpers import REPO, TIKTOKEN_GPT2
+from tests.processes import kill_tree
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from ddpgpt.data.shards import HEADER_BYTES
-from tests.helpers import run_cli, tiny_train_args, write_dataset
+from tests.helpers import tiny_train_args, write_dataset
 from tests.in_process import run_in_process
+from tests.processes import run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

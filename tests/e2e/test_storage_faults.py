@@ -11,8 +11,9 @@ import re
 import pytest
 
 from ddpgpt import cli
-from tests.helpers import free_port, tiny_train_args
+from tests.helpers import tiny_train_args
 from tests.in_process import run_in_process
+from tests.processes import free_port
 from tests.s3 import Cut, S3Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]

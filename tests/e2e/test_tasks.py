@@ -25,8 +25,9 @@ from ddpgpt.evals.multiple_choice import Example, ending_losses, render
 from ddpgpt.model.gpt import GPT
 from ddpgpt.optim.schedule import lr_at
 from tests import hellaswag_oracle as oracle
-from tests.helpers import read_metrics, run_ranks, tiny_train_args, write_dataset
+from tests.helpers import read_metrics, tiny_train_args, write_dataset
 from tests.in_process import run_in_process
+from tests.processes import run_ranks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 SCORES = ("acc_norm", "acc", "acc_char", "n")

@@ -19,7 +19,8 @@ from ddpgpt.evals import tasks
 from ddpgpt.evals.kinds import KINDS, label_of
 from ddpgpt.model.gpt import GPT
 from tests.e2e import toy_task
-from tests.helpers import REPO, read_metrics, run_ranks, tiny_train_args
+from tests.helpers import REPO, read_metrics, tiny_train_args
+from tests.processes import run_ranks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 TEXTS = ["def f(x):\n    return x + 1\n", "import os\nprint(os.getcwd())\n",

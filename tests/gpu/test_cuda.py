@@ -8,7 +8,8 @@ from ddpgpt.config.model import ModelConfig
 from ddpgpt.data.loader import TrainLoader
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.model.gpt import GPT
-from tests.helpers import read_metrics, run_cli, tiny_train_args
+from tests.helpers import read_metrics, tiny_train_args
+from tests.processes import run_cli
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),

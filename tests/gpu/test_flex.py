@@ -6,7 +6,8 @@ against the same run through SDPA, resumed across the two."""
 import pytest
 import torch
 
-from tests.helpers import read_metrics, run_cli, tiny_train_args
+from tests.helpers import read_metrics, tiny_train_args
+from tests.processes import run_cli
 from tests.unit.test_flex import compare_layer, layer_pair, rows
 
 pytestmark = [pytest.mark.gpu,

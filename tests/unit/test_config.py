@@ -17,7 +17,7 @@ from ddpgpt.config.model import ModelConfig
 from ddpgpt.config.optim import OptimConfig
 from ddpgpt.config.schema import DataConfig, RunConfig, TrainConfig
 from ddpgpt.errors import UserError
-from tests.helpers import run_cli
+from tests.processes import run_cli
 from tests.unit.configs import _error, _parse_train, _toml
 
 if sys.version_info >= (3, 11):

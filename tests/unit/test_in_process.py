@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from ddpgpt import cli
-from tests.helpers import run_cli, tiny_train_args
+from tests.helpers import tiny_train_args
 from tests.in_process import run_in_process
+from tests.processes import run_cli
 
 
 def _same(args, **kwargs):

@@ -12,7 +12,7 @@ from ddpgpt.data.prepare.assemble import is_val
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import ByteTokenizer, load_tokenizer
 from ddpgpt.errors import UserError
-from tests.helpers import run_cli
+from tests.processes import run_cli
 
 LATIN1 = "# caf\xe9 cr\xe8me br\xfbl\xe9e\nprint('ol\xe1')\n"
 

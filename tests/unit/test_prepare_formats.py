@@ -20,7 +20,8 @@ from ddpgpt.data.prepare.assemble import is_val
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.data.tokenizer import load_tokenizer
 from ddpgpt.errors import UserError
-from tests.helpers import TIKTOKEN_GPT2, json_error, run_cli
+from tests.helpers import TIKTOKEN_GPT2, json_error
+from tests.processes import run_cli
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

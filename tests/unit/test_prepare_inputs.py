@@ -13,7 +13,7 @@ import pytest
 from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.data.formats import llmc
 from ddpgpt.data.prepare import main as prepare
-from tests.helpers import run_cli
+from tests.processes import run_cli
 from tests.unit.test_prepare_formats import (
     assert_stream,
     byte_oracle,

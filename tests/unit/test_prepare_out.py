@@ -10,7 +10,7 @@ import pytest
 from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.data.prepare import main as prepare
 from ddpgpt.errors import UserError
-from tests.helpers import run_cli
+from tests.processes import run_cli
 
 NOT_A_NAME = "is not a directory name; give a path that ends in one, e.g. --out data/mine"
 BELOW_A_FILE = "is a file, not a directory; give an --out whose parents are directories"

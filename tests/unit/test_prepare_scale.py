@@ -20,7 +20,7 @@ from ddpgpt.data.prepare import main as prepare
 from ddpgpt.data.prepare.assemble import Assembler, is_val
 from ddpgpt.data.shards import TokenDataset
 from ddpgpt.errors import UserError
-from tests.helpers import kill_tree
+from tests.processes import kill_tree
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

@@ -14,7 +14,7 @@ from ddpgpt.config.commands import PrepareConfig
 from ddpgpt.data.prepare import main as prepare
 from ddpgpt.data.prepare import output
 from ddpgpt.data.shards import TokenDataset
-from tests.helpers import kill_tree
+from tests.processes import kill_tree
 
 
 def wait_for(predicate, timeout=30.0):
