@@ -113,10 +113,14 @@ def _keep_trained(run_dir: RunDir) -> str:
     run.checkpoint_url, or checkpoints/) and what is there now. Only --reset starts such a run
     over, but for one that stopped before its first checkpoint was due (a crash, a job killed
     and requeued): there is nothing to continue from, so it starts over with its metrics set
-    aside as --reset sets them, and the line returned says why."""
+    aside as --reset sets them, and the line returned says why. A run dir another run holds is
+    refused as busy (the lock's line) before any of that."""
     reached = trained_to(run_dir.metrics)
     if not reached:
         return ""
+    # A run training here now (before its first checkpoint, or between saves) is what the lock
+    # says, not a run to reset: its one line (RunDirBusy) comes before any advice to reset.
+    run_dir.check_free()
     saved = run_dir.saved_url()
     was, now = location.at(saved) if saved else run_dir.path / "checkpoints", run_dir.checkpoints
     head = f"run dir {run_dir} trained to step {reached} (its metrics.jsonl)"

@@ -24,11 +24,9 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
@@ -36,13 +34,10 @@ from pathlib import Path
 from ddpgpt.checkpoint import location
 from ddpgpt.checkpoint.lease import Lease
 from ddpgpt.data import storage
-from ddpgpt.errors import UserError, beside, say, warn
+from ddpgpt.errors import UserError, beside, say
 from ddpgpt.files import WriteError, describe, move, path_kind, replace_text
 from ddpgpt.run import logs
-
-
-class RunDirBusy(UserError):
-    """Another run holds the run directory's lock."""
+from ddpgpt.run.lock import Lock, RunDirBusy  # noqa: F401  (RunDirBusy: where callers import it)
 
 
 def check_local(path) -> None:
@@ -77,7 +72,7 @@ class RunDir:
         if checkpoint_url is None:
             checkpoint_url = str(path) if location.is_remote(self.path) else self.saved_url()
         self.url = checkpoint_url or ""
-        self._lock_fd: int | None = None
+        self._lock = Lock(self.path) if isinstance(self.path, Path) else None
         self.lease: Lease | None = None  # held while this start trains into self.url
 
     def saved_url(self) -> str:
@@ -199,62 +194,13 @@ class RunDir:
                             "writable --run-dir") from None
 
     def lock(self, allow_parent: bool = False, wait_s: float = 0.0) -> None:
-        """Takes the run's lock, or raises RunDirBusy naming the holder. flock is advisory and
-        dies with the process that holds it: a SIGKILLed run leaves no stale lock. With
-        `allow_parent`, a lock held by this process's parent (the `--nproc` launcher) will do.
-        `wait_s`: how long to wait for a holder to let go (a job's restart: on a network
-        filesystem a dead node's lock is released only when its lease runs out)."""
-        deadline, warned = time.monotonic() + wait_s, False
-        while True:
-            try:
-                return self._lock(allow_parent)
-            except RunDirBusy:
-                if time.monotonic() >= deadline:
-                    raise
-                if not warned:
-                    warn(f"run dir {self.path} is locked by {self.holder()}; this restart waits "
-                         f"up to {wait_s:g} s for it to be released (a node that left holds it "
-                         "until its lease runs out)")
-                    warned = True
-                time.sleep(0.5)
-
-    def _lock(self, allow_parent: bool) -> None:
+        """Takes the run's lock (lock.py), or raises RunDirBusy naming the holder."""
         self.create()
-        try:
-            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise UserError(f"run dir {self.path}: cannot create {self.lock_file.name}: "
-                            f"{describe(e)}; give a writable --run-dir") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            if allow_parent and self.held_by_parent():
-                return
-            raise RunDirBusy(f"run dir {self.path} is in use by another run ({self.holder()}); "
-                             "wait for it to end or stop it, or use another --run-dir") from None
-        holder = {"pid": os.getpid(), "host": socket.gethostname(),
-                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        os.ftruncate(fd, 0)
-        os.write(fd, (json.dumps(holder) + "\n").encode())
-        self._lock_fd = fd
+        self._lock.take(allow_parent, wait_s)
 
-    def holder(self) -> str:
-        """Who holds the lock, as its file says: "PID 123 on host h, since ..."."""
-        try:
-            info = json.loads(self.lock_file.read_text())
-            return f"PID {info['pid']} on host {info['host']}, since {info['since']}"
-        except (OSError, ValueError, KeyError, TypeError):
-            return "holder unknown"
-
-    def held_by_parent(self) -> bool:
-        """The lock is held by this process's parent on this host: the `--nproc` launcher that
-        started this worker."""
-        try:
-            info = json.loads(self.lock_file.read_text())
-        except (OSError, ValueError):
-            return False
-        return info.get("pid") == os.getppid() and info.get("host") == socket.gethostname()
+    def check_free(self) -> None:
+        """RunDirBusy when another run holds the lock; takes and writes nothing."""
+        self._lock.check_free()
 
     def take_lease(self, restart: bool, take_over: bool, stale_s: float) -> None:
         """With checkpoint_url: this job's lease of it (checkpoint/lease.py), or LeaseHeld."""
@@ -267,9 +213,7 @@ class RunDir:
         if self.lease is not None:
             self.lease.release()
             self.lease = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
+        self._lock.release()
 
     @contextlib.contextmanager
     def locked(self):

@@ -119,6 +119,25 @@ def test_a_run_dir_that_stopped_before_its_first_checkpoint_starts_over_and_says
     assert resume.choose(cfg, RunDir(run.path), True, FP).over == ""  # and it is no more
 
 
+def test_a_run_training_here_now_is_named_busy_not_advised_a_reset(tmp_path):
+    """Another run holds the run dir (training, its metrics ahead of its first checkpoint, or its
+    checkpoints elsewhere): a second start is refused as the lock refuses it, naming the holder,
+    and neither advised --reset nor started over over the live run's metrics."""
+    from ddpgpt.run.run_dir import RunDirBusy
+
+    for steps in (2, 6):  # before its first checkpoint was due; with checkpoints/ gone
+        run = trained(tmp_path / f"run{steps}", steps=steps)
+        shutil.rmtree(run.checkpoints, ignore_errors=True)
+        run.lock()  # the live run (another open file description: flock refuses this one)
+        try:
+            with pytest.raises(RunDirBusy) as e:
+                resume.choose(config(run.path), RunDir(run.path), True, FP)
+            assert str(e.value).startswith(f"run dir {run.path} is in use by another run (PID ")
+            assert "--reset" not in str(e.value) and run.metrics.is_file()
+        finally:
+            run.unlock()
+
+
 def test_what_may_start_from_scratch_still_does(tmp_path):
     """A restart of the job (its first start trained from scratch and died before a checkpoint),
     a rollback to the initial state, and a run dir whose metrics hold no training step (only the
