@@ -6,10 +6,10 @@ lands in the same capture as a launcher's would.
 
 What a command changes in the process that runs it is put back afterwards, so that the next test
 (or the next command) meets the process as it was: the environment, the current directory,
-sys.argv and sys.path, the signal handlers, torch's thread count, default dtype, matmul precision
-and RNG state (numpy's and random's too), the warning filters, the levels, handlers and filters of
-the loggers that existed before, a torch.distributed process group left open, dynamo's compiled
-code and s3fs's cached clients (made under this command's environment).
+sys.argv and sys.path, the signal handlers, torch's thread count, default dtype, matmul precision,
+flushing of denormals and RNG state (numpy's and random's too), the warning filters, the levels,
+handlers and filters of the loggers that existed before, a torch.distributed process group left
+open, dynamo's compiled code and s3fs's cached clients (made under this command's environment).
 
 Output is captured at the file descriptors 1 and 2, so that what torch's C++ side writes is seen as
 the subprocess's pipes would see it, in order with Python's prints.
@@ -162,6 +162,7 @@ def _restored_torch():
     precision = torch.get_float32_matmul_precision()
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     deterministic = torch.are_deterministic_algorithms_enabled()
+    denormals = flushes_denormals()
     rng = torch.get_rng_state(), np.random.get_state(), random.getstate()
     try:
         yield
@@ -171,6 +172,7 @@ def _restored_torch():
         torch.set_float32_matmul_precision(precision)
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         torch.use_deterministic_algorithms(deterministic)
+        torch.set_flush_denormal(denormals)
         torch.set_rng_state(rng[0])
         np.random.set_state(rng[1])
         random.setstate(rng[2])
@@ -178,6 +180,14 @@ def _restored_torch():
             torch.distributed.destroy_process_group()
         if "torch._dynamo" in sys.modules:
             sys.modules["torch._dynamo"].reset()
+
+
+def flushes_denormals() -> bool:
+    """Whether torch flushes denormal floats to zero (torch.set_flush_denormal, which a training
+    sets and torch has no getter for): a denormal multiplied by one comes out zero."""
+    import torch
+
+    return (torch.tensor([1e-39]) * 1.0).item() == 0.0
 
 
 @contextmanager

@@ -13,7 +13,7 @@ import torch
 
 from ddpgpt import cli
 from tests.helpers import tiny_train_args
-from tests.in_process import run_in_process
+from tests.in_process import flushes_denormals, run_in_process
 from tests.processes import run_cli
 
 
@@ -59,6 +59,7 @@ def test_what_a_command_changes_is_put_back(tmp_path, monkeypatch):
         logging.getLogger("ddpgpt.probe").setLevel(logging.CRITICAL)
         logging.getLogger("ddpgpt.probe").addHandler(logging.NullHandler())
         sys.path.append(str(tmp_path))
+        torch.set_flush_denormal(True)  # as a training does
         print("out", os.environ["DDPGPT_GIVEN"], sys.argv[1:])
         os.write(2, b"from C\n")
         print("from Python", file=sys.stderr)
@@ -74,7 +75,7 @@ def test_what_a_command_changes_is_put_back(tmp_path, monkeypatch):
     assert (r.returncode, r.stdout, r.stderr) == (3, "out given ['probe', '1']\n",
                                                   "from C\nfrom Python\n")
     assert torch.get_num_threads() == threads and torch.get_default_dtype() == torch.float32
-    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(torch.get_rng_state(), rng) and not flushes_denormals()
     assert dict(os.environ) == environ and os.getcwd() == here and sys.path == path
     assert signal.getsignal(signal.SIGUSR1) == handler
     probe = logging.getLogger("ddpgpt.probe")
