@@ -163,6 +163,7 @@ def _restored_torch():
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     deterministic = torch.are_deterministic_algorithms_enabled()
     denormals = flushes_denormals()
+    groups = _group_count()
     rng = torch.get_rng_state(), np.random.get_state(), random.getstate()
     try:
         yield
@@ -178,8 +179,22 @@ def _restored_torch():
         random.setstate(rng[2])
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        if groups is not None:  # an init_process_group that failed (a peer that never came)
+            # counts a group that it never made: the next one in this process would then be
+            # named "1" where a new process's peer says "0", and the two wait for each other
+            torch.distributed.distributed_c10d._world.group_count = groups
         if "torch._dynamo" in sys.modules:
             sys.modules["torch._dynamo"].reset()
+
+
+def _group_count() -> int | None:
+    """torch.distributed's count of the groups this process made (it names each group), or None
+    where torch has no such count."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+    except ImportError:  # a torch built without torch.distributed
+        return None
+    return getattr(getattr(c10d, "_world", None), "group_count", None)
 
 
 def flushes_denormals() -> bool:
