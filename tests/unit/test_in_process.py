@@ -99,25 +99,3 @@ def test_exit_codes_as_the_interpreter_gives_them(code, monkeypatch):
     r = run_in_process("x")
     assert (r.returncode, r.stderr) == ((1, "a message\n") if code else (0, ""))
 
-
-def test_a_group_that_failed_to_form_leaves_no_count_behind(monkeypatch):
-    """A command whose init_process_group fails (its peer never comes) leaves torch's count of
-    groups as it was: the next group this process makes is named as a new process's peer names
-    it ("0"), or the two would wait for each other for ever in gloo's connect."""
-    import datetime
-
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
-    from tests.processes import free_port
-
-    def command(argv):
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                world_size=2, timeout=datetime.timedelta(seconds=1))
-
-    before = distributed_c10d._world.group_count
-    monkeypatch.setattr(cli, "main", command)
-    r = run_in_process("train")
-    assert r.returncode == 1 and "DistStoreError" in r.stderr, r.stderr[-2000:]
-    assert distributed_c10d._world.group_count == before == 0 and not dist.is_initialized()
-
