@@ -59,7 +59,7 @@ def test_what_a_command_changes_is_put_back(tmp_path, monkeypatch):
         logging.getLogger("ddpgpt.probe").setLevel(logging.CRITICAL)
         logging.getLogger("ddpgpt.probe").addHandler(logging.NullHandler())
         sys.path.append(str(tmp_path))
-        torch.set_flush_denormal(True)  # as a training does
+        torch.set_flush_denormal(not denormals)  # as a training sets it
         print("out", os.environ["DDPGPT_GIVEN"], sys.argv[1:])
         os.write(2, b"from C\n")
         print("from Python", file=sys.stderr)
@@ -69,13 +69,13 @@ def test_what_a_command_changes_is_put_back(tmp_path, monkeypatch):
     logging.getLogger("ddpgpt.probe").setLevel(logging.INFO)
     threads, here, path = torch.get_num_threads(), os.getcwd(), sys.path[:]
     environ, handler = dict(os.environ), signal.getsignal(signal.SIGUSR1)
-    rng = torch.get_rng_state()
+    rng, denormals = torch.get_rng_state(), flushes_denormals()  # a training before may set it
     monkeypatch.setattr(cli, "main", command)
     r = run_in_process("probe", 1, env={"DDPGPT_GIVEN": "given"})
     assert (r.returncode, r.stdout, r.stderr) == (3, "out given ['probe', '1']\n",
                                                   "from C\nfrom Python\n")
     assert torch.get_num_threads() == threads and torch.get_default_dtype() == torch.float32
-    assert torch.equal(torch.get_rng_state(), rng) and not flushes_denormals()
+    assert torch.equal(torch.get_rng_state(), rng) and flushes_denormals() == denormals
     assert dict(os.environ) == environ and os.getcwd() == here and sys.path == path
     assert signal.getsignal(signal.SIGUSR1) == handler
     probe = logging.getLogger("ddpgpt.probe")
