@@ -51,13 +51,13 @@ class Lock:
         except OSError as e:
             raise UserError(f"run dir {self.run}: cannot create {self.file.name}: "
                             f"{describe(e)}; give a writable --run-dir") from None
-        taken = False
         try:
             taken = self._free(fd, fcntl.LOCK_EX, allow_parent)
-        finally:
-            if not taken:  # busy, or the launcher's
-                os.close(fd)
-        if not taken:
+        except RunDirBusy:
+            os.close(fd)
+            raise
+        if not taken:  # the launcher's
+            os.close(fd)
             return
         holder = {"pid": os.getpid(), "host": socket.gethostname(),
                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -72,7 +72,7 @@ class RunDir:
         if checkpoint_url is None:
             checkpoint_url = str(path) if location.is_remote(self.path) else self.saved_url()
         self.url = checkpoint_url or ""
-        self._lock = Lock(self.path) if isinstance(self.path, Path) else None
+        self._lock = Lock(self.path)  # used only where the run dir is local
         self.lease: Lease | None = None  # held while this start trains into self.url
 
     def saved_url(self) -> str:
@@ -137,7 +137,7 @@ class RunDir:
 
     @property
     def lock_file(self) -> Path:
-        return self.path / ".lock"
+        return self._lock.file
 
     # ---- creating and locking ---------------------------------------------------------------
 
